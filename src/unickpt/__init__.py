@@ -1,0 +1,24 @@
+"""unickpt: universal, fast, fault-tolerant checkpointing for distributed PyTorch."""
+
+__version__ = "0.1.0"
+
+from .api.load import load, load_rank_values, load_tensor, read_manifest  # noqa: E402
+from .api.save import save  # noqa: E402
+from .api.state import PerRank  # noqa: E402
+from .errors import (  # noqa: E402
+    CorruptionError,
+    FormatVersionError,
+    InconsistentStateError,
+    LayoutError,
+    ManifestError,
+    MismatchError,
+    NotACheckpointError,
+    SaveError,
+    UnickptError,
+)
+
+__all__ = [
+    "save", "load", "load_tensor", "load_rank_values", "read_manifest", "PerRank",
+    "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
+    "LayoutError", "MismatchError", "InconsistentStateError", "SaveError",
+]

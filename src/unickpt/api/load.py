@@ -1,0 +1,256 @@
+"""``load``: fill a target state in place from a checkpoint saved on any layout.
+
+Collective in name only: each rank plans and reads independently (no communication), so
+a rank that fails cannot hang the others, and a single process needs no process group.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from math import prod
+from typing import Any
+
+import torch
+
+from ..dist import resolve_group
+from ..errors import CorruptionError, LayoutError, MismatchError
+from ..format.checksum import crc32c
+from ..format.dtypes import dtype_from_name, dtype_name, itemsize
+from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
+from ..format.values import decode_value
+from ..plan.box import row_major_strides
+from ..plan.piece import Piece, whole_piece
+from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
+from ..storage.local import LocalStorage
+from .items import tensor_item
+from .state import PerRank, flatten
+
+
+def read_manifest(path: str) -> Manifest:
+    """Read and validate the manifest of the checkpoint at ``path``."""
+    return Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))
+
+
+def _region(data: torch.Tensor, piece: Piece, first_element: int, part_local_rows: tuple[int, int]) -> torch.Tensor:
+    """The view of ``data`` (flat elements from ``first_element`` on) holding rows
+    ``[r0, r1)`` of ``piece``'s view."""
+    view = piece.view
+    if not view:
+        at = piece.flat_offset - first_element
+        return data[at : at + 1].view(())
+    row = row_major_strides(view)[0]
+    r0, r1 = part_local_rows
+    at = piece.flat_offset + r0 * row - first_element
+    return data[at : at + (r1 - r0) * row].view((r1 - r0,) + tuple(view[1:]))
+
+
+def _narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...], skip_dim0: bool) -> torch.Tensor:
+    for d in range(1 if skip_dim0 else 0, len(lengths)):
+        t = t.narrow(d, offsets[d], lengths[d])
+    return t
+
+
+def _target_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
+    if piece.flat_offset == 0 and piece.view == tuple(local.shape):
+        return local
+    return local.reshape(-1)[piece.flat_offset : piece.flat_offset + prod(piece.view)].view(piece.view)
+
+
+class _Reader:
+    """Executes read plans: reads spans, verifies their blocks, copies into targets."""
+
+    def __init__(self, storage: LocalStorage, threads: int, verify: bool) -> None:
+        self.storage = storage
+        self.threads = threads
+        self.verify = verify
+        self.jobs: list[tuple[TensorEntry, list[SourceFragment], Span, torch.Tensor]] = []
+
+    def add(self, entry: TensorEntry, sources: list[SourceFragment], spans: list[Span], local: torch.Tensor) -> None:
+        for sp in spans:
+            self.jobs.append((entry, sources, sp, local))
+
+    def _run(self, entry: TensorEntry, sources: list[SourceFragment], sp: Span, local: torch.Tensor) -> None:
+        frag = entry.fragments[sp.fragment]
+        size = itemsize(entry.dtype)
+        buf = torch.empty(sp.stop - sp.start, dtype=torch.uint8)
+        self.storage.reader(frag.file).pread_into(frag.offset + sp.start, memoryview(buf.numpy()))
+        if self.verify:
+            mv = memoryview(buf.numpy())
+            nbytes = prod(frag.shape) * size
+            for b in range(sp.first_block, sp.end_block):
+                lo = b * frag.block_bytes
+                hi = min(nbytes, lo + frag.block_bytes)
+                if crc32c(mv[lo - sp.start : hi - sp.start]) != frag.crc32c[b]:
+                    raise CorruptionError(
+                        f"checksum mismatch in {frag.file} (tensor {entry.name!r}, bytes "
+                        f"{frag.offset + lo}-{frag.offset + hi} of the file): the checkpoint is corrupt"
+                    )
+        data = buf.view(dtype_from_name(entry.dtype))
+        first = sp.start // size
+        for c in sp.copies:
+            self._copy(c, data, first, local)
+
+    @staticmethod
+    def _copy(c: Copy, data: torch.Tensor, first: int, local: torch.Tensor) -> None:
+        src_local = c.source.local_of(c.box)
+        rows = (src_local.offsets[0], src_local.offsets[0] + src_local.lengths[0]) if src_local.ndim else (0, 1)
+        src = _narrow(_region(data, c.source, first, rows), src_local.offsets, src_local.lengths, True)
+        dst_local = c.target.local_of(c.box)
+        dst = _narrow(_target_view(local, c.target), dst_local.offsets, dst_local.lengths, False)
+        dst.copy_(src, non_blocking=False)
+
+    def run(self) -> None:
+        if not self.jobs:
+            return
+        with ThreadPoolExecutor(max_workers=max(1, self.threads)) as pool:
+            for f in [pool.submit(self._run, *job) for job in self.jobs]:
+                f.result()
+
+
+def _sources(entry: TensorEntry) -> list[SourceFragment]:
+    size = itemsize(entry.dtype)
+    return [
+        SourceFragment(f.file, f.offset, prod(f.shape) * size, f.block_bytes, tuple(f.pieces)) for f in entry.fragments
+    ]
+
+
+def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece]) -> None:
+    plan = plan_reads(pieces, _sources(entry), itemsize(entry.dtype))
+    for p, got in zip(pieces, plan.covered):
+        if got != p.global_box.volume:
+            raise CorruptionError(
+                f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "
+                f"this rank needs (box {p.global_box}); its fragments are incomplete"
+            )
+    reader.add(entry, _sources(entry), plan.spans, local)
+
+
+def _check_compatible(entry: TensorEntry, target: torch.Tensor) -> None:
+    if tuple(target.shape) != entry.shape:
+        raise MismatchError(f"{entry.name!r}: saved shape {list(entry.shape)}, target shape {list(target.shape)}")
+    if dtype_name(target.dtype) != entry.dtype:
+        raise MismatchError(
+            f"{entry.name!r}: saved dtype {dtype_from_name(entry.dtype)}, target dtype {target.dtype}; "
+            "cast after loading, or load into a tensor of the saved dtype"
+        )
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    threads: int = 4,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
+
+    The target layout is whatever the given tensors are: DTensors on any mesh and
+    placements, or plain tensors (the whole tensor on this rank). Plain values are
+    replaced, Stateful objects get ``load_state_dict`` with their filled state. With
+    ``strict=False``, target keys absent from the checkpoint are left as they are.
+    Every byte read is checked against its checksum unless ``verify=False``.
+    """
+    storage = LocalStorage(path)
+    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+    group = resolve_group(process_group)
+    statefuls: list[tuple[Any, dict[str, Any]]] = []
+
+    def on_stateful(name: str, obj: Any) -> dict[str, Any]:
+        sd = obj.state_dict()
+        statefuls.append((obj, sd))
+        return sd
+
+    reader = _Reader(storage, threads, verify)
+    try:
+        for leaf in flatten(state_dict, on_stateful):
+            v = leaf.value
+            if isinstance(v, PerRank):
+                _load_per_rank(storage, manifest, leaf.name, v, group.rank, group.size, strict, threads, verify)
+            elif isinstance(v, torch.Tensor):
+                entry = manifest.tensors.get(leaf.name)
+                if entry is None:
+                    if strict:
+                        raise MismatchError(_missing(leaf.name, manifest))
+                    continue
+                _check_compatible(entry, v)
+                item = tensor_item(leaf.name, v, group.rank, group.size, replicated=True)
+                if item is None or not item.pieces:
+                    continue
+                _fill(reader, entry, item.local, item.pieces)
+            elif leaf.name in manifest.values:
+                leaf.replace(decode_value(manifest.values[leaf.name]))
+            elif leaf.name in manifest.tensors:
+                raise MismatchError(f"{leaf.name!r} was saved as a tensor but the target holds a {type(v).__name__}")
+            elif strict:
+                raise MismatchError(_missing(leaf.name, manifest))
+        reader.run()
+    finally:
+        storage.close()
+    for obj, sd in statefuls:
+        obj.load_state_dict(sd)
+    return state_dict
+
+
+def _missing(name: str, manifest: Manifest) -> str:
+    return f"{name!r} is not in the checkpoint (it holds {len(manifest.tensors)} tensors and {len(manifest.values)} values); pass strict=False to skip missing keys"
+
+
+def _load_per_rank(
+    storage: LocalStorage, manifest: Manifest, name: str, target: PerRank, rank: int, world: int,
+    strict: bool, threads: int, verify: bool,
+) -> None:
+    if name not in manifest.rank_values and name not in manifest.rank_tensors:
+        if strict:
+            raise MismatchError(_missing(name, manifest))
+        return
+    if world != manifest.world_size:
+        raise LayoutError(
+            f"{name!r} is per-rank state saved by {manifest.world_size} ranks and this job has {world}; "
+            "read all ranks' values with unickpt.load_rank_values() and redistribute them"
+        )
+    target.value = _rank_value(storage, manifest, name, rank, threads, verify, target.value)
+
+
+def _rank_value(storage: LocalStorage, manifest: Manifest, name: str, rank: int, threads: int, verify: bool, into: Any = None) -> Any:
+    if name in manifest.rank_values:
+        return decode_value(manifest.rank_values[name][rank])
+    entry = manifest.rank_tensors[name][rank]
+    if entry is None:
+        return None
+    out = into if isinstance(into, torch.Tensor) and tuple(into.shape) == entry.shape else torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+    reader = _Reader(storage, threads, verify)
+    _fill(reader, entry, out, [whole_piece(entry.shape)] if out.numel() else [])
+    reader.run()
+    return out
+
+
+def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True) -> list[Any]:
+    """Every rank's saved value of the per-rank entry ``name`` (index = saving rank)."""
+    storage = LocalStorage(path)
+    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+    if name not in manifest.rank_values and name not in manifest.rank_tensors:
+        raise MismatchError(f"{name!r} is not per-rank state in {path}")
+    try:
+        return [_rank_value(storage, manifest, name, r, threads, verify) for r in range(manifest.world_size)]
+    finally:
+        storage.close()
+
+
+def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True) -> torch.Tensor:
+    """The whole global tensor ``name`` from a checkpoint, as one CPU tensor."""
+    storage = LocalStorage(path)
+    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+    entry = manifest.tensors.get(name)
+    if entry is None:
+        raise MismatchError(_missing(name, manifest))
+    out = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+    reader = _Reader(storage, threads, verify)
+    try:
+        if out.numel():
+            _fill(reader, entry, out, [whole_piece(entry.shape)])
+        reader.run()
+    finally:
+        storage.close()
+    return out

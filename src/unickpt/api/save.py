@@ -1,0 +1,292 @@
+"""``save``: every rank writes the fragments it owns, rank 0 commits the manifest last."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import platform
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..dist import Group, broadcast_bytes, gather_bytes, resolve_group
+from .. import errors
+from ..errors import InconsistentStateError, SaveError, UnickptError
+from ..format.checksum import block_crcs, crc32c
+from ..format.dtypes import dtype_name
+from ..format.manifest import (
+    DEFAULT_BLOCK_BYTES,
+    MANIFEST_NAME,
+    Fragment,
+    Manifest,
+    TensorEntry,
+    fragment_from_json,
+    fragment_to_json,
+)
+from ..format.safetensors_header import Entry, build_header
+from ..format.values import encode_value
+from ..plan.box import Box
+from ..plan.save_plan import replica_owner, write_chunks
+from ..storage.local import LocalStorage
+from .items import TensorItem, tensor_item
+from .state import PerRank, flatten
+
+WRITE_CHUNK_BYTES = 16 << 20
+
+
+def data_file_name(rank: int) -> str:
+    """Name of the data file a group rank writes."""
+    return f"rank_{rank:05d}.safetensors"
+
+
+@dataclass
+class LocalState:
+    """What one rank contributes to a checkpoint, split by kind."""
+
+    to_write: list[TensorItem] = field(default_factory=list)
+    declared: dict[str, tuple[tuple[int, ...], str, str]] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    rank_values: dict[str, Any] = field(default_factory=dict)
+    rank_tensors: list[TensorItem] = field(default_factory=list)
+
+
+def _stage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy (or the tensor itself when it already is one)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
+    """Classify this rank's state: fragments it owns, values to check, per-rank state."""
+    out = LocalState()
+    for leaf in flatten(state_dict):
+        v = leaf.value
+        if isinstance(v, PerRank):
+            if isinstance(v.value, torch.Tensor):
+                item = tensor_item(leaf.name, _stage(v.value), group.rank, group.size, replicated=False)
+                out.rank_tensors.append(item)
+            else:
+                out.rank_values[leaf.name] = encode_value(v.value, leaf.name)
+            continue
+        if isinstance(v, torch.Tensor):
+            item = tensor_item(leaf.name, v, group.rank, group.size, replicated=True)
+            if item is None:
+                continue
+            dtype = dtype_name(v.dtype)
+            if item.layout == "replicated":
+                staged = _stage(v)
+                item.local = staged
+                out.digests[leaf.name] = f"tensor {dtype} {list(staged.shape)} crc32c={crc32c(_as_bytes(staged)):08x}"
+            if item.pieces and replica_owner(item.name, item.shard_key, item.replicas) == item.replica_index:
+                item.local = _stage(item.local)
+                out.to_write.append(item)
+            if not item.pieces and group.rank == 0 and item.layout == "replicated":
+                out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
+            elif item.pieces:
+                out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
+            continue
+        enc = encode_value(v, leaf.name)
+        out.values[leaf.name] = enc
+        out.digests[leaf.name] = hashlib.sha256(json.dumps(enc, sort_keys=True).encode()).hexdigest()
+    return out
+
+
+def write_data_file(
+    storage: LocalStorage, name: str, rank: int, items: list[TensorItem], block_bytes: int, threads: int
+) -> tuple[int, list[Fragment]]:
+    """Write ``items`` as one safetensors file; return its size and the fragments it holds."""
+    entries = [Entry(i.name, dtype_name(i.local.dtype), tuple(i.local.shape), i.local.numel() * i.local.element_size()) for i in items]
+    prefix, offsets = build_header(entries, {"format": "unickpt", "rank": str(rank)})
+    size = len(prefix) + sum(e.nbytes for e in entries)
+    writer = storage.open_writer(name, size)
+    crcs: list[list[list[int]]] = [[] for _ in items]
+    try:
+        writer.pwrite(0, prefix)
+        tasks = []
+        for k, (item, off) in enumerate(zip(items, offsets)):
+            data = _as_bytes(item.local)
+            for lo, hi in write_chunks(data.nbytes, WRITE_CHUNK_BYTES, block_bytes):
+                tasks.append((k, off + lo, data[lo:hi]))
+                crcs[k].append([])
+
+        def run(task: tuple[int, int, memoryview], slot: list[int]) -> None:
+            k, at, chunk = task
+            slot.extend(block_crcs(chunk, block_bytes))
+            writer.pwrite(at, chunk)
+
+        slots = []
+        counters = [0] * len(items)
+        for k, _, _ in tasks:
+            slots.append(crcs[k][counters[k]])
+            counters[k] += 1
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for f in [pool.submit(run, t, s) for t, s in zip(tasks, slots)]:
+                f.result()
+    finally:
+        writer.close(durable=True)
+    fragments = [
+        Fragment(name, off, tuple(i.local.shape), i.pieces, [c for part in crcs[k] for c in part], block_bytes, rank)
+        for k, (i, off) in enumerate(zip(items, offsets))
+    ]
+    return size, fragments
+
+
+def _rank_payload(group: Group, storage: LocalStorage, state_dict: dict[str, Any], block_bytes: int, threads: int) -> dict[str, Any]:
+    try:
+        local = collect(state_dict, group)
+        frags: dict[str, dict[str, Any]] = {}
+        rank_frags: dict[str, dict[str, Any]] = {}
+        files: dict[str, int] = {}
+        to_write = local.to_write + local.rank_tensors
+        if to_write:
+            fname = data_file_name(group.rank)
+            size, fragments = write_data_file(storage, fname, group.rank, to_write, block_bytes, threads)
+            files[fname] = size
+            for item, frag in zip(to_write, fragments):
+                target = frags if item.layout != "per-rank" else rank_frags
+                target[item.name] = {
+                    "shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype),
+                    "layout": item.layout, "fragment": fragment_to_json(frag),
+                }
+        return {
+            "rank": group.rank, "error": None, "files": files, "fragments": frags,
+            "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
+            "digests": local.digests, "values": local.values if group.rank == 0 else {},
+            "rank_values": local.rank_values, "rank_tensors": rank_frags,
+        }
+    except Exception as e:  # reported to rank 0, which fails the whole save
+        detail = str(e) if isinstance(e, UnickptError) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        return {"rank": group.rank, "error": detail}
+
+
+def _check_agreement(payloads: list[dict[str, Any]]) -> None:
+    reference = payloads[0]["digests"]
+    problems = []
+    for p in payloads[1:]:
+        for key in sorted(set(reference) | set(p["digests"])):
+            a, b = reference.get(key), p["digests"].get(key)
+            if a != b:
+                problems.append(f"{key!r} (rank 0: {a or 'absent'}; rank {p['rank']}: {b or 'absent'})")
+    if problems:
+        raise InconsistentStateError(
+            "these entries differ between ranks; make them equal, or wrap per-rank state in unickpt.PerRank: "
+            + "; ".join(problems[:10]) + (f" and {len(problems) - 10} more" if len(problems) > 10 else "")
+        )
+
+
+def _dedup_and_check(entry: TensorEntry) -> None:
+    """Drop duplicate fragments (same boxes written twice) after checking they agree, and
+    make sure the fragments tile the tensor exactly."""
+    seen: dict[tuple, Fragment] = {}
+    kept = []
+    for f in sorted(entry.fragments, key=lambda f: f.rank):
+        key = tuple((p.global_box.offsets, p.global_box.lengths) for p in f.pieces)
+        if key in seen:
+            if seen[key].crc32c != f.crc32c:
+                raise InconsistentStateError(
+                    f"{entry.name!r}: replicas on ranks {seen[key].rank} and {f.rank} hold different data for the same shard"
+                )
+            continue
+        seen[key] = f
+        kept.append(f)
+    entry.fragments = kept
+    stored = sum(p.global_box.volume for f in kept for p in f.pieces)
+    total = Box.whole(entry.shape).volume if entry.shape else 1
+    if stored != total and not (total == 0 and stored == 0):
+        raise SaveError(f"{entry.name!r}: the saved shards hold {stored} elements of {total}; the layout overlaps or leaves gaps")
+
+
+def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str, Any]) -> Manifest:
+    """Build the manifest from every rank's payload (rank 0 only)."""
+    errors = [f"rank {p['rank']}: {p['error']}" for p in payloads if p.get("error")]
+    if errors:
+        raise SaveError("save failed, nothing was committed:\n" + "\n".join(errors))
+    _check_agreement(payloads)
+    m = Manifest(world_size=world_size, metadata=encode_value(metadata, "metadata"))
+    m.provenance = {
+        "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "world_size": world_size, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    m.values = payloads[0]["values"]
+    for p in payloads:
+        m.files.update(p["files"])
+        for name, (shape, dtype, layout) in p["declared"].items():
+            m.tensors.setdefault(name, TensorEntry(name, tuple(shape), dtype, [], layout))
+        for name, d in p["fragments"].items():
+            m.tensors[name].fragments.append(fragment_from_json(d["fragment"]))
+    for entry in m.tensors.values():
+        _dedup_and_check(entry)
+    rank_value_names = sorted({k for p in payloads for k in p["rank_values"]})
+    for name in rank_value_names:
+        m.rank_values[name] = [p["rank_values"].get(name) for p in payloads]
+    rank_tensor_names = sorted({k for p in payloads for k in p["rank_tensors"]})
+    for name in rank_tensor_names:
+        row: list[TensorEntry | None] = []
+        for p in payloads:
+            d = p["rank_tensors"].get(name)
+            row.append(None if d is None else TensorEntry(name, tuple(d["shape"]), d["dtype"], [fragment_from_json(d["fragment"])], "per-rank"))
+        m.rank_tensors[name] = row
+    return m
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    process_group: Any = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    threads: int = 4,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> None:
+    """Save ``state_dict`` to the checkpoint directory ``path``.
+
+    Collective over ``process_group`` (default: the default group if initialised, else a
+    single process): every rank calls it with its own shards. Each rank writes the
+    fragments it owns to ``rank_XXXXX.safetensors``; rank 0 writes ``manifest.json``
+    last, atomically, after every file is durable. Raises :class:`SaveError` on every
+    rank if any rank failed; then nothing is committed.
+    """
+    group = resolve_group(process_group)
+    storage = LocalStorage(path)
+    if storage.exists(MANIFEST_NAME) and not overwrite:
+        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+    status = b"ok"
+    if group.rank == 0:
+        try:
+            storage.prepare()
+            storage.remove(MANIFEST_NAME)
+        except OSError as e:
+            status = f"cannot prepare {path}: {e}".encode()
+    status = broadcast_bytes(group, status, 0)
+    if status != b"ok":
+        raise SaveError(status.decode())
+    payload = _rank_payload(group, storage, state_dict, block_bytes, threads)
+    gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
+    result = b"ok"
+    if gathered is not None:
+        try:
+            manifest = assemble([json.loads(g) for g in gathered], group.size, dict(metadata or {}))
+            storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
+        except UnickptError as e:
+            result = f"{type(e).__name__}\n{e}".encode()
+        except Exception as e:
+            result = f"SaveError\n{type(e).__name__}: {e}".encode()
+    result = broadcast_bytes(group, result, 0)
+    if result != b"ok":
+        kind, _, text = result.decode().partition("\n")
+        raise getattr(errors, kind, SaveError)(text)

@@ -1,0 +1,99 @@
+"""Walking a user's nested state: flattening to dotted names, Stateful objects, PerRank values.
+
+Names follow DCP's convention: nested keys joined with ".", list positions as numbers.
+Lists and tuples holding no tensor are plain values; dicts are always descended (an
+empty dict is a plain value, so it round-trips).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UnickptError
+
+
+@dataclass
+class PerRank:
+    """Marks state that differs between ranks by nature (a data-loader position, a local
+    RNG state). It is stored once per rank instead of being checked for agreement.
+
+    On load, a ``PerRank`` in the target receives this rank's saved value in ``.value``
+    (same world size), or use :func:`unickpt.load_rank_values` to reshard it yourself.
+    """
+
+    value: Any
+
+
+@dataclass
+class Leaf:
+    """One flattened entry: its dotted name, its value, and where it lives (to replace it)."""
+
+    name: str
+    value: Any
+    parent: Any
+    key: Any
+
+    def replace(self, new: Any) -> None:
+        """Put ``new`` in place of this leaf's value in its container."""
+        if isinstance(self.parent, tuple):
+            raise UnickptError(f"cannot replace {self.name!r}: it sits inside a tuple; use a list")
+        self.parent[self.key] = new
+
+
+def is_stateful(obj: Any) -> bool:
+    """True for objects following DCP's Stateful protocol (``state_dict``/``load_state_dict``)."""
+    return (
+        not isinstance(obj, (dict, list, tuple, torch.Tensor))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _holds_state(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, PerRank)) or is_stateful(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_state(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_state(v) for v in obj)
+    return False
+
+
+def flatten(
+    state: dict[str, Any],
+    on_stateful: Callable[[str, Any], dict[str, Any]] | None = None,
+) -> list[Leaf]:
+    """Flatten ``state`` into leaves in a deterministic order.
+
+    ``on_stateful(name, obj)`` is called for each Stateful object and returns the dict to
+    descend into (by default ``obj.state_dict()``).
+    """
+    if not isinstance(state, dict):
+        raise UnickptError(f"state_dict must be a dict, not {type(state).__name__}")
+    leaves: list[Leaf] = []
+    seen: set[str] = set()
+
+    def visit(name: str, value: Any, parent: Any, key: Any) -> None:
+        if is_stateful(value):
+            sd = on_stateful(name, value) if on_stateful else value.state_dict()
+            for k, v in sd.items():
+                visit(f"{name}.{k}" if name else str(k), v, sd, k)
+            return
+        descend = (isinstance(value, dict) and value) or (isinstance(value, (list, tuple)) and _holds_state(value))
+        if descend:
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                visit(f"{name}.{k}" if name else str(k), v, value, k)
+            return
+        if name in seen:
+            raise UnickptError(f"two entries of the state flatten to the same name {name!r}")
+        seen.add(name)
+        leaves.append(Leaf(name, value, parent, key))
+
+    for k, v in state.items():
+        visit(str(k), v, state, k)
+    return leaves

@@ -1,0 +1,89 @@
+"""The few collectives unickpt needs, over any backend (gloo on CPU, NCCL on CUDA).
+
+Byte payloads travel as uint8 tensors on the backend's device, so nothing here pickles.
+With no process group (a single process) every function degrades to the local case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Group:
+    """A process group (or none) with this process's rank and the group's size."""
+
+    pg: Any
+    rank: int
+    size: int
+
+    @property
+    def active(self) -> bool:
+        """True when there are other ranks to talk to."""
+        return self.pg is not None and self.size > 1
+
+    def device(self) -> torch.device:
+        """The device collectives of this group must use."""
+        if self.active and "nccl" in str(dist.get_backend(self.pg)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of a member of this group."""
+        if not self.active:
+            return group_rank
+        return dist.get_global_rank(self.pg, group_rank)
+
+
+def resolve_group(process_group: Any = None) -> Group:
+    """The group to use: the given one, else the default one when initialised, else none."""
+    if not dist.is_available() or not dist.is_initialized():
+        return Group(None, 0, 1)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+def gather_bytes(group: Group, payload: bytes, dst: int = 0) -> list[bytes] | None:
+    """Gather one byte string per rank onto group rank ``dst`` (others get None)."""
+    if not group.active:
+        return [payload]
+    dev = group.device()
+    n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(group.size)]
+    dist.all_gather(sizes, n, group=group.pg)
+    longest = int(max(s.item() for s in sizes))
+    buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else buf[:0]
+    dst_global = group.global_rank(dst)
+    if group.rank == dst:
+        outs = [torch.empty_like(buf) for _ in range(group.size)]
+        dist.gather(buf, outs, dst=dst_global, group=group.pg)
+        return [bytes(o[: int(s.item())].cpu().numpy()) for o, s in zip(outs, sizes)]
+    dist.gather(buf, None, dst=dst_global, group=group.pg)
+    return None
+
+
+def broadcast_bytes(group: Group, payload: bytes | None, src: int = 0) -> bytes:
+    """Send ``payload`` from group rank ``src`` to every rank and return it everywhere."""
+    if not group.active:
+        return payload or b""
+    dev = group.device()
+    src_global = group.global_rank(src)
+    n = torch.tensor([len(payload) if group.rank == src else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(n, src=src_global, group=group.pg)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    if group.rank == src and payload:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev))
+    if buf.numel():
+        dist.broadcast(buf, src=src_global, group=group.pg)
+    return bytes(buf.cpu().numpy())
+
+
+def barrier(group: Group) -> None:
+    """Wait for every rank of the group (a no-op alone)."""
+    if group.active:
+        broadcast_bytes(group, b"", 0)

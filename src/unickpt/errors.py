@@ -1,0 +1,37 @@
+"""Exceptions raised by unickpt. All derive from ``UnickptError`` (an ``Exception``)."""
+
+
+class UnickptError(Exception):
+    """Base class of every error unickpt raises on purpose."""
+
+
+class NotACheckpointError(UnickptError):
+    """The path holds no committed checkpoint (no manifest)."""
+
+
+class FormatVersionError(UnickptError):
+    """The checkpoint was written by a newer, incompatible format version."""
+
+
+class ManifestError(UnickptError):
+    """The manifest is malformed or unsafe (for example a path escaping the checkpoint)."""
+
+
+class CorruptionError(UnickptError):
+    """Stored bytes do not match their checksum, or a file is truncated or missing."""
+
+
+class LayoutError(UnickptError):
+    """A tensor's layout cannot be expressed, or saved and target layouts do not fit."""
+
+
+class MismatchError(UnickptError):
+    """Saved and target state disagree (missing key, shape or dtype mismatch)."""
+
+
+class InconsistentStateError(UnickptError):
+    """Ranks hold different values for state that must be identical on every rank."""
+
+
+class SaveError(UnickptError):
+    """Saving failed on at least one rank; the message names the ranks and causes."""

@@ -1,0 +1,130 @@
+"""Boxes: axis-aligned regions of an n-dimensional tensor, and their algebra.
+
+A box is a pair of tuples (offsets, lengths), one entry per dimension. A 0-d tensor
+has the empty box ``Box((), ())`` whose volume is 1. Everything here is pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """An axis-aligned box: ``offsets[d] <= i_d < offsets[d] + lengths[d]`` for each dim d."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.lengths):
+            raise ValueError(f"box rank mismatch: offsets {self.offsets}, lengths {self.lengths}")
+        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+            raise ValueError(f"box with negative offset or length: {self.offsets}, {self.lengths}")
+
+    @staticmethod
+    def whole(shape: tuple[int, ...] | list[int]) -> Box:
+        """The box covering a whole tensor of ``shape``."""
+        return Box(tuple(0 for _ in shape), tuple(int(n) for n in shape))
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.lengths)
+
+    @property
+    def volume(self) -> int:
+        """Number of elements in the box (1 for a 0-d box)."""
+        return prod(self.lengths)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        """Exclusive upper corner."""
+        return tuple(o + n for o, n in zip(self.offsets, self.lengths))
+
+    def is_empty(self) -> bool:
+        """True when the box holds no element."""
+        return any(n == 0 for n in self.lengths)
+
+    def contains(self, other: Box) -> bool:
+        """True when ``other`` lies entirely inside this box."""
+        return all(
+            so <= oo and oo + on <= so + sn
+            for so, sn, oo, on in zip(self.offsets, self.lengths, other.offsets, other.lengths)
+        )
+
+    def shift(self, delta: tuple[int, ...]) -> Box:
+        """The same box moved by ``delta`` (which may be negative; the result must be valid)."""
+        return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.lengths)
+
+    def relative_to(self, origin: tuple[int, ...]) -> Box:
+        """This box expressed in coordinates whose zero is ``origin``."""
+        return Box(tuple(o - z for o, z in zip(self.offsets, origin)), self.lengths)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes of the same rank, or None when it holds no element."""
+    if a.ndim != b.ndim:
+        raise ValueError(f"cannot intersect boxes of rank {a.ndim} and {b.ndim}")
+    offsets = []
+    lengths = []
+    for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths):
+        lo = max(ao, bo)
+        hi = min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return Box(tuple(offsets), tuple(lengths))
+
+
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a contiguous row-major tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
+
+
+def flat_range_to_boxes(box: Box, start: int, stop: int) -> list[Box]:
+    """Decompose elements ``[start, stop)`` of ``box``'s row-major order into boxes.
+
+    The result lists disjoint boxes (in global coordinates) in row-major order whose
+    concatenated row-major elements are exactly that range. For an n-d box it has at
+    most ``2n - 1`` boxes. This is how a ZeRO/FSDP1 flat partition maps onto a tensor.
+    """
+    total = box.volume
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"flat range [{start}, {stop}) outside a box of {total} elements")
+    if start == stop:
+        return []
+    if box.ndim == 0:
+        return [box]
+    return [b for b in _flat_boxes(box.offsets, box.lengths, start, stop) if not b.is_empty()]
+
+
+def _flat_boxes(offsets: tuple[int, ...], lengths: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    if len(lengths) == 1:
+        return [Box((offsets[0] + start,), (stop - start,))]
+    row = prod(lengths[1:])
+    first_row, first_col = divmod(start, row)
+    last_row, last_col = divmod(stop, row)
+    inner_off = offsets[1:]
+    inner_len = lengths[1:]
+
+    def lift(r: int, inner: list[Box]) -> list[Box]:
+        return [Box((offsets[0] + r,) + b.offsets, (1,) + b.lengths) for b in inner]
+
+    if first_row == last_row:
+        return lift(first_row, _flat_boxes(inner_off, inner_len, first_col, last_col))
+    out: list[Box] = []
+    whole_from = first_row
+    if first_col:
+        out += lift(first_row, _flat_boxes(inner_off, inner_len, first_col, row))
+        whole_from += 1
+    if last_row > whole_from:
+        out.append(Box((offsets[0] + whole_from,) + inner_off, (last_row - whole_from,) + inner_len))
+    if last_col:
+        out += lift(last_row, _flat_boxes(inner_off, inner_len, 0, last_col))
+    return out

@@ -1,0 +1,107 @@
+"""Read plans: which bytes of which stored fragments fill which parts of a target tensor.
+
+For each target piece and each stored piece, the common global box is copied. The bytes
+holding it are a run of whole rows of the stored view (one read); runs of one fragment
+are merged, capped at ``max_span_bytes``, and widened to checksum-block boundaries so
+every byte read is verified. Pure: the result is a list of byte spans and copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .box import Box, intersect, row_major_strides
+from .piece import Piece
+
+
+@dataclass(frozen=True)
+class SourceFragment:
+    """What the planner needs to know of a stored fragment."""
+
+    file: str
+    offset: int
+    nbytes: int
+    block_bytes: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ``box`` (global coordinates) from a stored piece into a target piece."""
+
+    box: Box
+    source: Piece
+    target: Piece
+    target_index: int
+
+
+@dataclass
+class Span:
+    """A byte range of one fragment to read and verify: blocks ``[first_block, end_block)``."""
+
+    fragment: int
+    file: str
+    first_block: int
+    end_block: int
+    start: int
+    stop: int
+    copies: list[Copy] = field(default_factory=list)
+
+
+@dataclass
+class ReadPlan:
+    """The spans to read, and the volume of the target each target piece receives."""
+
+    spans: list[Span]
+    covered: list[int]
+
+
+def _split_rows(box: Box, rows: int) -> list[Box]:
+    if box.ndim == 0 or box.lengths[0] <= rows:
+        return [box]
+    out = []
+    for r in range(0, box.lengths[0], rows):
+        n = min(rows, box.lengths[0] - r)
+        out.append(Box((box.offsets[0] + r,) + box.offsets[1:], (n,) + box.lengths[1:]))
+    return out
+
+
+def plan_reads(
+    targets: list[Piece],
+    fragments: list[SourceFragment],
+    itemsize: int,
+    max_span_bytes: int = 64 << 20,
+) -> ReadPlan:
+    """Plan the reads that fill ``targets`` (pieces of one target tensor) from ``fragments``."""
+    covered = [0] * len(targets)
+    runs: dict[int, list[tuple[int, int, Copy]]] = {}
+    for ti, t in enumerate(targets):
+        for fi, f in enumerate(fragments):
+            for s in f.pieces:
+                common = intersect(t.global_box, s.global_box)
+                if common is None:
+                    continue
+                covered[ti] += common.volume
+                row_bytes = itemsize * (row_major_strides(s.view)[0] if s.view else 1)
+                rows = max(1, max_span_bytes // max(1, row_bytes))
+                for part in _split_rows(common, rows):
+                    lo, hi = s.row_span(part)
+                    runs.setdefault(fi, []).append((lo * itemsize, hi * itemsize, Copy(part, s, t, ti)))
+    spans: list[Span] = []
+    for fi, items in runs.items():
+        f = fragments[fi]
+        items.sort(key=lambda x: (x[0], x[1]))
+        cur: Span | None = None
+        for lo, hi, c in items:
+            b0, b1 = lo // f.block_bytes, max(lo // f.block_bytes + 1, -(-hi // f.block_bytes))
+            if cur is not None and b0 < cur.end_block and (max(b1, cur.end_block) - cur.first_block) * f.block_bytes <= max(max_span_bytes, f.block_bytes):
+                cur.end_block = max(cur.end_block, b1)
+            else:
+                cur = Span(fi, f.file, b0, b1, 0, 0)
+                spans.append(cur)
+            cur.copies.append(c)
+        for sp in spans:
+            if sp.fragment == fi:
+                sp.start = sp.first_block * f.block_bytes
+                sp.stop = min(f.nbytes, sp.end_block * f.block_bytes)
+    return ReadPlan(spans, covered)

@@ -1,0 +1,66 @@
+"""Run a function on N spawned ranks (gloo on localhost) and report each rank's failure.
+
+Used by the test suite and the demo; users can use it to try unickpt without torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    """One or more spawned ranks raised; the message holds each rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes with a gloo group.
+
+    ``fn`` must be importable (a module-level function). Raises RankFailure listing the
+    traceback of every rank that failed.
+    """
+    with tempfile.TemporaryDirectory() as errdir:
+        ctx = mp.start_processes(
+            _entry, args=(world, free_port(), fn, args, errdir), nprocs=world, join=False, start_method="spawn"
+        )
+        try:
+            while not ctx.join(timeout=timeout):
+                pass
+        except Exception as e:
+            reports = []
+            for r in range(world):
+                p = os.path.join(errdir, f"rank{r}.txt")
+                if os.path.exists(p):
+                    reports.append(f"--- rank {r} ---\n{open(p).read()}")
+            raise RankFailure("\n".join(reports) or str(e)) from None
