@@ -70,7 +70,19 @@ def _implicit_replicas(mesh: Any, group_size: int) -> tuple[int, int]:
 
 def describe_placements(placements: Any, mesh: Any) -> str:
     """Short text of a DTensor layout, e.g. ``(Shard(0), Replicate()) on mesh (2, 2)``."""
-    return f"({', '.join(str(p) for p in placements)}) on mesh {tuple(mesh.shape)}"
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def one(p: Any) -> str:
+        if isinstance(p, _StridedShard):
+            return f"StridedShard({p.dim}, split_factor={p.split_factor})"
+        if isinstance(p, Shard):
+            return f"Shard({p.dim})"
+        if isinstance(p, Replicate):
+            return "Replicate()"
+        return str(p)
+
+    return f"({', '.join(one(p) for p in placements)}) on mesh {tuple(mesh.shape)}"
 
 
 def tensor_item(name: str, t: torch.Tensor, group_rank: int, group_size: int, replicated: bool) -> TensorItem | None:

@@ -64,6 +64,8 @@ class _Reader:
         self.threads = threads
         self.verify = verify
         self.jobs: list[tuple[TensorEntry, list[SourceFragment], Span, torch.Tensor]] = []
+        self.bytes_read = 0
+        self.files_read: set[str] = set()
 
     def add(self, entry: TensorEntry, sources: list[SourceFragment], spans: list[Span], local: torch.Tensor) -> None:
         for sp in spans:
@@ -100,6 +102,9 @@ class _Reader:
         dst.copy_(src, non_blocking=False)
 
     def run(self) -> None:
+        """Execute every added span, several in flight."""
+        self.bytes_read += sum(sp.stop - sp.start for _, _, sp, _ in self.jobs)
+        self.files_read.update(e.fragments[sp.fragment].file for e, _, sp, _ in self.jobs)
         if not self.jobs:
             return
         with ThreadPoolExecutor(max_workers=max(1, self.threads)) as pool:
@@ -143,6 +148,7 @@ def load(
     process_group: Any = None,
     threads: int = 4,
     verify: bool = True,
+    stats: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -151,6 +157,7 @@ def load(
     replaced, Stateful objects get ``load_state_dict`` with their filled state. With
     ``strict=False``, target keys absent from the checkpoint are left as they are.
     Every byte read is checked against its checksum unless ``verify=False``.
+    A ``stats`` dict, when given, receives ``bytes_read`` and ``files_read`` of this rank.
     """
     storage = LocalStorage(path)
     manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
@@ -181,6 +188,8 @@ def load(
                 _fill(reader, entry, item.local, item.pieces)
             elif leaf.name in manifest.values:
                 leaf.replace(decode_value(manifest.values[leaf.name]))
+            elif (subtree := _value_subtree(manifest, leaf.name)) is not None:
+                leaf.replace(subtree)
             elif leaf.name in manifest.tensors:
                 raise MismatchError(f"{leaf.name!r} was saved as a tensor but the target holds a {type(v).__name__}")
             elif strict:
@@ -188,9 +197,29 @@ def load(
         reader.run()
     finally:
         storage.close()
+    if stats is not None:
+        stats["bytes_read"] = reader.bytes_read
+        stats["files_read"] = sorted(reader.files_read)
     for obj, sd in statefuls:
         obj.load_state_dict(sd)
     return state_dict
+
+
+def _value_subtree(manifest: Manifest, name: str) -> dict[str, Any] | None:
+    """Saved values below ``name`` rebuilt as nested dicts (string keys), for a target that
+    holds a placeholder where the saved state had a dict of values; None if there are none."""
+    prefix = name + "."
+    found = {k[len(prefix):]: v for k, v in manifest.values.items() if k.startswith(prefix)}
+    if not found or any(k.startswith(prefix) for k in manifest.tensors):
+        return None
+    out: dict[str, Any] = {}
+    for key, v in sorted(found.items()):
+        node = out
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = decode_value(v)
+    return out
 
 
 def _missing(name: str, manifest: Manifest) -> str:

@@ -39,6 +39,14 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _strided_indices(p: Any, idx: Sequence[int], n: int, k: int) -> list[int]:
+    """Indices kept by ``_StridedShard`` at position k of n, using torch's own split."""
+    import torch
+
+    shards, _ = p._split_tensor(torch.tensor(list(idx), dtype=torch.int64), n, with_padding=False)
+    return shards[k].tolist() if k < len(shards) else []
+
+
 def shard_indices(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -77,8 +85,7 @@ def shard_indices(
             p = placements[mesh_dim]
             n, k = mesh_shape[mesh_dim], coordinate[mesh_dim]
             if isinstance(p, _StridedShard):
-                size, offsets = p._local_shard_size_and_offset(len(idx), n, k)
-                idx = [idx[i] for i in list(offsets)[:size]]
+                idx = _strided_indices(p, idx, n, k)
             else:
                 start, length = chunk_range(len(idx), n, k)
                 idx = idx[start : start + length]

@@ -1,0 +1,325 @@
+"""``verify``: re-check every byte of a committed checkpoint against its manifest.
+
+What is checked, per data file and per fragment (``tensors`` and ``rank_tensors``):
+
+* the file exists and has exactly the size the manifest records (missing / truncated /
+  grown files);
+* its safetensors header parses, and the header entry of each fragment (key = tensor
+  name) agrees with the manifest: dtype, shape and absolute byte range;
+* every checksum block of every fragment: its CRC-32C equals the one in the manifest;
+* the fragments of each tensor hold as many elements as the tensor has (a tensor with
+  missing shards cannot be loaded whole).
+
+Nothing is raised for a corrupt checkpoint: every problem found is collected in the
+returned :class:`VerifyReport`, each naming the file, the tensor and the byte range, so
+one run tells everything that is wrong. Only a path without a committed manifest (or an
+unreadable manifest) raises, as ``load`` does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from math import prod
+
+from ..errors import UnickptError
+from ..format.checksum import crc32c
+from ..format.dtypes import itemsize
+from ..format.manifest import MANIFEST_NAME, Fragment, Manifest, TensorEntry
+from ..format.safetensors_header import parse_header
+from ..plan.box import Box
+from ..storage.local import LocalStorage
+
+# Several checksum blocks are read at once when blocks are small, to keep syscalls few.
+READ_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint.
+
+    ``start``/``stop`` are absolute byte offsets in ``file`` (both None when the problem
+    concerns no byte range, e.g. a tensor whose fragments do not cover it); ``file`` is
+    None for problems of a tensor as a whole, ``tensor`` None for problems of a file.
+    """
+
+    kind: str
+    message: str
+    file: str | None = None
+    tensor: str | None = None
+    start: int | None = None
+    stop: int | None = None
+
+    def __str__(self) -> str:
+        where = []
+        if self.file is not None:
+            where.append(f"file {self.file}")
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor!r}")
+        if self.start is not None and self.stop is not None:
+            where.append(f"bytes {self.start}-{self.stop}")
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`."""
+
+    path: str
+    problems: list[Problem] = field(default_factory=list)
+    bytes_checked: int = 0
+    bytes_total: int = 0
+    tensors: int = 0
+    fragments: int = 0
+    files: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is wrong."""
+        return not self.problems
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"OK: {self.tensors} tensors, {self.bytes_checked} bytes verified"
+        lines = [f"CORRUPT: {len(self.problems)} problem(s) in {self.path}"]
+        lines += [f"  {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _entries(manifest: Manifest) -> list[TensorEntry]:
+    out = list(manifest.tensors.values())
+    for row in manifest.rank_tensors.values():
+        out.extend(e for e in row if e is not None)
+    return out
+
+
+def total_bytes(manifest: Manifest) -> int:
+    """Bytes of tensor data :func:`verify` reads for ``manifest`` when every file is intact
+    (the total to give a progress bar)."""
+    size = 0
+    for e in _entries(manifest):
+        isz = itemsize(e.dtype)
+        size += sum(prod(f.shape) * isz for f in e.fragments)
+    return size
+
+
+@dataclass
+class _FileState:
+    expected: int
+    actual: int | None  # None: missing
+    header: dict | None = None  # None: unreadable or missing
+
+
+def _check_files(storage: LocalStorage, manifest: Manifest, problems: list[Problem]) -> dict[str, _FileState]:
+    states: dict[str, _FileState] = {}
+    for name, expected in sorted(manifest.files.items()):
+        path = storage.path(name)
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(Problem("missing", f"data file is missing (manifest expects {expected} bytes)", name))
+            states[name] = _FileState(expected, None)
+            continue
+        except OSError as e:
+            problems.append(Problem("unreadable", f"cannot stat data file: {e}", name))
+            states[name] = _FileState(expected, None)
+            continue
+        st = _FileState(expected, actual)
+        states[name] = st
+        if actual < expected:
+            problems.append(Problem(
+                "truncated", f"file is truncated: {actual} bytes on disk, manifest expects {expected}",
+                name, None, actual, expected,
+            ))
+        elif actual > expected:
+            problems.append(Problem(
+                "size", f"file size mismatch: {actual} bytes on disk, manifest expects {expected}",
+                name, None, expected, actual,
+            ))
+        try:
+            reader = storage.reader(name)
+            at = [8]
+
+            def read_more(n: int, reader=reader, at=at) -> bytes:
+                n = max(0, min(n, reader.size - at[0]))
+                buf = bytearray(n)
+                reader.pread_into(at[0], memoryview(buf))
+                at[0] += n
+                return bytes(buf)
+
+            first = bytearray(min(8, reader.size))
+            reader.pread_into(0, memoryview(first))
+            header, data_start = parse_header(bytes(first), read_more)
+            if not isinstance(header, dict):
+                raise UnickptError("safetensors header is not a JSON object")
+            st.header = {"entries": header, "data_start": data_start}
+        except (UnickptError, OSError) as e:
+            problems.append(Problem("header", f"safetensors header does not parse: {e}", name))
+    return states
+
+
+def _check_header(entry: TensorEntry, frag: Fragment, st: _FileState, problems: list[Problem]) -> None:
+    """The file's own header entry for the tensor must describe the fragment's bytes."""
+    if st.header is None:
+        return
+    nbytes = frag.nbytes(entry.dtype)
+    span = (frag.file, entry.name, frag.offset, frag.offset + nbytes)
+    h = st.header["entries"].get(entry.name)
+    if not isinstance(h, dict):
+        problems.append(Problem("header", "safetensors header has no entry for this tensor", *span))
+        return
+    try:
+        lo, hi = (int(x) for x in h["data_offsets"])
+        shape = tuple(int(x) for x in h["shape"])
+        dtype = str(h["dtype"])
+    except (KeyError, TypeError, ValueError):
+        problems.append(Problem("header", f"safetensors header entry is malformed: {h!r}", *span))
+        return
+    base = st.header["data_start"]
+    diffs = []
+    if dtype != entry.dtype:
+        diffs.append(f"dtype {dtype} (manifest: {entry.dtype})")
+    if shape != tuple(frag.shape):
+        diffs.append(f"shape {list(shape)} (manifest: {list(frag.shape)})")
+    if (base + lo, base + hi) != (frag.offset, frag.offset + nbytes):
+        diffs.append(f"bytes {base + lo}-{base + hi} (manifest: {frag.offset}-{frag.offset + nbytes})")
+    if diffs:
+        problems.append(Problem("header", "safetensors header disagrees with the manifest: " + "; ".join(diffs), *span))
+
+
+def _check_coverage(entry: TensorEntry, problems: list[Problem]) -> None:
+    stored = sum(p.global_box.volume for f in entry.fragments for p in f.pieces)
+    total = Box.whole(entry.shape).volume if entry.shape else 1
+    if stored != total and not (total == 0 and stored == 0):
+        problems.append(Problem(
+            "coverage", f"its fragments hold {stored} of its {total} elements; the tensor cannot be loaded whole",
+            None, entry.name,
+        ))
+
+
+@dataclass
+class _Task:
+    entry: TensorEntry
+    frag: Fragment
+    first_block: int
+    end_block: int
+    start: int  # byte offset inside the fragment
+    stop: int
+
+
+def _tasks(entry: TensorEntry, frag: Fragment) -> list[_Task]:
+    nbytes = frag.nbytes(entry.dtype)
+    nblocks = len(frag.crc32c)
+    per = max(1, READ_CHUNK_BYTES // frag.block_bytes)
+    out = []
+    for b0 in range(0, nblocks, per):
+        b1 = min(nblocks, b0 + per)
+        out.append(_Task(entry, frag, b0, b1, min(nbytes, b0 * frag.block_bytes), min(nbytes, b1 * frag.block_bytes)))
+    return out
+
+
+def verify(path: str, *, progress: Callable[[int], None] | None = None, threads: int = 4) -> VerifyReport:
+    """Re-check every checksum of the checkpoint at ``path`` and report what is wrong.
+
+    ``progress``, if given, is called from the calling thread with the number of bytes
+    just processed (for a progress bar over :func:`total_bytes`). Reads run on
+    ``threads`` threads. Raises :class:`~unickpt.NotACheckpointError` when ``path``
+    holds no committed checkpoint and :class:`~unickpt.ManifestError` when its manifest
+    is invalid; every other problem is reported, not raised.
+    """
+    storage = LocalStorage(path)
+    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+    report = VerifyReport(str(path))
+    problems: list[Problem] = []
+    try:
+        states = _check_files(storage, manifest, problems)
+        entries = _entries(manifest)
+        report.tensors = len(manifest.tensors) + sum(1 for r in manifest.rank_tensors.values() for e in r if e is not None)
+        report.files = len(manifest.files)
+        report.bytes_total = total_bytes(manifest)
+        tasks: list[_Task] = []
+        for entry in entries:
+            _check_coverage(entry, problems)
+            for frag in entry.fragments:
+                report.fragments += 1
+                _check_header(entry, frag, states[frag.file], problems)
+                tasks.extend(_tasks(entry, frag))
+        local = threading.local()
+
+        def run(task: _Task) -> tuple[int, int, list[Problem]]:
+            """Returns (bytes processed, bytes verified, problems)."""
+            frag, entry = task.frag, task.entry
+            st = states[frag.file]
+            n = task.stop - task.start
+            found: list[Problem] = []
+            if st.actual is None:
+                found.append(Problem(
+                    "missing", "data file is missing", frag.file, entry.name,
+                    frag.offset + task.start, frag.offset + task.stop,
+                ))
+                return n, 0, found
+            # Read what the file still holds of this range; blocks past its end are lost.
+            have = max(0, min(n, st.actual - (frag.offset + task.start)))
+            buf = getattr(local, "buf", None)
+            if buf is None or len(buf) < n:
+                buf = local.buf = bytearray(max(n, 1))
+            view = memoryview(buf)[:have]
+            checked = 0
+            try:
+                if have:
+                    storage.reader(frag.file).pread_into(frag.offset + task.start, view)
+            except (UnickptError, OSError) as e:
+                found.append(Problem(
+                    "unreadable", f"cannot read: {e}", frag.file, entry.name,
+                    frag.offset + task.start, frag.offset + task.stop,
+                ))
+                return n, 0, found
+            nbytes = frag.nbytes(entry.dtype)
+            for b in range(task.first_block, task.end_block):
+                lo = b * frag.block_bytes
+                hi = min(nbytes, lo + frag.block_bytes)
+                if hi - task.start > have:
+                    found.append(Problem(
+                        "truncated", "data lies past the end of the truncated file", frag.file, entry.name,
+                        frag.offset + lo, frag.offset + hi,
+                    ))
+                    continue
+                if crc32c(view[lo - task.start : hi - task.start]) != frag.crc32c[b]:
+                    found.append(Problem(
+                        "checksum", "checksum mismatch (data corrupt)", frag.file, entry.name,
+                        frag.offset + lo, frag.offset + hi,
+                    ))
+                else:
+                    checked += hi - lo
+            return n, checked, found
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            # Results are consumed in submission order so the report is deterministic.
+            for fut in [pool.submit(run, t) for t in tasks]:
+                n, checked, found = fut.result()
+                report.bytes_checked += checked
+                problems.extend(found)
+                if progress is not None and n:
+                    progress(n)
+    finally:
+        storage.close()
+    report.problems = _merge(problems)
+    return report
+
+
+def _merge(problems: list[Problem]) -> list[Problem]:
+    """Join problems of the same kind, file and tensor whose byte ranges touch."""
+    out: list[Problem] = []
+    for p in problems:
+        if out:
+            q = out[-1]
+            if (
+                q.kind == p.kind and q.file == p.file and q.tensor == p.tensor and q.message == p.message
+                and q.stop is not None and p.start is not None and q.stop == p.start
+            ):
+                out[-1] = Problem(q.kind, q.message, q.file, q.tensor, q.start, p.stop)
+                continue
+        out.append(p)
+    return out

@@ -1,0 +1,315 @@
+"""The ``unickpt`` command line: ``inspect``, ``verify`` and ``demo``.
+
+Each command is a thin layer over the library (``unickpt.read_manifest``,
+``unickpt.verify``, ``unickpt.demo``). Errors unickpt raises on purpose (every
+``UnickptError``) are printed as one red ``error: ...`` line with exit code 2; exit code
+1 means "ran fine, and the answer is no" (a corrupt checkpoint, a failed demo check).
+
+Commands still to come (``convert``, ``export``, ``diff``) get their own function here,
+registered with ``@app.command``, each wrapped in ``@_errors`` like the ones below.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from math import prod
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from . import __version__
+from .errors import UnickptError
+
+app = typer.Typer(
+    name="unickpt",
+    help="Universal checkpoints for distributed PyTorch: inspect, verify, demo.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _out() -> Console:
+    # Created per use so it writes to whatever sys.stdout is now (tests swap it).
+    return Console(highlight=False)
+
+
+def _err() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _fail(message: str) -> typer.Exit:
+    _err().print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+    return typer.Exit(EXIT_ERROR)
+
+
+def _errors(fn: F) -> F:
+    """Turn unickpt's own errors (and unreadable paths) into ``error: ...`` + exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UnickptError as e:
+            raise _fail(str(e)) from None
+        except OSError as e:
+            raise _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"unickpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Universal checkpoints for distributed PyTorch: inspect, verify, demo."""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def _short_repr(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _shape(shape: tuple[int, ...] | list[int]) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+def _summary(path: str) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as JSON-ready data."""
+    from .api.load import read_manifest
+    from .format.dtypes import itemsize
+    from .format.values import decode_value
+
+    m = read_manifest(path)
+    tensors = []
+    for t in m.tensors.values():
+        stored = sum(prod(f.shape) for f in t.fragments) * itemsize(t.dtype)
+        tensors.append({
+            "name": t.name, "shape": list(t.shape), "dtype": t.dtype, "nbytes": t.nbytes,
+            "stored_bytes": stored, "fragments": len(t.fragments), "layout": t.layout,
+        })
+    values = []
+    for name, enc in m.values.items():
+        v = decode_value(enc)
+        values.append({"name": name, "type": type(v).__name__, "repr": _short_repr(v), "value": enc})
+    per_rank = []
+    for name, row in m.rank_values.items():
+        decoded = [decode_value(v) for v in row]
+        types = sorted({type(v).__name__ for v in decoded})
+        per_rank.append({
+            "name": name, "kind": "value", "ranks": len(row), "type": "/".join(types),
+            "repr": _short_repr(decoded[0]) if decoded else "", "values": row,
+        })
+    for name, entries in m.rank_tensors.items():
+        present = [e for e in entries if e is not None]
+        shapes = sorted({tuple(e.shape) for e in present})
+        dtypes = sorted({e.dtype for e in present})
+        per_rank.append({
+            "name": name, "kind": "tensor", "ranks": len(present), "type": "/".join(dtypes),
+            "repr": " ".join(_shape(s) for s in shapes[:3]) + (" ..." if len(shapes) > 3 else ""),
+            "shapes": [None if e is None else list(e.shape) for e in entries],
+            "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+            "nbytes": sum(e.nbytes for e in present),
+            "fragments": sum(len(e.fragments) for e in present),
+        })
+    n_frag = sum(t["fragments"] for t in tensors) + sum(p.get("fragments", 0) for p in per_rank)
+    return {
+        "path": str(path),
+        "format_version": f"{m.version[0]}.{m.version[1]}",
+        "world_size": m.world_size,
+        "provenance": m.provenance,
+        "metadata": m.metadata,
+        "files": m.files,
+        "tensors": tensors,
+        "values": values,
+        "per_rank": per_rank,
+        "totals": {
+            "tensors": len(tensors),
+            "tensor_bytes": sum(t["nbytes"] for t in tensors),
+            "stored_bytes": sum(t["stored_bytes"] for t in tensors) + sum(p.get("nbytes", 0) for p in per_rank),
+            "values": len(values),
+            "per_rank": len(per_rank),
+            "files": len(m.files),
+            "file_bytes": sum(m.files.values()),
+            "fragments": n_frag,
+        },
+    }
+
+
+# ---------------------------------------------------------------- inspect
+
+
+@app.command("inspect")
+@_errors
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
+) -> None:
+    """Show tensors, values, per-rank state, totals and provenance."""
+    from .format.values import decode_value
+
+    s = _summary(str(path))
+    if as_json:
+        typer.echo(json.dumps(s, indent=2))
+        return
+    out = _out()
+    out.print(Text(f"checkpoint {s['path']}", style="bold"), soft_wrap=True)
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="dim")
+    head.add_column()
+    head.add_row("format", f"unickpt {s['format_version']}")
+    head.add_row("world size", str(s["world_size"]))
+    for k, v in s["provenance"].items():
+        if k != "world_size":
+            head.add_row(escape(str(k)), escape(str(v)))
+    for k, v in s["metadata"].items():
+        v = decode_value(v)
+        head.add_row(escape(f"metadata.{k}"), escape(v if isinstance(v, str) else _short_repr(v, 80)))
+    out.print(head)
+
+    if s["tensors"]:
+        t = Table(title="tensors", title_justify="left")
+        for col, just in (("name", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right"),
+                          ("frags", "right"), ("saved layout", "left")):
+            t.add_column(col, justify=just)  # type: ignore[arg-type]
+        for e in s["tensors"]:
+            t.add_row(escape(e["name"]), _shape(e["shape"]), e["dtype"], human_bytes(e["nbytes"]),
+                      str(e["fragments"]), escape(e["layout"]))
+        out.print(t)
+    if s["values"]:
+        t = Table(title="values", title_justify="left")
+        t.add_column("name")
+        t.add_column("type")
+        t.add_column("value")
+        for v in s["values"]:
+            t.add_row(escape(v["name"]), v["type"], escape(v["repr"]))
+        out.print(t)
+    if s["per_rank"]:
+        t = Table(title="per-rank state", title_justify="left")
+        for col in ("name", "kind", "ranks", "type", "rank 0 / shapes", "size"):
+            t.add_column(col)
+        for p in s["per_rank"]:
+            t.add_row(escape(p["name"]), p["kind"], str(p["ranks"]), escape(p["type"]), escape(p["repr"]),
+                      human_bytes(p["nbytes"]) if "nbytes" in p else "")
+        out.print(t)
+    tot = s["totals"]
+    out.print(
+        f"[bold]totals[/]: {_n(tot['tensors'], 'tensor')}, {human_bytes(tot['tensor_bytes'])} ({tot['tensor_bytes']} bytes), "
+        f"{_n(tot['values'], 'value')}, {_n(tot['per_rank'], 'per-rank entry').replace('entrys', 'entries')}, "
+        f"{_n(tot['fragments'], 'fragment')}, {_n(tot['files'], 'file')} ({human_bytes(tot['file_bytes'])})",
+        soft_wrap=True,
+    )
+
+
+# ---------------------------------------------------------------- verify
+
+
+@app.command("verify")
+@_errors
+def verify_cmd(
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
+    threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
+    limit: Annotated[int, typer.Option(min=0, help="Problems to list at most (0: all).")] = 50,
+) -> None:
+    """Re-check every checksum and file size; exit 1 if anything is corrupt."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from .api.load import read_manifest
+    from .api.verify import total_bytes, verify
+
+    total = total_bytes(read_manifest(str(path)))
+    err = _err()
+    t0 = time.perf_counter()
+    if err.is_terminal:  # a progress bar on a terminal only; pipes and logs get the result alone
+        with Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
+        ) as bar:
+            task = bar.add_task("verifying", total=total)
+            report = verify(str(path), progress=lambda n: bar.advance(task, n), threads=threads)
+    else:
+        report = verify(str(path), threads=threads)
+    elapsed = time.perf_counter() - t0
+    out = _out()
+    if report.ok:
+        out.print(
+            Text(f"OK: {report.tensors} tensors, {report.bytes_checked} bytes verified "
+                 f"({human_bytes(report.bytes_checked)} in {_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
+            soft_wrap=True,
+        )
+        return
+    out.print(Text(f"CORRUPT: {len(report.problems)} problem(s) in {report.path}", style="bold red"), soft_wrap=True)
+    shown = report.problems if limit == 0 else report.problems[:limit]
+    for p in shown:
+        out.print(Text(f"  {p}", style="red"), soft_wrap=True)
+    if len(shown) < len(report.problems):
+        out.print(f"  ... and {len(report.problems) - len(shown)} more (use --limit 0 to list all)")
+    out.print(f"{report.bytes_checked} of {report.bytes_total} bytes verified clean", soft_wrap=True)
+    raise typer.Exit(EXIT_FAILED)
+
+
+# ---------------------------------------------------------------- demo
+
+
+@app.command("demo")
+@_errors
+def demo_cmd(
+    directory: Annotated[
+        Path | None,
+        typer.Option("--dir", help="Keep the checkpoint under this directory (default: a temporary one, removed)."),
+    ] = None,
+) -> None:
+    """Save a toy Llama on 4 ranks, load it resharded on 2 (CPU, gloo)."""
+    from .demo import run_demo
+
+    result = run_demo(directory, _out())
+    if not result.ok:
+        _err().print(Text("demo FAILED: some state did not come back bitwise equal", style="bold red"))
+        raise typer.Exit(EXIT_FAILED)
+
+
+def main() -> None:
+    """Entry point of the ``unickpt`` script and ``python -m unickpt``."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,253 @@
+"""The command line (``python -m unickpt`` / ``unickpt``) and ``unickpt.verify``.
+
+Fast tests use typer's CliRunner in-process; the ones about process-level behaviour
+(exit codes, no traceback, ``python -m``) run the CLI for real with ``subprocess``.
+``test_demo_end_to_end_slow`` spawns 4 + 2 gloo ranks and is the slow one (~30-60 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import unickpt
+from unickpt.api.verify import total_bytes
+from unickpt.cli import app
+
+ENV = {"COLUMNS": "250", "NO_COLOR": "1"}
+BLOCK = 64  # small checksum blocks, so a flipped byte is located to 64 bytes
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m unickpt ARGS`` in a fresh process."""
+    env = {**os.environ, **ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "unickpt", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def invoke(*args: str):
+    """Run the CLI in-process."""
+    return CliRunner().invoke(app, list(args), env=ENV)
+
+
+def make_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "embed.weight": torch.randn(16, 8, generator=g),
+            "proj.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+            "proj.bias": torch.arange(8, dtype=torch.int64),
+        },
+        "step": 1234,
+        "lr": 0.0003,
+        "schedule": {"betas": (0.9, 0.95), "name": "cosine"},
+        "dataloader": unickpt.PerRank({"position": 77}),
+    }
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "step_000100"
+    unickpt.save(make_state(), str(path), block_bytes=BLOCK, metadata={"run": "unit-test", "seed": 7})
+    return path
+
+
+def data_file(path: Path, tensor: str) -> tuple[Path, int, int]:
+    """(file, absolute offset, nbytes) of the single fragment of ``tensor``."""
+    entry = unickpt.read_manifest(str(path)).tensors[tensor]
+    (frag,) = entry.fragments
+    return path / frag.file, frag.offset, frag.nbytes(entry.dtype)
+
+
+def flip_byte(file: Path, at: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0x5A
+    file.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------ help
+
+
+def test_help_lists_commands_with_docs() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    for cmd, doc in (
+        ("inspect", "Show tensors, values"),
+        ("verify", "Re-check every checksum"),
+        ("demo", "Save a toy Llama on 4 ranks"),
+    ):
+        assert re.search(rf"{cmd}\s+{re.escape(doc)}", r.stdout), r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_subcommand_help() -> None:
+    r = invoke("verify", "--help")
+    assert r.exit_code == 0
+    assert "--threads" in r.stdout and "PATH" in r.stdout
+
+
+# ------------------------------------------------------------------ inspect
+
+
+def test_inspect_shows_tensors_values_per_rank_and_totals(ckpt: Path) -> None:
+    r = invoke("inspect", str(ckpt))
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    # tensor rows: name, shape, dtype, human size, fragments, layout
+    assert re.search(r"model\.embed\.weight\s*│\s*\[16, 8\]\s*│\s*F32\s*│\s*512 B\s*│\s*1\s*│\s*replicated", out), out
+    assert re.search(r"model\.proj\.weight\s*│\s*\[8, 8\]\s*│\s*BF16\s*│\s*128 B", out), out
+    assert re.search(r"model\.proj\.bias\s*│\s*\[8\]\s*│\s*I64", out), out
+    # values: name, type, short repr (tuples survive the JSON encoding)
+    assert re.search(r"step\s*│\s*int\s*│\s*1234", out), out
+    assert re.search(r"schedule\.betas\s*│\s*tuple\s*│\s*\(0\.9, 0\.95\)", out), out
+    assert re.search(r"dataloader\s*│\s*value\s*│\s*1\s*│\s*dict", out), out
+    # totals and provenance
+    assert "totals: 3 tensors, 704 B (704 bytes), 4 values, 1 per-rank entry, 3 fragments, 1 file" in out, out
+    assert re.search(r"world size\s+1", out) and re.search(r"torch\s+" + re.escape(torch.__version__), out), out
+    assert re.search(r"metadata\.run\s+unit-test", out), out
+
+
+def test_inspect_json_is_machine_readable(ckpt: Path) -> None:
+    r = invoke("inspect", str(ckpt), "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert set(tensors) == {"model.embed.weight", "model.proj.weight", "model.proj.bias"}
+    assert tensors["model.proj.weight"] == {
+        "name": "model.proj.weight", "shape": [8, 8], "dtype": "BF16", "nbytes": 128,
+        "stored_bytes": 128, "fragments": 1, "layout": "replicated",
+    }
+    values = {v["name"]: v for v in doc["values"]}
+    assert values["step"]["value"] == 1234 and values["schedule.betas"]["type"] == "tuple"
+    assert doc["per_rank"][0]["name"] == "dataloader" and doc["per_rank"][0]["values"] == [{"position": 77}]
+    assert doc["totals"]["tensors"] == 3 and doc["totals"]["tensor_bytes"] == 16 * 8 * 4 + 64 * 2 + 8 * 8
+    assert doc["totals"]["files"] == 1 and doc["totals"]["fragments"] == 3
+    assert doc["world_size"] == 1 and doc["metadata"] == {"run": "unit-test", "seed": 7}
+    assert doc["provenance"]["unickpt"] == unickpt.__version__
+
+
+# ------------------------------------------------------------------ verify
+
+
+def test_verify_clean_checkpoint_exits_0(ckpt: Path) -> None:
+    r = run_cli("verify", str(ckpt))
+    assert r.returncode == 0, r.stdout + r.stderr
+    expected = total_bytes(unickpt.read_manifest(str(ckpt)))
+    assert expected == 16 * 8 * 4 + 64 * 2 + 8 * 8
+    assert f"OK: 3 tensors, {expected} bytes verified" in r.stdout, r.stdout
+    assert r.stderr == ""  # no progress bar garbage when not on a terminal
+
+
+def test_verify_flipped_byte_names_tensor_file_and_range(ckpt: Path) -> None:
+    file, offset, nbytes = data_file(ckpt, "model.proj.weight")
+    at = offset + 70  # inside the second 64-byte block of the tensor
+    flip_byte(file, at)
+
+    report = unickpt.verify(str(ckpt))
+    assert not report.ok
+    (p,) = report.problems
+    assert (p.kind, p.file, p.tensor) == ("checksum", file.name, "model.proj.weight")
+    assert (p.start, p.stop) == (offset + BLOCK, offset + 2 * BLOCK) and p.start <= at < p.stop
+
+    r = invoke("verify", str(ckpt))
+    assert r.exit_code == 1, r.output
+    assert "CORRUPT: 1 problem(s)" in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if "checksum mismatch" in ln)
+    assert file.name in line and "'model.proj.weight'" in line and f"bytes {offset + BLOCK}-{offset + 2 * BLOCK}" in line
+    # the other tensors are not blamed
+    assert "model.embed.weight" not in r.stdout and "model.proj.bias" not in r.stdout
+
+
+def test_verify_truncated_file_reports_size_and_lost_tensors(ckpt: Path) -> None:
+    file, offset, nbytes = data_file(ckpt, "model.proj.bias")
+    full = file.stat().st_size
+    cut = offset + 10
+    os.truncate(file, cut)
+
+    r = run_cli("verify", str(ckpt))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"file is truncated: {cut} bytes on disk, manifest expects {full}" in r.stdout, r.stdout
+    lost = [ln for ln in r.stdout.splitlines() if "past the end of the truncated file" in ln]
+    assert lost and all(file.name in ln for ln in lost)
+    assert any("'model.proj.bias'" in ln for ln in lost), r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_verify_missing_data_file(ckpt: Path) -> None:
+    file, _, _ = data_file(ckpt, "model.embed.weight")
+    file.unlink()
+    r = invoke("verify", str(ckpt))
+    assert r.exit_code == 1, r.output
+    assert f"file {file.name}: data file is missing" in r.stdout
+    for name in ("model.embed.weight", "model.proj.weight", "model.proj.bias"):
+        assert f"'{name}'" in r.stdout
+
+
+def test_verify_header_disagreeing_with_manifest(ckpt: Path) -> None:
+    file, _, _ = data_file(ckpt, "model.embed.weight")
+    data = file.read_bytes()
+    old = b'"model.embed.weight":{"dtype":"F32","shape":[16,8]'
+    assert old in data
+    file.write_bytes(data.replace(old, old.replace(b"[16,8]", b"[8,16]")))
+    report = unickpt.verify(str(ckpt))
+    assert [(p.kind, p.tensor) for p in report.problems] == [("header", "model.embed.weight")]
+    assert "shape [8, 16] (manifest: [16, 8])" in report.problems[0].message
+    r = invoke("verify", str(ckpt))
+    assert r.exit_code == 1 and "safetensors header disagrees with the manifest" in r.stdout
+
+
+def test_verify_progress_reports_every_byte(ckpt: Path) -> None:
+    seen: list[int] = []
+    report = unickpt.verify(str(ckpt), progress=seen.append, threads=2)
+    assert report.ok and sum(seen) == report.bytes_total == report.bytes_checked == 704
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_directory_without_manifest_is_exit_2_one_line(tmp_path: Path, command: str) -> None:
+    (tmp_path / "rank_00000.safetensors").write_bytes(b"\0" * 16)
+    r = run_cli(command, str(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: {tmp_path}: not a committed checkpoint (no manifest.json)"]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_invalid_manifest_is_exit_2(ckpt: Path) -> None:
+    (ckpt / "manifest.json").write_text("{not json")
+    r = invoke("inspect", str(ckpt))
+    assert r.exit_code == 2
+    assert r.stderr.startswith("error: manifest is not valid JSON"), r.stderr
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+# ------------------------------------------------------------------ demo
+
+
+@pytest.mark.timeout(240)
+def test_demo_end_to_end_slow(tmp_path: Path) -> None:
+    """SLOW: spawns 4 gloo ranks to save and 2 to load, through ``python -m unickpt demo``."""
+    r = run_cli("demo", "--dir", str(tmp_path), timeout=230)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "tensors bitwise equal: 42/42; plain values equal: yes; verify: OK" in out, out
+    assert out.count("✓") == 42 and "✗" not in out
+    # 2-D sharding on save, a different 1-D layout on load
+    assert re.search(r"optim\.exp_avg\.output\.weight\s*│\s*250x64\s*│\s*\(S\(0\), S\(0\)\) on mesh \(2, 2\)\s*│\s*4\s*│\s*\(S\(1\)\) on mesh \(2,\)", out), out
+    assert re.search(r"model\.norm\.weight\s*│\s*64\s*│\s*\(R, R\) on mesh \(2, 2\)\s*│\s*1\s*│\s*\(R\) on mesh \(2,\)", out), out
+    assert re.search(r"timings: save \d+\.\d+ s .* load \d+\.\d+ s", out), out
+    # --dir keeps the checkpoint, and it is a valid one
+    ckpt = tmp_path / "step_000010"
+    report = unickpt.verify(str(ckpt))
+    assert report.ok and report.tensors == 42
+    assert unickpt.read_manifest(str(ckpt)).world_size == 4

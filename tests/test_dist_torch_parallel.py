@@ -1,0 +1,45 @@
+"""Checkpoints of real torch-parallel jobs (TP plans, FSDP2, TP x FSDP2) reshard exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import unickpt
+from unickpt.testing import run_ranks
+
+from torch_parallel_cases import Net, _check, _full, _train, fsdp_load, tp_fsdp_save, tp_load
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_fsdp")
+    run_ranks(tp_fsdp_save, 4, str(root))
+    return root
+
+
+def test_tp_x_fsdp2_uses_strided_sharding(root):
+    assert "_StridedShard" in (root / "placements.txt").read_text() or "StridedShard" in (root / "placements.txt").read_text()
+
+
+def test_tp_x_fsdp2_to_single_process(root):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(3)
+    model = Net()
+    opt = _train(model, 1)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    unickpt.load(state, str(root / "tp_fsdp"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    msd, osd = get_state_dict(model, opt)
+    _check(_full({"model": msd, "optim": osd}), load_file(str(root / "reference.safetensors")), "single process")
+
+
+def test_tp_x_fsdp2_to_fsdp2_on_2_ranks(root):
+    run_ranks(fsdp_load, 2, str(root))
+
+
+def test_tp_x_fsdp2_to_tp_on_2_ranks(root):
+    run_ranks(tp_load, 2, str(root))
