@@ -43,3 +43,25 @@ def test_tp_x_fsdp2_to_fsdp2_on_2_ranks(root):
 
 def test_tp_x_fsdp2_to_tp_on_2_ranks(root):
     run_ranks(tp_load, 2, str(root))
+
+
+def test_tp_submesh_inside_data_parallel_writes_each_shard_once(tmp_path):
+    from torch_parallel_cases import tp_in_ddp_save
+
+    run_ranks(tp_in_ddp_save, 4, str(tmp_path))
+    m = unickpt.read_manifest(str(tmp_path / "tp_in_ddp"))
+    for name, entry in m.tensors.items():
+        boxes = [(p.global_box.offsets, p.global_box.lengths) for f in entry.fragments for p in f.pieces]
+        assert len(boxes) == len(set(boxes)), f"{name} written by several dp replicas"
+    writers = {f.rank for e in m.tensors.values() for f in e.fragments}
+    assert len(writers) == 4, f"dp replicas should share the writing, got ranks {writers}"
+    from safetensors import safe_open
+
+    written = 0
+    for fname in m.files:
+        with safe_open(str(tmp_path / "tp_in_ddp" / fname), "pt") as st:
+            written += len(list(st.keys()))
+    assert written == sum(len(e.fragments) for e in m.tensors.values()), "replicas wrote duplicate shards"
+    ref = load_file(str(tmp_path / "reference_tp_in_ddp.safetensors"))
+    for k, v in ref.items():
+        assert torch.equal(unickpt.load_tensor(str(tmp_path / "tp_in_ddp"), k), v), k

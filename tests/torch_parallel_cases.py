@@ -124,3 +124,18 @@ def tp_load(rank: int, world: int, root: str) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     msd, osd = get_state_dict(model, opt)
     _check(_full({"model": msd, "optim": osd}), load_file(f"{root}/reference.safetensors"), f"tp rank {rank}")
+
+
+def tp_in_ddp_save(rank: int, world: int, root: str) -> None:
+    """TP DTensors on the 'tp' sub-mesh of a 2x2 job; the 'dp' ranks hold plain replicas."""
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    sd = model.state_dict()
+    unickpt.save({"model": sd}, f"{root}/tp_in_ddp")
+    full = _full({"model": sd})
+    if rank == 0:
+        save_file(full, f"{root}/reference_tp_in_ddp.safetensors")
+    dist.barrier()

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from .api.load import load, load_rank_values, load_tensor, read_manifest  # noqa: E402
 from .api.save import save  # noqa: E402
-from .api.state import PerRank  # noqa: E402
+from .api.state import PerRank, Sharded  # noqa: E402
 from .api.verify import verify  # noqa: E402
 from .errors import (  # noqa: E402
     CorruptionError,
@@ -19,7 +19,7 @@ from .errors import (  # noqa: E402
 )
 
 __all__ = [
-    "save", "load", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "verify",
+    "save", "load", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "verify",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
     "LayoutError", "MismatchError", "InconsistentStateError", "SaveError",
 ]

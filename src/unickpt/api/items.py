@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from ..errors import LayoutError
+from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
+from .state import Sharded
 from ..plan.placement import dtensor_pieces, replica_group
 
 try:
@@ -83,6 +85,19 @@ def describe_placements(placements: Any, mesh: Any) -> str:
         return str(p)
 
     return f"({', '.join(one(p) for p in placements)}) on mesh {tuple(mesh.shape)}"
+
+
+def sharded_item(name: str, s: Sharded) -> TensorItem:
+    """The TensorItem of an explicitly laid out tensor, after checking its pieces fit."""
+    whole = Box.whole(tuple(s.global_shape))
+    for p in s.pieces:
+        if p.global_box.ndim != whole.ndim or not whole.contains(p.global_box):
+            raise LayoutError(f"{name}: piece {p.global_box} lies outside global shape {tuple(s.global_shape)}")
+        if p.flat_extent[1] > s.local.numel():
+            raise LayoutError(f"{name}: piece {p} reaches past the local tensor of shape {tuple(s.local.shape)}")
+    if not 0 <= s.replica_index < s.replicas:
+        raise LayoutError(f"{name}: replica index {s.replica_index} not in 0..{s.replicas - 1}")
+    return TensorItem(name, s.local, tuple(s.global_shape), list(s.pieces), s.replica_index, s.replicas, s.layout)
 
 
 def tensor_item(name: str, t: torch.Tensor, group_rank: int, group_size: int, replicated: bool) -> TensorItem | None:

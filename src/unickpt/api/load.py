@@ -22,8 +22,8 @@ from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
-from .items import tensor_item
-from .state import PerRank, flatten
+from .items import sharded_item, tensor_item
+from .state import PerRank, Sharded, flatten
 
 
 def read_manifest(path: str) -> Manifest:
@@ -53,6 +53,8 @@ def _narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...],
 def _target_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
     if piece.flat_offset == 0 and piece.view == tuple(local.shape):
         return local
+    if not local.is_contiguous():
+        raise LayoutError(f"a target tensor with flat pieces must be contiguous (shape {tuple(local.shape)})")
     return local.reshape(-1)[piece.flat_offset : piece.flat_offset + prod(piece.view)].view(piece.view)
 
 
@@ -130,9 +132,10 @@ def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list
     reader.add(entry, _sources(entry), plan.spans, local)
 
 
-def _check_compatible(entry: TensorEntry, target: torch.Tensor) -> None:
-    if tuple(target.shape) != entry.shape:
-        raise MismatchError(f"{entry.name!r}: saved shape {list(entry.shape)}, target shape {list(target.shape)}")
+def _check_compatible(entry: TensorEntry, target: torch.Tensor, global_shape: tuple[int, ...] | None = None) -> None:
+    shape = tuple(target.shape) if global_shape is None else tuple(global_shape)
+    if shape != entry.shape:
+        raise MismatchError(f"{entry.name!r}: saved shape {list(entry.shape)}, target shape {list(shape)}")
     if dtype_name(target.dtype) != entry.dtype:
         raise MismatchError(
             f"{entry.name!r}: saved dtype {dtype_from_name(entry.dtype)}, target dtype {target.dtype}; "
@@ -175,6 +178,15 @@ def load(
             v = leaf.value
             if isinstance(v, PerRank):
                 _load_per_rank(storage, manifest, leaf.name, v, group.rank, group.size, strict, threads, verify)
+            elif isinstance(v, Sharded):
+                entry = manifest.tensors.get(leaf.name)
+                if entry is None:
+                    if strict:
+                        raise MismatchError(_missing(leaf.name, manifest))
+                    continue
+                item = sharded_item(leaf.name, v)
+                _check_compatible(entry, v.local, item.global_shape)
+                _fill(reader, entry, item.local, item.pieces)
             elif isinstance(v, torch.Tensor):
                 entry = manifest.tensors.get(leaf.name)
                 if entry is None:

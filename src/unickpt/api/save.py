@@ -33,8 +33,8 @@ from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.save_plan import replica_owner, write_chunks
 from ..storage.local import LocalStorage
-from .items import TensorItem, tensor_item
-from .state import PerRank, flatten
+from .items import TensorItem, sharded_item, tensor_item
+from .state import PerRank, Sharded, flatten
 
 WRITE_CHUNK_BYTES = 16 << 20
 
@@ -82,8 +82,12 @@ def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
             else:
                 out.rank_values[leaf.name] = encode_value(v.value, leaf.name)
             continue
-        if isinstance(v, torch.Tensor):
-            item = tensor_item(leaf.name, v, group.rank, group.size, replicated=True)
+        if isinstance(v, (torch.Tensor, Sharded)):
+            if isinstance(v, Sharded):
+                item = sharded_item(leaf.name, v)
+                v = v.local
+            else:
+                item = tensor_item(leaf.name, v, group.rank, group.size, replicated=True)
             if item is None:
                 continue
             dtype = dtype_name(v.dtype)
@@ -94,9 +98,7 @@ def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
             if item.pieces and replica_owner(item.name, item.shard_key, item.replicas) == item.replica_index:
                 item.local = _stage(item.local)
                 out.to_write.append(item)
-            if not item.pieces and group.rank == 0 and item.layout == "replicated":
-                out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
-            elif item.pieces:
+            if item.pieces or (group.rank == 0 and Box.whole(item.global_shape).volume == 0):
                 out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
             continue
         enc = encode_value(v, leaf.name)
@@ -108,53 +110,108 @@ def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
 def write_data_file(
     storage: LocalStorage, name: str, rank: int, items: list[TensorItem], block_bytes: int, threads: int
 ) -> tuple[int, list[Fragment]]:
-    """Write ``items`` as one safetensors file; return its size and the fragments it holds."""
+    """Write ``items`` (staged, contiguous CPU tensors) as one safetensors file, in chunks
+    from ``threads`` threads, checksumming each chunk as it goes; fsync once at the end.
+    Returns the file's size and the fragments it holds."""
     entries = [Entry(i.name, dtype_name(i.local.dtype), tuple(i.local.shape), i.local.numel() * i.local.element_size()) for i in items]
     prefix, offsets = build_header(entries, {"format": "unickpt", "rank": str(rank)})
     size = len(prefix) + sum(e.nbytes for e in entries)
+    chunks = []
+    for k, (item, off) in enumerate(zip(items, offsets)):
+        data = _as_bytes(item.local)
+        chunks += [(k, off + lo, data[lo:hi]) for lo, hi in write_chunks(data.nbytes, WRITE_CHUNK_BYTES, block_bytes)]
     writer = storage.open_writer(name, size)
-    crcs: list[list[list[int]]] = [[] for _ in items]
     try:
         writer.pwrite(0, prefix)
-        tasks = []
-        for k, (item, off) in enumerate(zip(items, offsets)):
-            data = _as_bytes(item.local)
-            for lo, hi in write_chunks(data.nbytes, WRITE_CHUNK_BYTES, block_bytes):
-                tasks.append((k, off + lo, data[lo:hi]))
-                crcs[k].append([])
 
-        def run(task: tuple[int, int, memoryview], slot: list[int]) -> None:
-            k, at, chunk = task
-            slot.extend(block_crcs(chunk, block_bytes))
-            writer.pwrite(at, chunk)
+        def write(chunk: tuple[int, int, memoryview]) -> list[int]:
+            _, at, data = chunk
+            crcs = block_crcs(data, block_bytes)
+            writer.pwrite(at, data)
+            return crcs
 
-        slots = []
-        counters = [0] * len(items)
-        for k, _, _ in tasks:
-            slots.append(crcs[k][counters[k]])
-            counters[k] += 1
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            for f in [pool.submit(run, t, s) for t, s in zip(tasks, slots)]:
-                f.result()
+            chunk_crcs = list(pool.map(write, chunks))
     finally:
         writer.close(durable=True)
+    per_item: list[list[int]] = [[] for _ in items]
+    for (k, _, _), crcs in zip(chunks, chunk_crcs):
+        per_item[k] += crcs
     fragments = [
-        Fragment(name, off, tuple(i.local.shape), i.pieces, [c for part in crcs[k] for c in part], block_bytes, rank)
+        Fragment(name, off, tuple(i.local.shape), i.pieces, per_item[k], block_bytes, rank)
         for k, (i, off) in enumerate(zip(items, offsets))
     ]
     return size, fragments
 
 
-def _rank_payload(group: Group, storage: LocalStorage, state_dict: dict[str, Any], block_bytes: int, threads: int) -> dict[str, Any]:
+@dataclass
+class StagedSave:
+    """A save whose state is captured (staged in host memory): it can finish without the
+    live state_dict, now or in a background thread."""
+
+    group: Group
+    storage: LocalStorage
+    local: LocalState | None
+    error: str | None
+    metadata: dict[str, Any]
+    block_bytes: int
+    threads: int
+
+
+def _describe(e: Exception) -> str:
+    return str(e) if isinstance(e, UnickptError) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def stage(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    process_group: Any = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    threads: int = 4,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> StagedSave:
+    """Phase 1 of a save (collective): prepare the directory and capture this rank's state.
+
+    After it returns, the caller may change the state freely. A failure on this rank is
+    recorded and reported to every rank by :func:`write_and_commit`.
+    """
+    if block_bytes <= 0 or block_bytes % 8:
+        raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
+    group = resolve_group(process_group)
+    storage = LocalStorage(path)
+    if storage.exists(MANIFEST_NAME) and not overwrite:
+        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+    status = b"ok"
+    if group.rank == 0:
+        try:
+            storage.prepare()
+            storage.remove(MANIFEST_NAME)
+        except OSError as e:
+            status = f"cannot prepare {path}: {e}".encode()
+    status = broadcast_bytes(group, status, 0)
+    if status != b"ok":
+        raise SaveError(status.decode())
     try:
-        local = collect(state_dict, group)
+        local, error = collect(state_dict, group), None
+    except Exception as e:  # reported to rank 0, which fails the whole save
+        local, error = None, _describe(e)
+    return StagedSave(group, storage, local, error, dict(metadata or {}), block_bytes, threads)
+
+
+def _rank_payload(staged: StagedSave) -> dict[str, Any]:
+    group, local = staged.group, staged.local
+    if staged.error is not None or local is None:
+        return {"rank": group.rank, "error": staged.error}
+    try:
         frags: dict[str, dict[str, Any]] = {}
         rank_frags: dict[str, dict[str, Any]] = {}
         files: dict[str, int] = {}
         to_write = local.to_write + local.rank_tensors
         if to_write:
             fname = data_file_name(group.rank)
-            size, fragments = write_data_file(storage, fname, group.rank, to_write, block_bytes, threads)
+            size, fragments = write_data_file(staged.storage, fname, group.rank, to_write, staged.block_bytes, staged.threads)
             files[fname] = size
             for item, frag in zip(to_write, fragments):
                 target = frags if item.layout != "per-rank" else rank_frags
@@ -168,9 +225,8 @@ def _rank_payload(group: Group, storage: LocalStorage, state_dict: dict[str, Any
             "digests": local.digests, "values": local.values if group.rank == 0 else {},
             "rank_values": local.rank_values, "rank_tensors": rank_frags,
         }
-    except Exception as e:  # reported to rank 0, which fails the whole save
-        detail = str(e) if isinstance(e, UnickptError) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        return {"rank": group.rank, "error": detail}
+    except Exception as e:
+        return {"rank": group.rank, "error": _describe(e)}
 
 
 def _check_agreement(payloads: list[dict[str, Any]]) -> None:
@@ -243,6 +299,28 @@ def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str
     return m
 
 
+def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
+    """Phase 2 of a save (collective): write this rank's file, then rank 0 checks every
+    rank's report and commits the manifest. Raises the same error on every rank if any
+    rank failed. ``group`` overrides the group used to talk (async saves use their own)."""
+    group = group or staged.group
+    payload = _rank_payload(staged)
+    gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
+    result = b"ok"
+    if gathered is not None:
+        try:
+            manifest = assemble([json.loads(g) for g in gathered], group.size, staged.metadata)
+            staged.storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
+        except UnickptError as e:
+            result = f"{type(e).__name__}\n{e}".encode()
+        except Exception as e:
+            result = f"SaveError\n{type(e).__name__}: {e}".encode()
+    result = broadcast_bytes(group, result, 0)
+    if result != b"ok":
+        kind, _, text = result.decode().partition("\n")
+        raise getattr(errors, kind, SaveError)(text)
+
+
 def save(
     state_dict: dict[str, Any],
     path: str,
@@ -261,32 +339,8 @@ def save(
     last, atomically, after every file is durable. Raises :class:`SaveError` on every
     rank if any rank failed; then nothing is committed.
     """
-    group = resolve_group(process_group)
-    storage = LocalStorage(path)
-    if storage.exists(MANIFEST_NAME) and not overwrite:
-        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
-    status = b"ok"
-    if group.rank == 0:
-        try:
-            storage.prepare()
-            storage.remove(MANIFEST_NAME)
-        except OSError as e:
-            status = f"cannot prepare {path}: {e}".encode()
-    status = broadcast_bytes(group, status, 0)
-    if status != b"ok":
-        raise SaveError(status.decode())
-    payload = _rank_payload(group, storage, state_dict, block_bytes, threads)
-    gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
-    result = b"ok"
-    if gathered is not None:
-        try:
-            manifest = assemble([json.loads(g) for g in gathered], group.size, dict(metadata or {}))
-            storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
-        except UnickptError as e:
-            result = f"{type(e).__name__}\n{e}".encode()
-        except Exception as e:
-            result = f"SaveError\n{type(e).__name__}: {e}".encode()
-    result = broadcast_bytes(group, result, 0)
-    if result != b"ok":
-        kind, _, text = result.decode().partition("\n")
-        raise getattr(errors, kind, SaveError)(text)
+    staged = stage(
+        state_dict, path, process_group=process_group, metadata=metadata,
+        overwrite=overwrite, threads=threads, block_bytes=block_bytes,
+    )
+    write_and_commit(staged)

@@ -29,6 +29,25 @@ class PerRank:
 
 
 @dataclass
+class Sharded:
+    """A plain local tensor with an explicit layout: the pieces of a global tensor it holds.
+
+    This is how state that carries no placement of its own (Megatron-style TP slices,
+    ZeRO flat partitions, pipeline-stage tensors) enters save and load; the rules layer
+    builds these. ``replica_index``/``replicas`` say which copy this is when several ranks
+    hold the same pieces (exactly one copy is written). On load the target's ``local``
+    is filled in place; elements covered by no piece (padding) are left as they are.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    pieces: list[Any]
+    replica_index: int = 0
+    replicas: int = 1
+    layout: str = "explicit"
+
+
+@dataclass
 class Leaf:
     """One flattened entry: its dotted name, its value, and where it lives (to replace it)."""
 
@@ -54,7 +73,7 @@ def is_stateful(obj: Any) -> bool:
 
 
 def _holds_state(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, PerRank)) or is_stateful(obj):
+    if isinstance(obj, (torch.Tensor, PerRank, Sharded)) or is_stateful(obj):
         return True
     if isinstance(obj, dict):
         return any(_holds_state(v) for v in obj.values())
