@@ -238,6 +238,8 @@ def test_replica_group(layout):
 def test_replica_group_row_major():
     pl = [Replicate(), Shard(0), Replicate()]
     assert replica_group((2, 3, 4), (1, 2, 3), pl) == (1 * 4 + 3, 8)
+    assert replica_group((2, 3, 4), (1, 2, 0), pl) == (4, 8)
+    assert replica_group((2, 3, 4), (0, 1, 2), pl) == (2, 8)
     assert replica_group((2, 3, 4), (0, 1, 0), pl) == (0, 8)
     assert replica_group((2, 3), (1, 2), [Shard(0), Shard(1)]) == (0, 1)
 

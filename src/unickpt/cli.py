@@ -209,14 +209,14 @@ def inspect_cmd(
         t = Table(title="tensors", title_justify="left")
         for col, just in (("name", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right"),
                           ("frags", "right"), ("saved layout", "left")):
-            t.add_column(col, justify=just)  # type: ignore[arg-type]
+            t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
         for e in s["tensors"]:
             t.add_row(escape(e["name"]), _shape(e["shape"]), e["dtype"], human_bytes(e["nbytes"]),
                       str(e["fragments"]), escape(e["layout"]))
         out.print(t)
     if s["values"]:
         t = Table(title="values", title_justify="left")
-        t.add_column("name")
+        t.add_column("name", overflow="fold")
         t.add_column("type")
         t.add_column("value")
         for v in s["values"]:
@@ -225,7 +225,7 @@ def inspect_cmd(
     if s["per_rank"]:
         t = Table(title="per-rank state", title_justify="left")
         for col in ("name", "kind", "ranks", "type", "rank 0 / shapes", "size"):
-            t.add_column(col)
+            t.add_column(col, overflow="fold")
         for p in s["per_rank"]:
             t.add_row(escape(p["name"]), p["kind"], str(p["ranks"]), escape(p["type"]), escape(p["repr"]),
                       human_bytes(p["nbytes"]) if "nbytes" in p else "")

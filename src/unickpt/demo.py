@@ -258,7 +258,7 @@ def run_demo(directory: str | os.PathLike | None = None, console: Any = None) ->
         timings["verify"] = time.perf_counter() - t0
 
         table = Table(title=f"{SAVE_WORLD} ranks -> {LOAD_WORLD} ranks, resharded on load")
-        table.add_column("tensor")
+        table.add_column("tensor", overflow="fold")
         table.add_column("shape")
         table.add_column("saved layout")
         table.add_column("frags", justify="right")

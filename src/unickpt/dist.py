@@ -32,6 +32,13 @@ class Group:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def group_rank_of(self, global_rank: int) -> int | None:
+        """The group rank of a global rank, or None when it is not in the group."""
+        if not self.active:
+            return global_rank if global_rank == 0 else None
+        r = dist.get_group_rank(self.pg, global_rank)
+        return None if r is None or r < 0 else r
+
     def global_rank(self, group_rank: int) -> int:
         """The global rank of a member of this group."""
         if not self.active:
@@ -81,6 +88,17 @@ def broadcast_bytes(group: Group, payload: bytes | None, src: int = 0) -> bytes:
     if buf.numel():
         dist.broadcast(buf, src=src_global, group=group.pg)
     return bytes(buf.cpu().numpy())
+
+
+def all_gather_fixed(group: Group, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload`` (all of the same length) on every rank, in group-rank order."""
+    if not group.active:
+        return [payload]
+    dev = group.device()
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    outs = [torch.empty_like(mine) for _ in range(group.size)]
+    dist.all_gather(outs, mine, group=group.pg)
+    return [bytes(o.cpu().numpy()) for o in outs]
 
 
 def barrier(group: Group) -> None:

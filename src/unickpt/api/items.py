@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,7 +11,8 @@ from ..errors import LayoutError
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
 from .state import Sharded
-from ..plan.placement import dtensor_pieces, replica_group
+from ..dist import Group
+from ..plan.placement import dtensor_pieces
 
 try:
     from torch.distributed.tensor import DTensor
@@ -50,24 +51,59 @@ def _shard_order(dt: Any) -> list[tuple[int, tuple[int, ...]]] | None:
     return [(int(e.tensor_dim), tuple(int(m) for m in e.mesh_dims)) for e in order]
 
 
-def _implicit_replicas(mesh: Any, group_size: int) -> tuple[int, int]:
-    """Replication outside the DTensor's mesh (e.g. a TP mesh inside a DDP job)."""
-    if mesh.size() >= group_size:
-        return 0, 1
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
-    names = mesh.mesh_dim_names or ()
-    if root is None or root.size() != group_size or not root.mesh_dim_names or not names:
-        raise LayoutError(
-            f"DTensor on a mesh of {mesh.size()} ranks in a group of {group_size}: "
-            "cannot tell which ranks hold replicas; give the mesh dim names from a root mesh over the whole group"
-        )
-    coord = root.get_coordinate()
-    index, size = 0, 1
-    for d, n in enumerate(root.mesh_dim_names):
-        if n not in names:
-            index = index * root.size(d) + coord[d]
-            size *= root.size(d)
-    return index, size
+@dataclass
+class Holders:
+    """The ranks of the group that hold the same set of state names as this rank.
+
+    Ranks exchange one hash of their sorted state names (8 bytes each, no plans), so each
+    rank knows locally who else holds its tensors: in SPMD jobs that is every rank; with
+    pipeline parallelism, the ranks of the same stage. Replicas of a shard are looked for
+    among these ranks only.
+    """
+
+    group: Group
+    members: list[int]
+    _cache: dict = field(default_factory=dict)
+
+    def plain(self) -> tuple[int, int]:
+        """(index, count) of this rank among the holders of a plain replicated tensor."""
+        return self.members.index(self.group.rank), len(self.members)
+
+    def dtensor(self, name: str, mesh: Any, coord: tuple[int, ...], placements: tuple) -> tuple[int, int]:
+        """(index, count) of this rank among the holders of the same DTensor shard."""
+        key = (id(mesh), placements)
+        if key not in self._cache:
+            self._cache[key] = self._dtensor_replicas(name, mesh, coord, placements)
+        replicas = self._cache[key]
+        return replicas.index(self.group.rank), len(replicas)
+
+    def _dtensor_replicas(self, name: str, mesh: Any, coord: tuple[int, ...], placements: tuple) -> list[int]:
+        from torch.distributed.tensor import Replicate
+
+        members = set(self.members)
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        names = mesh.mesh_dim_names or ()
+        if root is not mesh and root.size() != mesh.size() and root.mesh_dim_names and names:
+            where = dict(zip(names, zip(coord, placements)))
+            index = tuple(
+                slice(None) if n not in where or isinstance(where[n][1], Replicate) else where[n][0]
+                for n in root.mesh_dim_names
+            )
+            candidates = root.mesh[index].flatten().tolist()
+        else:
+            index = tuple(slice(None) if isinstance(p, Replicate) else c for c, p in zip(coord, placements))
+            candidates = mesh.mesh[index].flatten().tolist()
+            outside = members - {self.group.group_rank_of(g) for g in mesh.mesh.flatten().tolist()}
+            if outside:
+                raise LayoutError(
+                    f"{name}: DTensor on a mesh of {mesh.size()} ranks while ranks {sorted(outside)[:8]} outside it hold "
+                    "the same state; build the mesh from a root mesh with named dims (init_device_mesh(..., "
+                    "mesh_dim_names=...)[...]) so unickpt can tell replicas apart"
+                )
+        replicas = sorted(r for r in (self.group.group_rank_of(g) for g in candidates) if r in members)
+        if self.group.rank not in replicas:
+            replicas = sorted(replicas + [self.group.rank])
+        return replicas
 
 
 def describe_placements(placements: Any, mesh: Any) -> str:
@@ -100,11 +136,11 @@ def sharded_item(name: str, s: Sharded) -> TensorItem:
     return TensorItem(name, s.local, tuple(s.global_shape), list(s.pieces), s.replica_index, s.replicas, s.layout)
 
 
-def tensor_item(name: str, t: torch.Tensor, group_rank: int, group_size: int, replicated: bool) -> TensorItem | None:
+def tensor_item(name: str, t: torch.Tensor, holders: Holders | None) -> TensorItem | None:
     """The TensorItem of a leaf tensor; None when this rank holds no part of it.
 
-    ``replicated`` says whether a plain tensor is held identically by every rank of the
-    group (True) or belongs to this rank alone (a PerRank tensor, False).
+    ``holders`` gives the ranks holding the same state (for replica ownership); None
+    means the tensor belongs to this rank alone (a PerRank tensor, or a load target).
     """
     if is_dtensor(t):
         mesh = t.device_mesh
@@ -122,14 +158,11 @@ def tensor_item(name: str, t: torch.Tensor, group_rank: int, group_size: int, re
                     f"{name}: local shard of shape {tuple(local.shape)} does not match its placements "
                     f"{describe_placements(placements, mesh)} for global shape {shape}"
                 )
-        index, size = replica_group(tuple(mesh.shape), tuple(coord), placements)
-        extra_index, extra_size = _implicit_replicas(mesh, group_size)
-        return TensorItem(
-            name, local, shape, pieces, index * extra_size + extra_index, size * extra_size,
-            describe_placements(placements, mesh),
-        )
+        index, size = holders.dtensor(name, mesh, tuple(coord), placements) if holders else (0, 1)
+        return TensorItem(name, local, shape, pieces, index, size, describe_placements(placements, mesh))
     shape = tuple(t.shape)
     pieces = [whole_piece(shape)] if t.numel() else []
-    if replicated:
-        return TensorItem(name, t, shape, pieces, group_rank, group_size, "replicated")
+    if holders is not None:
+        index, size = holders.plain()
+        return TensorItem(name, t, shape, pieces, index, size, "replicated")
     return TensorItem(name, t, shape, pieces, 0, 1, "per-rank")

@@ -194,7 +194,7 @@ def load(
                         raise MismatchError(_missing(leaf.name, manifest))
                     continue
                 _check_compatible(entry, v)
-                item = tensor_item(leaf.name, v, group.rank, group.size, replicated=True)
+                item = tensor_item(leaf.name, v, None)
                 if item is None or not item.pieces:
                     continue
                 _fill(reader, entry, item.local, item.pieces)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..dist import Group, broadcast_bytes, gather_bytes, resolve_group
+from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, resolve_group
 from .. import errors
 from ..errors import InconsistentStateError, SaveError, UnickptError
 from ..format.checksum import block_crcs, crc32c
@@ -33,7 +33,7 @@ from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.save_plan import replica_owner, write_chunks
 from ..storage.local import LocalStorage
-from .items import TensorItem, sharded_item, tensor_item
+from .items import Holders, TensorItem, sharded_item, tensor_item
 from .state import PerRank, Sharded, flatten
 
 WRITE_CHUNK_BYTES = 16 << 20
@@ -54,6 +54,7 @@ class LocalState:
     values: dict[str, Any] = field(default_factory=dict)
     rank_values: dict[str, Any] = field(default_factory=dict)
     rank_tensors: list[TensorItem] = field(default_factory=list)
+    leader: bool = True
 
 
 def _stage(t: torch.Tensor) -> torch.Tensor:
@@ -70,15 +71,25 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def holders_of(names: list[str], group: Group) -> Holders:
+    """Find the ranks holding the same state names as this one (one 8-byte hash per rank)."""
+    digest = hashlib.blake2b("\n".join(sorted(names)).encode(), digest_size=8).digest()
+    hashes = all_gather_fixed(group, digest)
+    return Holders(group, [r for r, h in enumerate(hashes) if h == digest])
+
+
 def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
-    """Classify this rank's state: fragments it owns, values to check, per-rank state."""
+    """Classify this rank's state (collective): fragments it owns, values to check and
+    commit, per-rank state. Copies what it will write to host memory."""
     out = LocalState()
-    for leaf in flatten(state_dict):
+    leaves = flatten(state_dict)
+    holders = holders_of([leaf.name for leaf in leaves if not isinstance(leaf.value, PerRank)], group)
+    out.leader = holders.members[0] == group.rank
+    for leaf in leaves:
         v = leaf.value
         if isinstance(v, PerRank):
             if isinstance(v.value, torch.Tensor):
-                item = tensor_item(leaf.name, _stage(v.value), group.rank, group.size, replicated=False)
-                out.rank_tensors.append(item)
+                out.rank_tensors.append(tensor_item(leaf.name, _stage(v.value), None))
             else:
                 out.rank_values[leaf.name] = encode_value(v.value, leaf.name)
             continue
@@ -87,18 +98,17 @@ def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
                 item = sharded_item(leaf.name, v)
                 v = v.local
             else:
-                item = tensor_item(leaf.name, v, group.rank, group.size, replicated=True)
+                item = tensor_item(leaf.name, v, holders)
             if item is None:
                 continue
             dtype = dtype_name(v.dtype)
             if item.layout == "replicated":
-                staged = _stage(v)
-                item.local = staged
-                out.digests[leaf.name] = f"tensor {dtype} {list(staged.shape)} crc32c={crc32c(_as_bytes(staged)):08x}"
+                item.local = _stage(v)
+                out.digests[leaf.name] = f"tensor {dtype} {list(item.local.shape)} crc32c={crc32c(_as_bytes(item.local)):08x}"
             if item.pieces and replica_owner(item.name, item.shard_key, item.replicas) == item.replica_index:
                 item.local = _stage(item.local)
                 out.to_write.append(item)
-            if item.pieces or (group.rank == 0 and Box.whole(item.global_shape).volume == 0):
+            if item.pieces or (out.leader and Box.whole(item.global_shape).volume == 0):
                 out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
             continue
         enc = encode_value(v, leaf.name)
@@ -222,7 +232,7 @@ def _rank_payload(staged: StagedSave) -> dict[str, Any]:
         return {
             "rank": group.rank, "error": None, "files": files, "fragments": frags,
             "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
-            "digests": local.digests, "values": local.values if group.rank == 0 else {},
+            "digests": local.digests, "values": local.values if local.leader else {},
             "rank_values": local.rank_values, "rank_tensors": rank_frags,
         }
     except Exception as e:
@@ -230,18 +240,25 @@ def _rank_payload(staged: StagedSave) -> dict[str, Any]:
 
 
 def _check_agreement(payloads: list[dict[str, Any]]) -> None:
-    reference = payloads[0]["digests"]
+    """Every key held by several ranks (plain values, plain tensors) must be equal on all."""
+    seen: dict[str, dict[str, list[int]]] = {}
+    for p in payloads:
+        for key, digest in p["digests"].items():
+            seen.setdefault(key, {}).setdefault(digest, []).append(p["rank"])
     problems = []
-    for p in payloads[1:]:
-        for key in sorted(set(reference) | set(p["digests"])):
-            a, b = reference.get(key), p["digests"].get(key)
-            if a != b:
-                problems.append(f"{key!r} (rank 0: {a or 'absent'}; rank {p['rank']}: {b or 'absent'})")
+    for key in sorted(seen):
+        if len(seen[key]) > 1:
+            variants = sorted(seen[key].items(), key=lambda kv: kv[1][0])
+            problems.append(f"{key!r} (" + "; ".join(f"ranks {_ranks(r)}: {d}" for d, r in variants[:3]) + ")")
     if problems:
         raise InconsistentStateError(
             "these entries differ between ranks; make them equal, or wrap per-rank state in unickpt.PerRank: "
             + "; ".join(problems[:10]) + (f" and {len(problems) - 10} more" if len(problems) > 10 else "")
         )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks[:6])) + (",..." if len(ranks) > 6 else "")
 
 
 def _dedup_and_check(entry: TensorEntry) -> None:
@@ -277,7 +294,8 @@ def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str
         "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(),
         "world_size": world_size, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    m.values = payloads[0]["values"]
+    for p in payloads:
+        m.values.update(p["values"])
     for p in payloads:
         m.files.update(p["files"])
         for name, (shape, dtype, layout) in p["declared"].items():

@@ -71,7 +71,7 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     bytes_checked: int = 0
     bytes_total: int = 0
-    tensors: int = 0
+    tensors: int = 0  # global tensors + per-rank tensor names
     fragments: int = 0
     files: int = 0
 
@@ -236,7 +236,7 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
     try:
         states = _check_files(storage, manifest, problems)
         entries = _entries(manifest)
-        report.tensors = len(manifest.tensors) + sum(1 for r in manifest.rank_tensors.values() for e in r if e is not None)
+        report.tensors = len(manifest.tensors) + len(manifest.rank_tensors)  # per-rank: one per name
         report.files = len(manifest.files)
         report.bytes_total = total_bytes(manifest)
         tasks: list[_Task] = []

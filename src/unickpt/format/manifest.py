@@ -29,7 +29,7 @@ _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 def check_file_name(name: str) -> str:
     """Refuse any file name that is not a plain name inside the checkpoint directory."""
-    if not isinstance(name, str) or not _SAFE_FILE.match(name) or ".." in name:
+    if not isinstance(name, str) or not _SAFE_FILE.fullmatch(name) or ".." in name:
         raise ManifestError(f"unsafe file name {name!r} in manifest: only plain names inside the checkpoint are allowed")
     return name
 
@@ -127,7 +127,7 @@ class Manifest:
             )
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
         return m
 
@@ -213,7 +213,9 @@ def _tensor_from_json(name: str, d: dict[str, Any], files: dict[str, int]) -> Te
             raise ManifestError(f"tensor {name!r}: fragment file {frag.file!r} is not listed in the manifest")
         if frag.offset < 0 or frag.offset + nbytes > files[frag.file]:
             raise ManifestError(f"tensor {name!r}: fragment bytes lie outside file {frag.file!r}")
-        if frag.block_bytes <= 0 or len(frag.crc32c) != max(1, -(-nbytes // frag.block_bytes)):
+        if frag.block_bytes <= 0 or frag.block_bytes % size:
+            raise ManifestError(f"tensor {name!r}: block_bytes {frag.block_bytes} is not a positive multiple of the item size {size}")
+        if len(frag.crc32c) != max(1, -(-nbytes // frag.block_bytes)):
             raise ManifestError(f"tensor {name!r}: fragment in {frag.file!r} has a wrong number of checksums")
         n_local = prod(shape)
         for p in frag.pieces:

@@ -43,8 +43,9 @@ def _strided_indices(p: Any, idx: Sequence[int], n: int, k: int) -> list[int]:
     """Indices kept by ``_StridedShard`` at position k of n, using torch's own split."""
     import torch
 
-    shards, _ = p._split_tensor(torch.tensor(list(idx), dtype=torch.int64), n, with_padding=False)
-    return shards[k].tolist() if k < len(shards) else []
+    t = torch.tensor(list(idx), dtype=torch.int64).view([1] * p.dim + [-1])
+    shards, _ = p._split_tensor(t, n, with_padding=False)
+    return shards[k].reshape(-1).tolist() if k < len(shards) else []
 
 
 def shard_indices(

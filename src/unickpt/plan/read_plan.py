@@ -92,6 +92,7 @@ def plan_reads(
         f = fragments[fi]
         items.sort(key=lambda x: (x[0], x[1]))
         cur: Span | None = None
+        first_new = len(spans)
         for lo, hi, c in items:
             b0, b1 = lo // f.block_bytes, max(lo // f.block_bytes + 1, -(-hi // f.block_bytes))
             if cur is not None and b0 < cur.end_block and (max(b1, cur.end_block) - cur.first_block) * f.block_bytes <= max(max_span_bytes, f.block_bytes):
@@ -100,8 +101,7 @@ def plan_reads(
                 cur = Span(fi, f.file, b0, b1, 0, 0)
                 spans.append(cur)
             cur.copies.append(c)
-        for sp in spans:
-            if sp.fragment == fi:
-                sp.start = sp.first_block * f.block_bytes
-                sp.stop = min(f.nbytes, sp.end_block * f.block_bytes)
+        for sp in spans[first_new:]:
+            sp.start = sp.first_block * f.block_bytes
+            sp.stop = min(f.nbytes, sp.end_block * f.block_bytes)
     return ReadPlan(spans, covered)
