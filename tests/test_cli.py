@@ -83,7 +83,7 @@ def test_help_lists_commands_with_docs() -> None:
     for cmd, doc in (
         ("inspect", "Show tensors, values"),
         ("verify", "Re-check every checksum"),
-        ("demo", "Save a toy Llama on 4 ranks"),
+        ("demo", "Train on tp2 x dp2, lose the job, resume on 3"),
     ):
         assert re.search(rf"{cmd}\s+{re.escape(doc)}", r.stdout), r.stdout
     assert "Traceback" not in r.stderr
@@ -236,8 +236,8 @@ def test_invalid_manifest_is_exit_2(ckpt: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_demo_end_to_end_slow(tmp_path: Path) -> None:
-    """SLOW: spawns 4 gloo ranks to save and 2 to load, through ``python -m unickpt demo``."""
-    r = run_cli("demo", "--dir", str(tmp_path), timeout=230)
+    """SLOW: spawns 4 gloo ranks to save and 2 to load, through ``python -m unickpt demo --reshard``."""
+    r = run_cli("demo", "--reshard", "--dir", str(tmp_path), timeout=230)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "tensors bitwise equal: 42/42; plain values equal: yes; verify: OK" in out, out
@@ -251,3 +251,17 @@ def test_demo_end_to_end_slow(tmp_path: Path) -> None:
     report = unickpt.verify(str(ckpt))
     assert report.ok and report.tensors == 42
     assert unickpt.read_manifest(str(ckpt)).world_size == 4
+
+
+@pytest.mark.timeout(400)
+def test_resume_demo_end_to_end_slow(tmp_path: Path) -> None:
+    """SLOW: the README's main command: train on 4 ranks, resume on 3, table + PNG plot."""
+    plot = tmp_path / "curves.png"
+    r = run_cli("demo", "--dir", str(tmp_path / "d"), "--plot", str(plot), timeout=390)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert re.search(r"OK: max relative difference after the resume \d\.\de[-+]\d+ \(bound 1e-4\)", out), out
+    for step in range(9, 17):
+        assert re.search(rf"│\s+{step} │ \d\.\d{{6}} │ \d\.\d{{6}} │", out), out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    assert unickpt.CheckpointManager(tmp_path / "d" / "checkpoints").steps() == [8, 16]

@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .api.load import load, load_rank_values, load_tensor, read_manifest  # noqa: E402
+from .api.manager import CheckpointManager  # noqa: E402
 from .api.save import save  # noqa: E402
 from .api.state import PerRank, Sharded  # noqa: E402
 from .api.verify import verify  # noqa: E402
@@ -19,7 +20,7 @@ from .errors import (  # noqa: E402
 )
 
 __all__ = [
-    "save", "load", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "verify",
+    "save", "load", "CheckpointManager", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "verify",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
     "LayoutError", "MismatchError", "InconsistentStateError", "SaveError",
 ]

@@ -1,4 +1,4 @@
-"""The ``unickpt`` command line: ``inspect``, ``verify`` and ``demo``.
+"""The ``unickpt`` command line: ``inspect``, ``verify``, ``demo`` and more.
 
 Each command is a thin layer over the library (``unickpt.read_manifest``,
 ``unickpt.verify``, ``unickpt.demo``). Errors unickpt raises on purpose (every
@@ -294,15 +294,29 @@ def verify_cmd(
 def demo_cmd(
     directory: Annotated[
         Path | None,
-        typer.Option("--dir", help="Keep the checkpoint under this directory (default: a temporary one, removed)."),
+        typer.Option("--dir", help="Keep checkpoints under this directory (default: a temporary one)."),
     ] = None,
+    reshard: Annotated[
+        bool, typer.Option("--reshard", help="Instead: save a toy Llama on 4 ranks, load it resharded on 2.")
+    ] = False,
+    plot: Annotated[Path, typer.Option("--plot", help="Where to write the PNG of both loss curves.")] = Path(
+        "unickpt_demo_resume.png"
+    ),
 ) -> None:
-    """Save a toy Llama on 4 ranks, load it resharded on 2 (CPU, gloo)."""
-    from .demo import run_demo
+    """Train on tp2 x dp2, lose the job, resume on 3 ranks: the loss curve goes on (CPU, gloo)."""
+    if reshard:
+        from .demo import run_demo
 
-    result = run_demo(directory, _out())
-    if not result.ok:
-        _err().print(Text("demo FAILED: some state did not come back bitwise equal", style="bold red"))
+        result = run_demo(directory, _out())
+        if not result.ok:
+            _err().print(Text("demo FAILED: some state did not come back bitwise equal", style="bold red"))
+            raise typer.Exit(EXIT_FAILED)
+        return
+    from .demo_resume import run_resume_demo
+
+    resumed = run_resume_demo(str(directory) if directory else None, str(plot), _out())
+    if not resumed.ok:
+        _err().print(Text("demo FAILED: the resumed loss curve departs from the unbroken one", style="bold red"))
         raise typer.Exit(EXIT_FAILED)
 
 

@@ -147,3 +147,25 @@ class LocalStorage:
             for r in self._readers.values():
                 r.close()
             self._readers.clear()
+
+
+def list_subdirs(root: str | os.PathLike) -> list[str]:
+    """Names of the directories directly under ``root`` (empty when it does not exist)."""
+    try:
+        return sorted(e.name for e in os.scandir(root) if e.is_dir())
+    except FileNotFoundError:
+        return []
+
+
+def remove_checkpoint(path: str | os.PathLike, manifest_name: str) -> None:
+    """Delete a checkpoint directory: the manifest first, so a crash midway leaves an
+    uncommitted directory, never a committed checkpoint with missing files."""
+    root = Path(path)
+    try:
+        (root / manifest_name).unlink()
+    except FileNotFoundError:
+        pass
+    for entry in os.scandir(root):
+        if entry.is_file() or entry.is_symlink():
+            os.unlink(entry.path)
+    os.rmdir(root)

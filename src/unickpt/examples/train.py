@@ -1,0 +1,258 @@
+"""Train a small Llama-style model with PyTorch's own parallelism, checkpointed by unickpt.
+
+    torchrun --nproc-per-node 4 -m unickpt.examples.train --tp 2 --dp 2 --fsdp \\
+        --steps 20 --save-every 10 --ckpt-dir ckpt --loss-log run.jsonl
+    torchrun --nproc-per-node 3 -m unickpt.examples.train --dp 3 --fsdp \\
+        --steps 20 --resume latest --ckpt-dir ckpt --loss-log run.jsonl
+
+Tensor parallel (column/row-wise plans), pipeline parallel (1F1B or GPipe), data parallel
+with FSDP2 or plain replication; world size = tp * pp * dp. A checkpoint written on any
+layout resumes on any other: the loss curve continues as if nothing happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import unickpt
+
+from .data import MarkovTokens, ReshardableLoader
+from .model import ModelArgs, Transformer, keep_stage
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags of the example trainer."""
+    p = argparse.ArgumentParser(prog="unickpt.examples.train", description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / (tp * pp))")
+    p.add_argument("--fsdp", action="store_true", help="shard data-parallel state with FSDP2 (default: replicate)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    p.add_argument("--steps", type=int, default=20, help="total steps (horizon of the learning-rate schedule)")
+    p.add_argument("--stop-after", type=int, default=None, help="end the process after this step, as a failure would")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--ckpt-dir", default=None, help="directory of numbered checkpoints")
+    p.add_argument("--keep", type=int, default=None, help="keep only the newest N checkpoints")
+    p.add_argument("--resume", default=None, help="'latest' or a checkpoint path")
+    p.add_argument("--async-save", action="store_true", help="save in the background (unickpt.async_save)")
+    p.add_argument("--log", "--loss-log", dest="log", default=None,
+                   help="append one JSON line per step {step, loss} to this file (under torchrun write --loss-log: "
+                   "torchrun takes --log for its own --log-dir)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--global-batch", type=int, default=12, help="sequences per step, over all data-parallel ranks")
+    p.add_argument("--dataset-size", type=int, default=600)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--seq", type=int, default=32)
+    return p.parse_args(argv)
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up over the first tenth of ``--steps``, then cosine decay to 10%."""
+    warmup = max(1, args.steps // 10)
+    if step <= warmup:
+        return args.lr * step / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@dataclass
+class Job:
+    """Everything a rank trains with."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    loader: ReshardableLoader
+    dp_group: Any = None
+    pp_group: Any = None
+    schedule: Any = None
+    pp_rank: int = 0
+
+
+TP_PLAN_NAMES = {
+    "attention.wq": "col", "attention.wk": "col", "attention.wv": "col", "attention.wo": "row",
+    "feed_forward.w1": "col", "feed_forward.w3": "col", "feed_forward.w2": "row",
+}
+
+
+def build(args: argparse.Namespace) -> Job:
+    """Initialise the process group (if torchrun started us), the mesh, model and optimizer."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, pp = args.tp, args.pp
+    dp = args.dp or world // (tp * pp)
+    if tp * pp * dp != world:
+        raise SystemExit(f"tp {tp} x pp {pp} x dp {dp} != world size {world}")
+    args.dp = dp
+    margs = ModelArgs(args.dim, args.layers, args.heads, args.kv_heads, args.vocab, args.seq)
+    torch.manual_seed(args.seed)
+    model = Transformer(margs)
+    dp_rank, pp_rank, mesh = 0, 0, None
+    if world > 1:
+        from torch.distributed.tensor import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        pp_rank, dp_rank, _ = mesh.get_coordinate()
+    if pp > 1:
+        keep_stage(model, pp_rank, pp)
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in TP_PLAN_NAMES.items()}
+        for layer in model.layers.values():
+            parallelize_module(layer, mesh["tp"], plan)
+    if args.fsdp and dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    data = MarkovTokens(args.dataset_size, args.seq, args.vocab, args.seed)
+    loader = ReshardableLoader(data, args.global_batch, dp_rank, dp, args.seed)
+    job = Job(args, rank, world, model, optimizer, loader, pp_rank=pp_rank)
+    if mesh is not None:
+        job.dp_group = mesh["dp"].get_group()
+        job.pp_group = mesh["pp"].get_group()
+    if pp > 1:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if (args.global_batch // dp) % pp:
+            raise SystemExit(f"local batch {args.global_batch // dp} does not split into {pp} microbatches")
+        stage = PipelineStage(model, pp_rank, pp, torch.device("cpu"), group=job.pp_group)
+        kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+        job.schedule = kind(stage, n_microbatches=pp, loss_fn=_loss)
+    return job
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def train_step(job: Job, step: int) -> float:
+    """One optimizer step; returns the loss over the whole global batch (same on every rank)."""
+    args = job.args
+    x, y = job.loader.next_batch()
+    for group in job.optimizer.param_groups:
+        group["lr"] = learning_rate(step, args)
+    loss = torch.zeros(())
+    if args.pp == 1:
+        loss = _loss(job.model(x), y)
+        loss.backward()
+        loss = loss.detach()
+    else:
+        if job.pp_rank == 0:
+            job.schedule.step(x)
+        elif job.pp_rank == args.pp - 1:
+            losses: list[torch.Tensor] = []
+            job.schedule.step(target=y, losses=losses)
+            loss = torch.stack([v.detach() for v in losses]).mean()
+        else:
+            job.schedule.step()
+        dist.broadcast(loss, src=dist.get_global_rank(job.pp_group, args.pp - 1), group=job.pp_group)
+    if args.dp > 1 and not args.fsdp:
+        for p in job.model.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(g, group=job.dp_group)
+                g.div_(args.dp)
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    if args.dp > 1:
+        dist.all_reduce(loss, group=job.dp_group)
+        loss /= args.dp
+    return float(loss)
+
+
+def checkpoint_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The state unickpt saves and loads: model, optimizer moments, step, data position,
+    this rank's RNG. Returns (state, model state dict, optimizer state dict)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(job.model, job.optimizer)
+    state = {
+        "model": msd,
+        "optim": {"state": osd["state"]},
+        "train": {"step": step, "loader": job.loader.state_dict(), "seed": job.args.seed},
+        "rng": unickpt.PerRank(torch.get_rng_state()),
+    }
+    return state, msd, osd
+
+
+def resume(job: Job, manager: unickpt.CheckpointManager, where: str) -> int:
+    """Load a checkpoint onto this job's layout; returns the step it was saved at (0 if none)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = manager.latest() if where == "latest" else where
+    if path is None:
+        return 0
+    state, msd, osd = checkpoint_state(job, 0)
+    if unickpt.read_manifest(path).world_size != job.world:
+        del state["rng"]  # per-rank RNG only carries over to the same world size
+    unickpt.load(state, path)
+    set_state_dict(job.model, job.optimizer, model_state_dict=msd, optim_state_dict=osd)
+    job.loader.load_state_dict(state["train"]["loader"])
+    if "rng" in state:
+        torch.set_rng_state(state["rng"].value)
+    return int(state["train"]["step"])
+
+
+def run(argv: list[str] | None = None) -> list[dict[str, float]]:
+    """Train as the flags say; returns this run's log records ({step, loss})."""
+    args = parse_args(argv)
+    job = build(args)
+    manager = unickpt.CheckpointManager(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+    start = resume(job, manager, args.resume) if args.resume and manager else 0
+    if args.resume and not manager and args.resume != "latest":
+        start = resume(job, unickpt.CheckpointManager(os.path.dirname(args.resume)), args.resume)
+    records = []
+    pending = None
+    last = min(args.steps, args.stop_after or args.steps)
+    for step in range(start + 1, last + 1):
+        loss = train_step(job, step)
+        records.append({"step": step, "loss": loss})
+        if job.rank == 0 and args.log:
+            with open(args.log, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        if manager and args.save_every and step % args.save_every == 0:
+            state, _, _ = checkpoint_state(job, step)
+            if args.async_save:
+                if pending is not None:
+                    pending.result()
+                pending = unickpt.async_save(state, manager.path_for(step))
+            else:
+                manager.save(state, step)
+    if pending is not None:
+        pending.result()
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point (``python -m unickpt.examples.train``, usually under torchrun)."""
+    try:
+        run(argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
