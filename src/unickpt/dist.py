@@ -64,7 +64,8 @@ def gather_bytes(group: Group, payload: bytes, dst: int = 0) -> list[bytes] | No
     dist.all_gather(sizes, n, group=group.pg)
     longest = int(max(s.item() for s in sizes))
     buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else buf[:0]
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
     dst_global = group.global_rank(dst)
     if group.rank == dst:
         outs = [torch.empty_like(buf) for _ in range(group.size)]
