@@ -80,7 +80,11 @@ def root(tmp_path_factory):
         refs_done.update(refs)
         pairs = [p for p in PAIRS if WORLD[p[1]] == world and p[0] in refs_done and p not in pairs_done]
         pairs_done.update(pairs)
-        _run(world, [_ref_job(root, a) for a in refs] + [_resume_job(root, a, b) for a, b in pairs])
+        jobs = [_ref_job(root, a) for a in refs] + [_resume_job(root, a, b) for a, b in pairs]
+        if world == 2:  # the same run as ref_dp2-fsdp, saving asynchronously
+            jobs.append((LAYOUTS["dp2-fsdp"] + ["--async-save", "--save-every", "4", "--ckpt-dir", f"{root}/async"],
+                         f"{root}/async.json"))
+        _run(world, jobs)
     assert pairs_done == set(PAIRS)
     return root
 
@@ -111,6 +115,16 @@ def test_same_layout_resume_is_bitwise_in_weights_and_optimizer(root, a):
     assert any(n.startswith("optim.state.") and n.endswith("exp_avg_sq") for n in m_ref.tensors)
     for name in m_ref.tensors:
         assert torch.equal(unickpt.load_tensor(ref, name), unickpt.load_tensor(resumed, name)), name
+
+
+def test_async_save_leaves_the_run_and_its_checkpoints_unchanged(root):
+    assert _losses(f"{root}/async.json") == _losses(f"{root}/ref_dp2-fsdp.json")
+    for step in ("step_00000004", "step_00000008"):
+        sync, asyn = f"{root}/ref_dp2-fsdp/{step}", f"{root}/async/{step}"
+        names = set(unickpt.read_manifest(sync).tensors)
+        assert names == set(unickpt.read_manifest(asyn).tensors)
+        for name in names:
+            assert torch.equal(unickpt.load_tensor(sync, name), unickpt.load_tensor(asyn, name)), name
 
 
 def test_torchrun_stop_and_resume_latest_on_another_layout(tmp_path):

@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+from .api.async_save import AsyncSaveHandle, async_save  # noqa: E402
+from .api.convert import convert  # noqa: E402
 from .api.load import load, load_rank_values, load_tensor, read_manifest  # noqa: E402
 from .api.manager import CheckpointManager  # noqa: E402
 from .api.save import save  # noqa: E402

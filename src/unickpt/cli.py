@@ -5,7 +5,7 @@ Each command is a thin layer over the library (``unickpt.read_manifest``,
 ``UnickptError``) are printed as one red ``error: ...`` line with exit code 2; exit code
 1 means "ran fine, and the answer is no" (a corrupt checkpoint, a failed demo check).
 
-Commands still to come (``convert``, ``export``, ``diff``) get their own function here,
+Commands still to come (``export``, ``diff``) get their own function here,
 registered with ``@app.command``, each wrapped in ``@_errors`` like the ones below.
 """
 
@@ -284,6 +284,48 @@ def verify_cmd(
         out.print(f"  ... and {len(report.problems) - len(shown)} more (use --limit 0 to list all)")
     out.print(f"{report.bytes_checked} of {report.bytes_total} bytes verified clean", soft_wrap=True)
     raise typer.Exit(EXIT_FAILED)
+
+
+# ---------------------------------------------------------------- convert
+
+
+@app.command("convert")
+@_errors
+def convert_cmd(
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read.", show_default=False)],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Directory of the new checkpoint.", show_default=False)],
+    consolidate: Annotated[
+        bool, typer.Option("--consolidate", help="Store every tensor whole, in one fragment (the universal form).")
+    ] = False,
+    threads: Annotated[int, typer.Option(min=1, help="Parallel reads and writes.")] = 4,
+    buffer_mib: Annotated[int, typer.Option(min=1, help="Read buffer (MiB): memory is bounded by the largest tensor plus this.")] = 64,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already at DST.")] = False,
+) -> None:
+    """Rewrite a checkpoint: --consolidate stores one fragment per tensor, streaming with bounded memory."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from .api.convert import convert, total_bytes
+    from .api.load import read_manifest
+
+    if not consolidate:
+        raise _fail("nothing to do: pass --consolidate (the only conversion so far)")
+    total = total_bytes(read_manifest(str(src)))
+    err = _err()
+    kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
+    if err.is_terminal:  # a progress bar on a terminal only; pipes and logs get the result alone
+        with Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
+        ) as bar:
+            task = bar.add_task("consolidating", total=total)
+            report = convert(str(src), str(dst), progress=lambda n: bar.advance(task, n), **kwargs)
+    else:
+        report = convert(str(src), str(dst), **kwargs)
+    _out().print(
+        Text(f"OK: {report.tensors} tensors consolidated, {human_bytes(report.bytes_written)} written to "
+             f"{report.dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="green"),
+        soft_wrap=True,
+    )
 
 
 # ---------------------------------------------------------------- demo

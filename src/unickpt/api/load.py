@@ -14,7 +14,6 @@ import torch
 
 from ..dist import resolve_group
 from ..errors import CorruptionError, LayoutError, MismatchError
-from ..format.checksum import crc32c
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.values import decode_value
@@ -22,7 +21,9 @@ from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
-from .items import sharded_item, tensor_item
+from .items import is_dtensor, sharded_item, tensor_item
+from .replicated import ReplicatedReads
+from .reads import Scratch, Segment, SpanRead, coalesce, crc_blocks, fill_gaps, group_views
 from .state import PerRank, Sharded, flatten
 
 
@@ -68,31 +69,71 @@ class _Reader:
         self.jobs: list[tuple[TensorEntry, list[SourceFragment], Span, torch.Tensor]] = []
         self.bytes_read = 0
         self.files_read: set[str] = set()
+        self._scratch = Scratch()
 
     def add(self, entry: TensorEntry, sources: list[SourceFragment], spans: list[Span], local: torch.Tensor) -> None:
         for sp in spans:
             self.jobs.append((entry, sources, sp, local))
 
-    def _run(self, entry: TensorEntry, sources: list[SourceFragment], sp: Span, local: torch.Tensor) -> None:
+    def _span_read(self, entry: TensorEntry, sp: Span, local: torch.Tensor) -> SpanRead:
+        """How to read one span: straight into the target where its bytes land unchanged
+        (CPU target, contiguous on both sides), else into a buffer then copy."""
+        frag = entry.fragments[sp.fragment]
+        nbytes = sp.stop - sp.start
+        direct = self._direct(entry, sp, local)
+        segments = fill_gaps(nbytes, direct) if direct is not None else None
+        buffered = segments is None
+        if buffered:
+            segments = [Segment(0, nbytes)]
+        return SpanRead(frag.file, frag.offset + sp.start, nbytes, segments, self._finish, {"job": (entry, sp, local, buffered)})
+
+    @staticmethod
+    def _direct(entry: TensorEntry, sp: Span, local: torch.Tensor) -> list[Segment] | None:
+        if local.device.type != "cpu" or dtype_name(local.dtype) != entry.dtype:
+            return None
+        size = itemsize(entry.dtype)
+        first = sp.start // size
+        shadow = torch.empty((sp.stop - sp.start) // size, dtype=local.dtype, device="meta")
+        out = []
+        for c in sp.copies:
+            src_local = c.source.local_of(c.box)
+            rows = (src_local.offsets[0], src_local.offsets[0] + src_local.lengths[0]) if src_local.ndim else (0, 1)
+            src = _narrow(_region(shadow, c.source, first, rows), src_local.offsets, src_local.lengths, True)
+            dst_local = c.target.local_of(c.box)
+            dst = _narrow(_target_view(local, c.target), dst_local.offsets, dst_local.lengths, False)
+            if not (src.is_contiguous() and dst.is_contiguous()):
+                return None
+            if dst.numel():
+                at = src.storage_offset() * size
+                out.append(Segment(at, at + dst.numel() * size, dst.detach().reshape(-1).view(torch.uint8)))
+        return out
+
+    def _finish(self, read: SpanRead) -> None:
+        entry, sp, local, buffered = read.extra["job"]
         frag = entry.fragments[sp.fragment]
         size = itemsize(entry.dtype)
-        buf = torch.empty(sp.stop - sp.start, dtype=torch.uint8)
-        self.storage.reader(frag.file).pread_into(frag.offset + sp.start, memoryview(buf.numpy()))
         if self.verify:
-            mv = memoryview(buf.numpy())
             nbytes = prod(frag.shape) * size
-            for b in range(sp.first_block, sp.end_block):
-                lo = b * frag.block_bytes
-                hi = min(nbytes, lo + frag.block_bytes)
-                if crc32c(mv[lo - sp.start : hi - sp.start]) != frag.crc32c[b]:
+            blocks = range(sp.first_block, sp.end_block)
+            bounds = [(b * frag.block_bytes - sp.start, min(nbytes, (b + 1) * frag.block_bytes) - sp.start) for b in blocks]
+            for b, (lo, hi), got in zip(blocks, bounds, crc_blocks(read.segments, bounds)):
+                if got != frag.crc32c[b]:
                     raise CorruptionError(
                         f"checksum mismatch in {frag.file} (tensor {entry.name!r}, bytes "
-                        f"{frag.offset + lo}-{frag.offset + hi} of the file): the checkpoint is corrupt"
+                        f"{frag.offset + sp.start + lo}-{frag.offset + sp.start + hi} of the file): the checkpoint is corrupt"
                     )
-        data = buf.view(dtype_from_name(entry.dtype))
-        first = sp.start // size
-        for c in sp.copies:
-            self._copy(c, data, first, local)
+        if buffered:
+            data = read.segments[0].buffer.view(dtype_from_name(entry.dtype))
+            first = sp.start // size
+            for c in sp.copies:
+                self._copy(c, data, first, local)
+        read.segments = []  # drop scratch memory now
+
+    def _run_group(self, group: list[SpanRead]) -> None:
+        self._scratch.assign(group)
+        self.storage.reader(group[0].file).preadv_into(group[0].offset, group_views(group))
+        for read in group:
+            read.finish(read)
 
     @staticmethod
     def _copy(c: Copy, data: torch.Tensor, first: int, local: torch.Tensor) -> None:
@@ -109,8 +150,14 @@ class _Reader:
         self.files_read.update(e.fragments[sp.fragment].file for e, _, sp, _ in self.jobs)
         if not self.jobs:
             return
-        with ThreadPoolExecutor(max_workers=max(1, self.threads)) as pool:
-            for f in [pool.submit(self._run, *job) for job in self.jobs]:
+        reads = [self._span_read(e, sp, local) for e, _, sp, local in self.jobs]
+        groups = coalesce(reads)
+        if len(groups) == 1 or self.threads <= 1:
+            for g in groups:
+                self._run_group(g)
+            return
+        with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(groups)))) as pool:
+            for f in [pool.submit(self._run_group, g) for g in groups]:
                 f.result()
 
 
@@ -152,6 +199,7 @@ def load(
     threads: int = 4,
     verify: bool = True,
     stats: dict[str, Any] | None = None,
+    broadcast_replicated: bool = False,
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -161,6 +209,9 @@ def load(
     ``strict=False``, target keys absent from the checkpoint are left as they are.
     Every byte read is checked against its checksum unless ``verify=False``.
     A ``stats`` dict, when given, receives ``bytes_read`` and ``files_read`` of this rank.
+    ``broadcast_replicated=True`` reads each plain (replicated) target tensor on one rank
+    and broadcasts it over ``process_group`` instead of reading it on every rank; the
+    load is then collective (see docs/PERFORMANCE.md for when it pays).
     """
     storage = LocalStorage(path)
     manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
@@ -173,6 +224,8 @@ def load(
         return sd
 
     reader = _Reader(storage, threads, verify)
+    shared = ReplicatedReads(group) if broadcast_replicated else None
+    error: BaseException | None = None
     try:
         for leaf in flatten(state_dict, on_stateful):
             v = leaf.value
@@ -194,6 +247,8 @@ def load(
                         raise MismatchError(_missing(leaf.name, manifest))
                     continue
                 _check_compatible(entry, v)
+                if shared is not None and not is_dtensor(v) and not shared.read_here(leaf.name, v):
+                    continue
                 item = tensor_item(leaf.name, v, None)
                 if item is None or not item.pieces:
                     continue
@@ -207,8 +262,14 @@ def load(
             elif strict:
                 raise MismatchError(_missing(leaf.name, manifest))
         reader.run()
+    except BaseException as e:
+        error = e
     finally:
         storage.close()
+    if shared is not None:
+        shared.finish(error is not None)
+    if error is not None:
+        raise error
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
         stats["files_read"] = sorted(reader.files_read)

@@ -7,7 +7,6 @@ import hashlib
 import json
 import platform
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +16,7 @@ from .. import __version__
 from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, resolve_group
 from .. import errors
 from ..errors import InconsistentStateError, SaveError, UnickptError
-from ..format.checksum import block_crcs, crc32c
+from ..format.checksum import crc32c
 from ..format.dtypes import dtype_name
 from ..format.manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -28,15 +27,13 @@ from ..format.manifest import (
     fragment_from_json,
     fragment_to_json,
 )
-from ..format.safetensors_header import Entry, build_header
 from ..format.values import encode_value
 from ..plan.box import Box
-from ..plan.save_plan import replica_owner, write_chunks
+from ..plan.save_plan import replica_owner
 from ..storage.local import LocalStorage
-from .items import Holders, TensorItem, sharded_item, tensor_item
+from .writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
+from .items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
 from .state import PerRank, Sharded, flatten
-
-WRITE_CHUNK_BYTES = 16 << 20
 
 
 def data_file_name(rank: int) -> str:
@@ -55,6 +52,7 @@ class LocalState:
     rank_values: dict[str, Any] = field(default_factory=dict)
     rank_tensors: list[TensorItem] = field(default_factory=list)
     leader: bool = True
+    digest_sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _stage(t: torch.Tensor) -> torch.Tensor:
@@ -65,10 +63,7 @@ def _stage(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+_as_bytes = as_bytes
 
 
 def holders_of(names: list[str], group: Group) -> Holders:
@@ -78,9 +73,45 @@ def holders_of(names: list[str], group: Group) -> Holders:
     return Holders(group, [r for r, h in enumerate(hashes) if h == digest])
 
 
-def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
+def tensor_digest(dtype: str, shape: tuple[int, ...], crc: int) -> str:
+    """The agreement digest of a replicated tensor (rank 0 compares them between ranks)."""
+    return f"tensor {dtype} {list(shape)} crc32c={crc:08x}"
+
+
+_ITEMS: dict[tuple, tuple | None] = {}
+
+
+def _tensor_item(name: str, t: torch.Tensor, holders: Holders) -> TensorItem | None:
+    """``tensor_item``, memoized for DTensors on their spec (mesh, placements, shape,
+    stride, dtype) and the holders: pieces and replica roles depend on nothing else, and
+    computing them dominates the time of a save's call for models with many tensors."""
+    if not is_dtensor(t):
+        return tensor_item(name, t, holders)
+    try:
+        key = (name, t._spec, tuple(t.placements), tuple(holders.members), holders.group.rank, holders.group.size, id(holders.group.pg))
+        known = key in _ITEMS
+    except (AttributeError, TypeError):  # a torch without hashable specs: no memo
+        return tensor_item(name, t, holders)
+    if not known:
+        item = tensor_item(name, t, holders)
+        if len(_ITEMS) > 100_000:
+            _ITEMS.clear()
+        _ITEMS[key] = None if item is None else (item.global_shape, item.pieces, item.replica_index, item.replicas, item.layout)
+        return item
+    fields = _ITEMS[key]
+    if fields is None:
+        return None
+    local = getattr(t, "_local_tensor", None)
+    return TensorItem(name, local if local is not None else t.to_local(), *fields)
+
+
+def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> LocalState:
     """Classify this rank's state (collective): fragments it owns, values to check and
-    commit, per-rank state. Copies what it will write to host memory."""
+    commit, per-rank state. Copies what it will write to host memory, unless ``defer``:
+    then tensors to write still refer to the live state and replicated tensors whose
+    digest is still to be computed are listed in ``digest_sources`` (async save stages
+    and digests them itself)."""
+    _stage_fn = (lambda t: t.detach()) if defer else _stage
     out = LocalState()
     leaves = flatten(state_dict)
     holders = holders_of([leaf.name for leaf in leaves if not isinstance(leaf.value, PerRank)], group)
@@ -89,7 +120,7 @@ def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
         v = leaf.value
         if isinstance(v, PerRank):
             if isinstance(v.value, torch.Tensor):
-                out.rank_tensors.append(tensor_item(leaf.name, _stage(v.value), None))
+                out.rank_tensors.append(tensor_item(leaf.name, _stage_fn(v.value), None))
             else:
                 out.rank_values[leaf.name] = encode_value(v.value, leaf.name)
             continue
@@ -98,15 +129,18 @@ def collect(state_dict: dict[str, Any], group: Group) -> LocalState:
                 item = sharded_item(leaf.name, v)
                 v = v.local
             else:
-                item = tensor_item(leaf.name, v, holders)
+                item = _tensor_item(leaf.name, v, holders)
             if item is None:
                 continue
             dtype = dtype_name(v.dtype)
             if item.layout == "replicated":
-                item.local = _stage(v)
-                out.digests[leaf.name] = f"tensor {dtype} {list(item.local.shape)} crc32c={crc32c(_as_bytes(item.local)):08x}"
+                item.local = _stage_fn(v)
+                if defer:
+                    out.digest_sources[leaf.name] = item.local
+                else:
+                    out.digests[leaf.name] = tensor_digest(dtype, tuple(item.local.shape), crc32c(_as_bytes(item.local)))
             if item.pieces and replica_owner(item.name, item.shard_key, item.replicas) == item.replica_index:
-                item.local = _stage(item.local)
+                item.local = _stage_fn(item.local)
                 out.to_write.append(item)
             if item.pieces or (out.leader and Box.whole(item.global_shape).volume == 0):
                 out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
@@ -123,35 +157,13 @@ def write_data_file(
     """Write ``items`` (staged, contiguous CPU tensors) as one safetensors file, in chunks
     from ``threads`` threads, checksumming each chunk as it goes; fsync once at the end.
     Returns the file's size and the fragments it holds."""
-    entries = [Entry(i.name, dtype_name(i.local.dtype), tuple(i.local.shape), i.local.numel() * i.local.element_size()) for i in items]
-    prefix, offsets = build_header(entries, {"format": "unickpt", "rank": str(rank)})
-    size = len(prefix) + sum(e.nbytes for e in entries)
-    chunks = []
-    for k, (item, off) in enumerate(zip(items, offsets)):
-        data = _as_bytes(item.local)
-        chunks += [(k, off + lo, data[lo:hi]) for lo, hi in write_chunks(data.nbytes, WRITE_CHUNK_BYTES, block_bytes)]
-    writer = storage.open_writer(name, size)
+    writer = DataFileWriter(storage, name, rank, items, block_bytes, threads)
     try:
-        writer.pwrite(0, prefix)
-
-        def write(chunk: tuple[int, int, memoryview]) -> list[int]:
-            _, at, data = chunk
-            crcs = block_crcs(data, block_bytes)
-            writer.pwrite(at, data)
-            return crcs
-
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            chunk_crcs = list(pool.map(write, chunks))
-    finally:
-        writer.close(durable=True)
-    per_item: list[list[int]] = [[] for _ in items]
-    for (k, _, _), crcs in zip(chunks, chunk_crcs):
-        per_item[k] += crcs
-    fragments = [
-        Fragment(name, off, tuple(i.local.shape), i.pieces, per_item[k], block_bytes, rank)
-        for k, (i, off) in enumerate(zip(items, offsets))
-    ]
-    return size, fragments
+        writer.write([(k, 0, as_bytes(i.local)) for k, i in enumerate(items)])
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish()
 
 
 @dataclass
@@ -193,16 +205,9 @@ def stage(
     storage = LocalStorage(path)
     if storage.exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
-    status = b"ok"
-    if group.rank == 0:
-        try:
-            storage.prepare()
-            storage.remove(MANIFEST_NAME)
-        except OSError as e:
-            status = f"cannot prepare {path}: {e}".encode()
-    status = broadcast_bytes(group, status, 0)
-    if status != b"ok":
-        raise SaveError(status.decode())
+    problem = prepare_collective(group, storage)
+    if problem is not None:
+        raise SaveError(problem)
     try:
         local, error = collect(state_dict, group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
@@ -210,31 +215,52 @@ def stage(
     return StagedSave(group, storage, local, error, dict(metadata or {}), block_bytes, threads)
 
 
+def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int]) -> dict[str, Any]:
+    """What this rank reports to rank 0 once its file is durable."""
+    frags: dict[str, dict[str, Any]] = {}
+    rank_frags: dict[str, dict[str, Any]] = {}
+    for item, frag in written:
+        target = frags if item.layout != "per-rank" else rank_frags
+        target[item.name] = {
+            "shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype),
+            "layout": item.layout, "fragment": fragment_to_json(frag),
+        }
+    return {
+        "rank": group.rank, "error": None, "files": files, "fragments": frags,
+        "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
+        "digests": local.digests, "values": local.values if local.leader else {},
+        "rank_values": local.rank_values, "rank_tensors": rank_frags,
+    }
+
+
+def prepare_collective(group: Group, storage: LocalStorage) -> str | None:
+    """Collective: rank 0 creates the directory and removes a stale manifest. Returns the
+    problem (the same text on every rank) or None."""
+    status = b"ok"
+    if group.rank == 0:
+        try:
+            storage.prepare()
+            storage.remove(MANIFEST_NAME)
+        except OSError as e:
+            status = f"cannot prepare {storage.root}: {e}".encode()
+    status = broadcast_bytes(group, status, 0)
+    return None if status == b"ok" else status.decode()
+
+
 def _rank_payload(staged: StagedSave) -> dict[str, Any]:
     group, local = staged.group, staged.local
     if staged.error is not None or local is None:
         return {"rank": group.rank, "error": staged.error}
     try:
-        frags: dict[str, dict[str, Any]] = {}
-        rank_frags: dict[str, dict[str, Any]] = {}
         files: dict[str, int] = {}
+        written: list[tuple[TensorItem, Fragment]] = []
         to_write = local.to_write + local.rank_tensors
         if to_write:
             fname = data_file_name(group.rank)
             size, fragments = write_data_file(staged.storage, fname, group.rank, to_write, staged.block_bytes, staged.threads)
             files[fname] = size
-            for item, frag in zip(to_write, fragments):
-                target = frags if item.layout != "per-rank" else rank_frags
-                target[item.name] = {
-                    "shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype),
-                    "layout": item.layout, "fragment": fragment_to_json(frag),
-                }
-        return {
-            "rank": group.rank, "error": None, "files": files, "fragments": frags,
-            "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
-            "digests": local.digests, "values": local.values if local.leader else {},
-            "rank_values": local.rank_values, "rank_tensors": rank_frags,
-        }
+            written = list(zip(to_write, fragments))
+        return rank_payload(group, local, written, files)
     except Exception as e:
         return {"rank": group.rank, "error": _describe(e)}
 
@@ -321,14 +347,18 @@ def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
     """Phase 2 of a save (collective): write this rank's file, then rank 0 checks every
     rank's report and commits the manifest. Raises the same error on every rank if any
     rank failed. ``group`` overrides the group used to talk (async saves use their own)."""
-    group = group or staged.group
-    payload = _rank_payload(staged)
+    commit(group or staged.group, _rank_payload(staged), staged.storage, staged.metadata)
+
+
+def commit(group: Group, payload: dict[str, Any], storage: LocalStorage, metadata: dict[str, Any]) -> None:
+    """Collective: gather every rank's report to rank 0, which checks them and commits the
+    manifest; raises the same error on every rank if any rank failed."""
     gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
     result = b"ok"
     if gathered is not None:
         try:
-            manifest = assemble([json.loads(g) for g in gathered], group.size, staged.metadata)
-            staged.storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
+            manifest = assemble([json.loads(g) for g in gathered], group.size, metadata)
+            storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
         except UnickptError as e:
             result = f"{type(e).__name__}\n{e}".encode()
         except Exception as e:

@@ -1,17 +1,49 @@
 """Local (and network-mounted) file system storage: the only module that touches files.
 
 Writes go to pre-sized files with ``pwrite`` from several threads and one ``fsync`` per
-file; reads are ``pread`` into caller-owned buffers. Small documents (the manifest) are
-committed atomically: temp name, fsync, rename, fsync of the directory.
+file; on Linux each large write also starts the kernel's writeback of its range at once
+(``sync_file_range``), so the disk works while later chunks are still being copied and the
+final ``fsync`` has little left to flush (about 1.5x faster than write-then-fsync here,
+see docs/PERFORMANCE.md). Reads are ``preadv`` straight into caller-owned buffers
+(several buffers per call: scatter reads into target tensors). Small documents (the
+manifest) are committed atomically: temp name, fsync, rename, fsync of the directory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 from pathlib import Path
 
 from ..errors import CorruptionError, NotACheckpointError
+
+IOV_MAX = 1024
+EARLY_WRITEBACK_MIN = 1 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a dirty range to disk now, without waiting (Linux;
+    a no-op elsewhere). Durability still comes from the final fsync."""
+    if _sync_file_range is not None and nbytes >= EARLY_WRITEBACK_MIN:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 class FileWriter:
@@ -24,12 +56,14 @@ class FileWriter:
             os.ftruncate(self._fd, size)
 
     def pwrite(self, offset: int, data: memoryview | bytes) -> None:
-        """Write all of ``data`` at ``offset`` (thread-safe)."""
+        """Write all of ``data`` at ``offset`` (thread-safe) and start its writeback."""
         view = memoryview(data).cast("B")
+        start, total = offset, view.nbytes
         while view.nbytes:
             n = os.pwrite(self._fd, view, offset)
             view = view[n:]
             offset += n
+        start_writeback(self._fd, start, total)
 
     def close(self, durable: bool = True) -> None:
         """Flush to stable storage (when ``durable``) and close."""
@@ -60,6 +94,26 @@ class FileReader:
                 raise CorruptionError(f"{self.path.name} is truncated: no data at byte {offset} (file has {self.size})")
             view = view[n:]
             offset += n
+
+    def preadv_into(self, offset: int, views: list[memoryview]) -> None:
+        """Fill the buffers ``views`` one after the other with the bytes from ``offset`` on
+        (one scatter read per ``IOV_MAX`` buffers, retried on short reads)."""
+        pending = [memoryview(v).cast("B") for v in views]
+        pending = [v for v in pending if v.nbytes]
+        while pending:
+            batch = pending[:IOV_MAX]
+            n = os.preadv(self._fd, batch, offset)
+            if n == 0:
+                raise CorruptionError(f"{self.path.name} is truncated: no data at byte {offset} (file has {self.size})")
+            offset += n
+            while n and pending:
+                head = pending[0]
+                if n >= head.nbytes:
+                    n -= head.nbytes
+                    pending.pop(0)
+                else:
+                    pending[0] = head[n:]
+                    n = 0
 
     def close(self) -> None:
         """Close the file."""

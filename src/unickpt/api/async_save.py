@@ -1,0 +1,306 @@
+"""``async_save``: capture the state into host memory, write and commit in the background.
+
+The call returns once this rank's state is staged (copied into a reusable host buffer,
+pinned for CUDA tensors); a background thread then writes the rank's file and takes part
+in the commit. All of the save's communication runs on a dedicated gloo process group
+over the same ranks, created once and cached, never on the training group: training
+collectives (NCCL or gloo) can run at the same time without interleaving with the
+checkpoint's (DCP's thread mode on the default group hangs exactly there).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c as _crc
+import torch
+import torch.distributed as dist
+
+from ..dist import Group, all_gather_fixed, resolve_group
+from ..errors import SaveError, UnickptError
+from ..format.dtypes import dtype_name
+from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment
+from ..storage.local import LocalStorage
+from .items import TensorItem
+from .save import (
+    LocalState, _describe, collect, commit, data_file_name, prepare_collective, rank_payload, tensor_digest,
+)
+from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
+from .writer import DataFileWriter
+
+_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
+def checkpoint_group(group: Group) -> Group:
+    """The gloo group that carries checkpoint traffic for ``group``'s ranks: created on
+    first use (collectively, by every member) and cached for the life of the default group."""
+    if not group.active:
+        return group
+    world = dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group.pg))
+    cached = _GROUPS.get(ranks)
+    if cached is None or cached[0] is not world:
+        if len(ranks) == dist.get_world_size():
+            pg = dist.new_group(backend="gloo")
+        else:
+            pg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+        cached = _GROUPS[ranks] = (world, pg)
+    pg = cached[1]
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+class AsyncSaveHandle:
+    """A save in flight. ``result()`` waits for it and raises its error, if any, on every
+    rank alike (the message names the failing ranks and files); ``done()`` polls."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path, self.rank = path, rank
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state has been copied to host memory; after this the tensors
+        may change. Needed only with ``lazy=True`` (else the call already waited)."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"async save to {self.path}: state not staged after {timeout} s")
+
+    def staged(self) -> bool:
+        """True once the state has been copied to host memory."""
+        return self._staged.is_set()
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait for the save to finish; raise its failure (a :class:`SaveError` or another
+        :class:`UnickptError`) if it failed, ``TimeoutError`` if it is still running."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+
+@dataclass
+class _Job:
+    group: Group
+    storage: LocalStorage
+    local: LocalState | None
+    error: str | None
+    metadata: dict[str, Any]
+    block_bytes: int
+    threads: int
+    items: list[TensorItem]
+    sources: list[torch.Tensor]
+    digests: dict[int, str]
+    batches: list[list[Unit]]
+    capacity: int
+    events: list
+    lazy: bool
+    limit: int | None
+
+
+class _Saver:
+    """The process's one async saver: one staging buffer, at most one save in flight."""
+
+    def __init__(self) -> None:
+        self.pool = StagingPool()
+        self.current: AsyncSaveHandle | None = None
+        self.streams: dict[torch.device, Any] = {}
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any (its error stays with its handle)."""
+        if self.current is not None:
+            self.current._done.wait()
+
+    def start(self, job: _Job, handle: AsyncSaveHandle) -> None:
+        """Stage (here unless lazy or the shard needs several batches) and start the
+        background writer; return once staged unless lazy."""
+        self.current = handle
+        pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
+        buf = self.pool.buffer(job.capacity, pin, job.limit) if job.local is not None else None
+        crcs: dict[int, int] = {}
+        here = not job.lazy and len(job.batches) == 1 and job.error is None
+        if here:
+            try:
+                self._stage(job, 0, buf, crcs)
+            except Exception as e:
+                job.error = _describe(e)
+            handle._staged.set()
+        thread = threading.Thread(
+            target=self._run, args=(job, handle, buf, crcs, here), name="unickpt-async-save", daemon=False
+        )
+        thread.start()
+        if not job.lazy:
+            handle._staged.wait()
+
+    def _stage(self, job: _Job, k: int, buf: torch.Tensor, crcs: dict[int, int]) -> None:
+        """Copy batch ``k`` into the buffer; digest sources that are read in place."""
+        batch = job.batches[k]
+        copy_batch(batch, job.sources, buf, job.events, self.streams)
+        for u in batch:
+            if u.slot < 0 and u.index in job.digests:
+                crcs[u.index] = _crc.crc32c(memoryview(flat_bytes(job.sources[u.index]).numpy()[u.lo : u.hi]), crcs.get(u.index, 0))
+
+    def _run(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
+        try:
+            self._write_and_commit(job, handle, buf, crcs, staged_batch0)
+        except BaseException as e:
+            handle._error = e if isinstance(e, UnickptError) else SaveError(
+                f"async save to {job.storage.root} failed on rank {job.group.rank}: {type(e).__name__}: {e}"
+            )
+        finally:
+            handle._staged.set()
+            handle._done.set()
+
+    def _write_and_commit(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
+        last = len(job.batches) - 1
+        if job.error is None and not staged_batch0:
+            try:
+                self._stage(job, 0, buf, crcs)
+            except Exception as e:
+                job.error = _describe(e)
+        if last == 0 or job.error is not None:
+            handle._staged.set()
+        # Start writing only once every rank has staged: a rank that writes while others
+        # still copy takes CPU and memory bandwidth from their (blocking) staging.
+        all_gather_fixed(job.group, b"\x01")
+        problem = prepare_collective(job.group, job.storage)
+        if problem is not None:
+            raise SaveError(problem)
+        if job.error is None:
+            payload = self._write(job, handle, buf, crcs)
+        else:
+            payload = {"rank": job.group.rank, "error": job.error}
+        handle._staged.set()
+        commit(job.group, payload, job.storage, job.metadata)
+
+    def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int]) -> dict[str, Any]:
+        group, local = job.group, job.local
+        assert local is not None
+        writer = None
+        try:
+            files: dict[str, int] = {}
+            written: list[tuple[TensorItem, Fragment]] = []
+            if job.items:
+                writer = DataFileWriter(job.storage, data_file_name(group.rank), group.rank, job.items, job.block_bytes, job.threads)
+            for k, batch in enumerate(job.batches):
+                if k > 0:
+                    self._stage(job, k, buf, crcs)
+                    if k == len(job.batches) - 1:
+                        handle._staged.set()
+                parts = []
+                for u in batch:
+                    if u.slot < 0:
+                        continue
+                    data = memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy())
+                    if u.index in job.digests:
+                        crcs[u.index] = _crc.crc32c(data, crcs.get(u.index, 0))
+                    if u.index < len(job.items):
+                        parts.append((u.index, u.lo, data))
+                if writer is not None and parts:
+                    writer.write(parts)
+            if writer is not None:
+                size, fragments = writer.finish()
+                writer = None
+                files[data_file_name(group.rank)] = size
+                written = list(zip(job.items, fragments))
+            for i, name in job.digests.items():
+                t = job.sources[i]
+                local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs.get(i, 0))
+            return rank_payload(group, local, written, files)
+        except Exception as e:
+            if writer is not None:
+                writer.abort()
+            return {"rank": group.rank, "error": _describe(e)}
+
+
+_SAVER = _Saver()
+
+
+def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: int):
+    if local is None:
+        return [], [], {}, [[]], 0
+    items = local.to_write + local.rank_tensors
+    sources = [i.local for i in items]
+    staged = [True] * len(items)
+    digests: dict[int, str] = {}
+    index = {i.name: k for k, i in enumerate(items)}
+    for name, t in local.digest_sources.items():
+        if name in index:  # this rank writes it: digest the staged copy, in the background
+            digests[index[name]] = name
+        else:
+            digests[len(sources)] = name
+            sources.append(t)
+            staged.append(t.is_cuda)
+    sizes = [t.numel() * t.element_size() for t in sources]
+    batches, capacity = plan_batches(sizes, staged, max_staging_bytes, block_bytes)
+    return items, sources, digests, batches, capacity
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    process_group: Any = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    threads: int = 4,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_staging_bytes: int | None = None,
+    lazy: bool = False,
+) -> AsyncSaveHandle:
+    """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
+    is captured; a background thread writes this rank's file and the commit follows.
+
+    Collective: every rank of ``process_group`` calls it. If a save is still in flight,
+    it first waits for it (one save at a time; its error stays with its own handle).
+    The bytes to write are copied into one host buffer kept for the next saves (pinned
+    when the tensors are on CUDA; device copies are ``non_blocking`` on a side stream
+    with one synchronize), so host memory stays at one copy of this rank's shard.
+    ``max_staging_bytes`` caps that buffer: a larger shard is staged and written in
+    batches (stage a part, write it, stage the next), and the call returns when the last
+    batch is staged. The background traffic uses a dedicated gloo group, so training
+    collectives may run meanwhile.
+
+    ``lazy=True`` returns at once and copies in the background while training goes on.
+    Contract: the saved values are those the tensors hold at the call; the caller must
+    not modify them in place until ``handle.wait_staged()`` returns. Forward and backward
+    only read parameters and optimizer state, so call ``wait_staged()`` right before
+    ``optimizer.step()`` (and before zeroing or editing anything that is saved).
+
+    Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
+    Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
+    without ``overwrite``) are raised here.
+    """
+    if block_bytes <= 0 or block_bytes % 8:
+        raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
+    if max_staging_bytes is not None and max_staging_bytes <= 0:
+        raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
+    _SAVER.wait()
+    group = checkpoint_group(resolve_group(process_group))
+    storage = LocalStorage(path)
+    if storage.exists(MANIFEST_NAME) and not overwrite:
+        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+    try:
+        local, error = collect(state_dict, group, defer=True), None
+        items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
+    except Exception as e:  # reported to rank 0 by the background commit, like save()
+        local, error = None, _describe(e)
+        items, sources, digests, batches, capacity = _plan(None, None, block_bytes)
+    events = record_streams(sources)
+    job = _Job(
+        group, storage, local, error, dict(metadata or {}), block_bytes, threads,
+        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes,
+    )
+    handle = AsyncSaveHandle(str(path), group.rank)
+    _SAVER.start(job, handle)
+    return handle
+
+
+def staging_bytes() -> int:
+    """Bytes of host memory the async saver's staging buffer holds now."""
+    return _SAVER.pool.nbytes
