@@ -242,6 +242,22 @@ def inspect_cmd(
 # ---------------------------------------------------------------- verify
 
 
+def _with_byte_progress(label: str, total: int, work: Callable[[Callable[[int], None] | None], Any]) -> Any:
+    """Run ``work(progress)`` with a byte progress bar on a terminal (stderr); pipes and
+    logs get no bar (``progress`` is then None) and only the result."""
+    err = _err()
+    if not err.is_terminal:
+        return work(None)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=total)
+        return work(lambda n: bar.advance(task, n))
+
+
 @app.command("verify")
 @_errors
 def verify_cmd(
@@ -250,23 +266,12 @@ def verify_cmd(
     limit: Annotated[int, typer.Option(min=0, help="Problems to list at most (0: all).")] = 50,
 ) -> None:
     """Re-check every checksum and file size; exit 1 if anything is corrupt."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
     from .api.load import read_manifest
     from .api.verify import total_bytes, verify
 
     total = total_bytes(read_manifest(str(path)))
-    err = _err()
     t0 = time.perf_counter()
-    if err.is_terminal:  # a progress bar on a terminal only; pipes and logs get the result alone
-        with Progress(
-            "[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
-        ) as bar:
-            task = bar.add_task("verifying", total=total)
-            report = verify(str(path), progress=lambda n: bar.advance(task, n), threads=threads)
-    else:
-        report = verify(str(path), threads=threads)
+    report = _with_byte_progress("verifying", total, lambda progress: verify(str(path), progress=progress, threads=threads))
     elapsed = time.perf_counter() - t0
     out = _out()
     if report.ok:
@@ -302,25 +307,14 @@ def convert_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already at DST.")] = False,
 ) -> None:
     """Rewrite a checkpoint: --consolidate stores one fragment per tensor, streaming with bounded memory."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
     from .api.convert import convert, total_bytes
     from .api.load import read_manifest
 
     if not consolidate:
         raise _fail("nothing to do: pass --consolidate (the only conversion so far)")
     total = total_bytes(read_manifest(str(src)))
-    err = _err()
     kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
-    if err.is_terminal:  # a progress bar on a terminal only; pipes and logs get the result alone
-        with Progress(
-            "[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
-        ) as bar:
-            task = bar.add_task("consolidating", total=total)
-            report = convert(str(src), str(dst), progress=lambda n: bar.advance(task, n), **kwargs)
-    else:
-        report = convert(str(src), str(dst), **kwargs)
+    report = _with_byte_progress("consolidating", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
     _out().print(
         Text(f"OK: {report.tensors} tensors consolidated, {human_bytes(report.bytes_written)} written to "
              f"{report.dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="green"),
