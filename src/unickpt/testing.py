@@ -27,13 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: str) -> None:
+def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errdir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         try:
             fn(rank, world, *args)
         finally:
@@ -47,12 +47,14 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes with a gloo group.
 
-    ``fn`` must be importable (a module-level function). Raises RankFailure listing the
-    traceback of every rank that failed.
+    ``fn`` must be importable (a module-level function). The ranks meet through a file
+    store in a fresh temporary directory, so concurrent runs never race for a TCP port.
+    Raises RankFailure listing the traceback of every rank that failed.
     """
     with tempfile.TemporaryDirectory() as errdir:
         ctx = mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, errdir), nprocs=world, join=False, start_method="spawn"
+            _entry, args=(world, os.path.join(errdir, "store"), fn, args, errdir), nprocs=world, join=False,
+            start_method="spawn",
         )
         try:
             while not ctx.join(timeout=timeout):
