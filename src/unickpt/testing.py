@@ -36,6 +36,7 @@ def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errdir:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         try:
             fn(rank, world, *args)
+            dist.barrier()  # tear down together: no rank closes its connections while a peer still uses them
         finally:
             dist.destroy_process_group()
     except BaseException:
