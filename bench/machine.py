@@ -25,6 +25,17 @@ def drop_caches() -> bool:
         return False
 
 
+
+def _each(one, offs: range, threads: int) -> None:
+    """Call ``one(off)`` for every offset, inline or from ``threads`` threads."""
+    if threads == 1:
+        for off in offs:
+            one(off)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, offs))
+
+
 def _write(paths: list[str], data: memoryview, threads: int, kick: bool) -> float:
     """GB/s writing ``data`` split over ``paths`` (one file each) in 16 MiB pwrites from
     ``threads`` threads, then fsync of every file."""
@@ -43,13 +54,7 @@ def _write(paths: list[str], data: memoryview, threads: int, kick: bool) -> floa
         if kick:
             start_writeback(fd, off % part, view.nbytes)
 
-    offs = range(0, data.nbytes, CHUNK)
-    if threads == 1:
-        for off in offs:
-            one(off)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, offs))
+    _each(one, range(0, data.nbytes, CHUNK), threads)
     for fd in fds:
         os.fsync(fd)
         os.close(fd)
@@ -65,13 +70,7 @@ def _read(paths: list[str], buf: memoryview, threads: int) -> float:
     def one(off: int) -> None:
         os.preadv(fds[off // part], [buf[off : off + CHUNK]], off % part)
 
-    offs = range(0, buf.nbytes, CHUNK)
-    if threads == 1:
-        for off in offs:
-            one(off)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, offs))
+    _each(one, range(0, buf.nbytes, CHUNK), threads)
     for fd in fds:
         os.close(fd)
     return buf.nbytes / (time.perf_counter() - t0) / 1e9

@@ -169,14 +169,15 @@ def _sources(entry: TensorEntry) -> list[SourceFragment]:
 
 
 def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece]) -> None:
-    plan = plan_reads(pieces, _sources(entry), itemsize(entry.dtype))
+    sources = _sources(entry)
+    plan = plan_reads(pieces, sources, itemsize(entry.dtype))
     for p, got in zip(pieces, plan.covered):
         if got != p.global_box.volume:
             raise CorruptionError(
                 f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "
                 f"this rank needs (box {p.global_box}); its fragments are incomplete"
             )
-    reader.add(entry, _sources(entry), plan.spans, local)
+    reader.add(entry, sources, plan.spans, local)
 
 
 def _check_compatible(entry: TensorEntry, target: torch.Tensor, global_shape: tuple[int, ...] | None = None) -> None:
