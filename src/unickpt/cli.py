@@ -153,6 +153,7 @@ def _summary(path: str) -> dict[str, Any]:
     n_frag = sum(t["fragments"] for t in tensors) + sum(p.get("fragments", 0) for p in per_rank)
     return {
         "path": str(path),
+        "format": m.provenance.get("format", "unickpt"),
         "format_version": f"{m.version[0]}.{m.version[1]}",
         "world_size": m.world_size,
         "provenance": m.provenance,
@@ -195,7 +196,7 @@ def inspect_cmd(
     head = Table.grid(padding=(0, 2))
     head.add_column(style="dim")
     head.add_column()
-    head.add_row("format", f"unickpt {s['format_version']}")
+    head.add_row("format", f"unickpt {s['format_version']}" if s["format"] == "unickpt" else f"{s['format']} (read in place; no checksums)")
     head.add_row("world size", str(s["world_size"]))
     for k, v in s["provenance"].items():
         if k != "world_size":
@@ -274,6 +275,9 @@ def verify_cmd(
     report = _with_byte_progress("verifying", total, lambda progress: verify(str(path), progress=progress, threads=threads))
     elapsed = time.perf_counter() - t0
     out = _out()
+    if report.ok and report.bytes_unverifiable:
+        out.print(Text(f"{report} ({_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"), soft_wrap=True)
+        return
     if report.ok:
         out.print(
             Text(f"OK: {report.tensors} tensors, {report.bytes_checked} bytes verified "
@@ -297,8 +301,11 @@ def verify_cmd(
 @app.command("convert")
 @_errors
 def convert_cmd(
-    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read.", show_default=False)],
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read (unickpt, PyTorch DCP, DeepSpeed, Hugging Face).", show_default=False)],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Directory of the new checkpoint.", show_default=False)],
+    to: Annotated[
+        str, typer.Option("--to", help="Output format: unickpt, dcp (PyTorch DCP), deepspeed (DeepSpeed universal checkpoint).")
+    ] = "unickpt",
     consolidate: Annotated[
         bool, typer.Option("--consolidate", help="Store every tensor whole, in one fragment (the universal form).")
     ] = False,
@@ -306,18 +313,88 @@ def convert_cmd(
     buffer_mib: Annotated[int, typer.Option(min=1, help="Read buffer (MiB): memory is bounded by the largest tensor plus this.")] = 64,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already at DST.")] = False,
 ) -> None:
-    """Rewrite a checkpoint: --consolidate stores one fragment per tensor, streaming with bounded memory."""
+    """Rewrite a checkpoint in another form, streaming with bounded memory: a foreign checkpoint
+    into unickpt's format, or any checkpoint into PyTorch DCP or DeepSpeed's universal format;
+    --consolidate stores one fragment per tensor."""
+    from .adapters.detect import checkpoint_format
     from .api.convert import convert, total_bytes
     from .api.load import read_manifest
 
-    if not consolidate:
-        raise _fail("nothing to do: pass --consolidate (the only conversion so far)")
+    if to not in ("unickpt", "dcp", "deepspeed"):
+        raise _fail(f"unknown output format {to!r}: choose unickpt, dcp or deepspeed")
+    source_format = checkpoint_format(str(src))
+    if to == "unickpt" and source_format == "unickpt" and not consolidate:
+        raise _fail("nothing to do: pass --consolidate, or --to dcp / --to deepspeed")
     total = total_bytes(read_manifest(str(src)))
-    kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
-    report = _with_byte_progress("consolidating", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
+    if to == "unickpt":
+        kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
+        report = _with_byte_progress("converting", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
+        what = f"{report.tensors} tensors " + ("consolidated" if source_format == "unickpt" else "imported")
+    elif to == "dcp":
+        from .adapters.dcp_writer import write_dcp
+
+        report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads))
+        what = f"{report.tensors} tensors"
+    else:
+        from .adapters.deepspeed_writer import write_universal
+
+        report = _with_byte_progress(
+            "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads)
+        )
+        what = f"{report.params} parameters"
     _out().print(
-        Text(f"OK: {report.tensors} tensors consolidated, {human_bytes(report.bytes_written)} written to "
-             f"{report.dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="green"),
+        Text(f"OK: {what} ({source_format} -> {to}), {human_bytes(report.bytes_written)} written to "
+             f"{dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="green"),
+        soft_wrap=True,
+    )
+
+
+# ---------------------------------------------------------------- export
+
+
+@app.command("export")
+@_errors
+def export_cmd(
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read.", show_default=False)],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Folder to write.", show_default=False)],
+    fmt: Annotated[str, typer.Option("--format", help="Output format: hf (Hugging Face safetensors).")] = "hf",
+    max_shard_size: Annotated[str, typer.Option(help="Largest shard: bytes, or e.g. 500MB, 5GB, 2GiB.")] = "5GB",
+    dtype: Annotated[
+        str | None, typer.Option(help="Cast floating tensors: bf16, fp16 or fp32 (default: as saved).", show_default=False)
+    ] = None,
+    names: Annotated[str, typer.Option(help="Name mapping: auto (llama when every name fits), llama, keep.")] = "auto",
+    prefix: Annotated[str, typer.Option(help="Export the tensors named PREFIX... (prefix removed).")] = "model.",
+    config: Annotated[
+        Path | None,
+        typer.Option(help="HF config.json to write (and to take head counts from) instead of the checkpoint's model_args.",
+                     show_default=False),
+    ] = None,
+    threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an export already at DST.")] = False,
+) -> None:
+    """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming."""
+    from .adapters.hf_export import export_hf, parse_size, plan_hf_export
+    from .api.load import read_manifest
+
+    if fmt != "hf":
+        raise _fail(f"unknown export format {fmt!r} (known: hf)")
+    parse_size(max_shard_size)  # a bad size fails before anything is read
+    hf_config = None
+    if config is not None:
+        try:
+            hf_config = json.loads(config.read_text())
+        except ValueError as e:
+            raise _fail(f"{config} is not valid JSON: {e}") from None
+        if not isinstance(hf_config, dict):
+            raise _fail(f"{config} does not hold a JSON object")
+    kwargs: dict[str, Any] = {"dtype": dtype, "names": names, "prefix": prefix, "config": hf_config}
+    total = plan_hf_export(read_manifest(str(src)), **kwargs).total_bytes
+    report = _with_byte_progress("exporting", total, lambda progress: export_hf(
+        str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
+    extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
+    _out().print(
+        Text(f"OK: {report.tensors} tensors exported (names: {report.names}), {human_bytes(report.bytes_written)} in "
+             f"{_n(len(report.shards), 'shard')} to {report.dst}{extra} ({report.seconds:.2f} s)", style="green"),
         soft_wrap=True,
     )
 

@@ -35,3 +35,8 @@ class InconsistentStateError(UnickptError):
 
 class SaveError(UnickptError):
     """Saving failed on at least one rank; the message names the ranks and causes."""
+
+
+class UnsafePickleError(UnickptError):
+    """A foreign checkpoint's pickle names a class or function that is not allowed: it was
+    refused, never run."""

@@ -5,6 +5,7 @@ Used by the test suite and the demo; users can use it to try unickpt without tor
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -45,17 +46,22 @@ def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errdir:
         raise SystemExit(1)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240) -> None:
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, preload: list[str] | None = None) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes with a gloo group.
 
     ``fn`` must be importable (a module-level function). The ranks meet through a file
     store in a fresh temporary directory, so concurrent runs never race for a TCP port.
+    With ``preload`` (module names), ranks are forked from a fork server that imported
+    those modules once, instead of spawned: on a 2-core machine 4 spawned ranks spend
+    ~25 s importing torch, forked ones start in under a second.
     Raises RankFailure listing the traceback of every rank that failed.
     """
+    if preload:
+        multiprocessing.set_forkserver_preload(preload)
     with tempfile.TemporaryDirectory() as errdir:
         ctx = mp.start_processes(
             _entry, args=(world, os.path.join(errdir, "store"), fn, args, errdir), nprocs=world, join=False,
-            start_method="spawn",
+            start_method="forkserver" if preload else "spawn",
         )
         try:
             while not ctx.join(timeout=timeout):

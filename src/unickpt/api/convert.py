@@ -35,6 +35,7 @@ import torch
 
 from .. import __version__
 from ..errors import CorruptionError, SaveError, UnickptError
+from ..adapters.detect import open_manifest
 from ..format.checksum import crc32c
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment, Manifest, TensorEntry
@@ -96,7 +97,7 @@ def convert(
         raise UnickptError("convert: threads and buffer_bytes must be >= 1, block_bytes a positive multiple of 8")
     t0 = time.perf_counter()
     source = LocalStorage(src)
-    manifest = Manifest.from_json(source.read_small(MANIFEST_NAME))
+    manifest = open_manifest(str(src))
     out = LocalStorage(dst)
     if out.root.resolve() == source.root.resolve():
         raise SaveError("convert: the destination must differ from the source")
@@ -121,7 +122,10 @@ def convert(
         "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(),
         "world_size": manifest.world_size,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "consolidated_from": {"world_size": manifest.world_size, "created": manifest.provenance.get("created")},
+        "consolidated_from": {
+            "format": manifest.provenance.get("format", "unickpt"), "world_size": manifest.world_size,
+            "created": manifest.provenance.get("created"),
+        },
     }
     frags: dict[tuple[str, int], Fragment] = {}
     bytes_read = bytes_written = 0
@@ -129,8 +133,8 @@ def convert(
     # all memory is allocated once: an arena holding the tensor(s) being consolidated, and
     # one read buffer per thread (grown at most to the largest span), so nothing depends
     # on how many tensors there are or on the allocator returning freed memory
-    largest = max((_aligned(e.nbytes) for es in per_file.values() for e in es), default=0)
-    arena = torch.empty(max(largest, min(_aligned(buffer_bytes), sum(_aligned(e.nbytes) for es in per_file.values() for e in es))), dtype=torch.uint8)
+    largest = max((aligned(e.nbytes) for es in per_file.values() for e in es), default=0)
+    arena = torch.empty(max(largest, min(aligned(buffer_bytes), sum(aligned(e.nbytes) for es in per_file.values() for e in es))), dtype=torch.uint8)
     buffers = threading.local()
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -144,12 +148,12 @@ def convert(
                 ]
                 writer = DataFileWriter(out, fname, rank, items, block_bytes, threads)
                 try:
-                    for batch in _batches(list(enumerate(entries)), arena.numel()):
+                    for batch in batches(list(enumerate(entries)), arena.numel()):
                         tensors, at = [], 0
                         for _, e in batch:
                             tensors.append(arena[at : at + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape))
-                            at += _aligned(e.nbytes)
-                        bytes_read += _read_whole(pool, buffers, source, [(e, t) for (_, e), t in zip(batch, tensors)], span_bytes, verify)
+                            at += aligned(e.nbytes)
+                        bytes_read += read_whole(pool, buffers, source, [(e, t) for (_, e), t in zip(batch, tensors)], span_bytes, verify)
                         for (k, e), t in zip(batch, tensors):
                             writer.write([(k, 0, as_bytes(t))])
                             bytes_written += e.nbytes
@@ -181,11 +185,12 @@ def convert(
     return ConvertReport(src, dst, len(result.tensors), bytes_written, bytes_read, len(result.files), time.perf_counter() - t0)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of 64 (arena slots)."""
     return -(-n // 64) * 64
 
 
-def _read_whole(
+def read_whole(
     pool: ThreadPoolExecutor, buffers: threading.local, storage: LocalStorage,
     jobs: list[tuple[TensorEntry, torch.Tensor]], span_bytes: int, verify: bool,
 ) -> int:
@@ -213,7 +218,7 @@ def _read_whole(
         buf = own[:n]
         mv = memoryview(buf.numpy())
         storage.reader(frag.file).pread_into(frag.offset + sp.start, mv)
-        if verify:
+        if verify and frag.crc32c:
             nbytes = prod(frag.shape) * size
             for b in range(sp.first_block, sp.end_block):
                 lo, hi = b * frag.block_bytes, min(nbytes, (b + 1) * frag.block_bytes)
@@ -252,13 +257,13 @@ def _layout(saved: str) -> str:
     return f"consolidated (saved as: {saved})" if saved else "consolidated"
 
 
-def _batches(jobs: list[tuple[int, TensorEntry]], budget: int) -> list[list[tuple[int, TensorEntry]]]:
+def batches(jobs: list[tuple[int, TensorEntry]], budget: int) -> list[list[tuple[int, TensorEntry]]]:
     """Consecutive tensors grouped to fit ``budget`` bytes (64-byte aligned) together."""
     out: list[list[tuple[int, TensorEntry]]] = []
     cur: list[tuple[int, TensorEntry]] = []
     size = 0
     for j in jobs:
-        n = _aligned(j[1].nbytes)
+        n = aligned(j[1].nbytes)
         if cur and size + n > budget:
             out.append(cur)
             cur, size = [], 0

@@ -15,7 +15,8 @@ import torch
 from ..dist import resolve_group
 from ..errors import CorruptionError, LayoutError, MismatchError
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
-from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
+from ..adapters.detect import open_manifest
+from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
@@ -28,8 +29,9 @@ from .state import PerRank, Sharded, flatten
 
 
 def read_manifest(path: str) -> Manifest:
-    """Read and validate the manifest of the checkpoint at ``path``."""
-    return Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))
+    """Read and validate the manifest of the checkpoint at ``path``: unickpt's own, or the
+    one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face)."""
+    return open_manifest(str(path))
 
 
 def _region(data: torch.Tensor, piece: Piece, first_element: int, part_local_rows: tuple[int, int]) -> torch.Tensor:
@@ -112,7 +114,7 @@ class _Reader:
         entry, sp, local, buffered = read.extra["job"]
         frag = entry.fragments[sp.fragment]
         size = itemsize(entry.dtype)
-        if self.verify:
+        if self.verify and frag.crc32c:
             nbytes = prod(frag.shape) * size
             blocks = range(sp.first_block, sp.end_block)
             bounds = [(b * frag.block_bytes - sp.start, min(nbytes, (b + 1) * frag.block_bytes) - sp.start) for b in blocks]
@@ -215,7 +217,7 @@ def load(
     load is then collective (see docs/PERFORMANCE.md for when it pays).
     """
     storage = LocalStorage(path)
-    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+    manifest = open_manifest(str(path))
     group = resolve_group(process_group)
     statefuls: list[tuple[Any, dict[str, Any]]] = []
 
@@ -332,7 +334,7 @@ def _rank_value(storage: LocalStorage, manifest: Manifest, name: str, rank: int,
 def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True) -> list[Any]:
     """Every rank's saved value of the per-rank entry ``name`` (index = saving rank)."""
     storage = LocalStorage(path)
-    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+    manifest = open_manifest(str(path))
     if name not in manifest.rank_values and name not in manifest.rank_tensors:
         raise MismatchError(f"{name!r} is not per-rank state in {path}")
     try:
@@ -344,7 +346,7 @@ def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = T
 def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True) -> torch.Tensor:
     """The whole global tensor ``name`` from a checkpoint, as one CPU tensor."""
     storage = LocalStorage(path)
-    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+    manifest = open_manifest(str(path))
     entry = manifest.tensors.get(name)
     if entry is None:
         raise MismatchError(_missing(name, manifest))

@@ -10,6 +10,11 @@ What is checked, per data file and per fragment (``tensors`` and ``rank_tensors`
 * the fragments of each tensor hold as many elements as the tensor has (a tensor with
   missing shards cannot be loaded whole).
 
+Foreign formats (PyTorch DCP, DeepSpeed, Hugging Face) store no checksums: for them the
+check is structural (every metadata record and archive parses, every fragment lies inside
+an existing file, every tensor is covered) and the report counts their bytes as
+``bytes_unverifiable``.
+
 Nothing is raised for a corrupt checkpoint: every problem found is collected in the
 returned :class:`VerifyReport`, each naming the file, the tensor and the byte range, so
 one run tells everything that is wrong. Only a path without a committed manifest (or an
@@ -24,10 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
 
+from ..adapters.detect import open_manifest
 from ..errors import UnickptError
 from ..format.checksum import crc32c
 from ..format.dtypes import itemsize
-from ..format.manifest import MANIFEST_NAME, Fragment, Manifest, TensorEntry
+from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.safetensors_header import parse_header
 from ..plan.box import Box
 from ..storage.local import LocalStorage
@@ -74,6 +80,8 @@ class VerifyReport:
     tensors: int = 0  # global tensors + per-rank tensor names
     fragments: int = 0
     files: int = 0
+    format: str = "unickpt"
+    bytes_unverifiable: int = 0  # bytes of fragments whose format stores no checksums
 
     @property
     def ok(self) -> bool:
@@ -81,6 +89,9 @@ class VerifyReport:
         return not self.problems
 
     def __str__(self) -> str:
+        if self.ok and self.bytes_unverifiable:
+            return (f"OK ({self.format}): {self.tensors} tensors, structure sound; {self.bytes_unverifiable} bytes "
+                    "not verifiable (the format stores no checksums)")
         if self.ok:
             return f"OK: {self.tensors} tensors, {self.bytes_checked} bytes verified"
         lines = [f"CORRUPT: {len(self.problems)} problem(s) in {self.path}"]
@@ -101,7 +112,7 @@ def total_bytes(manifest: Manifest) -> int:
     size = 0
     for e in _entries(manifest):
         isz = itemsize(e.dtype)
-        size += sum(prod(f.shape) * isz for f in e.fragments)
+        size += sum(prod(f.shape) * isz for f in e.fragments if f.crc32c)
     return size
 
 
@@ -112,7 +123,7 @@ class _FileState:
     header: dict | None = None  # None: unreadable or missing
 
 
-def _check_files(storage: LocalStorage, manifest: Manifest, problems: list[Problem]) -> dict[str, _FileState]:
+def _check_files(storage: LocalStorage, manifest: Manifest, problems: list[Problem], headers: bool) -> dict[str, _FileState]:
     states: dict[str, _FileState] = {}
     for name, expected in sorted(manifest.files.items()):
         path = storage.path(name)
@@ -138,6 +149,8 @@ def _check_files(storage: LocalStorage, manifest: Manifest, problems: list[Probl
                 "size", f"file size mismatch: {actual} bytes on disk, manifest expects {expected}",
                 name, None, expected, actual,
             ))
+        if not headers:
+            continue
         try:
             reader = storage.reader(name)
             at = [8]
@@ -211,7 +224,7 @@ class _Task:
 
 def _tasks(entry: TensorEntry, frag: Fragment) -> list[_Task]:
     nbytes = frag.nbytes(entry.dtype)
-    nblocks = len(frag.crc32c)
+    nblocks = len(frag.crc32c)  # none: the format stores no checksums
     per = max(1, READ_CHUNK_BYTES // frag.block_bytes)
     out = []
     for b0 in range(0, nblocks, per):
@@ -230,11 +243,11 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
     is invalid; every other problem is reported, not raised.
     """
     storage = LocalStorage(path)
-    manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
-    report = VerifyReport(str(path))
+    manifest = open_manifest(str(path))
+    report = VerifyReport(str(path), format=manifest.provenance.get("format", "unickpt"))
     problems: list[Problem] = []
     try:
-        states = _check_files(storage, manifest, problems)
+        states = _check_files(storage, manifest, problems, headers=report.format == "unickpt")
         entries = _entries(manifest)
         report.tensors = len(manifest.tensors) + len(manifest.rank_tensors)  # per-rank: one per name
         report.files = len(manifest.files)
@@ -246,6 +259,8 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
                 report.fragments += 1
                 _check_header(entry, frag, states[frag.file], problems)
                 tasks.extend(_tasks(entry, frag))
+                if not frag.crc32c:
+                    report.bytes_unverifiable += frag.nbytes(entry.dtype)
         local = threading.local()
 
         def run(task: _Task) -> tuple[int, int, list[Problem]]:

@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -184,7 +184,7 @@ def train_step(job: Job, step: int) -> float:
 
 def checkpoint_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The state unickpt saves and loads: model, optimizer moments, step, data position,
-    this rank's RNG. Returns (state, model state dict, optimizer state dict)."""
+    this rank's RNG, the model's ModelArgs. Returns (state, model state dict, optimizer state dict)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(job.model, job.optimizer)
@@ -193,6 +193,7 @@ def checkpoint_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any
         "optim": {"state": osd["state"]},
         "train": {"step": step, "loader": job.loader.state_dict(), "seed": job.args.seed},
         "rng": unickpt.PerRank(torch.get_rng_state()),
+        "model_args": asdict(job.model.args),  # the architecture, for exports (config.json)
     }
     return state, msd, osd
 
@@ -205,6 +206,7 @@ def resume(job: Job, manager: unickpt.CheckpointManager, where: str) -> int:
     if path is None:
         return 0
     state, msd, osd = checkpoint_state(job, 0)
+    del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
     if unickpt.read_manifest(path).world_size != job.world:
         del state["rng"]  # per-rank RNG only carries over to the same world size
     unickpt.load(state, path)

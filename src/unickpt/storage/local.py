@@ -12,6 +12,7 @@ manifest) are committed atomically: temp name, fsync, rename, fsync of the direc
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import sys
 import threading
@@ -120,6 +121,40 @@ class FileReader:
         os.close(self._fd)
 
 
+class RangeFile(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of a file as a read-only, seekable file object
+    (positional reads: several may share one ``FileReader``). Lets a parser that wants a
+    file (``zipfile``) read one archive stored inside a larger file."""
+
+    def __init__(self, reader: FileReader, start: int, length: int) -> None:
+        if start < 0 or length < 0 or start + length > reader.size:
+            raise CorruptionError(
+                f"{reader.path.name} is truncated: bytes {start}-{start + length} are past its end ({reader.size} bytes)"
+            )
+        self._reader, self._start, self._length, self._pos = reader, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        n = max(0, min(len(b), self._length - self._pos))
+        if n:
+            self._reader.pread_into(self._start + self._pos, memoryview(b)[:n])
+            self._pos += n
+        return n
+
+
 class LocalStorage:
     """A checkpoint directory on a local or mounted file system."""
 
@@ -187,6 +222,28 @@ class LocalStorage:
             if r is None:
                 r = self._readers[name] = FileReader(self.root / name)
             return r
+
+    def open_range(self, name: str, start: int = 0, length: int | None = None) -> RangeFile:
+        """A file object over bytes ``[start, start + length)`` of a file (to its end when
+        ``length`` is None)."""
+        r = self.reader(name)
+        return RangeFile(r, start, r.size - start if length is None else length)
+
+    def names(self) -> list[str]:
+        """Names of the entries directly in the checkpoint directory (empty when it is not a directory)."""
+        try:
+            return sorted(os.listdir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def list_files(self, under: str = "") -> list[str]:
+        """Relative paths (``/``-separated) of the regular files below ``under``, sorted."""
+        base = self.root / under if under else self.root
+        out = []
+        for dirpath, _, files in os.walk(base):
+            rel = Path(dirpath).relative_to(self.root)
+            out.extend(str(rel / f) if str(rel) != "." else f for f in files)
+        return sorted(out)
 
     def remove(self, name: str) -> None:
         """Delete a file if present."""

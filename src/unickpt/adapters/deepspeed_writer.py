@@ -1,0 +1,261 @@
+"""Writing DeepSpeed's universal checkpoint layout from any checkpoint unickpt reads.
+
+A DeepSpeed job started with ``"checkpoint": {"load_universal": true}`` and
+``engine.load_checkpoint(dst_parent)`` then resumes from a unickpt checkpoint, a PyTorch
+DCP checkpoint, a DeepSpeed ZeRO checkpoint of any stage and data-parallel degree, ...:
+
+    dst/                                   (the "tag" directory)
+      zero/<param>/fp32.pt                 {"cat_dim": 0, "param": fp32 tensor, full shape}
+      zero/<param>/exp_avg.pt              {"cat_dim": 0, "param": ...}   (every optimizer
+      zero/<param>/exp_avg_sq.pt           {"cat_dim": 0, "param": ...}    state key of it)
+      zero/<param>/step.pt                 the step, a bare 0-dim tensor
+      zero/optimizer_state.pt              global optimizer state and param_groups
+      mp_rank_00_model_states.pt           step counters and parameter shapes (ZeRO-1/2 jobs)
+      zero_pp_rank_0_mp_rank_00_model_states.pt   the same, for ZeRO-3 jobs
+    <parent of dst>/latest_universal       the tag, written last
+
+Source names (see :mod:`unickpt.adapters.deepspeed`): ``model.<param>`` is the fp32 master
+weight (cast to fp32 if stored otherwise), ``optim.state.<param>.<key>`` the optimizer state;
+``module.*`` low-precision copies are not needed. Values ``deepspeed.*`` (from a DeepSpeed
+source), ``train.step`` and ``optim.param_groups`` fill the global files.
+
+Differences from ``ds_to_universal`` (deliberate): the files have the layout of its ZeRO-1/2
+output whatever the source (its ZeRO-3 output stores flat tensors, no ``step.pt`` and a
+ZeRO-3-only ``optimizer_state.pt``, so a ZeRO-1/2 job cannot load it; ours loads into
+stages 1, 2 and 3); DeepSpeed's own objects (loss scaler) are not written, so the loading
+job keeps its own; ``module`` in the model-states file is empty (a universal load restores
+weights from ``zero/`` only); nothing is staged in temporary per-fragment files.
+
+Memory: one tensor at a time (plus ``threads`` read buffers), whatever the model size.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+from ..errors import SaveError, UnickptError
+from ..format.dtypes import dtype_from_name
+from ..format.manifest import Manifest, TensorEntry
+from ..format.values import decode_value
+from ..storage.files import atomic_file, write_file_atomic
+from ..storage.local import LocalStorage
+from .detect import open_manifest
+
+UNIVERSAL_CHECKPOINT_VERSION = 0.4
+DS_VERSION_FALLBACK = "0.19.0"  # ds_version written when the source is not a DeepSpeed checkpoint
+MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+@dataclass
+class UniversalReport:
+    """What :func:`write_universal` wrote."""
+
+    src: str
+    dst: str
+    params: int
+    files: int
+    bytes_written: int
+    step: int
+    seconds: float
+
+
+def _param_states(manifest: Manifest) -> dict[str, dict[str, TensorEntry | Any]]:
+    """``param -> {"fp32": entry, "<key>": entry or value}`` in the source's order."""
+    out: dict[str, dict[str, Any]] = collections.OrderedDict()
+    for name, e in manifest.tensors.items():
+        if name.startswith("model."):
+            out.setdefault(name[len("model."):], {})["fp32"] = e
+    for name, e in manifest.tensors.items():
+        if name.startswith("optim.state."):
+            param, _, key = name[len("optim.state."):].rpartition(".")
+            if param in out and key:
+                out[param][key] = e
+    for name, v in manifest.values.items():
+        if name.startswith("optim.state."):
+            param, _, key = name[len("optim.state."):].rpartition(".")
+            if param in out and key and key not in out[param]:
+                out[param][key] = decode_value(v)
+    return out
+
+
+def _check_param_name(param: str) -> str:
+    p = PurePosixPath(param)
+    if not param or "/" in param or "\\" in param or param in (".", "..") or "\x00" in param or p.is_absolute():
+        raise SaveError(f"parameter name {param!r} cannot be a DeepSpeed universal directory name")
+    return param
+
+
+def _value(manifest: Manifest, key: str, default: Any = None) -> Any:
+    return decode_value(manifest.values[key]) if key in manifest.values else default
+
+
+def _save(root: str, name: str, obj: Any) -> int:
+    with atomic_file(root, name) as f:
+        torch.save(obj, f)
+        return f.tell()
+
+
+def write_universal(
+    src: str,
+    dst: str,
+    *,
+    progress: Callable[[int], None] | None = None,
+    threads: int = 4,
+    param_groups: list[dict[str, Any]] | None = None,
+    step: int | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+) -> UniversalReport:
+    """Write the DeepSpeed universal checkpoint of checkpoint ``src`` (any format unickpt
+    reads) to directory ``dst``, then ``latest_universal`` in its parent.
+
+    ``param_groups`` (hyperparameters per optimizer group, DeepSpeed sets them on the
+    loading job's groups) defaults to the source's ``optim.param_groups`` value; without one
+    a single group with no hyperparameters is written, so the loading job keeps its own.
+    ``step`` (DeepSpeed's ``global_steps``) defaults to ``deepspeed.global_steps``, then
+    ``train.step``, then the optimizer step of the first parameter. ``progress(n)`` gets
+    the bytes of each tensor written.
+    """
+    from ..api.convert import read_whole  # the bounded-memory whole-tensor reader of convert
+
+    if threads < 1:
+        raise UnickptError("write_universal: threads must be >= 1")
+    t0 = time.perf_counter()
+    manifest = open_manifest(str(src))
+    dst_path = Path(dst)
+    if dst_path.resolve() == Path(src).resolve():
+        raise SaveError("write_universal: the destination must differ from the source")
+    if (dst_path / "zero" / "optimizer_state.pt").exists() and not overwrite:
+        raise SaveError(f"{dst} already holds a universal checkpoint; pass overwrite=True to replace it")
+    params = _param_states(manifest)
+    if not params:
+        raise UnickptError(f"{src}: no model.<param> tensors to write (names: {sorted(manifest.tensors)[:5]} ...)")
+    for p in params:
+        _check_param_name(p)
+    dst_path.mkdir(parents=True, exist_ok=True)
+    marker_dir = dst_path.resolve().parent
+    tag = dst_path.resolve().name
+    marker = marker_dir / "latest_universal"
+    if marker.is_file() and marker.read_text().strip() == tag:
+        marker.unlink()  # a crash midway must not leave a marker naming a half-rewritten directory
+
+    source = LocalStorage(src)
+    buffers = threading.local()
+    written = files = 0
+    first_step: Any = None
+    shapes: collections.OrderedDict[str, torch.Size] = collections.OrderedDict()
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for param, states in params.items():
+                for key, e in states.items():
+                    if isinstance(e, TensorEntry):
+                        t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                        if t.numel():
+                            read_whole(pool, buffers, source, [(e, t)], max(1, (64 << 20) // threads), verify)
+                    else:
+                        t = torch.tensor(float(e)) if isinstance(e, (int, float)) else None
+                        if t is None:
+                            continue
+                    if key == "fp32":
+                        t = t.float()
+                        shapes[param] = torch.Size(t.shape)
+                    if key == "step":
+                        t = t.reshape(()) if t.numel() == 1 else t
+                        first_step = t if first_step is None else first_step
+                        obj: Any = t
+                    else:
+                        obj = {"cat_dim": 0, "param": t}
+                    written += _save(dst, f"zero/{param}/{key}.pt", obj)
+                    files += 1
+                    if progress is not None:
+                        progress(t.numel() * t.element_size())
+                    del t, obj
+    finally:
+        source.close()
+
+    global_steps = step
+    if global_steps is None:
+        global_steps = _value(manifest, "deepspeed.global_steps", _value(manifest, "train.step"))
+    if global_steps is None and first_step is not None:
+        global_steps = int(first_step.item())
+    global_steps = int(global_steps or 0)
+
+    groups = param_groups if param_groups is not None else _value(manifest, "optim.param_groups")
+    if not isinstance(groups, list) or not groups:
+        groups = [{"params": [0]}]
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        g.setdefault("params", [0])
+    ds_version = _value(manifest, "deepspeed.ds_version", DS_VERSION_FALLBACK)
+    optim_state: dict[str, Any] = {}
+    for key in ("clip_grad", "zero_stage", "partition_count", "group_paddings"):
+        v = _value(manifest, f"deepspeed.{key}")
+        if v is not None:
+            optim_state[key] = v
+    optim_state["ds_version"] = ds_version
+    optim_state["param_groups"] = groups
+    step_tensor = first_step if first_step is not None else torch.tensor(float(global_steps))
+    # what a ZeRO-3 job reads (the step and the hyperparameters of the first group)
+    optim_state["optimizer_state_dict"] = {"state": {0: {"step": step_tensor}}, "param_groups": groups}
+    written += _save(dst, "zero/optimizer_state.pt", optim_state)
+    files += 1
+
+    lr_scheduler = _value(manifest, "deepspeed.lr_scheduler")
+    model_state = {
+        "module": collections.OrderedDict(),
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": [shapes],
+        "frozen_param_shapes": collections.OrderedDict(),
+        "shared_params": {},
+        "frozen_param_fragments": collections.OrderedDict(),
+        "lr_scheduler": lr_scheduler if isinstance(lr_scheduler, dict) else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": int(_value(manifest, "deepspeed.skipped_steps", 0) or 0),
+        "global_steps": global_steps,
+        "global_samples": int(_value(manifest, "deepspeed.global_samples", 0) or 0),
+        "dp_world_size": int(_value(manifest, "deepspeed.dp_world_size", manifest.world_size) or 1),
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_version": ds_version,
+        "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION},
+    }
+    ds_config = _value(manifest, "deepspeed.ds_config")
+    if isinstance(ds_config, dict):
+        model_state["ds_config"] = ds_config
+    for name in MODEL_FILES:
+        written += _save(dst, name, model_state)
+        files += 1
+    # the marker last: DeepSpeed follows it only once every file above is durable
+    write_file_atomic(marker_dir, "latest_universal", tag.encode())
+    return UniversalReport(str(src), str(dst), len(params), files + 1, written, global_steps, time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m unickpt.adapters.deepspeed_writer SRC DST``: write DeepSpeed's universal layout."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m unickpt.adapters.deepspeed_writer", description=main.__doc__)
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--overwrite", action="store_true")
+    a = p.parse_args(argv)
+    r = write_universal(a.src, a.dst, threads=a.threads, overwrite=a.overwrite)
+    print(f"wrote {r.params} parameters, {r.files} files, {r.bytes_written} bytes to {r.dst} "
+          f"(step {r.step}) in {r.seconds:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Which format a checkpoint directory holds, and its manifest whatever the format.
+
+unickpt's own checkpoints have ``manifest.json``. Foreign ones (PyTorch DCP, DeepSpeed
+ZeRO and universal, Hugging Face safetensors) are described by an in-memory manifest that
+an adapter builds from the format's own metadata: its fragments point into the foreign
+files (nothing is copied) and carry no checksums (``crc32c == []``), so load, convert,
+export, inspect and verify work on every format through the same planner.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import PurePosixPath
+
+from ..errors import ManifestError, NotACheckpointError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..storage.local import LocalStorage
+
+# (name, module, detector, reader); detectors are tried in this order
+FORMATS = [
+    ("dcp", "unickpt.adapters.dcp", "is_dcp", "read_dcp"),
+    ("deepspeed", "unickpt.adapters.deepspeed", "is_deepspeed", "read_deepspeed"),
+    ("hf", "unickpt.adapters.hf", "is_hf", "read_hf"),
+]
+
+
+def checkpoint_format(path: str) -> str:
+    """``"unickpt"``, ``"dcp"``, ``"deepspeed"`` or ``"hf"``; NotACheckpointError otherwise."""
+    storage = LocalStorage(path)
+    if storage.exists(MANIFEST_NAME):
+        return "unickpt"
+    if any(f.startswith("rank_") and f.endswith(".safetensors") for f in storage.names()):
+        raise NotACheckpointError(f"{path}: not a committed checkpoint (no {MANIFEST_NAME})")
+    for name, module, detector, _ in FORMATS:
+        if getattr(importlib.import_module(module), detector)(str(path)):
+            return name
+    raise NotACheckpointError(
+        f"{path}: not a checkpoint (no manifest.json of unickpt, no .metadata of PyTorch DCP, no DeepSpeed "
+        "model/optimizer states, no Hugging Face *.safetensors)"
+    )
+
+
+def open_manifest(path: str) -> Manifest:
+    """The manifest of the checkpoint at ``path`` in any supported format (validated)."""
+    fmt = checkpoint_format(path)
+    if fmt == "unickpt":
+        return Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))
+    _, module, _, reader = next(f for f in FORMATS if f[0] == fmt)
+    manifest = getattr(importlib.import_module(module), reader)(str(path))
+    manifest.provenance.setdefault("format", fmt)
+    check_foreign(manifest)
+    return manifest
+
+
+def check_relative_path(name: str) -> str:
+    """Refuse a file path that is absolute or climbs out of the checkpoint directory."""
+    p = PurePosixPath(name)
+    if not name or p.is_absolute() or ".." in p.parts or "\\" in name or "\x00" in name:
+        raise ManifestError(f"unsafe file path {name!r}: only paths inside the checkpoint are allowed")
+    return name
+
+
+def check_foreign(manifest: Manifest) -> None:
+    """Every fragment of an adapter-built manifest names a listed file inside the
+    checkpoint and lies within that file."""
+    for name in manifest.files:
+        check_relative_path(name)
+    entries = list(manifest.tensors.values()) + [e for row in manifest.rank_tensors.values() for e in row if e is not None]
+    for e in entries:
+        for f in e.fragments:
+            size = manifest.files.get(f.file)
+            if size is None:
+                raise ManifestError(f"{e.name!r}: fragment file {f.file!r} is not listed in the checkpoint")
+            if f.offset < 0 or f.offset + f.nbytes(e.dtype) > size:
+                raise ManifestError(
+                    f"{e.name!r}: bytes {f.offset}-{f.offset + f.nbytes(e.dtype)} lie past the end of {f.file} ({size} bytes)"
+                )

@@ -1,0 +1,297 @@
+"""Export the model of a unickpt checkpoint as a Hugging Face safetensors folder.
+
+    DST/model-00001-of-00003.safetensors ... model.safetensors.index.json [config.json]
+
+Straight from any checkpoint ``unickpt.read_manifest`` opens (sharded on any layout,
+consolidated, or a foreign format), streaming: tensors are read one at a time (assembled
+from their fragments, every checksum verified), renamed (and, for q/k, reordered: see
+``unickpt.rules.hf``), cast when asked, and written at offsets known up front (each
+shard's safetensors header is computed from the manifest's shapes and dtypes before any
+data). Memory is bounded by about three times the largest tensor (the tensor, its
+reordered copy, its cast), whatever the size of the model.
+
+Each shard is fsynced; ``config.json`` then ``model.safetensors.index.json`` are written
+last, atomically: a folder whose index exists holds complete shards. Shards are cut like
+``transformers``' ``save_pretrained``: tensors in checkpoint order, a new shard when the
+next tensor would push the current one past ``max_shard_size`` (a larger tensor gets a
+shard of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+import torch
+
+from ..api.load import _fill, _Reader, read_manifest
+from ..errors import UnickptError
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
+from ..format.safetensors_header import Entry, build_header
+from ..format.values import decode_value
+from ..plan.piece import whole_piece
+from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
+from ..storage.local import LocalStorage
+from .hf import CONFIG_NAME, INDEX_NAME, HfError
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_DTYPES = {"fp32": "F32", "float32": "F32", "f32": "F32", "fp16": "F16", "float16": "F16", "f16": "F16",
+           "half": "F16", "bf16": "BF16", "bfloat16": "BF16", "fp64": "F64", "float64": "F64", "f64": "F64"}
+_FLOATS = {"F64", "F32", "F16", "BF16"}
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_OLD_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size such as ``5GB`` (10^9, as ``transformers``), ``500MiB`` (2^20) or ``1000``."""
+    if isinstance(text, int):
+        n = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text), re.IGNORECASE)
+        if not m:
+            raise HfError(f"invalid size {text!r}: write a number of bytes or e.g. 500MB, 5GB, 2GiB")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if n <= 0:
+        raise HfError(f"invalid size {text!r}: it must be positive")
+    return n
+
+
+def parse_dtype(text: str | None) -> str | None:
+    """The safetensors dtype name of ``bf16`` / ``fp16`` / ``fp32`` (and their long names)."""
+    if text is None:
+        return None
+    try:
+        return _DTYPES[text.lower()]
+    except KeyError:
+        raise HfError(f"unknown dtype {text!r} (known: bf16, fp16, fp32, fp64)") from None
+
+
+@dataclass
+class OutTensor:
+    """One exported tensor: its HF name, the checkpoint entry it comes from, its output
+    dtype, and the head count of its rotary row reordering (None: none)."""
+
+    hf_name: str
+    entry: TensorEntry
+    dtype: str
+    rotary_heads: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the output file."""
+        return prod(self.entry.shape) * itemsize(self.dtype)
+
+
+@dataclass
+class ExportPlan:
+    """What an export writes: tensors (in order), the name mapping used, config.json."""
+
+    tensors: list[OutTensor]
+    names: str
+    config: dict[str, Any] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data written."""
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_hf` did."""
+
+    dst: str
+    tensors: int
+    shards: list[str]
+    bytes_written: int
+    names: str
+    config_written: bool
+    seconds: float
+    weight_map: dict[str, str] = field(default_factory=dict)
+
+
+def _architecture(manifest: Manifest, config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, int] | None, dict[str, Any] | None]:
+    """(model_args, head counts, config to write verbatim) from the user's config, the
+    trainer's ``model_args`` values or an imported folder's ``metadata.hf_config``."""
+    if config is not None:
+        return None, _heads_or_none(config), config
+    args = {k[len("model_args."):]: decode_value(v) for k, v in manifest.values.items() if k.startswith("model_args.")}
+    if args:
+        try:
+            return args, {"heads": int(args["heads"]), "kv_heads": int(args.get("kv_heads") or args["heads"])}, None
+        except (KeyError, TypeError, ValueError):
+            raise HfError("the checkpoint's model_args give no valid head counts; pass --config") from None
+    hf = decode_value(manifest.metadata["hf_config"]) if "hf_config" in manifest.metadata else None
+    if isinstance(hf, dict):
+        return None, _heads_or_none(hf), hf
+    return None, None, None
+
+
+def _heads_or_none(config: dict[str, Any]) -> dict[str, int] | None:
+    """Head counts of an HF config; None when it has none (only q/k reordering needs them)."""
+    try:
+        return heads_from_config(config)
+    except UnickptError:
+        return None
+
+
+def plan_hf_export(
+    manifest: Manifest, *, names: str = "auto", prefix: str = "model.", dtype: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> ExportPlan:
+    """Choose the tensors (those named ``prefix...``, prefix removed), their HF names
+    (``names``: ``"llama"``, ``"keep"``, or ``"auto"`` = llama when every name fits it),
+    output dtypes (``dtype``: ``bf16``/``fp16``/``fp32`` casts floating tensors) and the
+    config.json (``config`` verbatim; else built from the checkpoint's ``model_args``
+    for a known architecture; else an imported folder's config; else none)."""
+    out_dtype = parse_dtype(dtype)
+    picked = [(n[len(prefix):], e) for n, e in manifest.tensors.items() if n.startswith(prefix)]
+    if not picked:
+        raise HfError(f"the checkpoint holds no tensor named {prefix!r}...; pass --prefix (e.g. --prefix '' for all)")
+    if names not in ("auto", "keep") and names not in MAPPINGS:
+        raise HfError(f"unknown name mapping {names!r} (known: auto, keep, {', '.join(MAPPINGS)})")
+    mapping: HfMapping | None = None
+    if names != "keep":
+        for cand in [MAPPINGS[names]] if names in MAPPINGS else list(MAPPINGS.values()):
+            unknown = [n for n, _ in picked if cand.hf_name(n) is None]
+            if not unknown:
+                mapping = cand
+                break
+            if names != "auto":
+                raise HfError(f"{len(unknown)} tensors do not fit the {cand.name} names, e.g. {prefix}{unknown[0]!r}")
+    args, heads, verbatim = _architecture(manifest, config)
+    tensors = []
+    for name, e in picked:
+        hf_name, rotary = mapping.hf_name(name) if mapping else (name, None)  # type: ignore[misc]
+        if rotary is not None and heads is None:
+            raise HfError(
+                f"{prefix}{name} needs its rows reordered for HF's rotary layout, which needs the head counts: "
+                "the checkpoint has no model_args (older trainer?); pass --config with num_attention_heads "
+                "and num_key_value_heads"
+            )
+        cast = out_dtype if out_dtype and e.dtype in _FLOATS else e.dtype
+        tensors.append(OutTensor(hf_name, e, cast, None if rotary is None else heads[rotary]))  # type: ignore[index]
+    seen: set[str] = set()
+    for t in tensors:
+        if t.hf_name in seen:
+            raise HfError(f"two tensors map to the HF name {t.hf_name!r}")
+        seen.add(t.hf_name)
+    plan = ExportPlan(tensors, mapping.name if mapping else "keep", verbatim)
+    if plan.config is None and args is not None and mapping is not None and mapping.name == "llama":
+        float_dtypes = [t.dtype for t in tensors if t.dtype in _FLOATS]
+        plan.config = llama_config(args, {t.hf_name: t.entry.shape for t in tensors}, _TORCH_NAMES[float_dtypes[0]] if float_dtypes else "float32")
+    return plan
+
+
+def split_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into consecutive shards of at most ``max_bytes`` each
+    (a larger item alone in its shard)."""
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if cur and total + n > max_bytes:
+            shards.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def _read(storage: LocalStorage, t: OutTensor, threads: int) -> torch.Tensor:
+    """The whole tensor, assembled from its fragments (checksums verified), in HF form."""
+    e = t.entry
+    out = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+    if out.numel():
+        reader = _Reader(storage, threads, True)
+        _fill(reader, e, out, [whole_piece(e.shape)])
+        reader.run()
+    if t.rotary_heads is not None:
+        out = rotary_to_hf(out, t.rotary_heads)
+    if t.dtype != e.dtype:
+        out = out.to(dtype_from_name(t.dtype))
+    return out.contiguous()
+
+
+def _prepare_dst(out: LocalStorage, src: LocalStorage, overwrite: bool) -> None:
+    if out.root.resolve() == src.root.resolve():
+        raise HfError("export: the destination must differ from the source")
+    present = out.names()
+    if MANIFEST_NAME in present:
+        raise HfError(f"{out.root} holds a unickpt checkpoint; export into another folder")
+    old = [f for f in present if f == INDEX_NAME or _OLD_SHARD.fullmatch(f)]
+    if old and not overwrite:
+        raise HfError(f"{out.root} already holds a Hugging Face export ({old[0]}); pass --overwrite to replace it")
+    out.prepare()
+    out.remove(INDEX_NAME)  # first: the folder is never a complete-looking mix of old and new shards
+    for f in old:
+        out.remove(f)
+
+
+def export_hf(
+    src: str,
+    dst: str,
+    *,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    names: str = "auto",
+    prefix: str = "model.",
+    config: dict[str, Any] | None = None,
+    threads: int = 4,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ExportReport:
+    """Write the model of checkpoint ``src`` as a Hugging Face folder ``dst`` (see the
+    module docstring and :func:`plan_hf_export` for ``names``, ``prefix``, ``dtype`` and
+    ``config``). ``progress(n)`` gets the bytes of each tensor written."""
+    t0 = time.perf_counter()
+    max_bytes = parse_size(max_shard_size)
+    source = LocalStorage(src)
+    try:
+        manifest = read_manifest(src)
+        plan = plan_hf_export(manifest, names=names, prefix=prefix, dtype=dtype, config=config)
+        out = LocalStorage(dst)
+        _prepare_dst(out, source, overwrite)
+        groups = split_shards([t.nbytes for t in plan.tensors], max_bytes)
+        shard_names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        weight_map: dict[str, str] = {}
+        written = 0
+        for fname, group in zip(shard_names, groups):
+            items = [plan.tensors[i] for i in group]
+            head, offsets = build_header([Entry(t.hf_name, t.dtype, t.entry.shape, t.nbytes) for t in items], {"format": "pt"})
+            writer = out.open_writer(fname, len(head) + sum(t.nbytes for t in items))
+            try:
+                writer.pwrite(0, head)
+                for t, at in zip(items, offsets):
+                    data = _read(source, t, threads)
+                    if data.numel():
+                        writer.pwrite(at, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                    del data
+                    written += t.nbytes
+                    weight_map[t.hf_name] = fname
+                    if progress is not None:
+                        progress(t.nbytes)
+            except BaseException:
+                writer.close(durable=False)
+                out.remove(fname)
+                raise
+            writer.close(durable=True)
+        out.sync_dir()
+        if plan.config is not None:
+            out.write_atomic(CONFIG_NAME, (json.dumps(plan.config, indent=2) + "\n").encode())
+        index = {"metadata": {"total_size": written, "total_parameters": sum(prod(t.entry.shape) for t in plan.tensors)},
+                 "weight_map": weight_map}
+        out.write_atomic(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    finally:
+        source.close()
+    return ExportReport(str(dst), len(plan.tensors), shard_names, written, plan.names, plan.config is not None,
+                        time.perf_counter() - t0, weight_map)

@@ -1,0 +1,258 @@
+"""Reading ``torch.save`` archives and plain pickles of other tools without running their code.
+
+Foreign checkpoints (DCP's ``.metadata`` and ``.distcp`` items, DeepSpeed's ``*.pt``) are
+pickles. They are read by an allow-listing unpickler: plain containers and scalars,
+``torch.Size``, dtypes, ``OrderedDict`` and tensors are rebuilt; any other global is refused
+with :class:`UnsafePickleError` naming it, unless the caller allows it explicitly
+(``allowed={(module, name): factory}``; adapters pass a format's own metadata classes).
+
+Tensors are not materialised: each becomes a :class:`StoredTensor` saying where its bytes
+lie in the file (the archive's data records are stored uncompressed), so a reader can
+read exactly the bytes it needs, in place, with the same planner as unickpt's own format.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CorruptionError, UnsafePickleError
+from ..format.dtypes import dtype_name, itemsize
+from ..plan.box import row_major_strides
+from ..storage.local import LocalStorage
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+_SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "bytearray": bytearray, "range": range}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor inside a pickle archive: where its storage lies in ``file`` and how the
+    tensor views it (``storage_offset`` and ``stride`` in elements)."""
+
+    file: str
+    storage_at: int
+    storage_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's own elements."""
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def offset(self) -> int:
+        """Absolute byte offset in ``file`` of the tensor's first element."""
+        return self.storage_at + self.storage_offset * itemsize(self.dtype)
+
+    def is_contiguous(self) -> bool:
+        """True when the elements are one row-major run (so the tensor is a plain byte range)."""
+        want = row_major_strides(self.shape)
+        return all(n == 1 or s == w for n, s, w in zip(self.shape, self.stride, want))
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    dtype: torch.dtype
+    key: str
+    numel: int
+
+
+class _Refused:
+    def __init__(self, where: str, module: str, name: str) -> None:
+        self.where, self.module, self.name = where, module, name
+
+
+def _torch_global(name: str) -> Any:
+    if name in _STORAGE_DTYPES:
+        return ("storage-type", _STORAGE_DTYPES[name])
+    if name == "Size":
+        return torch.Size
+    if name == "device":
+        return torch.device
+    value = vars(torch).get(name)  # no getattr: torch's module __getattr__ would import submodules
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return value
+    return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str, allowed: dict[tuple[str, str], Any], storages: dict[str, int] | None,
+                 file: str) -> None:
+        import io
+
+        super().__init__(io.BytesIO(data))
+        self.where, self.allowed, self.storages, self.file = where, allowed, storages, file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module in ("builtins", "__builtin__") and name in _SAFE_BUILTINS:
+            return _SAFE_BUILTINS[name]
+        if module == "torch" and (found := _torch_global(name)) is not None:
+            return found
+        if module == "torch.storage" and name == "UntypedStorage":  # storages of _rebuild_tensor_v3 (float8, uint16...)
+            return ("storage-type", torch.uint8)
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_tensor_v3",
+                                                   "_rebuild_parameter", "_rebuild_parameter_with_state"):
+            return getattr(self, name)
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return self._rebuild_from_type_v2
+        raise UnsafePickleError(
+            f"{self.where}: refused to unpickle {module}.{name} (not on unickpt's allow-list of data types; "
+            "the file was not executed)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self.storages is None or not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+            raise UnsafePickleError(f"{self.where}: unexpected persistent reference {pid!r:.80}")
+        kind = pid[1]
+        if not (isinstance(kind, tuple) and kind[0] == "storage-type"):
+            raise UnsafePickleError(f"{self.where}: unsupported storage type {kind!r:.80}")
+        return _StorageRef(kind[1], str(pid[2]), int(pid[4]))
+
+    def _rebuild_tensor_v2(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *_: Any) -> StoredTensor:
+        if not isinstance(storage, _StorageRef):
+            raise UnsafePickleError(f"{self.where}: a tensor without a storage record")
+        at = self.storages.get(storage.key) if self.storages is not None else None
+        if at is None:
+            raise CorruptionError(f"{self.where}: tensor storage record {storage.key!r} is missing from the archive")
+        return StoredTensor(self.file, at, storage.numel * itemsize(dtype_name(storage.dtype)), dtype_name(storage.dtype),
+                            tuple(int(x) for x in size), tuple(int(x) for x in stride), int(storage_offset))
+
+    def _rebuild_tensor_v3(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any, _requires_grad: Any = False,
+                           _hooks: Any = None, dtype: Any = None, *_: Any) -> StoredTensor:
+        # torch.save's form for dtypes without a typed storage: a byte storage plus the dtype
+        if not isinstance(dtype, torch.dtype):
+            raise UnsafePickleError(f"{self.where}: a tensor record without a dtype")
+        t = self._rebuild_tensor_v2(storage, storage_offset, size, stride)
+        return StoredTensor(t.file, t.storage_at, t.storage_bytes, dtype_name(dtype), t.shape, t.stride, t.storage_offset)
+
+    def _rebuild_tensor(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any) -> StoredTensor:
+        return self._rebuild_tensor_v2(storage, storage_offset, size, stride)
+
+    @staticmethod
+    def _rebuild_parameter(data: Any, *_: Any) -> Any:
+        return data
+
+    @staticmethod
+    def _rebuild_parameter_with_state(data: Any, *_: Any) -> Any:
+        return data
+
+    @staticmethod
+    def _rebuild_from_type_v2(func: Callable[..., Any], _new_type: Any, args: tuple, _state: Any) -> Any:
+        return func(*args)
+
+
+def _check_bounds(storage_bytes: int, t: StoredTensor, where: str) -> None:
+    if t.numel and (t.storage_offset < 0 or any(s < 0 for s in t.stride)):
+        raise CorruptionError(f"{where}: a tensor with a negative offset or stride")
+    last = t.storage_offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) if t.numel else -1
+    if (last + 1) * itemsize(t.dtype) > storage_bytes:
+        raise CorruptionError(f"{where}: a tensor reaches past the end of its storage")
+
+
+def loads_restricted(data: bytes, where: str, allowed: dict[tuple[str, str], Any] | None = None) -> Any:
+    """Unpickle ``data`` (a plain pickle, no tensors) allowing only safe data types and
+    ``allowed``; anything else raises :class:`UnsafePickleError`."""
+    try:
+        return _Unpickler(data, where, dict(allowed or {}), None, "").load()
+    except (UnsafePickleError, CorruptionError):
+        raise
+    except Exception as e:
+        raise CorruptionError(f"{where}: not a readable pickle ({type(e).__name__}: {e})") from None
+
+
+def read_archive(storage: LocalStorage, file: str, start: int = 0, length: int | None = None,
+                 allowed: dict[tuple[str, str], Any] | None = None) -> Any:
+    """The object of the ``torch.save`` archive at bytes ``[start, start + length)`` of
+    ``file``, tensors replaced by :class:`StoredTensor` records pointing into ``file``."""
+    where = f"{file}" if not start and length is None else f"{file} (bytes {start}-{start + (length or 0)})"
+    try:
+        with zipfile.ZipFile(storage.open_range(file, start, length)) as z:
+            infos = z.infolist()
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pkl) != 1:
+                raise CorruptionError(f"{where}: not a torch.save archive (no data.pkl record)")
+            prefix = pkl[0].filename[: -len("data.pkl")]
+            storages: dict[str, int] = {}
+            sizes: dict[str, int] = {}
+            fh = storage.open_range(file, start, length)
+            for i in infos:
+                if not i.filename.startswith(prefix + "data/"):
+                    continue
+                if i.compress_type != zipfile.ZIP_STORED:
+                    raise CorruptionError(f"{where}: compressed tensor records are not supported")
+                fh.seek(i.header_offset)
+                head = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
+                if head[0] != b"PK\x03\x04":
+                    raise CorruptionError(f"{where}: bad zip record header for {i.filename}")
+                key = i.filename[len(prefix) + 5:]
+                storages[key] = start + i.header_offset + _LOCAL_HEADER.size + head[-2] + head[-1]
+                sizes[key] = i.file_size
+            data = z.read(pkl[0])
+    except zipfile.BadZipFile as e:
+        raise CorruptionError(f"{where}: not a torch.save archive ({e})") from None
+    try:
+        obj = _Unpickler(data, where, dict(allowed or {}), storages, file).load()
+    except (UnsafePickleError, CorruptionError):
+        raise
+    except Exception as e:
+        raise CorruptionError(f"{where}: unreadable pickle ({type(e).__name__}: {e})") from None
+    by_at = {at: sizes[k] for k, at in storages.items()}
+    for t in stored_tensors(obj):
+        _check_bounds(by_at[t.storage_at], t, where)
+    return obj
+
+
+def stored_tensors(obj: Any) -> list[StoredTensor]:
+    """Every :class:`StoredTensor` inside a nested structure of dicts, lists and tuples."""
+    out: list[StoredTensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, StoredTensor):
+            out.append(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, type):
+            stack.extend(vars(o).values())
+    return out
+
+
+def materialize(storage: LocalStorage, t: StoredTensor) -> torch.Tensor:
+    """Read a stored tensor into a new CPU tensor (for small state: steps, scalars)."""
+    from ..format.dtypes import dtype_from_name
+
+    size = itemsize(t.dtype)
+    span = (t.storage_offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1) if t.numel else 0
+    raw = torch.empty(span * size, dtype=torch.uint8)
+    if span:
+        storage.reader(t.file).pread_into(t.storage_at, memoryview(raw.numpy()))
+    flat = raw.view(dtype_from_name(t.dtype)) if span else torch.empty(0, dtype=dtype_from_name(t.dtype))
+    return torch.as_strided(flat, t.shape, t.stride, t.storage_offset).clone() if t.numel else torch.empty(t.shape, dtype=flat.dtype)

@@ -1,0 +1,127 @@
+"""The allow-listing reader of foreign pickles and torch.save archives (no processes)."""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from unickpt.adapters.detect import check_foreign, check_relative_path
+from unickpt.adapters.torch_archive import StoredTensor, loads_restricted, materialize, read_archive, stored_tensors
+from unickpt.errors import CorruptionError, ManifestError, UnsafePickleError
+from unickpt.format.manifest import Fragment, Manifest, TensorEntry
+from unickpt.plan.piece import whole_piece
+from unickpt.storage.local import LocalStorage
+
+
+class _Evil:
+    """Unpickling this would create the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _archive(obj, prefix: bytes = b"", suffix: bytes = b"") -> tuple[bytes, int, int]:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    return prefix + data + suffix, len(prefix), len(data)
+
+
+STATE = {
+    "slice": torch.arange(10, dtype=torch.float32)[2:7],
+    "param": torch.nn.Parameter(torch.randn(3, 4, dtype=torch.bfloat16), requires_grad=False),
+    "transposed": torch.arange(12.0, dtype=torch.float64).view(3, 4).t(),
+    "scalar": torch.tensor(7, dtype=torch.int64),
+    "half": torch.randn(5, dtype=torch.float16),
+    "flags": torch.tensor([True, False, True]),
+    "empty": torch.empty(0, 3),
+    "meta": {"size": torch.Size([2, 3]), "dtype": torch.float16, "nested": [1, 2.5, "x", None, (1, 2)], "set": {1, 2}},
+}
+
+
+def test_archive_in_a_byte_range_gives_in_place_tensors(tmp_path: Path) -> None:
+    blob, start, length = _archive(STATE, b"x" * 100, b"y" * 9)
+    (tmp_path / "f.bin").write_bytes(blob)
+    storage = LocalStorage(tmp_path)
+    obj = read_archive(storage, "f.bin", start, length)
+    assert obj["meta"] == STATE["meta"]
+    assert len(stored_tensors(obj)) == 7
+    for key in ("slice", "param", "transposed", "scalar", "half", "flags", "empty"):
+        st = obj[key]
+        assert isinstance(st, StoredTensor) and st.shape == tuple(STATE[key].shape)
+        got = materialize(storage, st)
+        assert got.dtype == STATE[key].dtype and torch.equal(got, STATE[key].detach()), key
+    assert obj["slice"].is_contiguous() and not obj["transposed"].is_contiguous()
+    # a contiguous tensor's bytes are exactly [offset, offset + nbytes) of the file
+    st = obj["half"]
+    assert blob[st.offset : st.offset + st.nbytes] == STATE["half"].numpy().tobytes()
+    storage.close()
+
+
+def test_refuses_foreign_code_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    with pytest.raises(UnsafePickleError, match="posix.system|os.system"):
+        loads_restricted(pickle.dumps({"a": _Evil(str(marker))}), ".metadata")
+    blob, start, length = _archive({"w": torch.ones(2), "x": _Evil(str(marker))})
+    (tmp_path / "a.pt").write_bytes(blob)
+    with pytest.raises(UnsafePickleError, match="refused to unpickle"):
+        read_archive(LocalStorage(tmp_path), "a.pt")
+    assert not marker.exists()
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_allow_list_admits_only_what_the_caller_names() -> None:
+    data = pickle.dumps(Point(1, 2))
+    with pytest.raises(UnsafePickleError):
+        loads_restricted(data, "p")
+    assert loads_restricted(data, "p", {(Point.__module__, "Point"): Point}) == Point(1, 2)
+
+
+def test_damaged_archives_are_clear_errors(tmp_path: Path) -> None:
+    blob, _, _ = _archive({"w": torch.arange(1000.0)})
+    (tmp_path / "cut.pt").write_bytes(blob[: len(blob) // 2])
+    storage = LocalStorage(tmp_path)
+    with pytest.raises(CorruptionError, match="not a torch.save archive"):
+        read_archive(storage, "cut.pt")
+    with pytest.raises(CorruptionError, match="past its end"):
+        read_archive(storage, "cut.pt", 0, len(blob))
+    (tmp_path / "junk.pt").write_bytes(b"\x80\x02}q\x00.")  # a plain pickle, not an archive
+    with pytest.raises(CorruptionError):
+        read_archive(storage, "junk.pt")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps({}))
+        z.writestr("archive/data/0", b"\0" * 64)
+    (tmp_path / "deflated.pt").write_bytes(buf.getvalue())
+    with pytest.raises(CorruptionError, match="compressed"):
+        read_archive(storage, "deflated.pt")
+    with pytest.raises(CorruptionError):
+        loads_restricted(b"not a pickle", "x")
+
+
+def test_foreign_manifests_stay_inside_the_checkpoint() -> None:
+    for bad in ("../etc/passwd", "/etc/passwd", "zero/../../x", "", "a\\b"):
+        with pytest.raises(ManifestError):
+            check_relative_path(bad)
+    assert check_relative_path("zero/layers.0.weight/fp32.pt")
+    frag = Fragment("__0_0.distcp", 96, (4,), [whole_piece((4,))], [], 4)
+    m = Manifest(tensors={"w": TensorEntry("w", (4,), "F32", [frag])}, files={"__0_0.distcp": 100})
+    with pytest.raises(ManifestError, match="past the end"):
+        check_foreign(m)
+    m.files["__0_0.distcp"] = 112
+    check_foreign(m)
+    m.files = {"other": 112}
+    with pytest.raises(ManifestError, match="not listed"):
+        check_foreign(m)
