@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset-size", type=int, default=200)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="bf16 module with fp32 master weights")
     p.add_argument("--bucket", type=int, default=2000,
                    help="ZeRO bucket sizes in elements (small: several buckets even for a tiny model)")
     return p.parse_args(argv)
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": args.bf16},
         "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the torch-native trainer does not clip
         "checkpoint": {"load_universal": args.load_universal},
         "steps_per_print": 10**9,

@@ -34,7 +34,8 @@ from unickpt.adapters.detect import checkpoint_format  # noqa: E402
 
 from ds_cases import STATES, bitwise_equal, ds_to_universal, ds_train, losses, universal_params, universal_tensor  # noqa: E402
 
-CASES = {"z1_2": (1, 2), "z2_4": (2, 4), "z3_2": (3, 2), "z3_4": (3, 4)}
+CASES = {"z1_2": (1, 2), "z2_4": (2, 4), "z3_2": (3, 2), "z3_4": (3, 4), "z2_2_bf16": (2, 2)}
+BF16 = {"z2_2_bf16"}  # bf16 module, fp32 master weights (bf16_zero_pp_rank_* files)
 TAG = "global_step4"
 
 
@@ -48,6 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         d = root / case
         d.mkdir()
         steps = ["--steps", "8", "--save-at", "4"] if case == "z2_4" else ["--steps", "4"]
+        steps += ["--bf16"] if case in BF16 else []
         ds_train(world, "--stage", str(stage), *steps, "--save-dir", str(d / "ckpt"), "--loss-log", str(d / "losses.json"))
         ds_to_universal(str(d / "ckpt" / TAG), str(d / "ckpt" / f"{TAG}_universal"))
         out[case] = str(d)
@@ -96,6 +98,11 @@ def test_read_equals_ds_to_universal(runs: dict[str, str], case: str) -> None:
     assert files and all(f.startswith(f"{TAG}/") and f.endswith(".pt") for f in files)
     assert _compare_reads(ckpt, uni) >= 3 * len(params)
     assert _compare_reads(uni, uni) >= 3 * len(params)  # the universal directory read in place
+    if case in BF16:
+        assert all(f.startswith(f"{TAG}/bf16_zero_pp_rank_") for e in m.tensors.values() if e.name.startswith("optim.")
+                   for f in (g.file for g in e.fragments))
+        for p in params:
+            assert m.tensors[f"model.{p}"].dtype == "F32" and m.tensors[f"module.{p}"].dtype == "BF16"
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -50,7 +50,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs of channels of x (batch, seq, heads, head_dim)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
