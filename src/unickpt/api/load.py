@@ -206,6 +206,10 @@ def load(
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
+    ``path`` may hold a unickpt checkpoint or, read in place, a PyTorch DCP checkpoint, a
+    DeepSpeed ZeRO or universal checkpoint or a Hugging Face safetensors folder
+    (docs/FORMATS.md; those formats have no checksums to verify).
+
     The target layout is whatever the given tensors are: DTensors on any mesh and
     placements, or plain tensors (the whole tensor on this rank). Plain values are
     replaced, Stateful objects get ``load_state_dict`` with their filled state. With
