@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point (``python -m unickpt.examples.train``, usually under torchrun)."""
     try:
         run(argv)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
