@@ -46,7 +46,7 @@ from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
-from ..storage.files import atomic_file, write_file_atomic
+from ..storage.files import atomic_file
 from ..storage.local import LocalStorage
 from .detect import open_manifest
 
@@ -238,7 +238,7 @@ def write_universal(
         written += _save(dst, name, model_state)
         files += 1
     # the marker last: DeepSpeed follows it only once every file above is durable
-    write_file_atomic(marker_dir, "latest_universal", tag.encode())
+    LocalStorage(marker_dir).write_atomic("latest_universal", tag.encode())
     return UniversalReport(str(src), str(dst), len(params), files + 1, written, global_steps, time.perf_counter() - t0)
 
 

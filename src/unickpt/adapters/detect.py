@@ -10,11 +10,9 @@ export, inspect and verify work on every format through the same planner.
 from __future__ import annotations
 
 import importlib
-from pathlib import PurePosixPath
-
 from ..errors import ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..storage.local import LocalStorage
+from ..storage.local import LocalStorage, is_inside
 
 # (name, module, detector, reader); detectors are tried in this order
 FORMATS = [
@@ -54,8 +52,7 @@ def open_manifest(path: str) -> Manifest:
 
 def check_relative_path(name: str) -> str:
     """Refuse a file path that is absolute or climbs out of the checkpoint directory."""
-    p = PurePosixPath(name)
-    if not name or p.is_absolute() or ".." in p.parts or "\\" in name or "\x00" in name:
+    if not is_inside(name):
         raise ManifestError(f"unsafe file path {name!r}: only paths inside the checkpoint are allowed")
     return name
 

@@ -79,11 +79,6 @@ class _StorageRef:
     numel: int
 
 
-class _Refused:
-    def __init__(self, where: str, module: str, name: str) -> None:
-        self.where, self.module, self.name = where, module, name
-
-
 def _torch_global(name: str) -> Any:
     if name in _STORAGE_DTYPES:
         return ("storage-type", _STORAGE_DTYPES[name])

@@ -16,21 +16,13 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from ..errors import SaveError
+from .local import fsync_dir, is_inside
 
 
 def _target(root: str | os.PathLike, name: str) -> Path:
-    p = PurePosixPath(name)
-    if not name or p.is_absolute() or ".." in p.parts or "\\" in name or "\x00" in name:
+    if not is_inside(name):
         raise SaveError(f"refusing to write {name!r}: only paths inside {root} are allowed")
-    return Path(root, *p.parts)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return Path(root, *PurePosixPath(name).parts)
 
 
 @contextmanager
@@ -49,7 +41,7 @@ def atomic_file(root: str | os.PathLike, name: str, durable: bool = True) -> Ite
         f.close()
         os.replace(tmp, target)
         if durable:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
     except BaseException:
         f.close()
         try:
@@ -57,15 +49,3 @@ def atomic_file(root: str | os.PathLike, name: str, durable: bool = True) -> Ite
         except FileNotFoundError:
             pass
         raise
-
-
-def write_file_atomic(root: str | os.PathLike, name: str, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``root/name`` atomically (see :func:`atomic_file`)."""
-    with atomic_file(root, name, durable) as f:
-        f.write(data)
-
-
-def sync_tree(root: str | os.PathLike) -> None:
-    """fsync every directory below ``root`` (and ``root``): makes new entries durable."""
-    for dirpath, _, _ in os.walk(root):
-        _fsync_dir(Path(dirpath))

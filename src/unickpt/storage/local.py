@@ -16,7 +16,7 @@ import io
 import os
 import sys
 import threading
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..errors import CorruptionError, NotACheckpointError
 
@@ -45,6 +45,21 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     a no-op elsewhere). Durability still comes from the final fsync."""
     if _sync_file_range is not None and nbytes >= EARLY_WRITEBACK_MIN:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (new and renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_inside(name: str) -> bool:
+    """True for a relative ``/``-separated path that stays inside its root directory."""
+    p = PurePosixPath(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name and "\x00" not in name
 
 
 class FileWriter:
@@ -205,11 +220,7 @@ class LocalStorage:
 
     def sync_dir(self) -> None:
         """Make the directory's entries (new and renamed files) durable."""
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self.root)
 
     def open_writer(self, name: str, size: int) -> FileWriter:
         """Create (or replace) a file of ``size`` bytes for positional writes."""
