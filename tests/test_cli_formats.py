@@ -60,6 +60,10 @@ def test_dcp_imports_then_round_trips_to_dcp(dcp_dir: Path, tmp_path: Path) -> N
     assert r.exit_code == 0, r.output
     got = _dcp_load(back)
     assert got["step"] == 12
+    r = invoke("convert", str(imported), str(back), "--to", "dcp")
+    assert r.exit_code == 2 and "overwrite" in r.output
+    r = invoke("convert", str(imported), str(back), "--to", "dcp", "--overwrite")
+    assert r.exit_code == 0, r.output
     for k, v in STATE["model"].items():
         assert torch.equal(got["model"][k], v), k
 
@@ -77,6 +81,9 @@ def test_deepspeed_checkpoint_converts_to_unickpt_and_universal(tmp_path: Path) 
     r = invoke("convert", str(out), str(universal), "--to", "deepspeed")
     assert r.exit_code == 0, r.output
     assert "parameters (unickpt -> deepspeed)" in r.output
+    r = invoke("convert", str(out), str(universal), "--to", "deepspeed")
+    assert r.exit_code == 2 and "overwrite" in r.output
+    assert invoke("convert", str(out), str(universal), "--to", "deepspeed", "--overwrite").exit_code == 0
     a, b = unickpt.read_manifest(str(src)), unickpt.read_manifest(str(universal))
     params = [n for n in a.tensors if n.startswith("model.")]
     assert params and all(n in b.tensors for n in params)

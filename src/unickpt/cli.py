@@ -333,13 +333,13 @@ def convert_cmd(
     elif to == "dcp":
         from .adapters.dcp_writer import write_dcp
 
-        report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads))
+        report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite))
         what = f"{report.tensors} tensors"
     else:
         from .adapters.deepspeed_writer import write_universal
 
         report = _with_byte_progress(
-            "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads)
+            "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite)
         )
         what = f"{report.params} parameters"
     _out().print(
