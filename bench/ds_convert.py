@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         tools = {
             "ds_to_universal": lambda out: [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                                             "--input_folder", tag, "--output_folder", out, "--inject_missing_state"],
-            "unickpt": lambda out: [sys.executable, "-m", "unickpt.adapters.deepspeed_writer", tag, out],
+            "unickpt": lambda out: [sys.executable, "-m", "unickpt", "convert", tag, out, "--to", "deepspeed"],
         }
         best = {k: (float("inf"), 0.0) for k in tools}
         for rep in range(args.reps):
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         "| tool | wall time | peak RSS |",
         "|---|---|---|",
         f"| DeepSpeed `ds_to_universal` | {dt:.2f} s | {dm:.0f} MiB |",
-        f"| unickpt `write_universal` | {ut:.2f} s | {um:.0f} MiB |",
+        f"| unickpt `convert --to deepspeed` | {ut:.2f} s | {um:.0f} MiB |",
         f"| ratio (DeepSpeed / unickpt) | {dt / ut:.2f}x | {dm / um:.2f}x |",
         "",
         "Targets: at least 5x faster and at most a quarter of the peak memory.",

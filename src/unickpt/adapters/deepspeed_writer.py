@@ -240,22 +240,3 @@ def write_universal(
     # the marker last: DeepSpeed follows it only once every file above is durable
     LocalStorage(marker_dir).write_atomic("latest_universal", tag.encode())
     return UniversalReport(str(src), str(dst), len(params), files + 1, written, global_steps, time.perf_counter() - t0)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m unickpt.adapters.deepspeed_writer SRC DST``: write DeepSpeed's universal layout."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m unickpt.adapters.deepspeed_writer", description=main.__doc__)
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--overwrite", action="store_true")
-    a = p.parse_args(argv)
-    r = write_universal(a.src, a.dst, threads=a.threads, overwrite=a.overwrite)
-    print(f"wrote {r.params} parameters, {r.files} files, {r.bytes_written} bytes to {r.dst} "
-          f"(step {r.step}) in {r.seconds:.2f} s")
-
-
-if __name__ == "__main__":
-    main()
