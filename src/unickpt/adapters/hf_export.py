@@ -29,13 +29,12 @@ from typing import Any
 
 import torch
 
-from ..api.load import _fill, _Reader, read_manifest
+from ..api.load import read_entry, read_manifest
 from ..errors import UnickptError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
-from ..plan.piece import whole_piece
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
 from ..storage.local import LocalStorage
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
@@ -210,11 +209,7 @@ def split_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
 def _read(storage: LocalStorage, t: OutTensor, threads: int) -> torch.Tensor:
     """The whole tensor, assembled from its fragments (checksums verified), in HF form."""
     e = t.entry
-    out = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-    if out.numel():
-        reader = _Reader(storage, threads, True)
-        _fill(reader, e, out, [whole_piece(e.shape)])
-        reader.run()
+    out = read_entry(storage, e, threads)
     if t.rotary_heads is not None:
         out = rotary_to_hf(out, t.rotary_heads)
     if t.dtype != e.dtype:

@@ -328,11 +328,7 @@ def _rank_value(storage: LocalStorage, manifest: Manifest, name: str, rank: int,
     entry = manifest.rank_tensors[name][rank]
     if entry is None:
         return None
-    out = into if isinstance(into, torch.Tensor) and tuple(into.shape) == entry.shape else torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
-    reader = _Reader(storage, threads, verify)
-    _fill(reader, entry, out, [whole_piece(entry.shape)] if out.numel() else [])
-    reader.run()
-    return out
+    return read_entry(storage, entry, threads, verify, into if isinstance(into, torch.Tensor) else None)
 
 
 def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True) -> list[Any]:
@@ -354,12 +350,19 @@ def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True) 
     entry = manifest.tensors.get(name)
     if entry is None:
         raise MismatchError(_missing(name, manifest))
-    out = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
-    reader = _Reader(storage, threads, verify)
     try:
-        if out.numel():
-            _fill(reader, entry, out, [whole_piece(entry.shape)])
-        reader.run()
+        return read_entry(storage, entry, threads, verify)
     finally:
         storage.close()
+
+
+def read_entry(storage: LocalStorage, entry: TensorEntry, threads: int = 4, verify: bool = True,
+               into: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole tensor of ``entry`` assembled from its fragments in ``storage`` (checksums
+    verified unless ``verify=False``), written into ``into`` when it has the entry's shape."""
+    out = into if into is not None and tuple(into.shape) == entry.shape else torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+    if out.numel():
+        reader = _Reader(storage, threads, verify)
+        _fill(reader, entry, out, [whole_piece(entry.shape)])
+        reader.run()
     return out
