@@ -191,12 +191,14 @@ def aligned(n: int) -> int:
 
 
 def read_whole(
-    pool: ThreadPoolExecutor, buffers: threading.local, storage: LocalStorage,
+    pool: ThreadPoolExecutor | None, buffers: threading.local, storage: LocalStorage,
     jobs: list[tuple[TensorEntry, torch.Tensor]], span_bytes: int, verify: bool,
 ) -> int:
     """Fill each whole tensor ``out`` from its entry's fragments: spans of about
-    ``span_bytes`` (widened to checksum blocks) read by the pool's threads into their own
-    reused buffer, each block verified, then copied in place. Returns the bytes read."""
+    ``span_bytes`` (widened to checksum blocks) read by the pool's threads (in the calling
+    thread when ``pool`` is None), each block verified, then copied in place. A span whose
+    bytes are exactly a contiguous region of ``out`` is read straight into it; the others
+    go through a buffer per thread, reused. Returns the bytes read."""
     tasks = []
     for entry, out in jobs:
         size = itemsize(entry.dtype)
@@ -211,11 +213,15 @@ def read_whole(
         size = itemsize(entry.dtype)
         frag = entry.fragments[sp.fragment]
         n = sp.stop - sp.start
-        own = getattr(buffers, "buf", None)
-        if own is None or own.numel() < n:
-            own = buffers.buf = None  # drop the old buffer before making a larger one
-            own = buffers.buf = torch.empty(n, dtype=torch.uint8)
-        buf = own[:n]
+        direct = _direct_region(out, sp, size)
+        if direct is not None:
+            buf = direct.reshape(-1).view(torch.uint8)
+        else:
+            own = getattr(buffers, "buf", None)
+            if own is None or own.numel() < n:
+                own = buffers.buf = None  # drop the old buffer before making a larger one
+                own = buffers.buf = torch.empty(n, dtype=torch.uint8)
+            buf = own[:n]
         mv = memoryview(buf.numpy())
         storage.reader(frag.file).pread_into(frag.offset + sp.start, mv)
         if verify and frag.crc32c:
@@ -227,15 +233,39 @@ def read_whole(
                         f"checksum mismatch in {frag.file} (tensor {entry.name!r}, bytes "
                         f"{frag.offset + lo}-{frag.offset + hi} of the file): the checkpoint is corrupt"
                     )
-        data = buf.view(dtype_from_name(entry.dtype))
-        for c in sp.copies:
-            dst = out
-            for d, (o, k) in enumerate(zip(c.box.offsets, c.box.lengths)):
-                dst = dst.narrow(d, o, k)
-            dst.copy_(_source_region(data, c.source, sp.start // size, c.box))
+        if direct is None:
+            data = buf.view(dtype_from_name(entry.dtype))
+            for c in sp.copies:
+                _target_region(out, c.box).copy_(_source_region(data, c.source, sp.start // size, c.box))
         return n
 
-    return sum(pool.map(run, tasks))
+    return sum(map(run, tasks) if pool is None else pool.map(run, tasks))
+
+
+def _target_region(out: torch.Tensor, box: Box) -> torch.Tensor:
+    for d, (o, k) in enumerate(zip(box.offsets, box.lengths)):
+        out = out.narrow(d, o, k)
+    return out
+
+
+def _direct_region(out: torch.Tensor, sp: Span, size: int) -> torch.Tensor | None:
+    """The region of ``out`` that is exactly the span's bytes, in order, if there is one
+    and it is contiguous; else None."""
+    if len(sp.copies) != 1 or out.dtype.itemsize != size:
+        return None
+    c = sp.copies[0]
+    dst = _target_region(out, c.box)
+    if not dst.is_contiguous() or dst.numel() * size != sp.stop - sp.start:
+        return None
+    piece = c.source
+    local = piece.local_of(c.box)
+    if not piece.view:
+        first = piece.flat_offset
+    else:
+        if any(local.offsets[d] or local.lengths[d] != piece.view[d] for d in range(1, len(piece.view))):
+            return None
+        first = piece.flat_offset + local.offsets[0] * prod(piece.view[1:])
+    return dst if first * size == sp.start else None
 
 
 def _source_region(data: torch.Tensor, piece: Piece, first: int, box: Box) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,10 +15,6 @@ from .state import Sharded
 from ..dist import Group
 from ..plan.placement import dtensor_pieces
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
 
 
 @dataclass
@@ -40,7 +37,10 @@ class TensorItem:
 
 def is_dtensor(t: Any) -> bool:
     """True for a DTensor."""
-    return DTensor is not None and isinstance(t, DTensor)
+    # no DTensor can exist before its module is imported, and importing it costs ~1 s
+    # (sympy), which a command-line conversion never needs
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _shard_order(dt: Any) -> list[tuple[int, tuple[int, ...]]] | None:
