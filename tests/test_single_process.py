@@ -264,3 +264,39 @@ def test_sharded_flat_partitions_round_trip(tmp_path):
     assert torch.equal(target[2:12], a.reshape(-1)[4:14])
     assert torch.equal(target[:2], torch.full((2,), -1.0))  # not covered: untouched
     assert torch.equal(unickpt.load_tensor(str(tmp_path / "c"), "a"), a)
+
+
+def test_load_tensor_mmap_maps_whole_tensors_and_still_verifies(ckpt):
+    from unickpt.api.load import mapped_entry
+    from unickpt.storage.local import LocalStorage
+
+    path, sd = ckpt
+    t = unickpt.load_tensor(str(path), "big", mmap=True)
+    assert torch.equal(t, sd["big"]) and t.dtype == sd["big"].dtype
+    m = unickpt.read_manifest(str(path))
+    storage = LocalStorage(str(path))
+    try:
+        assert mapped_entry(storage, m.tensors["big"]) is not None  # the mapped path, not a read
+    finally:
+        storage.close()
+    # private pages: writing to the tensor changes neither the file nor a later load
+    t.mul_(0)
+    assert torch.equal(unickpt.load_tensor(str(path), "big", mmap=True), sd["big"])
+    assert torch.equal(unickpt.load_tensor(str(path), "model.b", mmap=True), sd["model"]["b"])
+    fname = _flip_byte(path, "big", "big", 1_100_000)  # in the second checksum block
+    with pytest.raises(unickpt.CorruptionError, match="checksum mismatch.*'big'") as e:
+        unickpt.load_tensor(str(path), "big", mmap=True)
+    assert fname in str(e.value)
+    assert not torch.equal(unickpt.load_tensor(str(path), "big", mmap=True, verify=False), sd["big"])
+
+
+def test_load_tensor_mmap_reads_a_tensor_stored_in_pieces(tmp_path):
+    from unickpt.plan.piece import Piece
+    from unickpt.plan.box import Box
+
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    # one rank holding rows 0-3 and 4-7 as two pieces of one local tensor, stored swapped
+    local = torch.cat([full[4:], full[:4]])
+    pieces = [Piece(Box((4, 0), (4, 6)), (0, 0), (8, 6)), Piece(Box((0, 0), (4, 6)), (4, 0), (8, 6))]
+    unickpt.save({"w": unickpt.Sharded(local, (8, 6), pieces)}, str(tmp_path / "ck"))
+    assert torch.equal(unickpt.load_tensor(str(tmp_path / "ck"), "w", mmap=True), full)

@@ -26,8 +26,9 @@ stages 1, 2 and 3); DeepSpeed's own objects (loss scaler) are not written, so th
 job keeps its own; ``module`` in the model-states file is empty (a universal load restores
 weights from ``zero/`` only); nothing is staged in temporary per-fragment files.
 
-Memory: at most ``max_bytes_in_flight`` of tensors (or the largest tensor) plus ``threads``
-read buffers, whatever the model size. Files are written by several threads and fsynced
+Memory: at most ``max_bytes_in_flight`` of tensors (or the largest tensor) plus, per
+thread, a reused buffer of at most ``max_bytes_in_flight / (2 * threads)``, whatever the
+model size. Files are written by several threads and fsynced
 together once, before the marker.
 """
 
@@ -169,9 +170,9 @@ def write_universal(
     ``train.step``, then the optimizer step of the first parameter. ``progress(n)`` gets
     the bytes of each tensor written.
 
-    ``threads`` files are written at once (each read by up to ``threads`` reader threads),
-    holding at most ``max_bytes_in_flight`` bytes of tensors (a larger tensor alone); the
-    files are fsynced together at the end, before the marker.
+    ``threads`` files are read and written at once, holding at most ``max_bytes_in_flight``
+    bytes of tensors (a larger tensor alone); the files are fsynced together at the end,
+    before the marker. The first failure stops the files not yet started and is raised.
     """
     from ..api.convert import read_whole  # the bounded-memory whole-tensor reader of convert
 
@@ -226,9 +227,7 @@ def write_universal(
             steps[index] = obj = t
         else:
             obj: Any = {"cat_dim": 0, "param": t}
-        with batch.file(f"zero/{param}/{key}.pt") as f:
-            torch.save(obj, f)
-            size = f.tell()
+        size = _save(batch, f"zero/{param}/{key}.pt", obj)
         if progress is not None:
             with lock:
                 progress(t.numel() * t.element_size())
@@ -236,7 +235,12 @@ def write_universal(
 
     try:
         with ThreadPoolExecutor(max_workers=threads) as writers:
-            sizes = list(writers.map(write_one, range(len(jobs))))
+            futures = [writers.submit(write_one, i) for i in range(len(jobs))]
+            try:
+                sizes = [f.result() for f in futures]
+            except BaseException:
+                writers.shutdown(cancel_futures=True)
+                raise
     finally:
         source.close()
     written = sum(n for n in sizes if n is not None)

@@ -10,6 +10,8 @@ checkpoint's (DCP's thread mode on the default group hangs exactly there).
 
 from __future__ import annotations
 
+import atexit
+
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,15 @@ from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, re
 from .writer import DataFileWriter
 
 _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
+@atexit.register
+def _drop_groups() -> None:
+    # A process group still referenced when the interpreter finalizes is destroyed with
+    # Python half torn down, and gloo's worker threads can then abort the process
+    # ("terminate called without an active exception"). Dropping the cache here, while
+    # the interpreter is whole, destroys the groups the job already destroyed in c10d.
+    _GROUPS.clear()
 
 
 def checkpoint_group(group: Group) -> Group:

@@ -44,6 +44,7 @@ from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
 from .items import TensorItem
+from .reads import checksum_error
 from .save import data_file_name
 from .writer import DataFileWriter, as_bytes
 
@@ -213,7 +214,7 @@ def read_whole(
         size = itemsize(entry.dtype)
         frag = entry.fragments[sp.fragment]
         n = sp.stop - sp.start
-        direct = _direct_region(out, sp, size)
+        direct = _direct_region(out, sp, dtype_from_name(entry.dtype))
         if direct is not None:
             buf = direct.reshape(-1).view(torch.uint8)
         else:
@@ -229,10 +230,7 @@ def read_whole(
             for b in range(sp.first_block, sp.end_block):
                 lo, hi = b * frag.block_bytes, min(nbytes, (b + 1) * frag.block_bytes)
                 if crc32c(mv[lo - sp.start : hi - sp.start]) != frag.crc32c[b]:
-                    raise CorruptionError(
-                        f"checksum mismatch in {frag.file} (tensor {entry.name!r}, bytes "
-                        f"{frag.offset + lo}-{frag.offset + hi} of the file): the checkpoint is corrupt"
-                    )
+                    raise checksum_error(frag.file, entry.name, frag.offset + lo, frag.offset + hi)
         if direct is None:
             data = buf.view(dtype_from_name(entry.dtype))
             for c in sp.copies:
@@ -248,11 +246,12 @@ def _target_region(out: torch.Tensor, box: Box) -> torch.Tensor:
     return out
 
 
-def _direct_region(out: torch.Tensor, sp: Span, size: int) -> torch.Tensor | None:
-    """The region of ``out`` that is exactly the span's bytes, in order, if there is one
-    and it is contiguous; else None."""
-    if len(sp.copies) != 1 or out.dtype.itemsize != size:
+def _direct_region(out: torch.Tensor, sp: Span, dtype: torch.dtype) -> torch.Tensor | None:
+    """The region of ``out`` that is exactly the span's bytes (stored as ``dtype``), in
+    order, if there is one, it is contiguous and of the same dtype; else None."""
+    if len(sp.copies) != 1 or out.dtype != dtype:
         return None
+    size = dtype.itemsize
     c = sp.copies[0]
     dst = _target_region(out, c.box)
     if not dst.is_contiguous() or dst.numel() * size != sp.stop - sp.start:

@@ -14,6 +14,7 @@ import torch
 
 from ..dist import resolve_group
 from ..errors import CorruptionError, LayoutError, MismatchError
+from ..format.checksum import block_crcs
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..adapters.detect import open_manifest
 from ..format.manifest import Manifest, TensorEntry
@@ -24,7 +25,7 @@ from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
 from .items import is_dtensor, sharded_item, tensor_item
 from .replicated import ReplicatedReads
-from .reads import Scratch, Segment, SpanRead, coalesce, crc_blocks, fill_gaps, group_views
+from .reads import Scratch, Segment, SpanRead, checksum_error, coalesce, crc_blocks, fill_gaps, group_views
 from .state import PerRank, Sharded, flatten
 
 
@@ -120,10 +121,7 @@ class _Reader:
             bounds = [(b * frag.block_bytes - sp.start, min(nbytes, (b + 1) * frag.block_bytes) - sp.start) for b in blocks]
             for b, (lo, hi), got in zip(blocks, bounds, crc_blocks(read.segments, bounds)):
                 if got != frag.crc32c[b]:
-                    raise CorruptionError(
-                        f"checksum mismatch in {frag.file} (tensor {entry.name!r}, bytes "
-                        f"{frag.offset + sp.start + lo}-{frag.offset + sp.start + hi} of the file): the checkpoint is corrupt"
-                    )
+                    raise checksum_error(frag.file, entry.name, frag.offset + sp.start + lo, frag.offset + sp.start + hi)
         if buffered:
             data = read.segments[0].buffer.view(dtype_from_name(entry.dtype))
             first = sp.start // size
@@ -343,17 +341,44 @@ def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = T
         storage.close()
 
 
-def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True) -> torch.Tensor:
-    """The whole global tensor ``name`` from a checkpoint, as one CPU tensor."""
+def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, mmap: bool = False) -> torch.Tensor:
+    """The whole global tensor ``name`` from a checkpoint, as one CPU tensor.
+
+    With ``mmap=True`` a tensor stored whole in one file (saved by one rank, or consolidated,
+    or a Hugging Face shard) is returned mapped from that file instead of read into new
+    memory: private copy-on-write pages, so nothing is allocated or copied up front and
+    writes to the tensor stay in this process. Checksums are still verified unless
+    ``verify=False`` (which touches every page once; without it pages are read on first
+    use). A tensor stored in several pieces is read as usual."""
     storage = LocalStorage(path)
     manifest = open_manifest(str(path))
     entry = manifest.tensors.get(name)
     if entry is None:
         raise MismatchError(_missing(name, manifest))
     try:
-        return read_entry(storage, entry, threads, verify)
+        mapped = mapped_entry(storage, entry, verify) if mmap else None
+        return mapped if mapped is not None else read_entry(storage, entry, threads, verify)
     finally:
         storage.close()
+
+
+def mapped_entry(storage: LocalStorage, entry: TensorEntry, verify: bool = True) -> torch.Tensor | None:
+    """The tensor of ``entry`` mapped from its file when one fragment holds it whole, in
+    order (checksums verified over the mapping unless ``verify=False``); else None."""
+    if len(entry.fragments) != 1 or not prod(entry.shape):
+        return None
+    frag = entry.fragments[0]
+    if tuple(frag.shape) != tuple(entry.shape) or list(frag.pieces) != [whole_piece(entry.shape)]:
+        return None
+    nbytes = frag.nbytes(entry.dtype)
+    mapping, at = storage.map_range(frag.file, frag.offset, nbytes)
+    if verify and frag.crc32c:
+        with memoryview(mapping) as whole, whole[at : at + nbytes] as view:
+            for b, (got, expected) in enumerate(zip(block_crcs(view, frag.block_bytes), frag.crc32c)):
+                if got != expected:
+                    lo = frag.offset + b * frag.block_bytes
+                    raise checksum_error(frag.file, entry.name, lo, min(frag.offset + nbytes, lo + frag.block_bytes))
+    return torch.frombuffer(mapping, dtype=dtype_from_name(entry.dtype), count=prod(entry.shape), offset=at).view(entry.shape)
 
 
 def read_entry(storage: LocalStorage, entry: TensorEntry, threads: int = 4, verify: bool = True,

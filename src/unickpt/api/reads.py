@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import crc32c as _crc
 import torch
 
+from ..errors import CorruptionError
+
 COALESCE_GAP = 0
 COALESCE_MAX = 64 << 20
 
@@ -53,6 +55,12 @@ class SpanRead:
     segments: list[Segment]
     finish: Callable[["SpanRead"], None]
     extra: dict = field(default_factory=dict)
+
+
+def checksum_error(file: str, tensor: str, start: int, stop: int) -> CorruptionError:
+    """The error for a checksum block (bytes ``[start, stop)`` of ``file``) that does not
+    match: it names the file, the tensor and the bytes."""
+    return CorruptionError(f"checksum mismatch in {file} (tensor {tensor!r}, bytes {start}-{stop} of the file): the checkpoint is corrupt")
 
 
 def fill_gaps(nbytes: int, direct: list[Segment]) -> list[Segment] | None:

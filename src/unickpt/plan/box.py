@@ -6,6 +6,8 @@ has the empty box ``Box((), ())`` whose volume is 1. Everything here is pure.
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 from math import prod
 
@@ -20,13 +22,13 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.lengths):
             raise ValueError(f"box rank mismatch: offsets {self.offsets}, lengths {self.lengths}")
-        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+        if self.offsets and (min(self.offsets) < 0 or min(self.lengths) < 0):
             raise ValueError(f"box with negative offset or length: {self.offsets}, {self.lengths}")
 
     @staticmethod
     def whole(shape: tuple[int, ...] | list[int]) -> Box:
         """The box covering a whole tensor of ``shape``."""
-        return Box(tuple(0 for _ in shape), tuple(int(n) for n in shape))
+        return _whole(tuple(int(n) for n in shape))
 
     @property
     def ndim(self) -> int:
@@ -56,11 +58,16 @@ class Box:
 
     def shift(self, delta: tuple[int, ...]) -> Box:
         """The same box moved by ``delta`` (which may be negative; the result must be valid)."""
-        return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.lengths)
+        return Box(tuple(map(operator.add, self.offsets, delta)), self.lengths)
 
     def relative_to(self, origin: tuple[int, ...]) -> Box:
         """This box expressed in coordinates whose zero is ``origin``."""
         return Box(tuple(o - z for o, z in zip(self.offsets, origin)), self.lengths)
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole(shape: tuple[int, ...]) -> Box:
+    return Box((0,) * len(shape), shape)  # boxes are immutable: one per shape is shared
 
 
 def intersect(a: Box, b: Box) -> Box | None:

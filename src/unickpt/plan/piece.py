@@ -16,6 +16,7 @@ and says that region equals ``global_box`` of the global tensor. Two common case
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from math import prod
 
@@ -49,8 +50,9 @@ class Piece:
 
     def local_of(self, sub: Box) -> Box:
         """Map a sub-box of ``global_box`` (global coordinates) into view coordinates."""
-        delta = tuple(lo - go for lo, go in zip(self.local_offsets, self.global_box.offsets))
-        return sub.shift(delta)
+        if self.local_offsets == self.global_box.offsets:
+            return sub
+        return sub.shift(tuple(map(operator.sub, self.local_offsets, self.global_box.offsets)))
 
     def row_span(self, sub: Box) -> tuple[int, int]:
         """The contiguous element range of flat data that holds ``sub`` (a sub-box of

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import mmap
 import os
 import sys
 import threading
@@ -239,6 +240,20 @@ class LocalStorage:
         ``length`` is None)."""
         r = self.reader(name)
         return RangeFile(r, start, r.size - start if length is None else length)
+
+    def map_range(self, name: str, offset: int, nbytes: int) -> tuple[mmap.mmap, int]:
+        """A private (copy-on-write) memory map holding bytes ``[offset, offset + nbytes)``
+        of a file, and where they start in it. Nothing is read until the pages are touched,
+        and writes to the map stay in this process. A file shorter than the range is a
+        CorruptionError (a file truncated later makes touching its pages fail with SIGBUS,
+        as with any mapped file)."""
+        r = self.reader(name)
+        if offset + nbytes > r.size:
+            raise CorruptionError(f"{name} is truncated: bytes {offset}-{offset + nbytes} asked, the file has {r.size}")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with open(r.path, "rb") as f:
+            m = mmap.mmap(f.fileno(), offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+        return m, offset - start
 
     def names(self) -> list[str]:
         """Names of the entries directly in the checkpoint directory (empty when it is not a directory)."""
