@@ -300,3 +300,23 @@ def test_load_tensor_mmap_reads_a_tensor_stored_in_pieces(tmp_path):
     pieces = [Piece(Box((4, 0), (4, 6)), (0, 0), (8, 6)), Piece(Box((0, 0), (4, 6)), (4, 0), (8, 6))]
     unickpt.save({"w": unickpt.Sharded(local, (8, 6), pieces)}, str(tmp_path / "ck"))
     assert torch.equal(unickpt.load_tensor(str(tmp_path / "ck"), "w", mmap=True), full)
+
+
+def test_save_and_load_restore_the_garbage_collector(ckpt, tmp_path):
+    import gc
+
+    path, sd = ckpt
+    assert gc.isenabled()
+    unickpt.save(sd, str(tmp_path / "again"))
+    unickpt.load(_zeros_like(sd), str(path))
+    assert gc.isenabled()
+    with pytest.raises(unickpt.MismatchError):
+        unickpt.load({"nope": torch.zeros(1)}, str(path))
+    assert gc.isenabled()  # restored on errors too
+    gc.disable()
+    try:
+        unickpt.load(_zeros_like(sd), str(path))
+        assert not gc.isenabled()  # a collector the caller turned off stays off
+    finally:
+        gc.enable()
+    assert unickpt.save.__doc__ and unickpt.load.__doc__.startswith("Fill")

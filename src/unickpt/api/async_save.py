@@ -25,6 +25,7 @@ from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment
 from ..storage.local import LocalStorage
+from .gc_pause import gc_paused
 from .items import TensorItem
 from .save import (
     LocalState, _describe, collect, commit, data_file_name, prepare_collective, rank_payload, tensor_digest,
@@ -297,8 +298,9 @@ def async_save(
     if storage.exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
     try:
-        local, error = collect(state_dict, group, defer=True), None
-        items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
+        with gc_paused():
+            local, error = collect(state_dict, group, defer=True), None
+            items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
     except Exception as e:  # reported to rank 0 by the background commit, like save()
         local, error = None, _describe(e)
         items, sources, digests, batches, capacity = _plan(None, None, block_bytes)

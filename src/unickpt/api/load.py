@@ -23,6 +23,7 @@ from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
+from .gc_pause import gc_paused
 from .items import is_dtensor, sharded_item, tensor_item
 from .replicated import ReplicatedReads
 from .reads import Scratch, Segment, SpanRead, checksum_error, coalesce, crc_blocks, fill_gaps, group_views
@@ -191,6 +192,7 @@ def _check_compatible(entry: TensorEntry, target: torch.Tensor, global_shape: tu
         )
 
 
+@gc_paused()
 def load(
     state_dict: dict[str, Any],
     path: str,

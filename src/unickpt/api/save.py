@@ -34,6 +34,7 @@ from ..storage.local import LocalStorage
 from .writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
 from .items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
 from .state import PerRank, Sharded, flatten
+from .gc_pause import gc_paused
 
 
 def data_file_name(rank: int) -> str:
@@ -369,6 +370,7 @@ def commit(group: Group, payload: dict[str, Any], storage: LocalStorage, metadat
         raise getattr(errors, kind, SaveError)(text)
 
 
+@gc_paused()
 def save(
     state_dict: dict[str, Any],
     path: str,

@@ -16,6 +16,7 @@ and says that region equals ``global_box`` of the global tensor. Two common case
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from math import prod
@@ -76,8 +77,13 @@ def box_piece(local_shape: tuple[int, ...], local_box: Box, global_box: Box) -> 
 
 def whole_piece(shape: tuple[int, ...]) -> Piece:
     """The single piece of an unsharded tensor: all of it."""
+    return _whole_piece(tuple(int(n) for n in shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_piece(shape: tuple[int, ...]) -> Piece:
     box = Box.whole(shape)
-    return Piece(box, box.offsets, tuple(shape), 0)
+    return Piece(box, box.offsets, shape, 0)  # pieces are immutable: one per shape is shared
 
 
 def flat_pieces(global_box: Box, start: int, stop: int, local_flat_offset: int = 0) -> list[Piece]:
