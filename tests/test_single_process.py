@@ -320,3 +320,11 @@ def test_save_and_load_restore_the_garbage_collector(ckpt, tmp_path):
     finally:
         gc.enable()
     assert unickpt.save.__doc__ and unickpt.load.__doc__.startswith("Fill")
+
+
+def test_load_tensor_mmap_of_a_truncated_file_is_an_error(ckpt):
+    path, sd = ckpt
+    f = path / "rank_00000.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(unickpt.CorruptionError, match="truncated"):
+        unickpt.load_tensor(str(path), "big", mmap=True)

@@ -43,6 +43,7 @@ from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
+from .gc_pause import gc_paused
 from .items import TensorItem
 from .reads import checksum_error
 from .save import data_file_name
@@ -71,6 +72,7 @@ def total_bytes(manifest: Manifest) -> int:
     return n
 
 
+@gc_paused()
 def convert(
     src: str,
     dst: str,

@@ -1,4 +1,4 @@
-"""Pausing Python's cyclic garbage collector during a save or load.
+"""Pausing Python's cyclic garbage collector during a save, load, convert or verify.
 
 Parsing a manifest and planning the reads or writes of thousands of tensors allocates
 hundreds of thousands of small objects (boxes, pieces, fragments, JSON values). Each

@@ -37,6 +37,7 @@ from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.safetensors_header import parse_header
 from ..plan.box import Box
 from ..storage.local import LocalStorage
+from .gc_pause import gc_paused
 
 # Several checksum blocks are read at once when blocks are small, to keep syscalls few.
 READ_CHUNK_BYTES = 16 << 20
@@ -233,6 +234,7 @@ def _tasks(entry: TensorEntry, frag: Fragment) -> list[_Task]:
     return out
 
 
+@gc_paused()
 def verify(path: str, *, progress: Callable[[int], None] | None = None, threads: int = 4) -> VerifyReport:
     """Re-check every checksum of the checkpoint at ``path`` and report what is wrong.
 
