@@ -349,9 +349,9 @@ def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, 
     With ``mmap=True`` a tensor stored whole in one file (saved by one rank, or consolidated,
     or a Hugging Face shard) is returned mapped from that file instead of read into new
     memory: private copy-on-write pages, so nothing is allocated or copied up front and
-    writes to the tensor stay in this process. Checksums are still verified unless
-    ``verify=False`` (which touches every page once; without it pages are read on first
-    use). A tensor stored in several pieces is read as usual."""
+    writes to the tensor stay in this process. Checksums are still verified, which reads
+    every page once; with ``verify=False`` pages are read only when first used. A tensor
+    stored in several pieces is read as usual."""
     storage = LocalStorage(path)
     manifest = open_manifest(str(path))
     entry = manifest.tensors.get(name)
