@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import SaveError, UnickptError
-from ..format.dtypes import dtype_from_name, itemsize
+from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.files import DurableBatch
@@ -113,7 +113,7 @@ def _reusable(buffers: threading.local, e: TensorEntry, limit: int) -> torch.Ten
     """An uninitialised tensor for ``e``: in this thread's reused memory when it is at most
     ``limit`` bytes (writing into touched pages is about 3x faster here than into fresh
     ones), else freshly allocated. Valid until the thread's next call."""
-    nbytes = prod(e.shape) * itemsize(e.dtype)
+    nbytes = e.nbytes
     dtype = dtype_from_name(e.dtype)
     if nbytes > limit or nbytes == 0:
         return torch.empty(e.shape, dtype=dtype)
@@ -211,8 +211,7 @@ def write_universal(
         """Write one state file; its size, or None for a value that is not a number."""
         param, key, e = jobs[index]
         if isinstance(e, TensorEntry):
-            nbytes = prod(e.shape) * itemsize(e.dtype)
-            with budget.hold(nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "float32" else 0)):
+            with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "float32" else 0)):
                 t = _reusable(buffers, e, reuse_limit)
                 if t.numel():
                     read_whole(None, buffers, source, [(e, t)], 16 << 20, verify)

@@ -41,10 +41,11 @@ from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment, Manifest, TensorEntry
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
-from ..plan.read_plan import SourceFragment, Span, plan_reads
+from ..plan.read_plan import Span, plan_reads
 from ..storage.local import LocalStorage
 from .gc_pause import gc_paused
 from .items import TensorItem
+from .load import direct_segments, source_fragments
 from .reads import checksum_error
 from .save import data_file_name
 from .writer import DataFileWriter, as_bytes
@@ -205,8 +206,7 @@ def read_whole(
     tasks = []
     for entry, out in jobs:
         size = itemsize(entry.dtype)
-        sources = [SourceFragment(f.file, f.offset, prod(f.shape) * size, f.block_bytes, tuple(f.pieces)) for f in entry.fragments]
-        plan = plan_reads([whole_piece(entry.shape)], sources, size, span_bytes)
+        plan = plan_reads([whole_piece(entry.shape)], source_fragments(entry), size, span_bytes)
         if plan.covered[0] != out.numel():
             raise CorruptionError(f"{entry.name!r}: the source's fragments hold {plan.covered[0]} of its {out.numel()} elements")
         tasks += [(entry, out, sp) for sp in plan.spans]
@@ -216,9 +216,10 @@ def read_whole(
         size = itemsize(entry.dtype)
         frag = entry.fragments[sp.fragment]
         n = sp.stop - sp.start
-        direct = _direct_region(out, sp, dtype_from_name(entry.dtype))
-        if direct is not None:
-            buf = direct.reshape(-1).view(torch.uint8)
+        segments = direct_segments(entry, sp, out)
+        direct = segments is not None and len(segments) == 1 and (segments[0].start, segments[0].stop) == (0, n)
+        if direct:
+            buf = segments[0].target
         else:
             own = getattr(buffers, "buf", None)
             if own is None or own.numel() < n:
@@ -233,7 +234,7 @@ def read_whole(
                 lo, hi = b * frag.block_bytes, min(nbytes, (b + 1) * frag.block_bytes)
                 if crc32c(mv[lo - sp.start : hi - sp.start]) != frag.crc32c[b]:
                     raise checksum_error(frag.file, entry.name, frag.offset + lo, frag.offset + hi)
-        if direct is None:
+        if not direct:
             data = buf.view(dtype_from_name(entry.dtype))
             for c in sp.copies:
                 _target_region(out, c.box).copy_(_source_region(data, c.source, sp.start // size, c.box))
@@ -246,27 +247,6 @@ def _target_region(out: torch.Tensor, box: Box) -> torch.Tensor:
     for d, (o, k) in enumerate(zip(box.offsets, box.lengths)):
         out = out.narrow(d, o, k)
     return out
-
-
-def _direct_region(out: torch.Tensor, sp: Span, dtype: torch.dtype) -> torch.Tensor | None:
-    """The region of ``out`` that is exactly the span's bytes (stored as ``dtype``), in
-    order, if there is one, it is contiguous and of the same dtype; else None."""
-    if len(sp.copies) != 1 or out.dtype != dtype:
-        return None
-    size = dtype.itemsize
-    c = sp.copies[0]
-    dst = _target_region(out, c.box)
-    if not dst.is_contiguous() or dst.numel() * size != sp.stop - sp.start:
-        return None
-    piece = c.source
-    local = piece.local_of(c.box)
-    if not piece.view:
-        first = piece.flat_offset
-    else:
-        if any(local.offsets[d] or local.lengths[d] != piece.view[d] for d in range(1, len(piece.view))):
-            return None
-        first = piece.flat_offset + local.offsets[0] * prod(piece.view[1:])
-    return dst if first * size == sp.start else None
 
 
 def _source_region(data: torch.Tensor, piece: Piece, first: int, box: Box) -> torch.Tensor:

@@ -63,6 +63,30 @@ def _target_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
     return local.reshape(-1)[piece.flat_offset : piece.flat_offset + prod(piece.view)].view(piece.view)
 
 
+def direct_segments(entry: TensorEntry, sp: Span, local: torch.Tensor) -> list[Segment] | None:
+    """The parts of span ``sp`` whose bytes land unchanged in ``local`` (a CPU tensor of the
+    entry's dtype, contiguous on both sides), as segments over the target's memory; None
+    when a copy of the span is not contiguous on both sides."""
+    if local.device.type != "cpu" or dtype_name(local.dtype) != entry.dtype:
+        return None
+    size = itemsize(entry.dtype)
+    first = sp.start // size
+    shadow = torch.empty((sp.stop - sp.start) // size, dtype=local.dtype, device="meta")
+    out = []
+    for c in sp.copies:
+        src_local = c.source.local_of(c.box)
+        rows = (src_local.offsets[0], src_local.offsets[0] + src_local.lengths[0]) if src_local.ndim else (0, 1)
+        src = _narrow(_region(shadow, c.source, first, rows), src_local.offsets, src_local.lengths, True)
+        dst_local = c.target.local_of(c.box)
+        dst = _narrow(_target_view(local, c.target), dst_local.offsets, dst_local.lengths, False)
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            return None
+        if dst.numel():
+            at = src.storage_offset() * size
+            out.append(Segment(at, at + dst.numel() * size, dst.detach().reshape(-1).view(torch.uint8)))
+    return out
+
+
 class _Reader:
     """Executes read plans: reads spans, verifies their blocks, copies into targets."""
 
@@ -84,33 +108,12 @@ class _Reader:
         (CPU target, contiguous on both sides), else into a buffer then copy."""
         frag = entry.fragments[sp.fragment]
         nbytes = sp.stop - sp.start
-        direct = self._direct(entry, sp, local)
+        direct = direct_segments(entry, sp, local)
         segments = fill_gaps(nbytes, direct) if direct is not None else None
         buffered = segments is None
         if buffered:
             segments = [Segment(0, nbytes)]
         return SpanRead(frag.file, frag.offset + sp.start, nbytes, segments, self._finish, {"job": (entry, sp, local, buffered)})
-
-    @staticmethod
-    def _direct(entry: TensorEntry, sp: Span, local: torch.Tensor) -> list[Segment] | None:
-        if local.device.type != "cpu" or dtype_name(local.dtype) != entry.dtype:
-            return None
-        size = itemsize(entry.dtype)
-        first = sp.start // size
-        shadow = torch.empty((sp.stop - sp.start) // size, dtype=local.dtype, device="meta")
-        out = []
-        for c in sp.copies:
-            src_local = c.source.local_of(c.box)
-            rows = (src_local.offsets[0], src_local.offsets[0] + src_local.lengths[0]) if src_local.ndim else (0, 1)
-            src = _narrow(_region(shadow, c.source, first, rows), src_local.offsets, src_local.lengths, True)
-            dst_local = c.target.local_of(c.box)
-            dst = _narrow(_target_view(local, c.target), dst_local.offsets, dst_local.lengths, False)
-            if not (src.is_contiguous() and dst.is_contiguous()):
-                return None
-            if dst.numel():
-                at = src.storage_offset() * size
-                out.append(Segment(at, at + dst.numel() * size, dst.detach().reshape(-1).view(torch.uint8)))
-        return out
 
     def _finish(self, read: SpanRead) -> None:
         entry, sp, local, buffered = read.extra["job"]
@@ -162,7 +165,8 @@ class _Reader:
                 f.result()
 
 
-def _sources(entry: TensorEntry) -> list[SourceFragment]:
+def source_fragments(entry: TensorEntry) -> list[SourceFragment]:
+    """What the read planner needs to know of each stored fragment of ``entry``."""
     size = itemsize(entry.dtype)
     return [
         SourceFragment(f.file, f.offset, prod(f.shape) * size, f.block_bytes, tuple(f.pieces)) for f in entry.fragments
@@ -170,7 +174,7 @@ def _sources(entry: TensorEntry) -> list[SourceFragment]:
 
 
 def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece]) -> None:
-    sources = _sources(entry)
+    sources = source_fragments(entry)
     plan = plan_reads(pieces, sources, itemsize(entry.dtype))
     for p, got in zip(pieces, plan.covered):
         if got != p.global_box.volume:

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from ..errors import SaveError
-from .local import fsync_dir, is_inside, start_writeback
+from .local import fsync_path, is_inside, start_writeback
 
 
 def _target(root: str | os.PathLike, name: str) -> Path:
@@ -78,8 +78,7 @@ class DurableBatch:
             files, dirs = self._files, sorted(self._dirs)
             self._files, self._dirs = [], set()
         with ThreadPoolExecutor(max_workers=self.threads) as pool:
-            list(pool.map(_fsync_file, files))
-            list(pool.map(fsync_dir, dirs))
+            list(pool.map(fsync_path, files + dirs))
 
 
 def _parents_below(directory: Path, root: Path) -> list[Path]:
@@ -91,10 +90,3 @@ def _parents_below(directory: Path, root: Path) -> list[Path]:
         out.append(directory)
     return out
 
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -48,8 +48,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a directory's entries (new and renamed files) durable."""
+def fsync_path(path: str | os.PathLike) -> None:
+    """Make a file's data, or a directory's entries (new and renamed files), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -221,7 +221,7 @@ class LocalStorage:
 
     def sync_dir(self) -> None:
         """Make the directory's entries (new and renamed files) durable."""
-        fsync_dir(self.root)
+        fsync_path(self.root)
 
     def open_writer(self, name: str, size: int) -> FileWriter:
         """Create (or replace) a file of ``size`` bytes for positional writes."""
