@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from math import prod
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -42,13 +43,25 @@ EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _out() -> Console:
+# Columns when the output is not a terminal: a pipe or a file has no width to fit, and
+# rich would otherwise assume 80 columns and fold long tensor names.
+NO_WRAP_WIDTH = 1 << 16
+
+
+def _console(stderr: bool = False) -> Console:
     # Created per use so it writes to whatever sys.stdout is now (tests swap it).
-    return Console(highlight=False)
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal:
+        console.width = NO_WRAP_WIDTH
+    return console
+
+
+def _out() -> Console:
+    return _console()
 
 
 def _err() -> Console:
-    return Console(stderr=True, highlight=False)
+    return _console(stderr=True)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -112,6 +125,15 @@ def _shape(shape: tuple[int, ...] | list[int]) -> str:
     return "[" + ", ".join(str(n) for n in shape) + "]"
 
 
+def _tensor_count(manifest: Any) -> str:
+    """``"156 tensors"``, or ``"156 tensors + 1 per-rank tensor"``: the same count as
+    ``inspect``'s totals (global tensors), per-rank tensors (one per name) named apart."""
+    text = _n(len(manifest.tensors), "tensor")
+    if manifest.rank_tensors:
+        text += f" + {_n(len(manifest.rank_tensors), 'per-rank tensor')}"
+    return text
+
+
 def _summary(path: str) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON-ready data."""
     from .api.load import read_manifest
@@ -173,6 +195,37 @@ def _summary(path: str) -> dict[str, Any]:
             "fragments": n_frag,
         },
     }
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    """One ``warning: ...`` line per warning of a report (stdout, with the report)."""
+    out = _out()
+    for w in warnings:
+        out.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
+
+
+def _ok(warnings: list[str]) -> str:
+    """``"OK"``, or ``"OK with 2 warnings"`` when something was left out as the user allowed."""
+    return f"OK with {_n(len(warnings), 'warning')}" if warnings else "OK"
+
+
+# The library's errors name its keyword arguments; on the command line the flag is meant.
+_FLAG_NAMES = {"overwrite=True": "--overwrite"}
+
+
+@contextmanager
+def _cli_flag_names() -> Iterator[None]:
+    """Re-raise a library error that tells the user to pass a keyword argument
+    (``pass overwrite=True``) naming the command-line flag instead (``pass --overwrite``)."""
+    try:
+        yield
+    except UnickptError as e:
+        message = str(e)
+        for keyword, flag in _FLAG_NAMES.items():
+            message = message.replace(keyword, flag)
+        if message != str(e):
+            e.args = (message,)
+        raise
 
 
 # ---------------------------------------------------------------- inspect
@@ -270,17 +323,21 @@ def verify_cmd(
     from .api.load import read_manifest
     from .api.verify import total_bytes, verify
 
-    total = total_bytes(read_manifest(str(path)))
+    manifest = read_manifest(str(path))
+    total = total_bytes(manifest)
     t0 = time.perf_counter()
     report = _with_byte_progress("verifying", total, lambda progress: verify(str(path), progress=progress, threads=threads))
     elapsed = time.perf_counter() - t0
     out = _out()
+    counted = _tensor_count(manifest)
     if report.ok and report.bytes_unverifiable:
-        out.print(Text(f"{report} ({_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"), soft_wrap=True)
+        out.print(Text(f"OK ({report.format}): {counted}, structure sound; {report.bytes_unverifiable} bytes not "
+                       f"verifiable (the format stores no checksums) ({_n(report.files, 'file')}, {elapsed:.2f} s)",
+                       style="green"), soft_wrap=True)
         return
     if report.ok:
         out.print(
-            Text(f"OK: {report.tensors} tensors, {report.bytes_checked} bytes verified "
+            Text(f"OK: {counted}, {report.bytes_checked} bytes verified "
                  f"({human_bytes(report.bytes_checked)} in {_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
             soft_wrap=True,
         )
@@ -312,10 +369,15 @@ def convert_cmd(
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads and writes.")] = 4,
     buffer_mib: Annotated[int, typer.Option(min=1, help="Read buffer (MiB): memory is bounded by the largest tensor plus this.")] = 64,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already at DST.")] = False,
+    allow_skip: Annotated[
+        bool, typer.Option("--allow-skip", help="Write the checkpoint even if the output format cannot hold some of "
+                           "the state (--to dcp: per-rank state such as RNG, the metadata); each is listed.")
+    ] = False,
 ) -> None:
     """Rewrite a checkpoint in another form, streaming with bounded memory: a foreign checkpoint
     into unickpt's format, or any checkpoint into PyTorch DCP or DeepSpeed's universal format;
-    --consolidate stores one fragment per tensor."""
+    --consolidate stores one fragment per tensor. State the output format cannot hold is
+    never dropped silently: convert lists it and writes nothing (exit 1) unless --allow-skip."""
     from .adapters.detect import checkpoint_format
     from .api.convert import convert, total_bytes
     from .api.load import read_manifest
@@ -325,26 +387,40 @@ def convert_cmd(
     source_format = checkpoint_format(str(src))
     if to == "unickpt" and source_format == "unickpt" and not consolidate:
         raise _fail("nothing to do: pass --consolidate, or --to dcp / --to deepspeed")
-    total = total_bytes(read_manifest(str(src)))
-    if to == "unickpt":
-        kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
-        report = _with_byte_progress("converting", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
-        what = f"{report.tensors} tensors " + ("consolidated" if source_format == "unickpt" else "imported")
-    elif to == "dcp":
-        from .adapters.dcp_writer import write_dcp
+    manifest = read_manifest(str(src))
+    total = total_bytes(manifest)
+    if to == "dcp":
+        from .adapters.dcp_writer import left_out
 
-        report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite))
-        what = f"{report.tensors} tensors"
-    else:
-        from .adapters.deepspeed_writer import write_universal
+        dropped = left_out(manifest)
+        if dropped and not allow_skip:
+            _print_warnings(dropped)
+            _out().print(Text(f"NOT CONVERTED: PyTorch DCP cannot hold all of {src} (listed above); "
+                              "nothing was written. Pass --allow-skip to write it without them.",
+                              style="bold red"), soft_wrap=True)
+            raise typer.Exit(EXIT_FAILED)
+    with _cli_flag_names():
+        if to == "unickpt":
+            kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
+            report = _with_byte_progress("converting", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
+            what = f"{report.tensors} tensors " + ("consolidated" if source_format == "unickpt" else "imported")
+        elif to == "dcp":
+            from .adapters.dcp_writer import write_dcp
 
-        report = _with_byte_progress(
-            "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite)
-        )
-        what = f"{report.params} parameters"
+            report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite))
+            what = f"{report.tensors} tensors"
+        else:
+            from .adapters.deepspeed_writer import write_universal
+
+            report = _with_byte_progress(
+                "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite)
+            )
+            what = f"{report.params} parameters"
+    warnings = list(getattr(report, "warnings", []))
+    _print_warnings(warnings)
     _out().print(
-        Text(f"OK: {what} ({source_format} -> {to}), {human_bytes(report.bytes_written)} written to "
-             f"{dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="green"),
+        Text(f"{_ok(warnings)}: {what} ({source_format} -> {to}), {human_bytes(report.bytes_written)} written to "
+             f"{dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="yellow" if warnings else "green"),
         soft_wrap=True,
     )
 
@@ -389,12 +465,16 @@ def export_cmd(
             raise _fail(f"{config} does not hold a JSON object")
     kwargs: dict[str, Any] = {"dtype": dtype, "names": names, "prefix": prefix, "config": hf_config}
     total = plan_hf_export(read_manifest(str(src)), **kwargs).total_bytes
-    report = _with_byte_progress("exporting", total, lambda progress: export_hf(
-        str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
+    with _cli_flag_names():
+        report = _with_byte_progress("exporting", total, lambda progress: export_hf(
+            str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
     extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
+    warnings = list(getattr(report, "warnings", []))
+    _print_warnings(warnings)
     _out().print(
-        Text(f"OK: {report.tensors} tensors exported (names: {report.names}), {human_bytes(report.bytes_written)} in "
-             f"{_n(len(report.shards), 'shard')} to {report.dst}{extra} ({report.seconds:.2f} s)", style="green"),
+        Text(f"{_ok(warnings)}: {report.tensors} tensors exported (names: {report.names}), {human_bytes(report.bytes_written)} in "
+             f"{_n(len(report.shards), 'shard')} to {report.dst}{extra} ({report.seconds:.2f} s)",
+             style="yellow" if warnings else "green"),
         soft_wrap=True,
     )
 

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,23 @@ HEAD_DIM = DIM // HEADS
 HIDDEN = 172  # Llama's 2/3 * 4 * dim, rounded up to a multiple of 4
 STEP = 10
 SAVE_WORLD, LOAD_WORLD = 4, 2
+
+
+@contextmanager
+def demo_dir(directory: str | os.PathLike | None) -> Iterator[Path]:
+    """``directory`` (created if needed, kept: the user asked for it), or else a fresh
+    ``unickpt-demo-*`` temporary directory, removed however the demo ends (success,
+    failure, Ctrl-C)."""
+    if directory is not None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    path = Path(tempfile.mkdtemp(prefix="unickpt-demo-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -230,11 +249,8 @@ def run_demo(directory: str | os.PathLike | None = None, console: Any = None) ->
 
     console = console or Console()
     keep = directory is not None
-    base = Path(directory) if keep else Path(tempfile.mkdtemp(prefix="unickpt-demo-"))
-    base.mkdir(parents=True, exist_ok=True)
-    path = base / f"step_{STEP:06d}"
-    scratch = tempfile.mkdtemp(prefix="unickpt-demo-results-")
-    try:
+    with demo_dir(directory) as base, demo_dir(None) as scratch:
+        path = base / f"step_{STEP:06d}"
         timings: dict[str, float] = {}
         console.print(
             f"[bold]unickpt demo[/]: Llama-like decoder ({LAYERS} layers, dim {DIM}, vocab {VOCAB}) "
@@ -289,7 +305,3 @@ def run_demo(directory: str | os.PathLike | None = None, console: Any = None) ->
         if keep:
             console.print(f"checkpoint kept at {path}  (try: unickpt inspect {path})")
         return DemoResult(path, rows, bool(loaded["values_ok"]), report.ok, timings)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if not keep:
-            shutil.rmtree(base, ignore_errors=True)

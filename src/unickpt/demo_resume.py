@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from .testing import run_ranks
 
-COMMON = ["--steps", "16", "--seed", "0"]
+COMMON = ["--steps", "16", "--seed", "0", "--print-every", "0"]
 BEFORE = ("tp2 x dp2 (FSDP2), 4 ranks", ["--tp", "2", "--fsdp"], 4)
 AFTER = ("dp3 (FSDP2), 3 ranks", ["--fsdp"], 3)
 RESUME_STEP = 8
@@ -46,7 +45,7 @@ class ResumeDemo:
     @property
     def max_rel_diff(self) -> float:
         """Largest relative loss difference after the resume."""
-        return max(abs(self.resumed[s] - self.reference[s]) / abs(self.reference[s]) for s in self.resumed)
+        return max(rel_diffs(self.reference, self.resumed).values())
 
     @property
     def ok(self) -> bool:
@@ -54,39 +53,64 @@ class ResumeDemo:
         return sorted(self.resumed) == list(range(RESUME_STEP + 1, 17)) and self.max_rel_diff <= 1e-4
 
 
+def rel_diffs(reference: dict[int, float], resumed: dict[int, float]) -> dict[int, float]:
+    """Relative loss difference ``|resumed - unbroken| / |unbroken|`` of every resumed step."""
+    return {s: abs(resumed[s] - reference[s]) / abs(reference[s]) for s in resumed}
+
+
 def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> None:
+    """Two panels: both loss curves, then the relative difference on a log scale (a 1e-3
+    error is invisible on the first and obvious on the second)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    resume_label = f"job lost after step {RESUME_STEP}, resumed on {AFTER[2]} ranks"
     ax.plot(list(reference), list(reference.values()), "-o", color="#888888", label=f"unbroken: {BEFORE[0]}")
     ax.plot(list(resumed), list(resumed.values()), "x", color="#d62728", markersize=9, mew=2,
             label=f"resumed at step {RESUME_STEP} on {AFTER[0]}")
-    ax.axvline(RESUME_STEP + 0.5, color="#d62728", linestyle=":", linewidth=1)
-    ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("unickpt: a job resumed on another layout continues its loss curve")
-    ax.legend()
+
+    diffs = rel_diffs(reference, resumed)
+    floor = min([d for d in diffs.values() if d > 0] + [1e-7]) / 10  # where an exact 0 is drawn
+    exact = [s for s, d in diffs.items() if d == 0]
+    dx.semilogy(list(diffs), [max(d, floor) for d in diffs.values()], "x-", color="#d62728", mew=2,
+                label="|resumed - unbroken| / unbroken")
+    if exact:
+        dx.semilogy(exact, [floor] * len(exact), "o", mfc="none", color="#2ca02c", label="0: bitwise equal")
+    dx.axhline(1e-4, color="black", linestyle="--", linewidth=1, label="bound of the check: 1e-4")
+    dx.set_ylim(floor / 3, max(1e-2, *diffs.values()) * 3)
+    dx.set_xlabel("step")
+    dx.set_ylabel("relative difference")
+    for a in (ax, dx):
+        a.axvline(RESUME_STEP + 0.5, color="#d62728", linestyle=":", linewidth=1,
+                  label=resume_label if a is ax else None)
+        a.legend(fontsize=8, loc="upper right" if a is ax else "upper left")  # where the curves are not
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
 def run_resume_demo(directory: str | None = None, plot_path: str = "unickpt_demo_resume.png", console: Any = None) -> ResumeDemo:
-    """Run the story and print a table (with rich, when ``console`` is given)."""
+    """Run the story and print a table (with rich, when ``console`` is given). Checkpoints
+    go under ``directory`` (kept), or a temporary directory removed at the end."""
+    from .demo import demo_dir
+
     start = time.time()
-    root = directory or tempfile.mkdtemp(prefix="unickpt-demo-")
-    ck = os.path.join(root, "checkpoints")
     say = console.print if console is not None else print
-    say(f"1. training the reference on {BEFORE[0]} for 16 steps, checkpointing every {RESUME_STEP} ...")
-    run_ranks(_train, BEFORE[2], [(BEFORE[1] + ["--save-every", str(RESUME_STEP), "--ckpt-dir", ck], f"{root}/reference.json")])
-    say(f"2. the job is lost after step {RESUME_STEP}; resuming from {ck}/step_{RESUME_STEP:08d} on {AFTER[0]} ...")
-    resume_from = os.path.join(ck, f"step_{RESUME_STEP:08d}")
-    run_ranks(_train, AFTER[2], [(AFTER[1] + ["--resume", resume_from], f"{root}/resumed.json")])
-    reference = {r["step"]: r["loss"] for r in json.load(open(f"{root}/reference.json"))}
-    resumed = {r["step"]: r["loss"] for r in json.load(open(f"{root}/resumed.json"))}
+    with demo_dir(directory) as base:
+        root = str(base)
+        ck = os.path.join(root, "checkpoints")
+        say(f"1. training the reference on {BEFORE[0]} for 16 steps, checkpointing every {RESUME_STEP} ...")
+        run_ranks(_train, BEFORE[2], [(BEFORE[1] + ["--save-every", str(RESUME_STEP), "--ckpt-dir", ck], f"{root}/reference.json")])
+        say(f"2. the job is lost after step {RESUME_STEP}; resuming from {ck}/step_{RESUME_STEP:08d} on {AFTER[0]} ...")
+        resume_from = os.path.join(ck, f"step_{RESUME_STEP:08d}")
+        run_ranks(_train, AFTER[2], [(AFTER[1] + ["--resume", resume_from], f"{root}/resumed.json")])
+        reference = {r["step"]: r["loss"] for r in json.load(open(f"{root}/reference.json"))}
+        resumed = {r["step"]: r["loss"] for r in json.load(open(f"{root}/resumed.json"))}
     _plot(reference, resumed, plot_path)
     result = ResumeDemo(reference, resumed, os.path.abspath(plot_path), time.time() - start)
     _table(result, say, console)
@@ -104,7 +128,8 @@ def _table(result: ResumeDemo, say: Any, console: Any) -> None:
         rel = "" if got is None else f"{abs(got - ref) / abs(ref):.1e}"
         rows.append((str(step), f"{ref:.6f}", "" if got is None else f"{got:.6f}", rel))
     if console is not None and Table is not None:
-        t = Table(title=f"loss: unbroken ({BEFORE[0]}) vs resumed at step {RESUME_STEP} ({AFTER[0]})")
+        say(f"loss: unbroken ({BEFORE[0]}) vs resumed at step {RESUME_STEP} ({AFTER[0]})")  # a title would wrap
+        t = Table()
         for col in ("step", "unbroken", "resumed", "rel. diff"):
             t.add_column(col, justify="right")
         for r in rows:

@@ -159,13 +159,8 @@ def write_dcp(
         out.remove(METADATA_NAME)
         out.sync_dir()
 
-    warnings = _per_rank_warnings(manifest)
-    tensors: list[TensorEntry] = []
-    for e in manifest.tensors.values():
-        if e.fragments or prod(e.shape) == 0:
-            tensors.append(e)
-        else:
-            warnings.append(f"{e.name!r} has no stored data in the source; left out")
+    warnings = left_out(manifest)
+    tensors = [e for e in manifest.tensors.values() if _has_data(e)]
     values: list[tuple[str, tuple[Any, ...], Any]] = []
     for name, encoded in manifest.values.items():
         for p, v in dcp_leaves((name,), decode_value(encoded)):
@@ -294,7 +289,13 @@ def _balance(tensors: list[TensorEntry], n: int) -> list[int]:
     return out
 
 
-def _per_rank_warnings(manifest: Manifest) -> list[str]:
+def _has_data(e: TensorEntry) -> bool:
+    return bool(e.fragments) or prod(e.shape) == 0
+
+
+def left_out(manifest: Manifest) -> list[str]:
+    """What :func:`write_dcp` leaves out of ``manifest``'s checkpoint, one line per kind
+    (empty: everything is written). It can be asked before writing anything."""
     out = []
     if manifest.rank_values or manifest.rank_tensors:
         keys = sorted(set(manifest.rank_values) | set(manifest.rank_tensors))
@@ -304,4 +305,5 @@ def _per_rank_warnings(manifest: Manifest) -> list[str]:
         )
     if manifest.metadata:
         out.append("the checkpoint's metadata= has no DCP equivalent and was left out")
+    out += [f"{e.name!r} has no stored data in the source; left out" for e in manifest.tensors.values() if not _has_data(e)]
     return out

@@ -10,6 +10,7 @@ export, inspect and verify work on every format through the same planner.
 from __future__ import annotations
 
 import importlib
+import os
 from ..errors import ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage, is_inside
@@ -24,6 +25,8 @@ FORMATS = [
 
 def checkpoint_format(path: str) -> str:
     """``"unickpt"``, ``"dcp"``, ``"deepspeed"`` or ``"hf"``; NotACheckpointError otherwise."""
+    if not os.path.isdir(path):
+        raise NotACheckpointError(f"{path}: " + ("not a directory" if os.path.exists(path) else "no such directory"))
     storage = LocalStorage(path)
     if storage.exists(MANIFEST_NAME):
         return "unickpt"

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log", "--loss-log", dest="log", default=None,
                    help="append one JSON line per step {step, loss} to this file (under torchrun write --loss-log: "
                    "torchrun takes --log for its own --log-dir)")
+    p.add_argument("--print-every", type=int, default=10, help="print step, loss and step time every N steps (0: quiet)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--global-batch", type=int, default=12, help="sequences per step, over all data-parallel ranks")
@@ -204,6 +206,7 @@ def resume(job: Job, manager: unickpt.CheckpointManager, where: str) -> int:
 
     path = manager.latest() if where == "latest" else where
     if path is None:
+        _say(job, f"no checkpoint in {manager.root}: starting fresh")
         return 0
     state, msd, osd = checkpoint_state(job, 0)
     del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
@@ -214,12 +217,21 @@ def resume(job: Job, manager: unickpt.CheckpointManager, where: str) -> int:
     job.loader.load_state_dict(state["train"]["loader"])
     if "rng" in state:
         torch.set_rng_state(state["rng"].value)
-    return int(state["train"]["step"])
+    step = int(state["train"]["step"])
+    _say(job, f"resumed from {path} at step {step}")
+    return step
+
+
+def _say(job: Job, line: str) -> None:
+    if job.rank == 0:
+        print(line, flush=True)
 
 
 def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train as the flags say; returns this run's log records ({step, loss})."""
     args = parse_args(argv)
+    if args.resume == "latest" and not args.ckpt_dir:
+        raise SystemExit("--resume latest needs --ckpt-dir (the directory of numbered checkpoints)")
     job = build(args)
     manager = unickpt.CheckpointManager(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
     start = resume(job, manager, args.resume) if args.resume and manager else 0
@@ -228,9 +240,14 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     records = []
     pending = None
     last = min(args.steps, args.stop_after or args.steps)
+    tick, since = time.perf_counter(), start  # the last progress line: its time and step
     for step in range(start + 1, last + 1):
         loss = train_step(job, step)
         records.append({"step": step, "loss": loss})
+        if args.print_every and (step % args.print_every == 0 or step == last):
+            now = time.perf_counter()
+            _say(job, f"step {step}/{args.steps}  loss {loss:.4f}  {(now - tick) / (step - since):.3f} s/step")
+            tick, since = now, step
         if job.rank == 0 and args.log:
             with open(args.log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss}) + "\n")
