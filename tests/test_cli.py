@@ -265,3 +265,167 @@ def test_resume_demo_end_to_end_slow(tmp_path: Path) -> None:
         assert re.search(rf"│\s+{step} │ \d\.\d{{6}} │ \d\.\d{{6}} │", out), out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     assert unickpt.CheckpointManager(tmp_path / "d" / "checkpoints").steps() == [8, 16]
+
+
+# ------------------------------------------------------------------ the first hour (issue 12)
+
+
+def _saved_with_rank_tensor(tmp_path: Path, name: str = "model.w") -> Path:
+    """A checkpoint as the example trainer writes it: global tensors and a per-rank RNG tensor."""
+    path = tmp_path / "step_7"
+    state = {"model": {"a": torch.ones(3), name[len("model."):]: torch.arange(4.0)},
+             "rng": unickpt.PerRank(torch.get_rng_state()), "step": 7}
+    unickpt.save(state, str(path))
+    return path
+
+
+def test_convert_to_dcp_refuses_to_drop_per_rank_state_unless_allowed(ckpt: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "dcp"
+    r = invoke("convert", str(ckpt), str(dst), "--to", "dcp")
+    assert r.exit_code == 1, r.output
+    lines = r.stdout.splitlines()
+    assert "warning: per-rank state has no DCP equivalent and was left out: dataloader" in lines, r.stdout
+    assert "warning: the checkpoint's metadata= has no DCP equivalent and was left out" in lines, r.stdout
+    assert "NOT CONVERTED" in r.stdout and "--allow-skip" in r.stdout and "OK" not in r.stdout
+    assert not (dst / ".metadata").exists()  # nothing written
+
+    r = invoke("convert", str(ckpt), str(dst), "--to", "dcp", "--allow-skip")
+    assert r.exit_code == 0, r.output
+    assert "warning: per-rank state has no DCP equivalent and was left out: dataloader" in r.stdout
+    assert re.search(r"^OK with 2 warnings: 3 tensors \(unickpt -> dcp\)", r.stdout, re.M), r.stdout
+    assert (dst / ".metadata").exists()
+
+    clean = tmp_path / "clean"
+    unickpt.save({"w": torch.ones(2)}, str(clean))
+    r = invoke("convert", str(clean), str(tmp_path / "dcp2"), "--to", "dcp")
+    assert r.exit_code == 0 and r.stdout.startswith("OK: 1 tensors (unickpt -> dcp)") and "warning" not in r.stdout, r.output
+
+
+def test_cli_errors_name_cli_flags(ckpt: Path, tmp_path: Path) -> None:
+    for extra in (["--consolidate"], ["--to", "dcp", "--allow-skip"]):
+        dst = tmp_path / f"out{len(extra)}"
+        assert invoke("convert", str(ckpt), str(dst), *extra).exit_code == 0
+        r = invoke("convert", str(ckpt), str(dst), *extra)
+        assert r.exit_code == 2, r.output
+        assert "pass --overwrite to replace it" in r.stderr and "overwrite=True" not in r.stderr, r.stderr
+        assert invoke("convert", str(ckpt), str(dst), *extra, "--overwrite").exit_code == 0
+
+
+def test_inspect_missing_path_says_no_such_directory(tmp_path: Path) -> None:
+    for command in ("inspect", "verify"):
+        r = invoke(command, str(tmp_path / "nonexistent"))
+        assert r.exit_code == 2 and r.stderr.strip() == f"error: {tmp_path / 'nonexistent'}: no such directory", r.output
+    (tmp_path / "file").write_text("x")
+    r = invoke("inspect", str(tmp_path / "file"))
+    assert r.exit_code == 2 and r.stderr.strip() == f"error: {tmp_path / 'file'}: not a directory", r.output
+
+
+def test_verify_counts_tensors_as_inspect_does(tmp_path: Path) -> None:
+    path = _saved_with_rank_tensor(tmp_path)
+    doc = json.loads(invoke("inspect", str(path), "--json").stdout)
+    assert doc["totals"]["tensors"] == 2 and doc["totals"]["per_rank"] == 1
+    assert "totals: 2 tensors," in invoke("inspect", str(path)).stdout
+    r = invoke("verify", str(path))
+    assert r.exit_code == 0 and r.stdout.startswith("OK: 2 tensors + 1 per-rank tensor, "), r.stdout
+
+
+def test_output_to_a_pipe_is_never_wrapped(tmp_path: Path) -> None:
+    name = "model." + "layers.0." * 16 + "w"
+    assert len(name) >= 150
+    path = _saved_with_rank_tensor(tmp_path, name)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # a pipe: rich would assume 80 columns
+    r = subprocess.run([sys.executable, "-m", "unickpt", "inspect", str(path)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (row,) = [ln for ln in r.stdout.splitlines() if name in ln]  # the whole name, on one line
+    assert "[4]" in row and "F32" in row, r.stdout
+    assert any(ln.startswith("totals: 2 tensors, ") and ln.endswith(")") for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_demo_dirs_are_removed_on_failure_and_ctrl_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    import unickpt.testing
+    from unickpt import demo_resume
+    from unickpt.demo import demo_dir, run_demo
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        with demo_dir(None) as d:
+            assert d.name.startswith("unickpt-demo-") and d.parent == tmp_path
+            (d / "checkpoints").mkdir()
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with demo_dir(tmp_path / "kept") as d:
+        (d / "x").write_text("1")
+    assert (tmp_path / "kept" / "x").exists()  # --dir: the user's directory is kept
+
+    def interrupted(*args, **kwargs):
+        assert [p.name[:13] for p in tmp_path.iterdir() if p.name != "kept"] in (["unickpt-demo-"], ["unickpt-demo-"] * 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_resume, "run_ranks", interrupted)
+    monkeypatch.setattr(unickpt.testing, "run_ranks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo_resume.run_resume_demo(None, str(tmp_path / "plot.png"))
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(None)
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"]
+
+
+def test_demo_plot_labels_the_resume_and_shows_the_relative_difference() -> None:
+    from unickpt.demo_resume import RESUME_STEP, plot_figure
+
+    reference = {s: 5.0 - 0.1 * s for s in range(1, 17)}
+    resumed = {s: reference[s] * (1 + (1e-3 if s == 12 else 1e-7)) for s in range(RESUME_STEP + 1, 17)}
+    resumed[10] = reference[10]  # bitwise equal: drawn, not lost on the log scale
+    fig = plot_figure(reference, resumed)
+    loss, diff = fig.axes
+    assert any(f"job lost after step {RESUME_STEP}" in t.get_text() for t in loss.get_legend().get_texts())
+    assert diff.get_yscale() == "log"
+    curve = diff.get_lines()[0]
+    points = dict(zip(curve.get_xdata(), curve.get_ydata()))
+    assert points[12] == pytest.approx(1e-3, rel=1e-6) and points[13] == pytest.approx(1e-7, rel=1e-3)
+    lo, hi = diff.get_ylim()
+    assert lo < points[10] < 1e-7 and hi > 1e-3
+    assert "0: bitwise equal" in [t.get_text() for t in diff.get_legend().get_texts()]
+
+
+def test_trainer_says_what_it_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from unickpt.examples.train import run
+
+    small = ["--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--seq", "8", "--global-batch", "2",
+             "--ckpt-dir", str(tmp_path), "--resume", "latest", "--steps", "6", "--save-every", "3", "--print-every", "2"]
+    run(small + ["--stop-after", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"no checkpoint in {tmp_path}: starting fresh", lines
+    assert [ln.split("  ")[0] for ln in lines[1:]] == ["step 2/6", "step 3/6"], lines
+    assert all(re.fullmatch(r"step \d/6  loss \d+\.\d{4}  \d+\.\d{3} s/step", ln) for ln in lines[1:]), lines
+    run(small)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"resumed from {tmp_path / 'step_00000003'} at step 3"] + lines[1:] and len(lines) == 3, lines
+    with pytest.raises(SystemExit, match="--resume latest needs --ckpt-dir"):
+        run(["--resume", "latest", "--steps", "1"])
+
+
+def _readme_blocks() -> list[str]:
+    """The README's indented shell commands, continuation lines joined."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    return [ln.strip() for ln in text.replace("\\\n", " ").splitlines() if ln.startswith("    ") and ln.strip()]
+
+
+def test_readme_commands_run_from_the_venv_and_save_what_they_use() -> None:
+    commands = _readme_blocks()
+    for c in commands:  # nothing relies on an activated venv
+        assert not re.match(r"(torchrun|unickpt|python) ", c), c
+    saved: set[int] = set()
+    trainer = [c for c in commands if "unickpt.examples.train" in c]
+    assert trainer and all(c.startswith(".venv/bin/torchrun ") for c in trainer), trainer
+    for c in trainer:  # what the trainer's README commands save, run in order
+        flags = dict(re.findall(r"(--[a-z-]+) (\S+)", c))
+        start = max(saved, default=0) if flags.get("--resume") == "latest" else 0
+        last = min(int(flags["--steps"]), int(flags.get("--stop-after", flags["--steps"])))
+        every = int(flags.get("--save-every", 0))
+        saved |= {s for s in range(start + 1, last + 1) if every and s % every == 0}
+    used = {int(s) for c in commands for s in re.findall(r"ckpt/step_(\d{8})", c)}
+    assert used and used <= saved, (used, saved)

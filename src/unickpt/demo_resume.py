@@ -59,8 +59,16 @@ def rel_diffs(reference: dict[int, float], resumed: dict[int, float]) -> dict[in
 
 
 def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> None:
-    """Two panels: both loss curves, then the relative difference on a log scale (a 1e-3
-    error is invisible on the first and obvious on the second)."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(reference, resumed)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_figure(reference: dict[int, float], resumed: dict[int, float]) -> Any:
+    """The demo's matplotlib figure, two panels: both loss curves, then the relative
+    difference on a log scale (a 1e-3 error is invisible on the first, obvious on the second)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,7 +90,7 @@ def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> 
     if exact:
         dx.semilogy(exact, [floor] * len(exact), "o", mfc="none", color="#2ca02c", label="0: bitwise equal")
     dx.axhline(1e-4, color="black", linestyle="--", linewidth=1, label="bound of the check: 1e-4")
-    dx.set_ylim(floor / 3, max(1e-2, *diffs.values()) * 3)
+    dx.set_ylim(floor / 3, max([1e-2, *diffs.values()]) * 3)
     dx.set_xlabel("step")
     dx.set_ylabel("relative difference")
     for a in (ax, dx):
@@ -90,8 +98,7 @@ def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> 
                   label=resume_label if a is ax else None)
         a.legend(fontsize=8, loc="upper right" if a is ax else "upper left")  # where the curves are not
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
 def run_resume_demo(directory: str | None = None, plot_path: str = "unickpt_demo_resume.png", console: Any = None) -> ResumeDemo:
