@@ -422,7 +422,7 @@ def test_readme_commands_run_from_the_venv_and_save_what_they_use() -> None:
     trainer = [c for c in commands if "unickpt.examples.train" in c]
     assert trainer and all(c.startswith(".venv/bin/torchrun ") for c in trainer), trainer
     for c in trainer:  # what the trainer's README commands save, run in order
-        flags = dict(re.findall(r"(--[a-z-]+) (\S+)", c))
+        flags = dict(re.findall(r"(--[a-z-]+) ([^-\s]\S*)", c))
         start = max(saved, default=0) if flags.get("--resume") == "latest" else 0
         last = min(int(flags["--steps"]), int(flags.get("--stop-after", flags["--steps"])))
         every = int(flags.get("--save-every", 0))
