@@ -14,8 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from math import prod
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -213,19 +212,22 @@ def _ok(warnings: list[str]) -> str:
 _FLAG_NAMES = {"overwrite=True": "--overwrite"}
 
 
-@contextmanager
-def _cli_flag_names() -> Iterator[None]:
-    """Re-raise a library error that tells the user to pass a keyword argument
-    (``pass overwrite=True``) naming the command-line flag instead (``pass --overwrite``)."""
-    try:
-        yield
-    except UnickptError as e:
-        message = str(e)
-        for keyword, flag in _FLAG_NAMES.items():
-            message = message.replace(keyword, flag)
-        if message != str(e):
+def _cli_flag_names(fn: F) -> F:
+    """A command whose library errors tell the user to pass a keyword argument
+    (``pass overwrite=True``) names the command-line flag instead (``pass --overwrite``)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UnickptError as e:
+            message = str(e)
+            for keyword, flag in _FLAG_NAMES.items():
+                message = message.replace(keyword, flag)
             e.args = (message,)
-        raise
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- inspect
@@ -357,6 +359,7 @@ def verify_cmd(
 
 @app.command("convert")
 @_errors
+@_cli_flag_names
 def convert_cmd(
     src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read (unickpt, PyTorch DCP, DeepSpeed, Hugging Face).", show_default=False)],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Directory of the new checkpoint.", show_default=False)],
@@ -399,23 +402,22 @@ def convert_cmd(
                               "nothing was written. Pass --allow-skip to write it without them.",
                               style="bold red"), soft_wrap=True)
             raise typer.Exit(EXIT_FAILED)
-    with _cli_flag_names():
-        if to == "unickpt":
-            kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
-            report = _with_byte_progress("converting", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
-            what = f"{report.tensors} tensors " + ("consolidated" if source_format == "unickpt" else "imported")
-        elif to == "dcp":
-            from .adapters.dcp_writer import write_dcp
+    if to == "unickpt":
+        kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
+        report = _with_byte_progress("converting", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
+        what = f"{report.tensors} tensors " + ("consolidated" if source_format == "unickpt" else "imported")
+    elif to == "dcp":
+        from .adapters.dcp_writer import write_dcp
 
-            report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite))
-            what = f"{report.tensors} tensors"
-        else:
-            from .adapters.deepspeed_writer import write_universal
+        report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite))
+        what = f"{report.tensors} tensors"
+    else:
+        from .adapters.deepspeed_writer import write_universal
 
-            report = _with_byte_progress(
-                "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite)
-            )
-            what = f"{report.params} parameters"
+        report = _with_byte_progress(
+            "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite)
+        )
+        what = f"{report.params} parameters"
     warnings = list(getattr(report, "warnings", []))
     _print_warnings(warnings)
     _out().print(
@@ -430,6 +432,7 @@ def convert_cmd(
 
 @app.command("export")
 @_errors
+@_cli_flag_names
 def export_cmd(
     src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read.", show_default=False)],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Folder to write.", show_default=False)],
@@ -465,9 +468,8 @@ def export_cmd(
             raise _fail(f"{config} does not hold a JSON object")
     kwargs: dict[str, Any] = {"dtype": dtype, "names": names, "prefix": prefix, "config": hf_config}
     total = plan_hf_export(read_manifest(str(src)), **kwargs).total_bytes
-    with _cli_flag_names():
-        report = _with_byte_progress("exporting", total, lambda progress: export_hf(
-            str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
+    report = _with_byte_progress("exporting", total, lambda progress: export_hf(
+        str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
     extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
     warnings = list(getattr(report, "warnings", []))
     _print_warnings(warnings)
