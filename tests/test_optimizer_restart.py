@@ -135,3 +135,26 @@ def test_fsdp2_checkpoint_resumes_into_fresh_optimizers_on_fsdp2_tp_and_one_proc
     _assert_same(got, saved, "FSDP2 -> one process")
     expected = json.loads((tmp_path / "losses.json").read_text())
     torch.testing.assert_close(torch.tensor(train(m, o, SAVED_AT, MORE)), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_naming_rule_several_modules_built_with_names_or_partly_covered(tmp_path):
+    torch.manual_seed(0)
+    enc, dec = Net(), Net()
+    opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1, momentum=0.9)
+    train(torch.nn.Sequential(enc, dec), opt, 0, 2)
+    unickpt.save({"enc": enc, "dec": dec, "optim": opt}, str(tmp_path / "two"))
+    assert "optim.state.dec.up.weight.momentum_buffer" in unickpt.read_manifest(str(tmp_path / "two")).tensors
+    e2, d2 = Net(), Net()
+    o2 = torch.optim.SGD([*e2.parameters(), *d2.parameters()], lr=0.1, momentum=0.9)
+    unickpt.load({"enc": e2, "dec": d2, "optim": o2}, str(tmp_path / "two"))
+    _assert_same(snapshot(torch.nn.Sequential(e2, d2), o2), snapshot(torch.nn.Sequential(enc, dec), opt), "two modules")
+    with pytest.raises(unickpt.SaveError, match="'optim'.*no module in the state dict holds"):
+        unickpt.save({"enc": enc, "optim": opt}, str(tmp_path / "partial"))
+    # no module beside it: the names the optimizer was built with
+    named = torch.optim.AdamW(enc.named_parameters(), lr=1e-2)
+    train(enc, named, 0, 1)
+    unickpt.save({"optim": named}, str(tmp_path / "named"))
+    assert "optim.state.norm.weight.exp_avg" in unickpt.read_manifest(str(tmp_path / "named")).tensors
+    fresh = torch.optim.AdamW(Net().named_parameters(), lr=1e-3)
+    unickpt.load({"optim": fresh}, str(tmp_path / "named"))
+    assert torch.equal(fresh.state_dict()["state"][5]["exp_avg"], named.state_dict()["state"][5]["exp_avg"])

@@ -46,16 +46,17 @@ def is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer)
 
 
-def _canonical(module: torch.nn.Module, name: str) -> str:
-    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
-    ddp = torch.nn.parallel.DistributedDataParallel
-    if isinstance(getattr(module, "_orig_mod", module), ddp) and parts and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
-
-
 def _module_names(module: torch.nn.Module) -> dict[int, str]:
-    return {id(p): _canonical(module, n) for n, p in module.named_parameters()}
+    ddp = torch.nn.parallel.DistributedDataParallel
+    inner = module.__dict__.get("_modules", {}).get("_orig_mod", module)  # torch.compile's wrapper
+    skip_first = isinstance(inner, ddp)
+    out = {}
+    for name, p in module.named_parameters():
+        parts = [part for part in name.split(".") if part not in _WRAPPER_PARTS]
+        if skip_first and parts and parts[0] == "module":
+            parts = parts[1:]
+        out[id(p)] = ".".join(parts)
+    return out
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -289,12 +290,22 @@ def _empty_for(manifest: Manifest, name: str, param: torch.Tensor) -> Any:
     return torch.empty(shape, dtype=dtype)
 
 
+def _keyed_by_ids(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.state_dict()`` keys parameters by integer ids (torch's own
+    ``state_dict``, not one a subclass or hook replaced by names)."""
+    if type(optimizer).state_dict is torch.optim.Optimizer.state_dict and not getattr(
+        optimizer, "_optimizer_state_dict_post_hooks", None
+    ):
+        return True
+    groups = optimizer.state_dict().get("param_groups")
+    return isinstance(groups, list) and all(
+        isinstance(g, dict) and all(isinstance(p, int) for p in g.get("params", [None])) for g in groups
+    )
+
+
 def named_optimizer(optimizer: torch.optim.Optimizer, modules: list[tuple[str, torch.nn.Module]], where: str) -> Any:
     """``optimizer`` seen through parameter keys, or the optimizer itself when its own
     ``state_dict`` does not use integer ids (it names its parameters already)."""
-    groups = optimizer.state_dict().get("param_groups")
-    if not isinstance(groups, list) or not all(
-        isinstance(g, dict) and all(isinstance(p, int) for p in g.get("params", [None])) for g in groups
-    ):
+    if not _keyed_by_ids(optimizer):
         return optimizer
     return NamedOptimizer(optimizer, parameter_keys(optimizer, modules, where))

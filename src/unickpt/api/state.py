@@ -104,11 +104,11 @@ def flatten(
 
     def visit(name: str, value: Any, parent: Any, key: Any) -> None:
         nonlocal modules
-        if is_optimizer(value):
-            if modules is None:
-                modules = find_modules(state)
-            value = named_optimizer(value, modules, name)
         if is_stateful(value):
+            if is_optimizer(value):
+                if modules is None:
+                    modules = find_modules(state)
+                value = named_optimizer(value, modules, name)
             sd = on_stateful(name, value) if on_stateful else value.state_dict()
             for k, v in sd.items():
                 visit(f"{name}.{k}" if name else str(k), v, sd, k)
