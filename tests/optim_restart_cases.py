@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
 
 import torch
 import torch.distributed as dist

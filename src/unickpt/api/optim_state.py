@@ -253,7 +253,7 @@ def _match(saved: list[str], prefix: str, keys: list[str]) -> tuple[dict[str, li
 
 def _place(node: dict[Any, Any], path: list[str], make: Any) -> None:
     """Put ``make()`` at ``path`` below ``node`` unless something is there already."""
-    for i, part in enumerate(path[:-1]):
+    for part in path[:-1]:
         key = _existing_key(node, part)
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
