@@ -158,3 +158,21 @@ def test_naming_rule_several_modules_built_with_names_or_partly_covered(tmp_path
     fresh = torch.optim.AdamW(Net().named_parameters(), lr=1e-3)
     unickpt.load({"optim": fresh}, str(tmp_path / "named"))
     assert torch.equal(fresh.state_dict()["state"][5]["exp_avg"], named.state_dict()["state"][5]["exp_avg"])
+
+
+def test_deepspeed_checkpoint_loads_into_a_fresh_torch_optimizer(tmp_path):
+    from test_deepspeed_format import SHAPES, _zero2
+
+    full = _zero2(tmp_path)  # a ZeRO-2 checkpoint: state by parameter name, flat groups by integer ids
+    model = torch.nn.Module()
+    for name, shape in SHAPES.items():
+        owner, attr = name.split(".")
+        if not hasattr(model, owner):
+            model.add_module(owner, torch.nn.Module())
+        getattr(model, owner).register_parameter(attr, torch.nn.Parameter(torch.zeros(shape)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    unickpt.load({"model": model, "optim": opt}, str(tmp_path))
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["betas"] == (0.9, 0.95)  # the saved group's
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), full[name])
+        assert torch.equal(opt.state[p]["exp_avg"], full[name] * 2) and opt.state[p]["step"].item() == 7.0

@@ -147,6 +147,11 @@ class NamedOptimizer:
         packed_groups = []
         for i, (s, g) in enumerate(zip(saved, groups)):
             names = [key[id(p)] for p in g["params"]]
+            if all(isinstance(p, int) for p in s["params"]):
+                # groups of a foreign checkpoint that name no parameter (DeepSpeed's flat
+                # groups): its hyperparameters go to the group at the same position
+                packed_groups.append({**s, "params": [position[n] for n in names]})
+                continue
             if sorted(map(str, s["params"])) != sorted(names):
                 extra = sorted(set(map(str, s["params"])) - set(names))[:3]
                 lacking = sorted(set(names) - set(map(str, s["params"])))[:3]
@@ -216,15 +221,15 @@ def _saved_group_params(manifest: Manifest, where: str) -> list[Any] | None:
 
 def _saved_by_id(manifest: Manifest, where: str, saved: list[str], names: list[str]) -> bool:
     """Whether the checkpoint keyed this optimizer's state by integer ids (unickpt before
-    names): its ``param_groups`` list ints, or (without them) no saved state name starts
-    with one of ``names`` while all start with an integer."""
-    params = _saved_group_params(manifest, where)
-    if params is not None:
-        return bool(params) and all(isinstance(p, int) for p in params)
+    names): its saved state names start with integers and none with one of ``names``;
+    with no saved state, its ``param_groups`` list integers."""
     prefix = f"{where}.state."
-    by_name, _ = _match(saved, prefix, names)
-    _, unmatched = _match(saved, prefix, [str(i) for i in range(len(names))])
-    return bool(saved) and not by_name and not unmatched
+    if saved:
+        by_name, _ = _match(saved, prefix, names)
+        _, unmatched = _match(saved, prefix, [str(i) for i in range(len(names))])
+        return not by_name and not unmatched
+    params = _saved_group_params(manifest, where)
+    return bool(params) and all(isinstance(p, int) for p in params)
 
 
 def _saved_by_name(manifest: Manifest, where: str) -> bool:
