@@ -22,7 +22,9 @@ Loading into a freshly built optimizer (never stepped, empty ``state``): the sta
 entries are built from what the checkpoint holds for each parameter (its shape and dtype;
 a state tensor shaped like a DTensor parameter becomes a DTensor with the parameter's
 mesh and placements) and then filled like any target, on any layout. Checkpoints that
-stored an optimizer by integer ids (unickpt before this scheme) still load.
+stored an optimizer by integer ids (unickpt before this scheme) still load; saved groups
+that list integer ids beside state stored by name (DeepSpeed's flat groups) give their
+hyperparameters to the optimizer's groups at the same positions.
 """
 
 from __future__ import annotations
