@@ -27,6 +27,7 @@ from .gc_pause import gc_paused
 from .items import is_dtensor, sharded_item, tensor_item
 from .replicated import ReplicatedReads
 from .reads import Scratch, Segment, SpanRead, checksum_error, coalesce, crc_blocks, fill_gaps, group_views
+from .optim_state import NamedOptimizer
 from .state import PerRank, Sharded, flatten
 
 
@@ -216,8 +217,12 @@ def load(
 
     The target layout is whatever the given tensors are: DTensors on any mesh and
     placements, or plain tensors (the whole tensor on this rank). Plain values are
-    replaced, Stateful objects get ``load_state_dict`` with their filled state. With
-    ``strict=False``, target keys absent from the checkpoint are left as they are.
+    replaced, Stateful objects get ``load_state_dict`` with their filled state. A torch
+    optimizer's state is matched by parameter name and built from the checkpoint when
+    the optimizer has none yet (``unickpt.api.optim_state``). With ``strict=False``,
+    target keys absent from the checkpoint are left as they are, but an optimizer the
+    checkpoint holds nothing for is warned about, and one none of whose saved state fits
+    it (other parameter names) is an error.
     Every byte read is checked against its checksum unless ``verify=False``.
     A ``stats`` dict, when given, receives ``bytes_read`` and ``files_read`` of this rank.
     ``broadcast_replicated=True`` reads each plain (replicated) target tensor on one rank
@@ -230,7 +235,7 @@ def load(
     statefuls: list[tuple[Any, dict[str, Any]]] = []
 
     def on_stateful(name: str, obj: Any) -> dict[str, Any]:
-        sd = obj.state_dict()
+        sd = obj.target_state_dict(name, manifest, strict) if isinstance(obj, NamedOptimizer) else obj.state_dict()
         statefuls.append((obj, sd))
         return sd
 

@@ -2,7 +2,9 @@
 
 Names follow DCP's convention: nested keys joined with ".", list positions as numbers.
 Lists and tuples holding no tensor are plain values; dicts are always descended (an
-empty dict is a plain value, so it round-trips).
+empty dict is a plain value, so it round-trips). A torch optimizer is seen through its
+parameter names (``optim_state``): ``optim.state.<param name>.exp_avg``, as torch's
+``get_state_dict`` names it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import UnickptError
+from .optim_state import is_optimizer, named_optimizer
 
 
 @dataclass
@@ -89,15 +92,23 @@ def flatten(
     """Flatten ``state`` into leaves in a deterministic order.
 
     ``on_stateful(name, obj)`` is called for each Stateful object and returns the dict to
-    descend into (by default ``obj.state_dict()``).
+    descend into (by default ``obj.state_dict()``). A torch optimizer is handed over as a
+    :class:`~unickpt.api.optim_state.NamedOptimizer` (its state keyed by the names of its
+    parameters in the modules of ``state``) unless its own ``state_dict`` names them.
     """
     if not isinstance(state, dict):
         raise UnickptError(f"state_dict must be a dict, not {type(state).__name__}")
     leaves: list[Leaf] = []
     seen: set[str] = set()
+    modules: list[tuple[str, Any]] | None = None
 
     def visit(name: str, value: Any, parent: Any, key: Any) -> None:
+        nonlocal modules
         if is_stateful(value):
+            if is_optimizer(value):
+                if modules is None:
+                    modules = find_modules(state)
+                value = named_optimizer(value, modules, name)
             sd = on_stateful(name, value) if on_stateful else value.state_dict()
             for k, v in sd.items():
                 visit(f"{name}.{k}" if name else str(k), v, sd, k)
@@ -116,3 +127,22 @@ def flatten(
     for k, v in state.items():
         visit(str(k), v, state, k)
     return leaves
+
+
+def find_modules(state: dict[str, Any]) -> list[tuple[str, torch.nn.Module]]:
+    """The ``nn.Module`` objects in ``state`` (not inside other Stateful objects), with
+    their flattened names, in flattening order."""
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(name: str, value: Any) -> None:
+        if isinstance(value, torch.nn.Module):
+            found.append((name, value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{name}.{k}" if name else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                visit(f"{name}.{k}" if name else str(k), v)
+
+    visit("", state)
+    return found
