@@ -112,13 +112,15 @@ def _shape(shape: tuple[int, ...] | list[int]) -> str:
     return "[" + ", ".join(str(n) for n in shape) + "]"
 
 
-def _summary(path: str) -> dict[str, Any]:
-    """Everything ``inspect`` shows, as JSON-ready data."""
+def _summary(path: str) -> tuple[dict[str, Any], Any]:
+    """Everything ``inspect`` shows, as JSON-ready data, and the checkpoint's ledger."""
+    from .adapters.regions import source_ledger
     from .api.load import read_manifest
     from .format.dtypes import itemsize
     from .format.values import decode_value
 
     m = read_manifest(path)
+    ledger = source_ledger(path, m)
     tensors = []
     for t in m.tensors.values():
         stored = sum(prod(f.shape) for f in t.fragments) * itemsize(t.dtype)
@@ -172,7 +174,32 @@ def _summary(path: str) -> dict[str, Any]:
             "file_bytes": sum(m.files.values()),
             "fragments": n_frag,
         },
-    }
+        "ledger": ledger.to_json(),
+    }, ledger
+
+
+def _print_ledger(ledger: Any) -> None:
+    """The ledger's totals in one line, then each skipped item and unaccounted range."""
+    out = _out()
+    out.print(Text(f"source: {ledger.line()}", style="yellow" if not ledger.complete else ""), soft_wrap=True)
+    for name, reason in ledger.skipped.items():
+        out.print(Text(f"  skipped {name}: {reason}", style="yellow"), soft_wrap=True)
+    for r in ledger.unaccounted:
+        out.print(Text(f"  neither read nor reported: {r}", style="red"), soft_wrap=True)
+
+
+def _refuse_incomplete(ledger: Any, allow_skip: bool, what: str) -> None:
+    """Exit 1 before writing anything when the source has skipped or unaccounted data,
+    unless ``--allow-skip``: no command prints OK while data is dropped."""
+    if ledger.complete or allow_skip:
+        return
+    _print_ledger(ledger)
+    _err().print(Text(f"nothing {what}: the source holds data that would be left out (listed above); "
+                      "pass --allow-skip to go on without it", style="bold red"), soft_wrap=True)
+    raise typer.Exit(EXIT_FAILED)
+
+
+_ALLOW_SKIP_HELP = "Go on when the source holds data unickpt does not read (it is listed, then left out)."
 
 
 # ---------------------------------------------------------------- inspect
@@ -184,12 +211,15 @@ def inspect_cmd(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
-    """Show tensors, values, per-rank state, totals and provenance."""
+    """Show tensors, values, per-rank state, totals, provenance and the ledger (what the
+    reader reads, skips and why); exit 1 if bytes of the source are neither read nor reported."""
     from .format.values import decode_value
 
-    s = _summary(str(path))
+    s, ledger = _summary(str(path))
     if as_json:
         typer.echo(json.dumps(s, indent=2))
+        if not ledger.accounted:
+            raise typer.Exit(EXIT_FAILED)
         return
     out = _out()
     out.print(Text(f"checkpoint {s['path']}", style="bold"), soft_wrap=True)
@@ -238,6 +268,9 @@ def inspect_cmd(
         f"{_n(tot['fragments'], 'fragment')}, {_n(tot['files'], 'file')} ({human_bytes(tot['file_bytes'])})",
         soft_wrap=True,
     )
+    _print_ledger(ledger)
+    if not ledger.accounted:
+        raise typer.Exit(EXIT_FAILED)
 
 
 # ---------------------------------------------------------------- verify
@@ -265,8 +298,10 @@ def verify_cmd(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
     limit: Annotated[int, typer.Option(min=0, help="Problems to list at most (0: all).")] = 50,
+    allow_skip: Annotated[bool, typer.Option("--allow-skip", help="Accept a source holding items unickpt does not read (listed).")] = False,
 ) -> None:
-    """Re-check every checksum and file size; exit 1 if anything is corrupt."""
+    """Re-check every checksum and file size; exit 1 if anything is corrupt, or the source
+    holds anything unickpt does not read (unless --allow-skip)."""
     from .api.load import read_manifest
     from .api.verify import total_bytes, verify
 
@@ -275,8 +310,14 @@ def verify_cmd(
     report = _with_byte_progress("verifying", total, lambda progress: verify(str(path), progress=progress, threads=threads))
     elapsed = time.perf_counter() - t0
     out = _out()
+    if report.ok and not report.complete and not allow_skip:
+        _print_ledger(report.ledger)
+        out.print(Text(f"INCOMPLETE: {_n(len(report.ledger.skipped), 'item')} of {report.path} not read by unickpt "
+                       "(listed above; --allow-skip accepts that)", style="bold yellow"), soft_wrap=True)
+        raise typer.Exit(EXIT_FAILED)
     if report.ok and report.bytes_unverifiable:
         out.print(Text(f"{report} ({_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"), soft_wrap=True)
+        _print_ledger(report.ledger)
         return
     if report.ok:
         out.print(
@@ -284,7 +325,9 @@ def verify_cmd(
                  f"({human_bytes(report.bytes_checked)} in {_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
             soft_wrap=True,
         )
+        _print_ledger(report.ledger)
         return
+    _print_ledger(report.ledger)
     out.print(Text(f"CORRUPT: {len(report.problems)} problem(s) in {report.path}", style="bold red"), soft_wrap=True)
     shown = report.problems if limit == 0 else report.problems[:limit]
     for p in shown:
@@ -312,11 +355,14 @@ def convert_cmd(
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads and writes.")] = 4,
     buffer_mib: Annotated[int, typer.Option(min=1, help="Read buffer (MiB): memory is bounded by the largest tensor plus this.")] = 64,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already at DST.")] = False,
+    allow_skip: Annotated[bool, typer.Option("--allow-skip", help=_ALLOW_SKIP_HELP)] = False,
 ) -> None:
     """Rewrite a checkpoint in another form, streaming with bounded memory: a foreign checkpoint
     into unickpt's format, or any checkpoint into PyTorch DCP or DeepSpeed's universal format;
-    --consolidate stores one fragment per tensor."""
+    --consolidate stores one fragment per tensor. Exit 1, writing nothing, when the source
+    holds data unickpt does not read, unless --allow-skip."""
     from .adapters.detect import checkpoint_format
+    from .adapters.regions import source_ledger
     from .api.convert import convert, total_bytes
     from .api.load import read_manifest
 
@@ -325,7 +371,10 @@ def convert_cmd(
     source_format = checkpoint_format(str(src))
     if to == "unickpt" and source_format == "unickpt" and not consolidate:
         raise _fail("nothing to do: pass --consolidate, or --to dcp / --to deepspeed")
-    total = total_bytes(read_manifest(str(src)))
+    manifest = read_manifest(str(src))
+    ledger = source_ledger(str(src), manifest)
+    _refuse_incomplete(ledger, allow_skip, "written")
+    total = total_bytes(manifest)
     if to == "unickpt":
         kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
         report = _with_byte_progress("converting", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
@@ -347,6 +396,7 @@ def convert_cmd(
              f"{dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="green"),
         soft_wrap=True,
     )
+    _print_ledger(ledger)
 
 
 # ---------------------------------------------------------------- export
@@ -363,7 +413,11 @@ def export_cmd(
         str | None, typer.Option(help="Cast floating tensors: bf16, fp16 or fp32 (default: as saved).", show_default=False)
     ] = None,
     names: Annotated[str, typer.Option(help="Name mapping: auto (llama when every name fits), llama, keep.")] = "auto",
-    prefix: Annotated[str, typer.Option(help="Export the tensors named PREFIX... (prefix removed).")] = "model.",
+    prefix: Annotated[
+        str | None,
+        typer.Option(help="Export the tensors named PREFIX... (prefix removed). Default: 'model.', or none for a "
+                          "checkpoint converted from Hugging Face (all its tensors are the model).", show_default=False),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="HF config.json to write (and to take head counts from) instead of the checkpoint's model_args.",
@@ -371,9 +425,12 @@ def export_cmd(
     ] = None,
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an export already at DST.")] = False,
+    allow_skip: Annotated[bool, typer.Option("--allow-skip", help=_ALLOW_SKIP_HELP)] = False,
 ) -> None:
-    """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming."""
-    from .adapters.hf_export import export_hf, parse_size, plan_hf_export
+    """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming.
+    Every other tensor is listed; exit 1, writing nothing, when model weights would be left
+    out or the source holds data unickpt does not read, unless --allow-skip."""
+    from .adapters.hf_export import export_hf, export_ledger, parse_size, plan_hf_export
     from .api.load import read_manifest
 
     if fmt != "hf":
@@ -388,7 +445,10 @@ def export_cmd(
         if not isinstance(hf_config, dict):
             raise _fail(f"{config} does not hold a JSON object")
     kwargs: dict[str, Any] = {"dtype": dtype, "names": names, "prefix": prefix, "config": hf_config}
-    total = plan_hf_export(read_manifest(str(src)), **kwargs).total_bytes
+    manifest = read_manifest(str(src))
+    plan = plan_hf_export(manifest, **kwargs)
+    _refuse_incomplete(export_ledger(str(src), manifest, plan), allow_skip, "exported")
+    total = plan.total_bytes
     report = _with_byte_progress("exporting", total, lambda progress: export_hf(
         str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
     extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
@@ -397,6 +457,7 @@ def export_cmd(
              f"{_n(len(report.shards), 'shard')} to {report.dst}{extra} ({report.seconds:.2f} s)", style="green"),
         soft_wrap=True,
     )
+    _print_ledger(report.ledger)
 
 
 # ---------------------------------------------------------------- demo
