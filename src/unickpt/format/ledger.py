@@ -197,20 +197,27 @@ def build_ledger(
             led.files_unchecked.append(file)
             continue
         holes = _minus([(0, size)], merged.get(file, []))
-        structure = _union([(r.start, r.stop) for r in declared[file] if r.owner is None])
-        holes = _minus(holes, structure)
+        owned = [r for r in declared[file] if r.owner is not None]
+        # structure, and bytes of items read or reported, are accounted for
+        known = _union([(r.start, r.stop) for r in declared[file] if r.owner is None or reported(r.owner)])
+        rest = _minus(holes, known)
+        bad = sorted((r for r in owned if not reported(r.owner)), key=lambda r: r.start)  # type: ignore[arg-type]
         found: list[Region] = []
-        for a, b in holes:
-            # the hole's parts owned by items: accounted when the item is read or reported
-            owned = sorted((r for r in declared[file] if r.owner is not None and r.start < b and r.stop > a),
-                           key=lambda r: r.start)
-            rest = [(a, b)]
-            for r in owned:
-                lo, hi = max(a, r.start), min(b, r.stop)
-                if not reported(r.owner):  # type: ignore[arg-type]
-                    found.append(Region(file, lo, hi, r.owner))
-                rest = _minus(rest, [(lo, hi)])
-            found += [Region(file, x, y) for x, y in rest]
+        j = 0
+        for a, b in rest:  # sorted: one sweep names the owner of each unaccounted part
+            while j < len(bad) and bad[j].stop <= a:
+                j += 1
+            k, at = j, a
+            while k < len(bad) and bad[k].start < b:
+                lo, hi = max(at, bad[k].start), min(b, bad[k].stop)
+                if lo > at:
+                    found.append(Region(file, at, lo))
+                if hi > lo:
+                    found.append(Region(file, lo, hi, bad[k].owner))
+                    at = hi
+                k += 1
+            if at < b:
+                found.append(Region(file, at, b))
         found.sort(key=lambda r: r.start)
         if found:
             led.unaccounted += _merge(found)
