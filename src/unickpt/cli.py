@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from math import prod
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -27,6 +27,9 @@ from rich.text import Text
 
 from . import __version__
 from .errors import UnickptError
+
+if TYPE_CHECKING:
+    from .format.ledger import Ledger
 
 app = typer.Typer(
     name="unickpt",
@@ -112,7 +115,7 @@ def _shape(shape: tuple[int, ...] | list[int]) -> str:
     return "[" + ", ".join(str(n) for n in shape) + "]"
 
 
-def _summary(path: str) -> tuple[dict[str, Any], Any]:
+def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
     """Everything ``inspect`` shows, as JSON-ready data, and the checkpoint's ledger."""
     from .adapters.regions import source_ledger
     from .api.load import read_manifest
@@ -178,7 +181,7 @@ def _summary(path: str) -> tuple[dict[str, Any], Any]:
     }, ledger
 
 
-def _print_ledger(ledger: Any) -> None:
+def _print_ledger(ledger: Ledger) -> None:
     """The ledger's totals in one line, then each skipped item and unaccounted range."""
     out = _out()
     out.print(Text(f"source: {ledger.line()}", style="yellow" if not ledger.complete else ""), soft_wrap=True)
@@ -188,7 +191,7 @@ def _print_ledger(ledger: Any) -> None:
         out.print(Text(f"  neither read nor reported: {r}", style="red"), soft_wrap=True)
 
 
-def _refuse_incomplete(ledger: Any, allow_skip: bool, what: str) -> None:
+def _refuse_incomplete(ledger: Ledger, allow_skip: bool, what: str) -> None:
     """Exit 1 before writing anything when the source has skipped or unaccounted data,
     unless ``--allow-skip``: no command prints OK while data is dropped."""
     if ledger.complete or allow_skip:
