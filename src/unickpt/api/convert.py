@@ -103,6 +103,10 @@ def convert(
     bounded by the largest tensor plus a fixed buffer (see the module docstring).
     ``progress(n)`` is called from the calling thread with the bytes just written.
     The new checkpoint is committed (manifest written) only once every byte is durable.
+    The report's ``ledger`` accounts for the source: what its reader skipped (left out of
+    the copy, named in ``provenance["consolidated_from"]["skipped"]``) and any bytes it
+    could not account for; check ``report.ledger.complete`` (the command line refuses an
+    incomplete source unless ``--allow-skip``).
     """
     if not consolidate:
         raise UnickptError("convert: only consolidate=True is implemented (one fragment per tensor)")

@@ -78,6 +78,8 @@ class Ledger:
             parts.append(f"{len(self.skipped)} skipped: {_because(self.skipped)}")
         if self.left_out:
             parts.append(f"{len(self.left_out)} left out: {_because(self.left_out)}")
+        if self.ignored_files:
+            parts.append(f"{_n(len(self.ignored_files), 'file')} ignored: {_because(self.ignored_files)}")
         if self.unaccounted:
             shown = ", ".join(str(r) for r in self.unaccounted[:3])
             more = f" and {len(self.unaccounted) - 3} more" if len(self.unaccounted) > 3 else ""
