@@ -13,9 +13,11 @@ whose format it knows:
   file no item points into is a leftover of an earlier save into the same directory
   (DCP overwrites files, it never removes them) and is listed as ignored.
 
-DeepSpeed's ``*.pt`` archives are accounted for by tensor only (``files_unchecked``):
-their module copies of the master weights and per-rank duplicates of each group's step
-are not read on purpose, which needs the reader to name them first.
+DeepSpeed's ``*.pt`` archives are accounted for by tensor only (``files_unchecked``): the
+reader leaves out on purpose the module's copy of the fp32 master weights, each rank's
+copy of a group's step and alignment padding, and names none of them yet (a byte check of
+a real ZeRO-2 run flags the module copy, of a ZeRO-3 run rank 1's step), so a byte check
+waits for the reader to declare them.
 """
 
 from __future__ import annotations
