@@ -78,6 +78,8 @@ class Ledger:
             parts.append(f"{len(self.skipped)} skipped: {_because(self.skipped)}")
         if self.left_out:
             parts.append(f"{len(self.left_out)} left out: {_because(self.left_out)}")
+        if self.files_unchecked:
+            parts.append(f"{_n(len(self.files_unchecked), 'file')} accounted for by tensor only, not byte by byte")
         if self.ignored_files:
             parts.append(f"{_n(len(self.ignored_files), 'file')} ignored: {_because(self.ignored_files)}")
         if self.unaccounted:
