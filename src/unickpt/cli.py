@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from math import prod
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -27,6 +27,9 @@ from rich.text import Text
 
 from . import __version__
 from .errors import UnickptError
+
+if TYPE_CHECKING:
+    from .format.ledger import Ledger
 
 app = typer.Typer(
     name="unickpt",
@@ -133,13 +136,15 @@ def _tensor_count(manifest: Any) -> str:
     return text
 
 
-def _summary(path: str) -> dict[str, Any]:
-    """Everything ``inspect`` shows, as JSON-ready data."""
+def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
+    """Everything ``inspect`` shows, as JSON-ready data, and the checkpoint's ledger."""
+    from .adapters.regions import source_ledger
     from .api.load import read_manifest
     from .format.dtypes import itemsize
     from .format.values import decode_value
 
     m = read_manifest(path)
+    ledger = source_ledger(path, m)
     tensors = []
     for t in m.tensors.values():
         stored = sum(prod(f.shape) for f in t.fragments) * itemsize(t.dtype)
@@ -193,7 +198,32 @@ def _summary(path: str) -> dict[str, Any]:
             "file_bytes": sum(m.files.values()),
             "fragments": n_frag,
         },
-    }
+        "ledger": ledger.to_json(),
+    }, ledger
+
+
+def _print_ledger(ledger: Ledger) -> None:
+    """The ledger's totals in one line, then each skipped item and unaccounted range."""
+    out = _out()
+    out.print(Text(f"source: {ledger.line()}", style="yellow" if not ledger.complete else ""), soft_wrap=True)
+    for name, reason in ledger.skipped.items():
+        out.print(Text(f"  skipped {name}: {reason}", style="yellow"), soft_wrap=True)
+    for r in ledger.unaccounted:
+        out.print(Text(f"  neither read nor reported: {r}", style="red"), soft_wrap=True)
+
+
+def _refuse_incomplete(ledger: Ledger, allow_skip: bool, what: str) -> None:
+    """Exit 1 before writing anything when the source has skipped or unaccounted data,
+    unless ``--allow-skip``: no command prints OK while data is dropped."""
+    if ledger.complete or allow_skip:
+        return
+    _print_ledger(ledger)
+    _err().print(Text(f"nothing {what}: the source holds data that would be left out (listed above); "
+                      "pass --allow-skip to go on without it", style="bold red"), soft_wrap=True)
+    raise typer.Exit(EXIT_FAILED)
+
+
+_ALLOW_SKIP_HELP = "Go on when the source holds data unickpt does not read (it is listed, then left out)."
 
 
 def _print_warnings(warnings: list[str]) -> None:
@@ -201,6 +231,18 @@ def _print_warnings(warnings: list[str]) -> None:
     out = _out()
     for w in warnings:
         out.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
+
+
+def ledger_warnings(ledger: Ledger) -> list[str]:
+    """One warning when ``--allow-skip`` let a command go on without part of its source."""
+    if ledger.complete:
+        return []
+    what = []
+    if ledger.skipped:
+        what.append(f"{_n(len(ledger.skipped), 'item')} skipped")
+    if ledger.unaccounted:
+        what.append(f"{human_bytes(ledger.unaccounted_bytes)} neither read nor reported")
+    return [f"the source's {' and '.join(what)}, left out as --allow-skip allows (listed below)"]
 
 
 def _ok(warnings: list[str]) -> str:
@@ -239,12 +281,15 @@ def inspect_cmd(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
-    """Show tensors, values, per-rank state, totals and provenance."""
+    """Show tensors, values, per-rank state, totals, provenance and the ledger (what the
+    reader reads, skips and why); exit 1 if bytes of the source are neither read nor reported."""
     from .format.values import decode_value
 
-    s = _summary(str(path))
+    s, ledger = _summary(str(path))
     if as_json:
         typer.echo(json.dumps(s, indent=2))
+        if not ledger.accounted:
+            raise typer.Exit(EXIT_FAILED)
         return
     out = _out()
     out.print(Text(f"checkpoint {s['path']}", style="bold"), soft_wrap=True)
@@ -293,6 +338,9 @@ def inspect_cmd(
         f"{_n(tot['fragments'], 'fragment')}, {_n(tot['files'], 'file')} ({human_bytes(tot['file_bytes'])})",
         soft_wrap=True,
     )
+    _print_ledger(ledger)
+    if not ledger.accounted:
+        raise typer.Exit(EXIT_FAILED)
 
 
 # ---------------------------------------------------------------- verify
@@ -320,8 +368,10 @@ def verify_cmd(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
     limit: Annotated[int, typer.Option(min=0, help="Problems to list at most (0: all).")] = 50,
+    allow_skip: Annotated[bool, typer.Option("--allow-skip", help="Accept a source holding items unickpt does not read (listed).")] = False,
 ) -> None:
-    """Re-check every checksum and file size; exit 1 if anything is corrupt."""
+    """Re-check every checksum and file size; exit 1 if anything is corrupt, or the source
+    holds anything unickpt does not read (unless --allow-skip)."""
     from .api.load import read_manifest
     from .api.verify import total_bytes, verify
 
@@ -332,10 +382,16 @@ def verify_cmd(
     elapsed = time.perf_counter() - t0
     out = _out()
     counted = _tensor_count(manifest)
+    if report.ok and not report.complete and not allow_skip:
+        _print_ledger(report.ledger)
+        out.print(Text(f"INCOMPLETE: {_n(len(report.ledger.skipped), 'item')} of {report.path} not read by unickpt "
+                       "(listed above; --allow-skip accepts that)", style="bold yellow"), soft_wrap=True)
+        raise typer.Exit(EXIT_FAILED)
     if report.ok and report.bytes_unverifiable:
         out.print(Text(f"OK ({report.format}): {counted}, structure sound; {report.bytes_unverifiable} bytes not "
                        f"verifiable (the format stores no checksums) ({_n(report.files, 'file')}, {elapsed:.2f} s)",
                        style="green"), soft_wrap=True)
+        _print_ledger(report.ledger)
         return
     if report.ok:
         out.print(
@@ -343,7 +399,9 @@ def verify_cmd(
                  f"({human_bytes(report.bytes_checked)} in {_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
             soft_wrap=True,
         )
+        _print_ledger(report.ledger)
         return
+    _print_ledger(report.ledger)
     out.print(Text(f"CORRUPT: {len(report.problems)} problem(s) in {report.path}", style="bold red"), soft_wrap=True)
     shown = report.problems if limit == 0 else report.problems[:limit]
     for p in shown:
@@ -373,15 +431,18 @@ def convert_cmd(
     buffer_mib: Annotated[int, typer.Option(min=1, help="Read buffer (MiB): memory is bounded by the largest tensor plus this.")] = 64,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already at DST.")] = False,
     allow_skip: Annotated[
-        bool, typer.Option("--allow-skip", help="Write the checkpoint even if the output format cannot hold some of "
-                           "the state (--to dcp: per-rank state such as RNG, the metadata); each is listed.")
+        bool, typer.Option("--allow-skip", help="Go on when some of the state is left out: data of the source unickpt "
+                           "does not read, or state the output format cannot hold (--to dcp: per-rank state such as "
+                           "RNG, the metadata); each is listed.")
     ] = False,
 ) -> None:
     """Rewrite a checkpoint in another form, streaming with bounded memory: a foreign checkpoint
     into unickpt's format, or any checkpoint into PyTorch DCP or DeepSpeed's universal format;
-    --consolidate stores one fragment per tensor. State the output format cannot hold is
-    never dropped silently: convert lists it and writes nothing (exit 1) unless --allow-skip."""
+    --consolidate stores one fragment per tensor. State is never dropped silently: when the
+    source holds data unickpt does not read, or the output format cannot hold some of the
+    state, convert lists it and writes nothing (exit 1) unless --allow-skip."""
     from .adapters.detect import checkpoint_format
+    from .adapters.regions import source_ledger
     from .api.convert import convert, total_bytes
     from .api.load import read_manifest
 
@@ -391,6 +452,8 @@ def convert_cmd(
     if to == "unickpt" and source_format == "unickpt" and not consolidate:
         raise _fail("nothing to do: pass --consolidate, or --to dcp / --to deepspeed")
     manifest = read_manifest(str(src))
+    ledger = source_ledger(str(src), manifest)
+    _refuse_incomplete(ledger, allow_skip, "written")
     total = total_bytes(manifest)
     if to == "dcp":
         from .adapters.dcp_writer import left_out
@@ -418,13 +481,14 @@ def convert_cmd(
             "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite)
         )
         what = f"{report.params} parameters"
-    warnings = list(getattr(report, "warnings", []))
+    warnings = list(getattr(report, "warnings", [])) + ledger_warnings(ledger)
     _print_warnings(warnings)
     _out().print(
         Text(f"{_ok(warnings)}: {what} ({source_format} -> {to}), {human_bytes(report.bytes_written)} written to "
              f"{dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="yellow" if warnings else "green"),
         soft_wrap=True,
     )
+    _print_ledger(ledger)
 
 
 # ---------------------------------------------------------------- export
@@ -442,7 +506,11 @@ def export_cmd(
         str | None, typer.Option(help="Cast floating tensors: bf16, fp16 or fp32 (default: as saved).", show_default=False)
     ] = None,
     names: Annotated[str, typer.Option(help="Name mapping: auto (llama when every name fits), llama, keep.")] = "auto",
-    prefix: Annotated[str, typer.Option(help="Export the tensors named PREFIX... (prefix removed).")] = "model.",
+    prefix: Annotated[
+        str | None,
+        typer.Option(help="Export the tensors named PREFIX... (prefix removed). Default: 'model.', or none for a "
+                          "checkpoint converted from Hugging Face (all its tensors are the model).", show_default=False),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="HF config.json to write (and to take head counts from) instead of the checkpoint's model_args.",
@@ -450,9 +518,12 @@ def export_cmd(
     ] = None,
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an export already at DST.")] = False,
+    allow_skip: Annotated[bool, typer.Option("--allow-skip", help=_ALLOW_SKIP_HELP)] = False,
 ) -> None:
-    """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming."""
-    from .adapters.hf_export import export_hf, parse_size, plan_hf_export
+    """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming.
+    Every other tensor is listed; exit 1, writing nothing, when model weights would be left
+    out or the source holds data unickpt does not read, unless --allow-skip."""
+    from .adapters.hf_export import export_hf, export_ledger, parse_size, plan_hf_export
     from .api.load import read_manifest
 
     if fmt != "hf":
@@ -467,11 +538,14 @@ def export_cmd(
         if not isinstance(hf_config, dict):
             raise _fail(f"{config} does not hold a JSON object")
     kwargs: dict[str, Any] = {"dtype": dtype, "names": names, "prefix": prefix, "config": hf_config}
-    total = plan_hf_export(read_manifest(str(src)), **kwargs).total_bytes
+    manifest = read_manifest(str(src))
+    plan = plan_hf_export(manifest, **kwargs)
+    _refuse_incomplete(export_ledger(str(src), manifest, plan), allow_skip, "exported")
+    total = plan.total_bytes
     report = _with_byte_progress("exporting", total, lambda progress: export_hf(
         str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
     extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
-    warnings = list(getattr(report, "warnings", []))
+    warnings = list(getattr(report, "warnings", [])) + ledger_warnings(report.ledger)
     _print_warnings(warnings)
     _out().print(
         Text(f"{_ok(warnings)}: {report.tensors} tensors exported (names: {report.names}), {human_bytes(report.bytes_written)} in "
@@ -479,6 +553,7 @@ def export_cmd(
              style="yellow" if warnings else "green"),
         soft_wrap=True,
     )
+    _print_ledger(report.ledger)
 
 
 # ---------------------------------------------------------------- demo

@@ -5,7 +5,9 @@ shards with ``model.safetensors.index.json`` (and usually ``config.json``).
 :func:`read_hf` describes such a folder as an in-memory :class:`Manifest` whose fragments
 point *into* the HF files (nothing is copied): every tensor is one fragment of one whole
 piece, with no checksums (``crc32c=[]``, this format has none). ``unickpt load``,
-``convert`` and ``verify`` then read it like any checkpoint.
+``convert`` and ``verify`` then read it like any checkpoint. What transformers would not
+load either (a tensor of a shard that the index maps elsewhere or not at all, a shard the
+index does not list) is left out and named in ``provenance["skipped"]``.
 """
 
 from __future__ import annotations
@@ -118,13 +120,23 @@ def read_hf(path: str, names: HfMapping | None = None, prefix: str = "") -> Mani
             m.metadata["hf_config"] = encode_value(config)
         heads = heads_from_config(config) if names is not None and isinstance(config, dict) else None
         found: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
+        unmapped: list[tuple[str, str]] = []
         for f in files:
             m.files[f] = storage.size(f)
             for key, (dtype, shape, offset) in _file_tensors(storage, f).items():
+                if wmap is not None and wmap.get(key) != f:
+                    unmapped.append((key, f))
+                    continue
                 if key in found:
                     raise HfError(f"{path}: tensor {key!r} is in both {found[key][0]} and {f}")
-                if wmap is None or wmap.get(key) == f:
-                    found[key] = (f, dtype, shape, offset)
+                found[key] = (f, dtype, shape, offset)
+        skipped: dict[str, str] = {}
+        for key, f in unmapped:  # transformers loads by the index: it does not see these
+            skipped[key if key not in found else f"{key} (copy in {f})"] = f"{INDEX_NAME} does not map it to {f}"
+        if wmap is not None:
+            for f in storage.names():
+                if f.endswith(".safetensors") and f not in files:
+                    skipped[f] = f"{INDEX_NAME} maps no tensor to this file"
         missing = sorted(set(wmap or ()) - set(found))
         if missing:
             raise HfError(f"{path}: {len(missing)} tensors of the index are not in their files, e.g. {missing[0]!r}")
@@ -153,6 +165,8 @@ def read_hf(path: str, names: HfMapping | None = None, prefix: str = "") -> Mani
                 m.tensors[prefix + out[0]] = TensorEntry(prefix + out[0], e.shape, e.dtype, list(e.fragments), "hf (tied)")
         if names is not None:
             m.provenance["names"] = names.name
+        if skipped:
+            m.provenance["skipped"] = skipped
         return m
     finally:
         storage.close()

@@ -15,6 +15,13 @@ last, atomically: a folder whose index exists holds complete shards. Shards are 
 ``transformers``' ``save_pretrained``: tensors in checkpoint order, a new shard when the
 next tensor would push the current one past ``max_shard_size`` (a larger tensor gets a
 shard of its own).
+
+Every tensor of the source is exported or reported. The model is the tensors named
+``prefix...``: ``model.`` for a training checkpoint (the other tensors, optimizer state,
+are *left out*, and listed), none for a checkpoint converted from a Hugging Face folder,
+whose tensors all belong to the model (``model.*`` and ``lm_head.weight``). A tensor of
+such a model that an explicit ``prefix`` leaves out is *dropped* data: the plan names it
+and the command line refuses it unless ``--allow-skip`` is given.
 """
 
 from __future__ import annotations
@@ -32,12 +39,14 @@ import torch
 from ..api.load import read_entry, read_manifest
 from ..errors import UnickptError
 from ..format.dtypes import dtype_from_name, itemsize
+from ..format.ledger import Ledger
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
 from ..storage.local import LocalStorage
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
+from .regions import source_ledger
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -95,6 +104,9 @@ class ExportPlan:
     tensors: list[OutTensor]
     names: str
     config: dict[str, Any] | None = None
+    prefix: str = "model."
+    left_out: dict[str, str] = field(default_factory=dict)  # not model weights: optimizer state, per-rank state
+    dropped: dict[str, str] = field(default_factory=dict)  # model weights the prefix leaves out
 
     @property
     def total_bytes(self) -> int:
@@ -114,6 +126,7 @@ class ExportReport:
     config_written: bool
     seconds: float
     weight_map: dict[str, str] = field(default_factory=dict)
+    ledger: Ledger | None = None  # the source's: exported, left out, skipped, unaccounted
 
 
 def _architecture(manifest: Manifest, config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, int] | None, dict[str, Any] | None]:
@@ -141,17 +154,43 @@ def _heads_or_none(config: dict[str, Any]) -> dict[str, int] | None:
         return None
 
 
+def from_hf(manifest: Manifest) -> bool:
+    """True when the checkpoint is a Hugging Face folder, or was converted from one: its
+    tensor names are HF names, all of the model."""
+    origin = manifest.provenance.get("consolidated_from")
+    return manifest.provenance.get("format") == "hf" or (isinstance(origin, dict) and origin.get("format") == "hf")
+
+
+def default_prefix(manifest: Manifest) -> str:
+    """The prefix of the model's tensors: none for a Hugging Face model, ``model.`` else."""
+    return "" if from_hf(manifest) else "model."
+
+
 def plan_hf_export(
-    manifest: Manifest, *, names: str = "auto", prefix: str = "model.", dtype: str | None = None,
+    manifest: Manifest, *, names: str = "auto", prefix: str | None = None, dtype: str | None = None,
     config: dict[str, Any] | None = None,
 ) -> ExportPlan:
-    """Choose the tensors (those named ``prefix...``, prefix removed), their HF names
-    (``names``: ``"llama"``, ``"keep"``, or ``"auto"`` = llama when every name fits it),
-    output dtypes (``dtype``: ``bf16``/``fp16``/``fp32`` casts floating tensors) and the
-    config.json (``config`` verbatim; else built from the checkpoint's ``model_args``
-    for a known architecture; else an imported folder's config; else none)."""
+    """Choose the tensors (those named ``prefix...``, prefix removed; ``prefix`` None:
+    :func:`default_prefix`), their HF names (``names``: ``"llama"``, ``"keep"``, or
+    ``"auto"`` = llama when every name fits it), output dtypes (``dtype``:
+    ``bf16``/``fp16``/``fp32`` casts floating tensors) and the config.json (``config``
+    verbatim; else built from the checkpoint's ``model_args`` for a known architecture;
+    else an imported folder's config; else none). Every other tensor is listed in the
+    plan's ``left_out`` (not model weights) or ``dropped`` (a Hugging Face model's)."""
     out_dtype = parse_dtype(dtype)
+    if prefix is None:
+        prefix = default_prefix(manifest)
     picked = [(n[len(prefix):], e) for n, e in manifest.tensors.items() if n.startswith(prefix)]
+    left_out: dict[str, str] = {}
+    dropped: dict[str, str] = {}
+    for n in manifest.tensors:
+        if not n.startswith(prefix):
+            if from_hf(manifest):
+                dropped[n] = f"it is not named {prefix!r}... (--prefix), yet every tensor of a Hugging Face model is a model weight"
+            else:
+                left_out[n] = f"export writes the model only: the tensors named {prefix!r}... (--prefix)"
+    for n in manifest.rank_tensors:
+        left_out[n] = "export writes the model only, not per-rank state"
     if not picked:
         raise HfError(f"the checkpoint holds no tensor named {prefix!r}...; pass --prefix (e.g. --prefix '' for all)")
     if names not in ("auto", "keep") and names not in MAPPINGS:
@@ -182,7 +221,7 @@ def plan_hf_export(
         if t.hf_name in seen:
             raise HfError(f"two tensors map to the HF name {t.hf_name!r}")
         seen.add(t.hf_name)
-    plan = ExportPlan(tensors, mapping.name if mapping else "keep", verbatim)
+    plan = ExportPlan(tensors, mapping.name if mapping else "keep", verbatim, prefix, left_out, dropped)
     if plan.config is None and args is not None and mapping is not None and mapping.name == "llama":
         float_dtypes = [t.dtype for t in tensors if t.dtype in _FLOATS]
         plan.config = llama_config(args, {t.hf_name: t.entry.shape for t in tensors}, _TORCH_NAMES[float_dtypes[0]] if float_dtypes else "float32")
@@ -239,7 +278,7 @@ def export_hf(
     max_shard_size: str | int = "5GB",
     dtype: str | None = None,
     names: str = "auto",
-    prefix: str = "model.",
+    prefix: str | None = None,
     config: dict[str, Any] | None = None,
     threads: int = 4,
     overwrite: bool = False,
@@ -247,7 +286,10 @@ def export_hf(
 ) -> ExportReport:
     """Write the model of checkpoint ``src`` as a Hugging Face folder ``dst`` (see the
     module docstring and :func:`plan_hf_export` for ``names``, ``prefix``, ``dtype`` and
-    ``config``). ``progress(n)`` gets the bytes of each tensor written."""
+    ``config``). ``progress(n)`` gets the bytes of each tensor written. The report's
+    ledger lists what was exported and every tensor of the source that was not (left out,
+    dropped by the prefix, or skipped by the source's reader); the caller decides whether
+    that is acceptable (the command line refuses dropped or skipped tensors)."""
     t0 = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
     source = LocalStorage(src)
@@ -289,4 +331,15 @@ def export_hf(
     finally:
         source.close()
     return ExportReport(str(dst), len(plan.tensors), shard_names, written, plan.names, plan.config is not None,
-                        time.perf_counter() - t0, weight_map)
+                        time.perf_counter() - t0, weight_map, export_ledger(src, manifest, plan))
+
+
+def export_ledger(src: str, manifest: Manifest, plan: ExportPlan) -> Ledger:
+    """The source's ledger as an export sees it: the exported tensors read; the others
+    left out, or skipped (dropped by the prefix, or skipped by the source's reader)."""
+    ledger = source_ledger(src, manifest)
+    ledger.tensors = len(plan.tensors)
+    ledger.bytes_read = sum(t.entry.nbytes for t in plan.tensors)
+    ledger.left_out = dict(plan.left_out)
+    ledger.skipped.update(plan.dropped)
+    return ledger

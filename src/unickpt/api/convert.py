@@ -18,6 +18,12 @@ parallel checksummed ``pwrite``s. Peak memory beyond the interpreter is therefor
 whatever the size of the model. ``tests/test_rules_convert.py`` measures the peak RSS of
 a subprocess consolidating a 42 MiB and a 168 MiB model with the same largest tensor.
 Per-rank state (``unickpt.PerRank``) and plain values are copied as they are.
+
+The report carries the source's ledger (:mod:`unickpt.format.ledger`): what was read, and
+what the source's reader skipped (with the reasons, also kept in the new checkpoint's
+``provenance["consolidated_from"]["skipped"]``) or could not account for. ``convert``
+writes what the reader read; the command line refuses a source that is not ``complete``
+unless ``--allow-skip`` is given.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ import torch
 from .. import __version__
 from ..errors import CorruptionError, SaveError, UnickptError
 from ..adapters.detect import open_manifest
+from ..adapters.regions import source_ledger
 from ..format.checksum import crc32c
 from ..format.dtypes import dtype_from_name, itemsize
+from ..format.ledger import Ledger
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment, Manifest, TensorEntry
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
@@ -64,6 +72,7 @@ class ConvertReport:
     bytes_read: int
     files: int
     seconds: float
+    ledger: Ledger | None = None  # the source's: what was read, skipped, unaccounted
 
 
 def total_bytes(manifest: Manifest) -> int:
@@ -94,6 +103,10 @@ def convert(
     bounded by the largest tensor plus a fixed buffer (see the module docstring).
     ``progress(n)`` is called from the calling thread with the bytes just written.
     The new checkpoint is committed (manifest written) only once every byte is durable.
+    The report's ``ledger`` accounts for the source: what its reader skipped (left out of
+    the copy, named in ``provenance["consolidated_from"]["skipped"]``) and any bytes it
+    could not account for; check ``report.ledger.complete`` (the command line refuses an
+    incomplete source unless ``--allow-skip``).
     """
     if not consolidate:
         raise UnickptError("convert: only consolidate=True is implemented (one fragment per tensor)")
@@ -131,6 +144,9 @@ def convert(
             "created": manifest.provenance.get("created"),
         },
     }
+    ledger = source_ledger(str(src), manifest)
+    if ledger.skipped:
+        result.provenance["consolidated_from"]["skipped"] = dict(ledger.skipped)
     frags: dict[tuple[str, int], Fragment] = {}
     bytes_read = bytes_written = 0
     span_bytes = max(1, buffer_bytes // threads)
@@ -186,7 +202,8 @@ def convert(
             new_row.append(TensorEntry(name, e.shape, e.dtype, [f] if f else [], "per-rank"))
         result.rank_tensors[name] = new_row
     out.write_atomic(MANIFEST_NAME, result.to_json().encode())
-    return ConvertReport(src, dst, len(result.tensors), bytes_written, bytes_read, len(result.files), time.perf_counter() - t0)
+    return ConvertReport(src, dst, len(result.tensors), bytes_written, bytes_read, len(result.files), time.perf_counter() - t0,
+                         ledger)
 
 
 def aligned(n: int) -> int:

@@ -15,6 +15,12 @@ check is structural (every metadata record and archive parses, every fragment li
 an existing file, every tensor is covered) and the report counts their bytes as
 ``bytes_unverifiable``.
 
+Every checkpoint also gets its ledger (:mod:`unickpt.format.ledger`): the tensors and
+bytes read, what the reader skipped and why, and byte ranges of the data files that are
+neither read nor reported. Such an unaccounted range is a problem (kind
+``"unaccounted"``): data there would be dropped silently. Skipped items are not
+problems (the checkpoint is sound), but the report is then not ``complete``.
+
 Nothing is raised for a corrupt checkpoint: every problem found is collected in the
 returned :class:`VerifyReport`, each naming the file, the tensor and the byte range, so
 one run tells everything that is wrong. Only a path without a committed manifest (or an
@@ -30,9 +36,11 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ..adapters.detect import open_manifest
+from ..adapters.regions import source_ledger
 from ..errors import UnickptError
 from ..format.checksum import crc32c
 from ..format.dtypes import itemsize
+from ..format.ledger import Ledger
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.safetensors_header import parse_header
 from ..plan.box import Box
@@ -83,11 +91,17 @@ class VerifyReport:
     files: int = 0
     format: str = "unickpt"
     bytes_unverifiable: int = 0  # bytes of fragments whose format stores no checksums
+    ledger: Ledger = field(default_factory=Ledger)
 
     @property
     def ok(self) -> bool:
         """True when nothing is wrong."""
         return not self.problems
+
+    @property
+    def complete(self) -> bool:
+        """True when nothing is wrong and the reader skipped nothing of the source."""
+        return self.ok and self.ledger.complete
 
     def __str__(self) -> str:
         if self.ok and self.bytes_unverifiable:
@@ -322,6 +336,11 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
                     progress(n)
     finally:
         storage.close()
+    report.ledger = source_ledger(str(path), manifest)
+    for r in report.ledger.unaccounted:
+        what = f"bytes of {r.owner!r}, which the reader neither read nor reported" if r.owner else \
+            "bytes no tensor, header or item of the checkpoint accounts for"
+        problems.append(Problem("unaccounted", f"{what} (data unickpt would drop)", r.file, None, r.start, r.stop))
     report.problems = _merge(problems)
     return report
 

@@ -1,0 +1,93 @@
+"""The ledger of a checkpoint on disk: which byte ranges of its data files are what.
+
+:func:`source_ledger` builds the :class:`~unickpt.format.ledger.Ledger` of the checkpoint
+at a path (any format ``open_manifest`` reads), declaring the regions of each data file
+whose format it knows:
+
+* safetensors files (unickpt's ``rank_*.safetensors``, Hugging Face shards): the header is
+  structure, each header entry's data range is owned by that entry's name. The format
+  packs tensors back to back, so any other byte is unaccounted;
+* PyTorch DCP ``.distcp`` files: each item of ``.metadata``'s storage index is an archive
+  owned by the item's name (its zip records and pickle are the item's structure, its
+  tensor bytes the fragments). Bytes outside every item are unaccounted; a ``.distcp``
+  file no item points into is a leftover of an earlier save into the same directory
+  (DCP overwrites files, it never removes them) and is listed as ignored.
+
+DeepSpeed's ``*.pt`` archives are accounted for by tensor only (``files_unchecked``): the
+reader leaves out on purpose the module's copy of the fp32 master weights, each rank's
+copy of a group's step and alignment padding, and names none of them yet (a byte check of
+a real ZeRO-2 run flags the module copy, of a ZeRO-3 run rank 1's step), so a byte check
+waits for the reader to declare them.
+"""
+
+from __future__ import annotations
+
+from ..errors import UnickptError
+from ..format.ledger import Ledger, Region, build_ledger
+from ..format.manifest import Manifest
+from ..format.safetensors_header import parse_header
+from ..storage.local import LocalStorage
+from .detect import open_manifest
+
+
+def safetensors_regions(storage: LocalStorage, name: str) -> list[Region]:
+    """The header of a safetensors file (structure) and each entry's bytes (owned by its key)."""
+    reader = storage.reader(name)
+    first = bytearray(min(8, reader.size))
+    reader.pread_into(0, memoryview(first))
+
+    def more(n: int) -> bytes:
+        buf = bytearray(max(0, min(n, reader.size - 8)))
+        reader.pread_into(8, memoryview(buf))
+        return bytes(buf)
+
+    header, start = parse_header(bytes(first), more)
+    if not isinstance(header, dict):
+        raise UnickptError(f"{name}: safetensors header is not a JSON object")
+    out = [Region(name, 0, start)]
+    for key, d in header.items():
+        if key == "__metadata__" or not isinstance(d, dict):
+            continue
+        try:
+            lo, hi = (int(x) for x in d["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        out.append(Region(name, start + lo, start + hi, key))
+    return out
+
+
+def _dcp_regions(path: str, manifest: Manifest) -> tuple[dict[str, list[Region]], dict[str, str]]:
+    from .dcp import read_metadata
+
+    md = read_metadata(path)
+    regions: dict[str, list[Region]] = {}
+    for k, info in md.storage_data.items():
+        regions.setdefault(info.relative_path, []).append(Region(info.relative_path, info.offset, info.offset + info.length, k.fqn))
+    ignored = {f: "no item of .metadata is stored in it (left by an earlier save into this directory)"
+               for f in manifest.files if f not in regions}
+    return regions, ignored
+
+
+def source_ledger(path: str, manifest: Manifest | None = None) -> Ledger:
+    """The ledger of the checkpoint at ``path`` (``manifest``: its manifest when already
+    open). Files whose header cannot be read are left unchecked here: ``verify`` reports
+    them."""
+    if manifest is None:
+        manifest = open_manifest(str(path))
+    fmt = manifest.provenance.get("format", "unickpt")
+    storage = LocalStorage(path)
+    declared: dict[str, list[Region]] = {}
+    ignored: dict[str, str] = {}
+    try:
+        if fmt in ("unickpt", "hf"):
+            for name in manifest.files:
+                if name.endswith(".safetensors"):
+                    try:
+                        declared[name] = safetensors_regions(storage, name)
+                    except (UnickptError, OSError):
+                        pass
+        elif fmt == "dcp":
+            declared, ignored = _dcp_regions(str(path), manifest)
+    finally:
+        storage.close()
+    return build_ledger(manifest, declared, ignored)
