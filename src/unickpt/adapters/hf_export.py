@@ -37,6 +37,7 @@ from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
 from ..storage.local import LocalStorage
+from ..storage.files import cleans_up_output
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -232,6 +233,7 @@ def _prepare_dst(out: LocalStorage, src: LocalStorage, overwrite: bool) -> None:
         out.remove(f)
 
 
+@cleans_up_output
 def export_hf(
     src: str,
     dst: str,
