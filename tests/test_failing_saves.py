@@ -149,6 +149,22 @@ def test_sigkill_at_any_point_of_an_overwrite_leaves_the_old_or_the_new_checkpoi
         assert _loaded_equals(path, states[0]) or _loaded_equals(path, states[1])
     unickpt.save(states[0], path, overwrite=True)  # the leftovers of the killed saves are cleaned
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    # a CheckpointManager cleans what a save killed midway left, on its next save
+    manager = unickpt.CheckpointManager(str(tmp_path / "run"))
+    p = ctx.Process(target=_manager_saves_forever, args=(manager, states))
+    p.start()
+    time.sleep(0.4)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    last = manager.steps()[-1]
+    assert manager.latest(verify=True) == manager.path_for(last)
+    manager.save(states[0], last + 1)
+    assert sorted(os.listdir(manager.root)) == [os.path.basename(manager.path_for(s)) for s in manager.steps()]
+
+
+def _manager_saves_forever(manager, states: list[dict]) -> None:
+    for step in range(10**6):
+        manager.save(states[step % 2], step, threads=1)
 
 
 # ------------------------------------------------------------------ item 10: concurrent saves

@@ -260,14 +260,14 @@ def prepare_collective(group: Group, path: str, overwrite: bool) -> Target:
     if group.rank == 0:
         try:
             write = DirectoryWrite.begin(path, MANIFEST_NAME, overwrite, checkpoint_file)
-            status = b"ok\n" + os.fsencode(write.staging)
+            status = b"ok\n" + os.fsencode(write.staging_from_target)
         except UnickptError as e:
             status = str(e).encode()
     status = broadcast_bytes(group, status, 0)
     kind, _, where = status.partition(b"\n")
     if kind != b"ok" or not where:
         raise SaveError(status.decode(errors="replace"))
-    return Target(LocalStorage(os.fsdecode(where)), write)
+    return Target(LocalStorage(os.path.join(path, os.fsdecode(where))), write)
 
 
 def _rank_payload(staged: StagedSave, storage: LocalStorage) -> dict[str, Any]:

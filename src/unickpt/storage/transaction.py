@@ -154,10 +154,7 @@ class DirectoryWrite:
             if (root / manifest_name).exists() and not overwrite:
                 raise SaveError(f"{root} already holds a committed checkpoint; pass overwrite=True to replace it")
             write._inside = os.path.ismount(root)
-            base, prefix = (root, _STAGING_TAG) if write._inside else (root.parent, f".{root.name}{_STAGING_TAG}")
-            write._remove_stale(base, prefix)
-            write.staging = base / f"{prefix}{secrets.token_hex(8)}"
-            write.staging.mkdir(mode=0o755)
+            write._make_staging()
             if not write._inside:  # after the exchange this file is the directory's lock: hold it too
                 staging_lock = _try_lock(write.staging / LOCK_NAME)
                 if staging_lock is not None:
@@ -168,6 +165,31 @@ class DirectoryWrite:
                 raise SaveError(f"cannot prepare {root}: {e}") from None
             raise
         return write
+
+    def _make_staging(self) -> None:
+        """Make the staging directory: beside the target, or inside it when the target is
+        a mount point or its parent is not writable."""
+        while True:
+            base, prefix = (self.root, _STAGING_TAG) if self._inside else (self.root.parent, f".{self.root.name}{_STAGING_TAG}")
+            self._remove_stale(base, prefix)
+            self.staging = base / f"{prefix}{secrets.token_hex(8)}"
+            try:
+                self.staging.mkdir(mode=0o755)
+                return
+            except PermissionError:
+                if self._inside:
+                    raise
+                self._inside = True
+            except OSError as e:
+                if self._inside or e.errno != errno.EROFS:
+                    raise
+                self._inside = True
+
+    @property
+    def staging_from_target(self) -> str:
+        """The staging directory relative to the target directory (``../.<name>.unickpt-..``
+        beside it, or a name inside it): every rank finds it from its own view of the path."""
+        return self.staging.name if self._inside else os.path.join(os.pardir, self.staging.name)
 
     @staticmethod
     def _remove_stale(base: Path, prefix: str) -> None:
@@ -263,6 +285,31 @@ class DirectoryWrite:
         for fd in self._locks:
             os.close(fd)
         self._locks = []
+
+
+_ABANDONED = re.compile(r"\.(.+)" + re.escape(_STAGING_TAG) + r"[0-9a-f]{16}")
+
+
+def remove_abandoned(parent: str | os.PathLike) -> None:
+    """Remove the staging directories that crashed saves left in ``parent`` (for
+    directories that no save holds now)."""
+    parent = Path(parent)
+    for name in os.listdir(parent):
+        m = _ABANDONED.fullmatch(name)
+        target = parent / m.group(1) if m else None
+        if target is None or not target.is_dir() or target.is_symlink():
+            continue
+        lock = _try_lock(target / LOCK_NAME)
+        if lock is None:
+            continue  # a save of that directory is running: its staging directory is live
+        try:
+            shutil.rmtree(parent / name, ignore_errors=True)
+        finally:
+            DirectoryWrite(target, target, [lock], False, True, lambda _: False)._release()
+        try:
+            os.rmdir(target)  # the directory the crashed save made for itself, if it is empty
+        except OSError:
+            pass
 
 
 def _remove_entry(path: Path) -> None:
