@@ -94,6 +94,31 @@ def test_full_disk_save_removes_what_it_wrote_and_a_smaller_save_succeeds(disk, 
         assert manager.latest(verify=True) == path
 
 
+def _save_over_a_file_size_limit(root: str, results) -> None:
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, resource.RLIM_INFINITY))
+    try:
+        unickpt.save({"w": torch.ones(1 << 18)}, os.path.join(root, "ckpt"))  # 1 MiB
+        results.put("the save over the limit succeeded")
+    except unickpt.SaveError as e:
+        left = sorted(os.listdir(root))
+        unickpt.save({"w": torch.ones(1 << 16)}, os.path.join(root, "ckpt"))  # 256 KiB
+        results.put(f"{'EFBIG' in str(e)} {left}")
+
+
+def test_save_over_a_file_size_limit_removes_what_it_wrote(tmp_path):
+    """The same without root: the kernel refuses to grow a file past RLIMIT_FSIZE."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    p = ctx.Process(target=_save_over_a_file_size_limit, args=(str(tmp_path), results))
+    p.start()
+    assert results.get(timeout=60) == "True []"
+    p.join(timeout=60)
+    assert p.exitcode == 0 and unickpt.verify(str(tmp_path / "ckpt")).ok
+
+
 def full_disk_ranks(rank: int, world: int, disk: str) -> None:
     path = os.path.join(disk, "ckpt")
     big = {"w": unickpt.PerRank(torch.full((200_000,), float(rank)))}  # 800 KB per rank: 1.6 MB, 1 MB free
