@@ -102,15 +102,21 @@ def concurrent_saves(rank: int, world: int, root: str) -> None:
 
 
 def failing_save(rank: int, world: int, root: str) -> None:
+    import resource
+    import signal
+
     sd = _state(rank, world)
     bad = os.path.join(root, "bad")
-    if rank == 1:  # rank 1 cannot create its data file: a directory stands in the way
-        os.makedirs(os.path.join(bad, "rank_00001.safetensors"), exist_ok=True)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:  # rank 1 cannot write its data file: the kernel refuses files over 256 KiB (EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, limits[1]))
     dist.barrier()
-    handle = unickpt.async_save(sd, bad)
+    handle = unickpt.async_save(dict(sd, big=unickpt.PerRank(torch.zeros(1 << 18))), bad)
     _train_until_done(handle)
     with pytest.raises(unickpt.SaveError) as info:
         handle.result(timeout=120)
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     text = str(info.value)
     assert "rank 1" in text and "rank_00001.safetensors" in text, text
     assert not os.path.exists(os.path.join(bad, "manifest.json"))

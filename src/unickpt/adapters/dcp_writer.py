@@ -44,6 +44,7 @@ from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.local import FileWriter, LocalStorage
+from ..storage.files import cleans_up_output
 from .dcp import DATA_SUFFIX, METADATA_NAME
 from .detect import open_manifest
 
@@ -124,6 +125,7 @@ def _terminal(values: list[Any]) -> bool:
     return not any(isinstance(v, Mapping) or (isinstance(v, list) and not _terminal(v)) for v in values)
 
 
+@cleans_up_output
 def write_dcp(
     src: str,
     dst: str,

@@ -51,7 +51,7 @@ from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
-from ..storage.files import DurableBatch
+from ..storage.files import DurableBatch, cleans_up_output
 from ..storage.local import LocalStorage
 from .detect import open_manifest
 
@@ -148,6 +148,7 @@ class _ByteBudget:
                 self._cond.notify_all()
 
 
+@cleans_up_output
 def write_universal(
     src: str,
     dst: str,

@@ -45,6 +45,7 @@ from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
 from ..storage.local import LocalStorage
+from ..storage.files import cleans_up_output
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
 from .regions import source_ledger
 
@@ -271,6 +272,7 @@ def _prepare_dst(out: LocalStorage, src: LocalStorage, overwrite: bool) -> None:
         out.remove(f)
 
 
+@cleans_up_output
 def export_hf(
     src: str,
     dst: str,

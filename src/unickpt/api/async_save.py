@@ -99,7 +99,8 @@ class AsyncSaveHandle:
 @dataclass
 class _Job:
     group: Group
-    storage: LocalStorage
+    path: str
+    overwrite: bool
     local: LocalState | None
     error: str | None
     metadata: dict[str, Any]
@@ -162,7 +163,7 @@ class _Saver:
             self._write_and_commit(job, handle, buf, crcs, staged_batch0)
         except BaseException as e:
             handle._error = e if isinstance(e, UnickptError) else SaveError(
-                f"async save to {job.storage.root} failed on rank {job.group.rank}: {type(e).__name__}: {e}"
+                f"async save to {job.path} failed on rank {job.group.rank}: {type(e).__name__}: {e}"
             )
         finally:
             handle._staged.set()
@@ -180,17 +181,15 @@ class _Saver:
         # Start writing only once every rank has staged: a rank that writes while others
         # still copy takes CPU and memory bandwidth from their (blocking) staging.
         all_gather_fixed(job.group, b"\x01")
-        problem = prepare_collective(job.group, job.storage)
-        if problem is not None:
-            raise SaveError(problem)
+        target = prepare_collective(job.group, job.path, job.overwrite)
         if job.error is None:
-            payload = self._write(job, handle, buf, crcs)
+            payload = self._write(job, handle, buf, crcs, target.storage)
         else:
             payload = {"rank": job.group.rank, "error": job.error}
         handle._staged.set()
-        commit(job.group, payload, job.storage, job.metadata)
+        commit(job.group, payload, target, job.metadata)
 
-    def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int]) -> dict[str, Any]:
+    def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: LocalStorage) -> dict[str, Any]:
         group, local = job.group, job.local
         assert local is not None
         writer = None
@@ -198,7 +197,7 @@ class _Saver:
             files: dict[str, int] = {}
             written: list[tuple[TensorItem, Fragment]] = []
             if job.items:
-                writer = DataFileWriter(job.storage, data_file_name(group.rank), group.rank, job.items, job.block_bytes, job.threads)
+                writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, job.items, job.block_bytes, job.threads)
             for k, batch in enumerate(job.batches):
                 if k > 0:
                     self._stage(job, k, buf, crcs)
@@ -294,8 +293,7 @@ def async_save(
         raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
     _SAVER.wait()
     group = checkpoint_group(resolve_group(process_group))
-    storage = LocalStorage(path)
-    if storage.exists(MANIFEST_NAME) and not overwrite:
+    if LocalStorage(path).exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
     try:
         with gc_paused():
@@ -306,7 +304,7 @@ def async_save(
         items, sources, digests, batches, capacity = _plan(None, None, block_bytes)
     events = record_streams(sources)
     job = _Job(
-        group, storage, local, error, dict(metadata or {}), block_bytes, threads,
+        group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
         items, sources, digests, batches, capacity, events, lazy, max_staging_bytes,
     )
     handle = AsyncSaveHandle(str(path), group.rank)

@@ -55,7 +55,8 @@ from .gc_pause import gc_paused
 from .items import TensorItem
 from .load import direct_segments, source_fragments
 from .reads import checksum_error
-from .save import data_file_name
+from ..storage.transaction import DirectoryWrite
+from .save import checkpoint_file, data_file_name
 from .writer import DataFileWriter, as_bytes
 
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -115,14 +116,39 @@ def convert(
     t0 = time.perf_counter()
     source = LocalStorage(src)
     manifest = open_manifest(str(src))
-    out = LocalStorage(dst)
-    if out.root.resolve() == source.root.resolve():
+    ledger = source_ledger(str(src), manifest)
+    if LocalStorage(dst).root.resolve() == source.root.resolve():
         raise SaveError("convert: the destination must differ from the source")
-    if out.exists(MANIFEST_NAME) and not overwrite:
+    if LocalStorage(dst).exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{dst} already holds a committed checkpoint; pass overwrite=True to replace it")
-    out.prepare()
-    out.remove(MANIFEST_NAME)
+    # written beside dst and swapped in at the end, like a save: a failure leaves dst as it was
+    claim = DirectoryWrite.begin(dst, MANIFEST_NAME, overwrite, checkpoint_file)
+    try:
+        result = _consolidate(manifest, source, LocalStorage(claim.staging), threads, buffer_bytes, block_bytes, verify, progress,
+                              ledger.skipped)
+        claim.commit({MANIFEST_NAME: result.manifest.to_json().encode()})
+    except BaseException:
+        claim.abort()
+        raise
+    finally:
+        source.close()
+    return ConvertReport(src, dst, len(result.manifest.tensors), result.bytes_written, result.bytes_read,
+                         len(result.manifest.files), time.perf_counter() - t0, ledger)
 
+
+@dataclass
+class _Consolidated:
+    manifest: Manifest
+    bytes_written: int
+    bytes_read: int
+
+
+def _consolidate(
+    manifest: Manifest, source: LocalStorage, out: LocalStorage, threads: int, buffer_bytes: int, block_bytes: int,
+    verify: bool, progress: Callable[[int], None] | None, skipped: dict[str, str],
+) -> _Consolidated:
+    """Write every tensor of ``manifest`` whole into ``out``'s data files (durable);
+    returns the new manifest, not yet written."""
     per_file: dict[str, list[TensorEntry]] = {}
     for e in manifest.tensors.values():
         if e.fragments and prod(e.shape) > 0:
@@ -144,9 +170,8 @@ def convert(
             "created": manifest.provenance.get("created"),
         },
     }
-    ledger = source_ledger(str(src), manifest)
-    if ledger.skipped:
-        result.provenance["consolidated_from"]["skipped"] = dict(ledger.skipped)
+    if skipped:
+        result.provenance["consolidated_from"]["skipped"] = dict(skipped)
     frags: dict[tuple[str, int], Fragment] = {}
     bytes_read = bytes_written = 0
     span_bytes = max(1, buffer_bytes // threads)
@@ -156,38 +181,35 @@ def convert(
     largest = max((aligned(e.nbytes) for es in per_file.values() for e in es), default=0)
     arena = torch.empty(max(largest, min(aligned(buffer_bytes), sum(aligned(e.nbytes) for es in per_file.values() for e in es))), dtype=torch.uint8)
     buffers = threading.local()
-    try:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for fname, entries in per_file.items():
-                rank = int(fname[len("rank_") : -len(".safetensors")])
-                # the header needs only names, dtypes and shapes: meta tensors stand in for the data
-                items = [
-                    TensorItem(e.name, torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device="meta"), e.shape,
-                               [whole_piece(e.shape)], 0, 1, "consolidated")
-                    for e in entries
-                ]
-                writer = DataFileWriter(out, fname, rank, items, block_bytes, threads)
-                try:
-                    for batch in batches(list(enumerate(entries)), arena.numel()):
-                        tensors, at = [], 0
-                        for _, e in batch:
-                            tensors.append(arena[at : at + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape))
-                            at += aligned(e.nbytes)
-                        bytes_read += read_whole(pool, buffers, source, [(e, t) for (_, e), t in zip(batch, tensors)], span_bytes, verify)
-                        for (k, e), t in zip(batch, tensors):
-                            writer.write([(k, 0, as_bytes(t))])
-                            bytes_written += e.nbytes
-                            if progress is not None:
-                                progress(e.nbytes)
-                except BaseException:
-                    writer.abort()
-                    raise
-                size, fragments = writer.finish()
-                result.files[fname] = size
-                for e, f in zip(entries, fragments):
-                    frags[(e.name, rank)] = f
-    finally:
-        source.close()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for fname, entries in per_file.items():
+            rank = int(fname[len("rank_") : -len(".safetensors")])
+            # the header needs only names, dtypes and shapes: meta tensors stand in for the data
+            items = [
+                TensorItem(e.name, torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device="meta"), e.shape,
+                           [whole_piece(e.shape)], 0, 1, "consolidated")
+                for e in entries
+            ]
+            writer = DataFileWriter(out, fname, rank, items, block_bytes, threads)
+            try:
+                for batch in batches(list(enumerate(entries)), arena.numel()):
+                    tensors, at = [], 0
+                    for _, e in batch:
+                        tensors.append(arena[at : at + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape))
+                        at += aligned(e.nbytes)
+                    bytes_read += read_whole(pool, buffers, source, [(e, t) for (_, e), t in zip(batch, tensors)], span_bytes, verify)
+                    for (k, e), t in zip(batch, tensors):
+                        writer.write([(k, 0, as_bytes(t))])
+                        bytes_written += e.nbytes
+                        if progress is not None:
+                            progress(e.nbytes)
+            except BaseException:
+                writer.abort()
+                raise
+            size, fragments = writer.finish()
+            result.files[fname] = size
+            for e, f in zip(entries, fragments):
+                frags[(e.name, rank)] = f
 
     for name, e in manifest.tensors.items():
         f = frags.get((name, 0))
@@ -201,9 +223,7 @@ def convert(
             f = frags.get((name, r))
             new_row.append(TensorEntry(name, e.shape, e.dtype, [f] if f else [], "per-rank"))
         result.rank_tensors[name] = new_row
-    out.write_atomic(MANIFEST_NAME, result.to_json().encode())
-    return ConvertReport(src, dst, len(result.tensors), bytes_written, bytes_read, len(result.files), time.perf_counter() - t0,
-                         ledger)
+    return _Consolidated(result, bytes_written, bytes_read)
 
 
 def aligned(n: int) -> int:

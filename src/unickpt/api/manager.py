@@ -11,6 +11,7 @@ from ..dist import resolve_group
 from ..errors import UnickptError
 from ..format.manifest import MANIFEST_NAME
 from ..storage.local import LocalStorage, list_subdirs, remove_checkpoint
+from ..storage.transaction import remove_abandoned
 from .load import load, read_manifest
 from .save import save
 
@@ -71,9 +72,11 @@ class CheckpointManager:
         """Save ``state_dict`` as the checkpoint of ``step`` (collective), then apply retention."""
         path = self.path_for(step)
         save(state_dict, path, **kwargs)
-        if self.keep is not None and resolve_group(kwargs.get("process_group")).rank == 0:
-            for old in self.steps()[: -self.keep]:
-                remove_checkpoint(self.path_for(old), MANIFEST_NAME)
+        if resolve_group(kwargs.get("process_group")).rank == 0:
+            if self.keep is not None:
+                for old in self.steps()[: -self.keep]:
+                    remove_checkpoint(self.path_for(old), MANIFEST_NAME)
+            remove_abandoned(self.root)  # what saves killed midway left: their space comes back
         return path
 
     def load(self, state_dict: dict[str, Any], path: str | None = None, **kwargs: Any) -> str | None:

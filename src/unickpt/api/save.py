@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import platform
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.save_plan import replica_owner
 from ..storage.local import LocalStorage
+from ..storage.transaction import DirectoryWrite
 from .writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
 from .items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
 from .state import PerRank, Sharded, flatten
@@ -173,7 +176,8 @@ class StagedSave:
     live state_dict, now or in a background thread."""
 
     group: Group
-    storage: LocalStorage
+    path: str
+    overwrite: bool
     local: LocalState | None
     error: str | None
     metadata: dict[str, Any]
@@ -195,7 +199,8 @@ def stage(
     threads: int = 4,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> StagedSave:
-    """Phase 1 of a save (collective): prepare the directory and capture this rank's state.
+    """Phase 1 of a save (collective): check the arguments and capture this rank's state.
+    Nothing is written yet.
 
     After it returns, the caller may change the state freely. A failure on this rank is
     recorded and reported to every rank by :func:`write_and_commit`.
@@ -203,17 +208,13 @@ def stage(
     if block_bytes <= 0 or block_bytes % 8:
         raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
     group = resolve_group(process_group)
-    storage = LocalStorage(path)
-    if storage.exists(MANIFEST_NAME) and not overwrite:
+    if LocalStorage(path).exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
-    problem = prepare_collective(group, storage)
-    if problem is not None:
-        raise SaveError(problem)
     try:
         local, error = collect(state_dict, group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
         local, error = None, _describe(e)
-    return StagedSave(group, storage, local, error, dict(metadata or {}), block_bytes, threads)
+    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads)
 
 
 def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int]) -> dict[str, Any]:
@@ -234,21 +235,42 @@ def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem
     }
 
 
-def prepare_collective(group: Group, storage: LocalStorage) -> str | None:
-    """Collective: rank 0 creates the directory and removes a stale manifest. Returns the
-    problem (the same text on every rank) or None."""
-    status = b"ok"
+_DATA_FILE = re.compile(r"rank_\d{5,}\.safetensors")
+
+
+def checkpoint_file(name: str) -> bool:
+    """True for the names a unickpt checkpoint's files have in its directory."""
+    return name == MANIFEST_NAME or _DATA_FILE.fullmatch(name) is not None
+
+
+@dataclass
+class Target:
+    """Where a save writes: the staging directory every rank writes its file to, and
+    (on rank 0) the claim on the checkpoint directory that commits or discards it."""
+
+    storage: LocalStorage
+    write: DirectoryWrite | None
+
+
+def prepare_collective(group: Group, path: str, overwrite: bool) -> Target:
+    """Collective: rank 0 claims the checkpoint directory (an exclusive lock, then the
+    overwrite check) and makes the staging directory every rank writes to. Raises the same
+    :class:`SaveError` on every rank when it cannot."""
+    write, status = None, b""
     if group.rank == 0:
         try:
-            storage.prepare()
-            storage.remove(MANIFEST_NAME)
-        except OSError as e:
-            status = f"cannot prepare {storage.root}: {e}".encode()
+            write = DirectoryWrite.begin(path, MANIFEST_NAME, overwrite, checkpoint_file)
+            status = b"ok\n" + os.fsencode(write.staging_from_target)
+        except UnickptError as e:
+            status = str(e).encode()
     status = broadcast_bytes(group, status, 0)
-    return None if status == b"ok" else status.decode()
+    kind, _, where = status.partition(b"\n")
+    if kind != b"ok" or not where:
+        raise SaveError(status.decode(errors="replace"))
+    return Target(LocalStorage(os.path.join(path, os.fsdecode(where))), write)
 
 
-def _rank_payload(staged: StagedSave) -> dict[str, Any]:
+def _rank_payload(staged: StagedSave, storage: LocalStorage) -> dict[str, Any]:
     group, local = staged.group, staged.local
     if staged.error is not None or local is None:
         return {"rank": group.rank, "error": staged.error}
@@ -258,7 +280,7 @@ def _rank_payload(staged: StagedSave) -> dict[str, Any]:
         to_write = local.to_write + local.rank_tensors
         if to_write:
             fname = data_file_name(group.rank)
-            size, fragments = write_data_file(staged.storage, fname, group.rank, to_write, staged.block_bytes, staged.threads)
+            size, fragments = write_data_file(storage, fname, group.rank, to_write, staged.block_bytes, staged.threads)
             files[fname] = size
             written = list(zip(to_write, fragments))
         return rank_payload(group, local, written, files)
@@ -345,25 +367,33 @@ def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str
 
 
 def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
-    """Phase 2 of a save (collective): write this rank's file, then rank 0 checks every
-    rank's report and commits the manifest. Raises the same error on every rank if any
-    rank failed. ``group`` overrides the group used to talk (async saves use their own)."""
-    commit(group or staged.group, _rank_payload(staged), staged.storage, staged.metadata)
+    """Phase 2 of a save (collective): claim the directory, write this rank's file, then
+    rank 0 checks every rank's report and commits the manifest. Raises the same error on
+    every rank if any rank failed. ``group`` overrides the group used to talk (async saves
+    use their own)."""
+    group = group or staged.group
+    target = prepare_collective(group, staged.path, staged.overwrite)
+    commit(group, _rank_payload(staged, target.storage), target, staged.metadata)
 
 
-def commit(group: Group, payload: dict[str, Any], storage: LocalStorage, metadata: dict[str, Any]) -> None:
+def commit(group: Group, payload: dict[str, Any], target: Target, metadata: dict[str, Any]) -> None:
     """Collective: gather every rank's report to rank 0, which checks them and commits the
-    manifest; raises the same error on every rank if any rank failed."""
+    manifest (swapping the staging directory in), or, when any rank failed, removes
+    everything the save wrote; raises the same error on every rank if any rank failed."""
     gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
     result = b"ok"
     if gathered is not None:
+        assert target.write is not None
         try:
             manifest = assemble([json.loads(g) for g in gathered], group.size, metadata)
-            storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
+            target.write.commit({MANIFEST_NAME: manifest.to_json().encode()})
         except UnickptError as e:
             result = f"{type(e).__name__}\n{e}".encode()
         except Exception as e:
             result = f"SaveError\n{type(e).__name__}: {e}".encode()
+        finally:
+            if result != b"ok":
+                target.write.abort()
     result = broadcast_bytes(group, result, 0)
     if result != b"ok":
         kind, _, text = result.decode().partition("\n")
@@ -386,8 +416,11 @@ def save(
     Collective over ``process_group`` (default: the default group if initialised, else a
     single process): every rank calls it with its own shards. Each rank writes the
     fragments it owns to ``rank_XXXXX.safetensors``; rank 0 writes ``manifest.json``
-    last, atomically, after every file is durable. Raises :class:`SaveError` on every
-    rank if any rank failed; then nothing is committed.
+    last, after every file is durable, and commits the whole directory at once (a
+    checkpoint already at ``path`` is replaced only then, with ``overwrite=True``).
+    Raises :class:`SaveError` on every rank if any rank failed; then nothing is
+    committed, what the save wrote is removed, and an old checkpoint stays as it was.
+    A second save to the same ``path`` while one runs fails at once.
     """
     staged = stage(
         state_dict, path, process_group=process_group, metadata=metadata,

@@ -9,6 +9,7 @@ and the file is fsynced once at the end.
 
 from __future__ import annotations
 
+import errno
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -46,18 +47,23 @@ class DataFileWriter:
         prefix, self.offsets = build_header(entries, {"format": "unickpt", "rank": str(rank)})
         self.size = len(prefix) + sum(e.nbytes for e in entries)
         self.path = storage.path(name)
+        self._storage = storage
         self._crcs: list[dict[int, list[int]]] = [{} for _ in items]
         try:
             self._file = storage.open_writer(name, self.size)
         except OSError as e:
-            raise SaveError(f"cannot write {self.path}: {e}") from None
-        self._guard(lambda: self._file.pwrite(0, prefix))
+            raise SaveError(f"cannot write {self.path}: {os_error_text(e)}") from None
+        try:
+            self._guard(lambda: self._file.pwrite(0, prefix))
+        except BaseException:
+            self.abort()
+            raise
 
     def _guard(self, fn):
         try:
             return fn()
         except OSError as e:
-            raise SaveError(f"cannot write {self.path}: {e}") from None
+            raise SaveError(f"cannot write {self.path}: {os_error_text(e)}") from None
 
     def write(self, parts: list[tuple[int, int, memoryview]]) -> None:
         """Write ``(item index, byte offset in the item, bytes)`` parts. Offsets are
@@ -86,7 +92,11 @@ class DataFileWriter:
 
     def finish(self) -> tuple[int, list[Fragment]]:
         """Make the file durable and close it; returns its size and the fragments it holds."""
-        self._guard(lambda: self._file.close(durable=True))
+        try:
+            self._guard(lambda: self._file.close(durable=True))
+        except BaseException:
+            self.abort()
+            raise
         fragments = []
         for k, (item, off) in enumerate(zip(self.items, self.offsets)):
             crcs = [c for _, part in sorted(self._crcs[k].items()) for c in part]
@@ -94,8 +104,20 @@ class DataFileWriter:
         return self.size, fragments
 
     def abort(self) -> None:
-        """Close without making anything durable (after a failure)."""
+        """Close without making anything durable and remove the file (after a failure:
+        a partial file must not keep its space)."""
         try:
             self._file.close(durable=False)
         except OSError:
             pass
+        try:
+            self._storage.remove(self.name)
+        except OSError:
+            pass
+
+
+def os_error_text(e: OSError) -> str:
+    """An OSError's message with its symbolic code (``No space left on device (ENOSPC)``)."""
+    code = errno.errorcode.get(e.errno or 0)
+    text = e.strerror or str(e)
+    return f"{text} ({code})" if code else text

@@ -10,16 +10,19 @@ contain ``/`` but may not leave the root. Durability comes once for all of them
 
 from __future__ import annotations
 
+import functools
 import os
+import secrets
+import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ..errors import SaveError
-from .local import fsync_path, is_inside, start_writeback
+from .local import create_file, fsync_path, is_inside, start_writeback
 
 
 def _target(root: str | os.PathLike, name: str) -> Path:
@@ -53,8 +56,8 @@ class DurableBatch:
         without an exception (and removed otherwise)."""
         target = _target(self.root, name)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        f = open(tmp, "wb")
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+        f = os.fdopen(create_file(tmp), "wb")
         try:
             yield f
             f.flush()
@@ -90,3 +93,61 @@ def _parents_below(directory: Path, root: Path) -> list[Path]:
         out.append(directory)
     return out
 
+
+
+def _entries(root: Path) -> dict[Path, tuple[int, int]]:
+    """Every path below ``root`` (not following links) and its identity (device, inode)."""
+    out: dict[Path, tuple[int, int]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            out[p] = (st.st_dev, st.st_ino)
+    return out
+
+
+@contextmanager
+def removed_on_failure(root: str | os.PathLike) -> Iterator[None]:
+    """When the block raises, remove what it left below ``root``: every file and
+    directory that is new, or replaced by a new one (a partial output), and ``root``
+    itself when the block created it. What was there before and untouched stays; a
+    directory that existed before is never removed."""
+    root = Path(root)
+    existed = os.path.lexists(root)
+    before = _entries(root) if existed and root.is_dir() else {}
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(root, ignore_errors=True)
+        elif root.is_dir() and not root.is_symlink():
+            after = _entries(root)
+            for p in sorted(after, key=lambda q: len(q.parts), reverse=True):
+                if before.get(p) == after[p]:
+                    continue
+                try:
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        os.unlink(p)
+                except OSError:
+                    pass
+        raise
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cleans_up_output(fn: F) -> F:
+    """Decorate a writer ``fn(src, dst, ...)`` so that a failure removes the partial
+    output it left in ``dst`` (:func:`removed_on_failure`)."""
+
+    @functools.wraps(fn)
+    def run(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+        with removed_on_failure(dst):
+            return fn(src, dst, *args, **kwargs)
+
+    return run  # type: ignore[return-value]

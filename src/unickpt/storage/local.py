@@ -15,6 +15,7 @@ import ctypes
 import io
 import mmap
 import os
+import secrets
 import sys
 import threading
 from pathlib import Path, PurePosixPath
@@ -63,14 +64,30 @@ def is_inside(name: str) -> bool:
     return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name and "\x00" not in name
 
 
+def create_file(path: str | os.PathLike) -> int:
+    """Create ``path`` as a new, empty file and return a descriptor open for writing.
+    Whatever held the name before (a file, a symbolic link planted there) is replaced,
+    never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:
+        os.unlink(path)
+        return os.open(path, flags, 0o644)
+
+
 class FileWriter:
-    """A file open for positional writes from several threads."""
+    """A new file open for positional writes from several threads (see :func:`create_file`)."""
 
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = create_file(path)
         if size:
-            os.ftruncate(self._fd, size)
+            try:
+                os.ftruncate(self._fd, size)
+            except BaseException:
+                os.close(self._fd)
+                raise
 
     def pwrite(self, offset: int, data: memoryview | bytes) -> None:
         """Write all of ``data`` at ``offset`` (thread-safe) and start its writeback."""
@@ -83,12 +100,15 @@ class FileWriter:
         start_writeback(self._fd, start, total)
 
     def close(self, durable: bool = True) -> None:
-        """Flush to stable storage (when ``durable``) and close."""
+        """Flush to stable storage (when ``durable``) and close (once: later calls do nothing)."""
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
         try:
             if durable:
-                os.fsync(self._fd)
+                os.fsync(fd)
         finally:
-            os.close(self._fd)
+            os.close(fd)
 
 
 class FileReader:
@@ -211,12 +231,23 @@ class LocalStorage:
             raise NotACheckpointError(f"{self.root}: not a checkpoint directory") from None
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        """Write a file so that it either exists whole and durable or not at all."""
-        tmp = self.root / f".{name}.tmp"
-        w = FileWriter(tmp, 0)
-        w.pwrite(0, data)
-        w.close(durable=True)
-        os.replace(tmp, self.root / name)
+        """Write a file so that it either exists whole and durable or not at all: under
+        a fresh temporary name (unique to this call), renamed over ``name`` (which
+        replaces a link there, never follows it)."""
+        tmp = self.root / f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            w = FileWriter(tmp, 0)
+            try:
+                w.pwrite(0, data)
+            finally:
+                w.close(durable=True)
+            os.replace(tmp, self.root / name)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
         self.sync_dir()
 
     def sync_dir(self) -> None:

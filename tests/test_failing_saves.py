@@ -1,0 +1,328 @@
+"""Failing and concurrent saves (issue 12, items 8-11, and a failed convert).
+
+Real failures only: a real full disk (a 2 MiB tmpfs mounted here, root needed), real
+SIGKILLs in the middle of an overwrite, two real processes racing to save to one path,
+real symbolic links planted in the target directory, a real corrupted source for convert.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import unickpt
+from unickpt.testing import run_ranks
+
+FILLER = 1 << 20  # bytes taken on the 2 MiB disk before the saves
+
+
+def _mount_small_disk(where) -> None:
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"a full disk needs a small tmpfs, and mounting one was refused (root needed): {r.stderr.strip()}")
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 2 MiB file system, half taken by a filler file."""
+    mnt = tmp_path / "disk"
+    _mount_small_disk(mnt)
+    (mnt / "filler").write_bytes(b"\1" * FILLER)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _free(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bfree * st.f_frsize
+
+
+def _state(seed: int, n: int = 3, numel: int = 16_384, names: tuple[str, ...] = ("a", "b", "c")) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {k: torch.randn(numel, generator=g) for k in names[:n]}, "step": seed}
+
+
+def _loaded_equals(path, sd) -> bool:
+    target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0}
+    unickpt.load(target, str(path))
+    return target["step"] == sd["step"] and all(torch.equal(target["model"][k], v) for k, v in sd["model"].items())
+
+
+# ------------------------------------------------------------------ item 8: a full disk
+
+
+@pytest.mark.parametrize("how", ["save", "async_save", "manager"])
+def test_full_disk_save_removes_what_it_wrote_and_a_smaller_save_succeeds(disk, how):
+    big = {"w": torch.ones(3 << 17)}  # 1.5 MiB: does not fit beside the filler
+    small = {"w": torch.full((1 << 16,), 2.0)}  # 256 KiB
+    manager = unickpt.CheckpointManager(str(disk / "run"))
+
+    def save(sd, step):
+        if how == "save":
+            unickpt.save(sd, str(disk / f"ckpt{step}"))
+            return str(disk / f"ckpt{step}")
+        if how == "async_save":
+            unickpt.async_save(sd, str(disk / f"ckpt{step}")).result(timeout=60)
+            return str(disk / f"ckpt{step}")
+        return manager.save(sd, step)
+
+    if how == "manager":
+        (disk / "run").mkdir()
+    before, free = sorted(os.listdir(disk)), _free(disk)
+    with pytest.raises(unickpt.SaveError, match="ENOSPC") as info:
+        save(big, 1)
+    assert "No space left on device" in str(info.value)
+    assert sorted(os.listdir(disk)) == before, "the failed save left files behind"
+    if how == "manager":
+        assert os.listdir(disk / "run") == []
+    assert _free(disk) == free, "the failed save still holds disk space"
+    path = save(small, 2)
+    assert unickpt.verify(path).ok
+    out = {"w": torch.zeros(1 << 16)}
+    unickpt.load(out, path)
+    assert torch.equal(out["w"], small["w"])
+    if how == "manager":
+        assert manager.latest(verify=True) == path
+
+
+def _save_over_a_file_size_limit(root: str, results) -> None:
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, resource.RLIM_INFINITY))
+    try:
+        unickpt.save({"w": torch.ones(1 << 18)}, os.path.join(root, "ckpt"))  # 1 MiB
+        results.put("the save over the limit succeeded")
+    except unickpt.SaveError as e:
+        left = sorted(os.listdir(root))
+        unickpt.save({"w": torch.ones(1 << 16)}, os.path.join(root, "ckpt"))  # 256 KiB
+        results.put(f"{'EFBIG' in str(e)} {left}")
+
+
+def test_save_over_a_file_size_limit_removes_what_it_wrote(tmp_path):
+    """The same without root: the kernel refuses to grow a file past RLIMIT_FSIZE."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    p = ctx.Process(target=_save_over_a_file_size_limit, args=(str(tmp_path), results))
+    p.start()
+    assert results.get(timeout=60) == "True []"
+    p.join(timeout=60)
+    assert p.exitcode == 0 and unickpt.verify(str(tmp_path / "ckpt")).ok
+
+
+def full_disk_ranks(rank: int, world: int, disk: str) -> None:
+    path = os.path.join(disk, "ckpt")
+    big = {"w": unickpt.PerRank(torch.full((200_000,), float(rank)))}  # 800 KB per rank: 1.6 MB, 1 MB free
+    with pytest.raises(unickpt.SaveError, match="ENOSPC"):
+        unickpt.save(big, path)
+    dist.barrier()
+    assert sorted(os.listdir(disk)) == ["filler"], os.listdir(disk)  # every rank's partial file is gone
+    small = {"w": unickpt.PerRank(torch.full((50_000,), float(rank)))}
+    unickpt.save(small, path)
+    out = {"w": unickpt.PerRank(torch.zeros(50_000))}
+    unickpt.load(out, path)
+    assert torch.equal(out["w"].value, small["w"].value)
+
+
+def test_full_disk_on_two_ranks(disk):
+    run_ranks(full_disk_ranks, 2, str(disk), preload=["torch", "torch.distributed", "unickpt", "unickpt.testing"])
+    assert unickpt.verify(str(disk / "ckpt")).ok
+
+
+# ------------------------------------------------------------------ item 9: overwrite
+
+
+def test_overwrite_with_a_bad_state_keeps_the_good_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    good = _state(1)
+    unickpt.save(good, path)
+    with pytest.raises(unickpt.SaveError, match="'cfg.fn'"):
+        unickpt.save({"cfg": {"fn": print}}, path, overwrite=True)
+    assert unickpt.verify(path).ok and _loaded_equals(path, good)
+    assert sorted(os.listdir(path)) == ["manifest.json", "rank_00000.safetensors"]
+
+
+def _overwrite_forever(path: str, states: list[dict]) -> None:
+    k = 0
+    while True:
+        unickpt.save(states[k % 2], path, overwrite=True, threads=1)
+        k += 1
+
+
+def test_sigkill_at_any_point_of_an_overwrite_leaves_the_old_or_the_new_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    states = [_state(1, numel=1 << 18), _state(2, numel=1 << 18)]  # 3 MiB each
+    unickpt.save(states[1], path)
+    rng = random.Random(0)
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(6):
+        p = ctx.Process(target=_overwrite_forever, args=(path, states))
+        p.start()
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        assert unickpt.verify(path).ok
+        assert _loaded_equals(path, states[0]) or _loaded_equals(path, states[1])
+    unickpt.save(states[0], path, overwrite=True)  # the leftovers of the killed saves are cleaned
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    # a CheckpointManager cleans what a save killed midway left, on its next save
+    manager = unickpt.CheckpointManager(str(tmp_path / "run"))
+    p = ctx.Process(target=_manager_saves_forever, args=(manager, states))
+    p.start()
+    time.sleep(0.4)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    last = manager.steps()[-1]
+    assert manager.latest(verify=True) == manager.path_for(last)
+    manager.save(states[0], last + 1)
+    assert sorted(os.listdir(manager.root)) == [os.path.basename(manager.path_for(s)) for s in manager.steps()]
+
+
+def _manager_saves_forever(manager, states: list[dict]) -> None:
+    for step in range(10**6):
+        manager.save(states[step % 2], step, threads=1)
+
+
+# ------------------------------------------------------------------ item 10: concurrent saves
+
+
+def _racer(me: int, root: str, rounds: int, overwrite: bool, barrier, results) -> None:
+    sd = _state(10 + me, n=2 + me, numel=1 << 15)  # racer 0 saves a, b; racer 1 a, b, c
+    manager = unickpt.CheckpointManager(root)
+    for k in range(rounds):
+        barrier.wait(timeout=60)
+        try:
+            if k % 2 and not overwrite:
+                manager.save(sd, k)
+            else:
+                unickpt.save(sd, manager.path_for(k), overwrite=overwrite)
+            results.put((k, me, "ok"))
+        except unickpt.UnickptError as e:
+            results.put((k, me, f"{type(e).__name__}: {e}"))
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            results.put((k, me, f"CRASH {type(e).__name__}: {e}"))
+
+
+def _race(root: str, rounds: int, overwrite: bool) -> dict[int, dict[int, str]]:
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_racer, args=(me, root, rounds, overwrite, barrier, results)) for me in (0, 1)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict[int, str]] = {}
+    for _ in range(2 * rounds):
+        k, me, text = results.get(timeout=120)
+        out.setdefault(k, {})[me] = text
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return out
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_two_processes_saving_to_one_path(tmp_path, overwrite):
+    root, rounds = str(tmp_path), 20 if not overwrite else 10
+    manager = unickpt.CheckpointManager(root)
+    states = [_state(10 + me, n=2 + me, numel=1 << 15) for me in (0, 1)]
+    if overwrite:
+        for k in range(rounds):
+            unickpt.save(_state(99, numel=1 << 15), manager.path_for(k))
+    results = _race(root, rounds, overwrite)
+    for k in range(rounds):
+        path, by = manager.path_for(k), results[k]
+        winners = [me for me, text in by.items() if text == "ok"]
+        for text in by.values():
+            assert text == "ok" or ("SaveError" in text and ("in progress" in text or "already holds" in text)), text
+        if not overwrite:
+            assert len(winners) <= 1, f"round {k}: both saves returned OK: {by}"
+        assert winners, f"round {k}: no save succeeded: {by}"
+        assert unickpt.verify(path).ok and manager.is_valid(path, verify=True)
+        assert any(_loaded_equals(path, states[me]) for me in winners)
+    assert manager.latest(verify=True) == manager.path_for(rounds - 1)
+    assert not [n for n in os.listdir(root) if n.startswith(".")]
+    for k in range(rounds):
+        assert sorted(os.listdir(manager.path_for(k)))[0] == "manifest.json"
+
+
+# ------------------------------------------------------------------ item 11: planted links
+
+
+@pytest.mark.parametrize("where", ["directory", "mount point"])
+def test_links_planted_in_the_target_are_replaced_never_written_through(tmp_path, where):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victims = {n: outside / n for n in ("data", "manifest_tmp", "manifest_tmp2")}
+    for n, p in victims.items():
+        p.write_bytes(f"precious {n}".encode())
+    path = tmp_path / "ckpt"
+    if where == "mount point":
+        _mount_small_disk(path)
+    else:
+        path.mkdir()
+    try:
+        os.symlink(victims["data"], path / "rank_00000.safetensors")
+        os.symlink(victims["manifest_tmp"], path / ".manifest.json.tmp")
+        first, second = _state(1), _state(2)
+        unickpt.save(first, str(path))
+        assert unickpt.verify(str(path)).ok and _loaded_equals(path, first)
+        os.symlink(victims["manifest_tmp2"], path / "rank_00000.safetensors.tmp")
+        unickpt.save(second, str(path), overwrite=True)
+        assert unickpt.verify(str(path)).ok and _loaded_equals(path, second)
+        for n, p in victims.items():
+            assert p.read_bytes() == f"precious {n}".encode(), f"{n} was written through a link"
+        assert not (path / "rank_00000.safetensors").is_symlink()
+    finally:
+        if where == "mount point":
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# ------------------------------------------------------------------ a failed convert
+
+
+@pytest.fixture
+def corrupt_source(tmp_path):
+    """A checkpoint whose last tensor is corrupted: a conversion fails after writing the others."""
+    src = str(tmp_path / "src")
+    sd = {"model": {f"layer{i}.weight": torch.randn(64, 256) for i in range(4)}}
+    unickpt.save(sd, src)
+    data = os.path.join(src, "rank_00000.safetensors")
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return src
+
+
+@pytest.mark.parametrize("to", ["unickpt", "dcp", "hf"])
+def test_failed_conversion_leaves_no_partial_output(tmp_path, corrupt_source, to):
+    from unickpt.adapters.dcp_writer import write_dcp
+    from unickpt.adapters.hf_export import export_hf
+
+    def run(dst):
+        if to == "unickpt":
+            unickpt.convert(corrupt_source, dst, buffer_bytes=64 << 10, threads=1)
+        elif to == "dcp":
+            write_dcp(corrupt_source, dst, threads=1, buffer_bytes=64 << 10)
+        else:
+            export_hf(corrupt_source, dst, max_shard_size="100KB", threads=1)
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(unickpt.CorruptionError):
+        run(str(fresh))
+    assert not fresh.exists()
+    kept = tmp_path / "kept"  # a directory the user made: it stays, with what it held
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(unickpt.CorruptionError):
+        run(str(kept))
+    assert os.listdir(kept) == ["notes.txt"] and (kept / "notes.txt").read_text() == "mine"
