@@ -98,3 +98,22 @@ def test_bad_conversions_are_one_line_errors(dcp_dir: Path, tmp_path: Path) -> N
     empty.mkdir()
     r = invoke("inspect", str(empty))
     assert r.exit_code == 2 and "not a checkpoint" in r.output
+
+
+def test_convert_to_deepspeed_lists_what_the_universal_format_cannot_hold(tmp_path: Path) -> None:
+    """The universal format holds parameters and their optimizer state: per-rank state, other
+    tensors and values are listed and nothing is written, unless --allow-skip."""
+    src = tmp_path / "ckpt"
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": w * 2}}}, "loader": {"epoch": 3},
+             "ema": {"w": w + 1}}
+    unickpt.save(state, str(src))
+    out = tmp_path / "universal"
+    r = invoke("convert", str(src), str(out), "--to", "deepspeed")
+    assert r.exit_code == 1, r.output
+    assert "NOT CONVERTED" in r.output and "ema.w" in r.output and "loader.epoch" in r.output
+    assert not out.exists()
+    r = invoke("convert", str(src), str(out), "--to", "deepspeed", "--allow-skip")
+    assert r.exit_code == 0, r.output
+    assert "OK with 2 warnings" in r.output and "ema.w" in r.output
+    assert torch.equal(unickpt.load_tensor(str(out), "model.w"), w)

@@ -432,8 +432,9 @@ def convert_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already at DST.")] = False,
     allow_skip: Annotated[
         bool, typer.Option("--allow-skip", help="Go on when some of the state is left out: data of the source unickpt "
-                           "does not read, or state the output format cannot hold (--to dcp: per-rank state such as "
-                           "RNG, the metadata); each is listed.")
+                           "does not read, or state the output format cannot hold (--to dcp / --to deepspeed: per-rank "
+                           "state such as RNG, the metadata; --to deepspeed also anything but parameters and their "
+                           "optimizer state); each is listed.")
     ] = False,
 ) -> None:
     """Rewrite a checkpoint in another form, streaming with bounded memory: a foreign checkpoint
@@ -455,13 +456,15 @@ def convert_cmd(
     ledger = source_ledger(str(src), manifest)
     _refuse_incomplete(ledger, allow_skip, "written")
     total = total_bytes(manifest)
-    if to == "dcp":
-        from .adapters.dcp_writer import left_out
+    if to != "unickpt":
+        from .adapters.dcp_writer import left_out as dcp_left_out
+        from .adapters.deepspeed_writer import left_out as universal_left_out
 
-        dropped = left_out(manifest)
+        dropped = (dcp_left_out if to == "dcp" else universal_left_out)(manifest)
         if dropped and not allow_skip:
             _print_warnings(dropped)
-            _out().print(Text(f"NOT CONVERTED: PyTorch DCP cannot hold all of {src} (listed above); "
+            target = "PyTorch DCP" if to == "dcp" else "DeepSpeed's universal format"
+            _out().print(Text(f"NOT CONVERTED: {target} cannot hold all of {src} (listed above); "
                               "nothing was written. Pass --allow-skip to write it without them.",
                               style="bold red"), soft_wrap=True)
             raise typer.Exit(EXIT_FAILED)

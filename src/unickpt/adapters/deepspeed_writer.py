@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -71,6 +71,7 @@ class UniversalReport:
     bytes_written: int
     step: int
     seconds: float
+    warnings: list[str] = field(default_factory=list)  # what the universal format could not hold (left out)
 
 
 def _param_states(manifest: Manifest) -> dict[str, dict[str, TensorEntry | Any]]:
@@ -89,6 +90,34 @@ def _param_states(manifest: Manifest) -> dict[str, dict[str, TensorEntry | Any]]
             param, _, key = name[len("optim.state."):].rpartition(".")
             if param in out and key and key not in out[param]:
                 out[param][key] = decode_value(v)
+    return out
+
+
+# the source's values the universal files carry (as global_steps, optimizer and model-state fields)
+_DS_VALUES = ("global_steps", "ds_version", "clip_grad", "zero_stage", "partition_count", "group_paddings",
+              "lr_scheduler", "skipped_steps", "global_samples", "dp_world_size", "ds_config",
+              "mp_world_size", "buffer_names")  # the last two describe the source's layout, rewritten for the new one
+_CARRIED_VALUES = {"optim.param_groups", "train.step"} | {f"deepspeed.{k}" for k in _DS_VALUES}
+
+
+def left_out(manifest: Manifest) -> list[str]:
+    """What :func:`write_universal` leaves out of ``manifest``'s checkpoint, one line per
+    kind (empty: everything is written); DeepSpeed's universal format holds parameters,
+    their optimizer state and a few fields of the training run, nothing else. It can be
+    asked before writing anything."""
+    params = _param_states(manifest)
+    kept = {f"model.{p}" for p in params} | {f"optim.state.{p}.{k}" for p, st in params.items() for k in st}
+    kinds = [
+        ("tensors that are neither model.<param> nor its optim.state", [n for n in manifest.tensors if n not in kept]),
+        ("values", [n for n in manifest.values if n not in kept and n not in _CARRIED_VALUES]),
+        ("per-rank state", sorted(set(manifest.rank_values) | set(manifest.rank_tensors))),
+    ]
+    out = [f"{what} have no DeepSpeed universal equivalent and were left out: {', '.join(names[:10])}"
+           + (f" and {len(names) - 10} more" if len(names) > 10 else "") for what, names in kinds if names]
+    user_metadata = sorted(k for k in manifest.metadata if k != "deepspeed")  # "deepspeed": the source's own tag
+    if user_metadata:
+        out.append(f"the checkpoint's metadata= ({', '.join(user_metadata)}) has no DeepSpeed universal equivalent "
+                   "and was left out")
     return out
 
 
@@ -305,4 +334,5 @@ def write_universal(
     batch.commit()
     # the marker last: DeepSpeed follows it only once every file above is durable
     LocalStorage(marker_dir).write_atomic("latest_universal", tag.encode())
-    return UniversalReport(str(src), str(dst), len(params), files + 1, written, global_steps, time.perf_counter() - t0)
+    return UniversalReport(str(src), str(dst), len(params), files + 1, written, global_steps, time.perf_counter() - t0,
+                           left_out(manifest))
