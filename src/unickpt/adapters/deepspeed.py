@@ -103,6 +103,9 @@ ALLOWED = {
 OPTIM_FILE = re.compile(r"^(?:(?:bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_(\d+)-(?:.+-)?model_states\.pt$")  # a pipeline module's layer
+EXPERT_MODEL_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPERT_OPTIM_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MARKERS = ("latest", "latest_universal")
 
 
@@ -112,7 +115,8 @@ def _kind(root: str) -> str | None:
     """``"zero"`` or ``"universal"`` for a checkpoint tag directory, else None."""
     storage = LocalStorage(root)
     names = storage.names()
-    if any(OPTIM_FILE.match(n) for n in names) and any(MODEL_FILE.match(n) or ZERO3_MODEL_FILE.match(n) for n in names):
+    optim = any(OPTIM_FILE.match(n) or EXPERT_OPTIM_FILE.match(n) for n in names)
+    if optim and any(MODEL_FILE.match(n) or ZERO3_MODEL_FILE.match(n) for n in names):
         return "zero"
     if storage.exists("zero/optimizer_state.pt"):
         return "universal"
@@ -173,6 +177,11 @@ class _Builder:
         self.storage = LocalStorage(root)
         self.prefix = prefix
         self.manifest = Manifest()
+        self.skipped: dict[str, str] = {}
+
+    def skip(self, name: str, reason: str) -> None:
+        """Account for a tensor of the source that the manifest leaves out."""
+        self.skipped[name] = reason
 
     def rel(self, name: str) -> str:
         return self.prefix + name
@@ -255,19 +264,43 @@ def _model_values(b: _Builder, model: dict[str, Any], zero_stage: int, world: in
     })
 
 
-def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: dict[str, str]) -> None:
+def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: dict[str, str], source: str,
+                    zero3: bool = False, buffers: set[str] = frozenset()) -> None:
     """The module copy: ``module.<p>`` where it differs in dtype from the master, ``model.<n>``
-    for what the optimizer does not own; zero-size ZeRO-3 placeholders are skipped."""
+    for what the optimizer does not own. ZeRO-3's zero-size placeholders of partitioned
+    parameters hold no data; a placeholder whose parameter was read from nowhere else, and a
+    module copy in the master's own dtype (a duplicate), are accounted for as skipped."""
     if not isinstance(module, dict):
         return
     for name, t in module.items():
         if not isinstance(t, StoredTensor):
             continue
         if name in master:
-            if t.numel and t.dtype != master_dtype.get(name):
+            if not t.numel:
+                continue
+            if t.dtype != master_dtype.get(name):
                 b.whole(f"module.{name}", t, "deepspeed module copy")
-        elif f"model.{name}" not in b.manifest.tensors:
+            else:
+                b.skip(f"module.{name}", f"the module's copy of model.{name} in {source}, in the dtype of the master "
+                       "weights: a duplicate (the master weights are read)")
+        elif f"model.{name}" in b.manifest.tensors:
+            continue  # a frozen ZeRO-3 parameter (read from its partitions) or a tied alias
+        elif zero3 and not t.numel and name not in buffers:
+            b.skip(f"model.{name}", f"a zero-size ZeRO-3 placeholder in {source}: the parameter's data is not in this "
+                   "checkpoint")
+        else:
             b.whole(f"model.{name}", t, "deepspeed module (not optimized)")
+
+
+def _aliases(b: _Builder, model: dict[str, Any]) -> None:
+    """``shared_params`` (tied parameters, ``alias -> source``): the alias names the source's
+    data, as ``zero_to_fp32`` restores it."""
+    shared = model.get("shared_params")
+    for alias, src in (shared.items() if isinstance(shared, dict) else ()):
+        e = b.manifest.tensors.get(f"model.{src}")
+        if e is not None and f"model.{alias}" not in b.manifest.tensors:
+            b.manifest.tensors[f"model.{alias}"] = TensorEntry(f"model.{alias}", e.shape, e.dtype, list(e.fragments),
+                                                               e.layout + " (tied)")
 
 
 def _step(b: _Builder, name: str, step: Any) -> None:
@@ -281,11 +314,9 @@ def _step(b: _Builder, name: str, step: Any) -> None:
         b.value(key, step)
 
 
-def _check_complete(b: _Builder, names: list[str]) -> None:
-    for name in names:
-        e = b.manifest.tensors.get(name)
-        if e is None:
-            continue
+def _check_complete(b: _Builder) -> None:
+    """Every entry's fragments hold all its elements (flat slices can leave gaps)."""
+    for name, e in b.manifest.tensors.items():
         got = sum(prod(f.shape) for f in e.fragments)
         if got != prod(e.shape):
             raise CorruptionError(
@@ -295,89 +326,183 @@ def _check_complete(b: _Builder, names: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- ZeRO 1/2/3
 
-def _rank_files(names: list[str], pattern: re.Pattern[str]) -> dict[int, str]:
-    found: dict[int, str] = {}
-    mps = set()
+def _rank_files(names: list[str], pattern: re.Pattern[str]) -> dict[int, dict[int, str]]:
+    """model-parallel rank -> {data-parallel rank -> file name}, both in numeric order."""
+    found: dict[int, dict[int, str]] = {}
     for n in names:
         m = pattern.match(n)
         if m:
-            mps.add(int(m.group(2)))
-            if int(m.group(2)) == 0:
-                found[int(m.group(1))] = n
-    if mps - {0}:
-        raise LayoutError("DeepSpeed checkpoints with tensor/pipeline model parallelism (mp_rank > 0) are not read yet")
-    return dict(sorted(found.items()))  # numeric rank order
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = n
+    return {mp: dict(sorted(d.items())) for mp, d in sorted(found.items())}
 
 
-def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
-    names = LocalStorage(tag_dir).names()
-    optim = _rank_files(names, OPTIM_FILE)
-    world = len(optim)
-    if sorted(optim) != list(range(world)):
-        raise CorruptionError(f"{tag_dir}: optimizer files of ranks {sorted(optim)} (some are missing)")
-    first = b.archive(optim[0])
-    osd0 = first.get("optimizer_state_dict", {}) if isinstance(first, dict) else {}
-    stage = int(osd0.get("zero_stage", 1)) if isinstance(osd0, dict) else 1
-    if stage >= 3:
-        return _read_zero3(b, names, optim, stage)
-    model_name = "mp_rank_00_model_states.pt"
-    if model_name not in names:
-        raise CorruptionError(f"{tag_dir}: {model_name} is missing")
-    model = b.archive(model_name)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for group in model.get("param_shapes") or []:
-        for name, shape in group.items():
-            shapes[name] = tuple(int(x) for x in shape)
+def _refuse_experts(tag_dir: str, names: list[str], model: dict[str, Any]) -> None:
+    """MoE checkpoints are refused whole: expert parameters carry names local to their
+    expert-parallel rank and are partitioned over the expert-data-parallel group only."""
+    experts = sorted(n for n in names if EXPERT_MODEL_FILE.match(n) or EXPERT_OPTIM_FILE.match(n))
+    if experts or model.get("num_experts"):
+        shown = ", ".join(experts[:3]) + (", ..." if len(experts) > 3 else "")
+        raise LayoutError(
+            f"{tag_dir}: a DeepSpeed MoE (expert-parallel) checkpoint (expert files: {shown or 'none'}; "
+            f"num_experts={_plain(model.get('num_experts', '?'))}) is not supported: its expert parameters are named "
+            "locally to their expert-parallel rank and their optimizer state is partitioned over the "
+            "expert-data-parallel group; unickpt does not map them to global experts yet, so nothing was read"
+        )
+
+
+def _parallel_degrees(model: dict[str, Any], mps: list[int], has_layer_files: bool) -> tuple[int, int]:
+    """(pipeline, tensor) parallel degrees of a ZeRO-1/2 checkpoint."""
+    dims = model.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, dict):
+        return int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
+    mp_world = int(model.get("mp_world_size") or len(mps))
+    return (mp_world, 1) if has_layer_files else (1, mp_world)
+
+
+def _refuse_tensor_parallel(tag_dir: str, tp: int, pp: int, model: dict[str, Any]) -> None:
+    rules = model.get("universal_checkpoint_info")
+    why = ("its universal_checkpoint_info merge rules (row-parallel, replicated, averaged, vocabulary and "
+           "sub-parameter patterns) are not applied by unickpt yet" if rules else
+           "merging its tensor-parallel slices needs DeepSpeed's universal_checkpoint_info (which parameters are "
+           "row-parallel, replicated, vocabulary-padded, fused), and this checkpoint carries none")
+    raise LayoutError(
+        f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (tp_degree={tp}, pp_degree={pp}, files mp_rank_00 .. "
+        f"mp_rank_{tp * pp - 1:02d}) is not supported: {why}; nothing was read"
+    )
+
+
+def _flat_moments(b: _Builder, state: dict[str, Any], flat: StoredTensor, padding: int, where: str) -> dict[str, StoredTensor]:
+    """The flat per-element optimizer states of one group partition. DeepSpeed saves the
+    fp32 partition without its alignment padding (``group_paddings``, the last rank's tail)
+    but the moments with it: both lengths are the partition; the tail is never addressed."""
+    out = {}
+    for key, v in state.items():
+        if key == "step" or not isinstance(v, StoredTensor):
+            continue
+        if len(v.shape) == 1 and v.numel in (flat.numel, flat.numel + padding):
+            out[key] = v
+        else:
+            b.skip(f"{where}.{key}", f"an optimizer state of shape {list(v.shape)} that is not a flat partition "
+                   f"({flat.numel} elements, or {flat.numel + padding} with the alignment padding)")
+    return out
+
+
+def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tuple[int, ...]], stage: int, rank_base: int,
+                       loaded: dict[str, Any], master_dtype: dict[str, str]) -> None:
+    """The fp32 partitions and flat optimizer states of one set of data-parallel ranks (the
+    whole job, or one pipeline stage)."""
     layout = f"deepspeed zero-{stage} flat partition"
     filled: dict[str, int] = {}
-    master_dtype: dict[str, str] = {}
-    for rank, fname in optim.items():
-        sd = first if rank == 0 else b.archive(fname)
-        osd = sd["optimizer_state_dict"]
-        fp32 = osd.get("single_partition_of_fp32_groups")
-        mappings = osd.get("param_slice_mappings")
-        if fp32 is None or mappings is None:
+    for dp, fname in files.items():
+        sd = loaded.get(fname) or b.archive(fname)
+        osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+        fp32 = osd.get("single_partition_of_fp32_groups") if isinstance(osd, dict) else None
+        mappings = osd.get("param_slice_mappings") if isinstance(osd, dict) else None
+        if fp32 is None or mappings is None or len(fp32) != len(mappings):
             raise CorruptionError(f"{fname}: no single_partition_of_fp32_groups / param_slice_mappings (not a ZeRO-1/2 file)")
+        paddings = osd.get("group_paddings") or []
         base = osd.get("base_optimizer_state", {})
         for g, (flat, mapping) in enumerate(zip(fp32, mappings)):
+            pad = int(paddings[g]) if g < len(paddings) else 0
             state = _group_state(base, g)
-            flats = {k: v for k, v in state.items() if isinstance(v, StoredTensor) and len(v.shape) == 1 and v.numel == flat.numel}
+            moments = _flat_moments(b, state, flat, pad, f"{fname}:base_optimizer_state.state.{g}")
+            step = state.get("step", osd.get("base_optimizer_state_step"))
             for name, addr in mapping.items():
                 if name not in shapes:
-                    raise CorruptionError(f"{fname}: parameter {name!r} has no shape in {model_name}")
+                    raise CorruptionError(f"{fname}: parameter {name!r} has no shape in param_shapes")
                 # in_flat: where the slice lies in this rank's partition; in_param: where it
                 # lies in the flattened parameter (after the slices of all lower ranks)
                 in_flat, numel = int(getattr(addr, "start", 0)), int(getattr(addr, "numel", 0))
                 in_param = filled.get(name, 0)
-                b.flat(f"model.{name}", shapes[name], flat, in_flat, in_param, numel, layout, rank)
+                b.flat(f"model.{name}", shapes[name], flat, in_flat, in_param, numel, layout, rank_base + dp)
                 master_dtype[name] = flat.dtype
-                for key, t in flats.items():
-                    b.flat(f"optim.state.{name}.{key}", shapes[name], t, in_flat, in_param, numel, layout, rank)
-                _step(b, name, state.get("step"))
+                for key, t in moments.items():
+                    b.flat(f"optim.state.{name}.{key}", shapes[name], t, in_flat, in_param, numel, layout, rank_base + dp)
+                _step(b, name, step)
                 filled[name] = in_param + numel
-    _check_complete(b, [f"model.{n}" for n in shapes])
-    _module_entries(b, model.get("module"), set(shapes), master_dtype)
-    _param_groups_value(b, first["optimizer_state_dict"].get("base_optimizer_state", {}).get("param_groups"))
+
+
+def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
+    names = LocalStorage(tag_dir).names()
+    _refuse_experts(tag_dir, names, {})
+    optim = _rank_files(names, OPTIM_FILE)
+    mps = list(optim)
+    if mps != list(range(len(mps))):
+        raise CorruptionError(f"{tag_dir}: optimizer files of model-parallel ranks {mps} (some are missing)")
+    dp_world = len(optim[0])
+    for mp, files in optim.items():
+        if sorted(files) != list(range(dp_world)):
+            raise CorruptionError(f"{tag_dir}: optimizer files of ranks {sorted(files)} for mp_rank_{mp:02d} (some are missing)")
+    first_name = optim[0][0]
+    first = b.archive(first_name)
+    osd0 = first.get("optimizer_state_dict", {}) if isinstance(first, dict) else {}
+    stage = int(osd0.get("zero_stage", 1)) if isinstance(osd0, dict) else 1
+    if stage >= 3:
+        if len(mps) > 1:
+            _refuse_tensor_parallel(tag_dir, len(mps), 1, {})
+        return _read_zero3(b, names, optim[0], stage, first)
+    models = {}
+    for mp in mps:
+        model_name = f"mp_rank_{mp:02d}_model_states.pt"
+        if model_name not in names:
+            raise CorruptionError(f"{tag_dir}: {model_name} is missing")
+        models[mp] = b.archive(model_name)
+    model = models[0]
+    _refuse_experts(tag_dir, names, model)
+    layer_files: dict[int, list[str]] = {}
+    for n in names:
+        m = LAYER_FILE.match(n)
+        if m:
+            layer_files.setdefault(int(m.group(1)), []).append(n)
+    pp, tp = _parallel_degrees(model, mps, bool(layer_files))
+    if tp > 1 or any(len(v) > 1 for v in layer_files.values()):
+        _refuse_tensor_parallel(tag_dir, max(tp, 2), pp, model)
+    if pp != len(mps):
+        raise CorruptionError(f"{tag_dir}: pp_degree {pp} but files of {len(mps)} model-parallel ranks")
+    master_dtype: dict[str, str] = {}
+    owner: dict[str, int] = {}
+    for mp in mps:
+        shapes = {n: tuple(int(x) for x in s) for g in models[mp].get("param_shapes") or [] for n, s in g.items()}
+        for n in shapes:
+            if n in owner or (pp > 1 and n.startswith("tied_modules.")):
+                raise LayoutError(f"{tag_dir}: parameter {n!r} is tied across pipeline stages (a pipeline-replicated "
+                                  "parameter); such DeepSpeed pipeline checkpoints are not supported, nothing was read")
+            owner[n] = mp
+        _read_zero12_ranks(b, optim[mp], shapes, stage, mp * dp_world, {first_name: first}, master_dtype)
+    _check_complete(b)
+    if pp > 1:
+        for idx, (fname,) in sorted(layer_files.items()):
+            layer = b.archive(fname)
+            if not isinstance(layer, dict):
+                raise CorruptionError(f"{fname}: not a module state dict")
+            _module_entries(b, {f"{idx}.{k}": v for k, v in layer.items()}, set(owner), master_dtype, fname)
+    else:
+        _aliases(b, model)
+        _module_entries(b, model.get("module"), set(owner), master_dtype, "mp_rank_00_model_states.pt")
+    _param_groups_value(b, osd0.get("base_optimizer_state", {}).get("param_groups"))
     for key in ("clip_grad", "partition_count", "group_paddings"):
         if key in osd0:
             b.value(f"deepspeed.{key}", osd0[key])
-    _model_values(b, model, stage, world)
+    _model_values(b, model, stage, dp_world * pp)
+    if pp > 1:
+        b.manifest.provenance["pipeline_parallel"] = pp
+        b.manifest.provenance["data_parallel"] = dp_world
     return b.manifest
 
 
-def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int) -> Manifest:
-    models = _rank_files(names, ZERO3_MODEL_FILE)
-    if 0 not in models:
-        raise CorruptionError("ZeRO-3 checkpoint without zero_pp_rank_0_mp_rank_00_model_states.pt")
+def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int, first: Any) -> Manifest:
+    models = _rank_files(names, ZERO3_MODEL_FILE).get(0, {})
+    world = len(optim)
+    if sorted(models) != list(range(world)):
+        raise CorruptionError(f"ZeRO-3 checkpoint with model-states files of ranks {sorted(models)} for {world} optimizer files")
     model = b.archive(models[0])
     groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model.get("param_shapes") or []]
-    world = len(optim)
     layout = f"deepspeed zero-{stage} partition"
     all_names: list[str] = []
     master_dtype: dict[str, str] = {}
     first_osd = None
     for rank, fname in optim.items():
-        osd = b.archive(fname)["optimizer_state_dict"]
+        osd = (first if rank == 0 else b.archive(fname))["optimizer_state_dict"]
         first_osd = first_osd or osd
         flats = osd.get("fp32_flat_groups")
         inner = osd.get("optimizer_state_dict", {})
@@ -389,7 +514,7 @@ def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int
             state = _group_state(inner, idx)
             meta = parts[idx] if idx < len(parts) and isinstance(parts[idx], dict) else {}
             count, prank = int(meta.get("partition_count", world)), int(meta.get("partition_rank", rank))
-            moments = {k: v for k, v in state.items() if isinstance(v, StoredTensor) and len(v.shape) == 1 and v.numel == flat.numel}
+            moments = _flat_moments(b, state, flat, 0, f"{fname}:optimizer_state_dict.state.{idx}")
             offset = 0
             for name, shape in shapes.items():
                 numel = prod(shape)
@@ -404,8 +529,11 @@ def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int
                 if rank == 0:
                     all_names.append(name)
                 offset += part
-    _check_complete(b, [f"model.{n}" for n in all_names])
-    _module_entries(b, model.get("module"), set(all_names), master_dtype)
+    _read_zero3_frozen(b, models, model)
+    _check_complete(b)
+    _aliases(b, model)
+    _module_entries(b, model.get("module"), set(all_names), master_dtype, models[0], zero3=True,
+                    buffers=set(model.get("buffer_names") or []))
     if first_osd is not None:
         _param_groups_value(b, first_osd.get("optimizer_state_dict", {}).get("param_groups"))
         for key in ("clip_grad", "partition_count"):
@@ -413,6 +541,35 @@ def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int
                 b.value(f"deepspeed.{key}", first_osd[key])
     _model_values(b, model, stage, world)
     return b.manifest
+
+
+def _read_zero3_frozen(b: _Builder, models: dict[int, str], model0: dict[str, Any]) -> None:
+    """Parameters the optimizer does not own (``requires_grad=False``): each rank's model-states
+    file holds its partition of each in ``frozen_param_fragments`` (``ceil(numel / dp)``
+    elements, the last rank's tail padded); the ranks' partitions follow one another in
+    numeric rank order, as ``zero_to_fp32`` concatenates them. The copies of rank 0's module
+    entries in the other ranks' files are accounted for as replicas."""
+    frozen = model0.get("frozen_param_shapes") or {}
+    filled: dict[str, int] = {}
+    for rank, fname in models.items():
+        mr = model0 if rank == 0 else b.archive(fname)
+        if rank:
+            for k, t in (mr.get("module") or {}).items():
+                if isinstance(t, StoredTensor) and t.numel:
+                    b.skip(f"{fname}:module.{k}", f"a replica of the module entry {k!r} of {models[0]}")
+        if not frozen:
+            continue
+        frags = mr.get("frozen_param_fragments") or {}
+        for name, shape in frozen.items():
+            shape = tuple(int(x) for x in shape)
+            t = frags.get(name)
+            if not isinstance(t, StoredTensor):
+                raise CorruptionError(f"{fname}: frozen parameter {name!r} has no entry in frozen_param_fragments")
+            at = filled.get(name, 0)
+            numel = prod(shape)
+            b.flat(f"model.{name}", shape, t, 0, min(at, numel), max(0, min(t.numel, numel - at)),
+                   "deepspeed zero-3 frozen partition", rank)
+            filled[name] = at + t.numel
 
 
 # ----------------------------------------------------------------------------- universal
@@ -455,6 +612,9 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
         groups = inner.get("param_groups")
     _param_groups_value(b, groups)
     stage = int(osd.get("zero_stage", 0) or 0)
+    read = {n[len("model."):]: e.dtype for n, e in b.manifest.tensors.items() if n.startswith("model.")}
+    _module_entries(b, model.get("module"), set(read), read, model_file or "", zero3=stage >= 3,
+                    buffers=set(model.get("buffer_names") or []))
     for key in ("clip_grad", "partition_count"):
         if key in osd:
             b.value(f"deepspeed.{key}", osd[key])
@@ -476,5 +636,7 @@ def read_deepspeed(path: str) -> Manifest:
         m = _read_universal(b, tag_dir) if kind == "universal" else _read_zero(b, tag_dir)
     finally:
         b.storage.close()
+    if b.skipped:
+        m.provenance["skipped"] = dict(b.skipped)
     m.metadata.setdefault("deepspeed", {"tag": prefix.rstrip("/") or os.path.basename(os.path.abspath(tag_dir)), "kind": kind})
     return m
