@@ -30,13 +30,20 @@ so a DeepSpeed checkpoint loads into it and the other way round):
 ZeRO-1/2: each rank's optimizer file holds, per parameter group, one flat fp32 partition
 (and flat ``exp_avg`` / ``exp_avg_sq``); ``param_slice_mappings`` gives each parameter's
 ``(start, numel)`` inside it. A parameter's fragments follow one another in *numeric* rank
-order (rank 10 after rank 9), alignment padding is never addressed. ZeRO-3: parameter
-``i`` of a group is split alone into ``ceil(numel / dp)`` elements per rank, the last rank's
-tail padded; rank ``r`` holds elements ``[r * part, min(numel, (r + 1) * part))``.
+order (rank 10 after rank 9), alignment padding is never addressed (the fp32 partition is
+saved without ``group_paddings``, the moments with it). ZeRO-3: parameter ``i`` of a group
+is split alone into ``ceil(numel / dp)`` elements per rank, the last rank's tail padded;
+rank ``r`` holds elements ``[r * part, min(numel, (r + 1) * part))``; frozen parameters are
+partitioned the same way into each rank's ``frozen_param_fragments``. Pipeline parallel
+(ZeRO-1): each stage (``mp_rank_XX``) is read as above, the module copy comes from the
+``layer_XX-model_states.pt`` files.
 
-Not read (refused with an error or left out): tensor- and pipeline-parallel DeepSpeed
-checkpoints (more than one ``mp_rank``), MoE expert files, NVMe-offloaded state, and the
-``universal_checkpoint_info`` merge rules (they matter only for tp > 1).
+Refused with a LayoutError naming the reason (never half-read): tensor-parallel checkpoints
+(``tp_degree > 1``: the ``universal_checkpoint_info`` merge rules are not applied), MoE
+expert files, parameters tied across pipeline stages. Not read: NVMe-offloaded state.
+Tensors of the source left out of the manifest (module copies duplicating the master
+weights, placeholders without data, replicas) are listed with the reason in
+``manifest.provenance["skipped"]``.
 """
 
 from __future__ import annotations
