@@ -5,7 +5,8 @@ tests/test_deepspeed_layouts.py:
   ``mp_rank_00/01_model_states.pt``, ``zero_pp_rank_0_mp_rank_00/01_optim_states.pt``;
 * ``moe``: an MoE layer of 2 experts, expert-parallel over the 2 ranks (ZeRO-1):
   ``layer_0_expert_{0,1}_mp_rank_00_model_states.pt`` and expert optimizer groups;
-* ``tp``: a two-layer MLP under AutoTP (column- then row-parallel), tensor-parallel over the 2 ranks (ZeRO-1):
+* ``tp``: an MLP under AutoTP (column- then row-parallel, a replicated norm), tensor-parallel over the 2
+  ranks (ZeRO-1):
   ``mp_rank_00/01`` files with DeepSpeed's ``universal_checkpoint_info``.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \\
@@ -80,11 +81,12 @@ def tensor_parallel(deepspeed, out: str) -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.up_proj = nn.Linear(8, 16, bias=False)
-            self.down_proj = nn.Linear(16, 8, bias=False)
+            self.up_proj = nn.Linear(8, 16)  # column-parallel: weight and bias split on dim 0
+            self.down_proj = nn.Linear(16, 8)  # row-parallel: weight split on dim 1, bias replicated
+            self.norm = nn.LayerNorm(8)  # replicated
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(torch.relu(self.up_proj(x)))
+            return self.norm(self.down_proj(torch.relu(self.up_proj(x))))
 
     model = Model()
     config = _config(micro=2, world=2)

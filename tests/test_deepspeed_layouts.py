@@ -10,13 +10,17 @@ module:
   bitwise equal to DeepSpeed's ``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``);
 * pipeline parallel (PipelineModule, 2 stages: ``mp_rank_01``, ``layer_XX-model_states.pt``):
   read in place, bitwise equal to ``ds_to_universal``;
-* MoE (2 experts, expert-parallel over 2 ranks) and tensor parallel (AutoTP, tp=2): refused
-  with a LayoutError naming what is not supported, by the API and the CLI (exit 2).
+* tensor parallel (AutoTP, tp=2, ``universal_checkpoint_info``): read in place, bitwise equal
+  to ``ds_to_universal``;
+* MoE (2 experts, expert-parallel over 2 ranks), and the tensor-parallel checkpoint without
+  its ``universal_checkpoint_info``: refused with a LayoutError naming what is not
+  supported, by the API and the CLI (exit 2).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -58,7 +62,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for case in PARALLEL:
         ds_parallel_train(2, case, str(root / case / "ckpt"))
         out[case] = str(root / case / "ckpt")
-    ds_to_universal(str(root / "pp" / "ckpt" / "global_step2"), str(root / "pp" / "universal"))
+    for case in ("pp", "tp"):
+        ds_to_universal(str(root / case / "ckpt" / "global_step2"), str(root / case / "universal"))
     return out
 
 
@@ -153,18 +158,55 @@ def test_pipeline_parallel_equals_ds_to_universal(runs: dict[str, str]) -> None:
     assert unickpt.verify(ckpt).ok
 
 
+def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) -> None:
+    """AutoTP, tp=2: column-parallel up_proj (weight and bias), row-parallel down_proj weight,
+    replicated down_proj bias and norm, placed by the checkpoint's universal_checkpoint_info."""
+    ckpt = runs["tp"]
+    assert "mp_rank_01_model_states.pt" in os.listdir(os.path.join(ckpt, "global_step2"))
+    m = read_deepspeed(ckpt)
+    assert m.provenance["tensor_parallel"] == 2 and m.world_size == 2
+    assert m.tensors["model.up_proj.weight"].shape == (16, 8) and m.tensors["model.down_proj.weight"].shape == (8, 16)
+    params = universal_params(_universal(runs, "tp"))
+    assert len(params) == 6
+    assert _assert_equals_universal(ckpt, _universal(runs, "tp")) == 4 * len(params)
+    # the replicated parameters are read from tensor-parallel rank 0; rank 1's copies are accounted for
+    replicas = {k for k in m.provenance["skipped"] if k.startswith("zero_pp_rank_0_mp_rank_01")}
+    assert replicas == {f"zero_pp_rank_0_mp_rank_01_optim_states.pt:{p}.{k}" for p in ("down_proj.bias", "norm.weight",
+                        "norm.bias") for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    assert unickpt.verify(ckpt).ok
+    # the same checkpoint described by the name patterns alone (no affine map: DeepSpeed's older form)
+    patterns_only = _edit_rules(ckpt, tmp_path / "patterns_only", lambda sd: sd["universal_checkpoint_info"].pop("affine_map"))
+    assert _assert_equals_universal(patterns_only, _universal(runs, "tp")) == 4 * len(params)
+
+
+def _edit_rules(ckpt: str, dst, edit) -> str:
+    """A copy of a real tensor-parallel checkpoint whose model-states files' universal
+    checkpoint info was changed by ``edit(state_dict)``: the forms written by other DeepSpeed
+    versions and trainers (the rules without an affine map, or no rules at all)."""
+    shutil.copytree(ckpt, dst)
+    for name in os.listdir(os.path.join(dst, "global_step2")):
+        if name.startswith("mp_rank_"):
+            f = os.path.join(dst, "global_step2", name)
+            sd = torch.load(f, weights_only=False)
+            edit(sd)
+            torch.save(sd, f)
+    return str(dst)
+
+
+def _without_rules(ckpt: str, dst) -> str:
+    return _edit_rules(ckpt, dst, lambda sd: sd.pop("universal_checkpoint_info"))
+
+
 @pytest.mark.parametrize("case, files, words", [
     ("moe", "layer_0_expert_1_mp_rank_00_model_states.pt", "MoE (expert-parallel) checkpoint"),
-    ("tp", "mp_rank_01_model_states.pt", "tensor-parallel DeepSpeed checkpoint (tp_degree=2"),
+    ("tp", "mp_rank_01_model_states.pt", "needs DeepSpeed's universal_checkpoint_info"),
 ])
 def test_refused_with_the_reason(runs: dict[str, str], case: str, files: str, words: str, tmp_path) -> None:
-    ckpt = runs[case]
+    ckpt = runs[case] if case == "moe" else _without_rules(runs[case], tmp_path / "tp_without_rules")
     assert files in os.listdir(os.path.join(ckpt, "global_step2"))
     with pytest.raises(LayoutError) as err:
         read_deepspeed(ckpt)
     assert words in str(err.value) and "not supported" in str(err.value) and "nothing was read" in str(err.value)
-    if case == "tp":  # AutoTP saves its merge rules: the refusal says they are not applied
-        assert "universal_checkpoint_info merge rules" in str(err.value)
     for call in (unickpt.read_manifest, unickpt.verify):  # what inspect and verify do
         with pytest.raises(LayoutError, match="not supported"):
             call(ckpt)

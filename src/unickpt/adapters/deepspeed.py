@@ -57,7 +57,7 @@ from ..errors import CorruptionError, LayoutError, NotACheckpointError, UnickptE
 from ..format.dtypes import itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
-from ..plan.box import Box
+from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.local import LocalStorage
 from .torch_archive import StoredTensor, read_archive
@@ -222,20 +222,21 @@ class _Builder:
             e.fragments.append(Fragment(t.file, t.offset, t.shape, [whole_piece(t.shape)], [], itemsize(t.dtype), rank))
 
     def flat(self, name: str, shape: tuple[int, ...], flat: StoredTensor, at: int, start: int, numel: int,
-             layout: str, rank: int) -> None:
-        """Elements ``[start, start + numel)`` of parameter ``name`` stored at element ``at``
-        of the 1-D tensor ``flat``."""
+             layout: str, rank: int, box: Box | None = None) -> None:
+        """Elements ``[start, start + numel)`` of parameter ``name`` (of ``box`` of it, a
+        tensor-parallel shard, when given) stored at element ``at`` of the 1-D tensor ``flat``."""
+        box = box or Box.whole(shape)
         if not isinstance(flat, StoredTensor) or len(flat.shape) != 1 or (flat.numel > 1 and flat.stride[0] != 1):
             raise CorruptionError(f"{name!r}: the flat partition in {getattr(flat, 'file', '?')} is not a 1-D contiguous tensor")
-        if at < 0 or at + numel > flat.numel or start < 0 or start + numel > prod(shape):
+        if at < 0 or at + numel > flat.numel or start < 0 or start + numel > box.volume:
             raise CorruptionError(
                 f"{name!r}: slice ({at}, {numel}) lies outside the partition of {flat.numel} elements in {flat.file} "
-                f"or outside the parameter's {prod(shape)} elements"
+                f"or outside the parameter's {box.volume} elements"
             )
         e = self.entry(name, shape, flat.dtype, layout)
         if numel:
             size = itemsize(flat.dtype)
-            pieces = flat_pieces(Box.whole(shape), start, start + numel)
+            pieces = flat_pieces(box, start, start + numel)
             e.fragments.append(Fragment(flat.file, flat.offset + at * size, (numel,), pieces, [], size, rank))
 
 
@@ -367,11 +368,11 @@ def _parallel_degrees(model: dict[str, Any], mps: list[int], has_layer_files: bo
 
 
 def _refuse_tensor_parallel(tag_dir: str, tp: int, pp: int, model: dict[str, Any]) -> None:
-    rules = model.get("universal_checkpoint_info")
-    why = ("its universal_checkpoint_info merge rules (row-parallel, replicated, averaged, vocabulary and "
-           "sub-parameter patterns) are not applied by unickpt yet" if rules else
-           "merging its tensor-parallel slices needs DeepSpeed's universal_checkpoint_info (which parameters are "
-           "row-parallel, replicated, vocabulary-padded, fused), and this checkpoint carries none")
+    if not isinstance(model.get("universal_checkpoint_info"), dict):
+        why = ("merging its tensor-parallel slices needs DeepSpeed's universal_checkpoint_info (which parameters are "
+               "row-parallel, replicated, vocabulary-padded, fused), and this checkpoint carries none")
+    else:
+        why = "tensor and pipeline parallelism together are not read by unickpt yet"
     raise LayoutError(
         f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (tp_degree={tp}, pp_degree={pp}, files mp_rank_00 .. "
         f"mp_rank_{tp * pp - 1:02d}) is not supported: {why}; nothing was read"
@@ -395,9 +396,12 @@ def _flat_moments(b: _Builder, state: dict[str, Any], flat: StoredTensor, paddin
 
 
 def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tuple[int, ...]], stage: int, rank_base: int,
-                       loaded: dict[str, Any], master_dtype: dict[str, str]) -> None:
+                       loaded: dict[str, Any], master_dtype: dict[str, str],
+                       tp_shards: dict[str, tuple[tuple[int, ...], Box | None]] | None = None) -> None:
     """The fp32 partitions and flat optimizer states of one set of data-parallel ranks (the
-    whole job, or one pipeline stage)."""
+    whole job, one pipeline stage, or one tensor-parallel rank: then ``tp_shards`` maps each
+    parameter to its global shape and the box of it this rank's shard holds, None for a
+    replica that a lower tensor-parallel rank holds too)."""
     layout = f"deepspeed zero-{stage} flat partition"
     filled: dict[str, int] = {}
     for dp, fname in files.items():
@@ -421,12 +425,17 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
                 # lies in the flattened parameter (after the slices of all lower ranks)
                 in_flat, numel = int(getattr(addr, "start", 0)), int(getattr(addr, "numel", 0))
                 in_param = filled.get(name, 0)
-                b.flat(f"model.{name}", shapes[name], flat, in_flat, in_param, numel, layout, rank_base + dp)
+                shape, box = tp_shards[name] if tp_shards else (shapes[name], None)
+                filled[name] = in_param + numel
+                if tp_shards and box is None:
+                    for key in ("fp32", *moments):
+                        b.skip(f"{fname}:{name}.{key}", "a tensor-parallel replica of a lower tensor-parallel rank's shard")
+                    continue
+                b.flat(f"model.{name}", shape, flat, in_flat, in_param, numel, layout, rank_base + dp, box)
                 master_dtype[name] = flat.dtype
                 for key, t in moments.items():
-                    b.flat(f"optim.state.{name}.{key}", shapes[name], t, in_flat, in_param, numel, layout, rank_base + dp)
+                    b.flat(f"optim.state.{name}.{key}", shape, t, in_flat, in_param, numel, layout, rank_base + dp, box)
                 _step(b, name, step)
-                filled[name] = in_param + numel
 
 
 def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
@@ -462,6 +471,8 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
         if m:
             layer_files.setdefault(int(m.group(1)), []).append(n)
     pp, tp = _parallel_degrees(model, mps, bool(layer_files))
+    if tp > 1 and pp == 1 and not layer_files and isinstance(model.get("universal_checkpoint_info"), dict):
+        return _read_tensor_parallel(b, tag_dir, optim, models, stage, first_name, first, osd0, tp)
     if tp > 1 or any(len(v) > 1 for v in layer_files.values()):
         _refuse_tensor_parallel(tag_dir, max(tp, 2), pp, model)
     if pp != len(mps):
@@ -494,6 +505,124 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
     if pp > 1:
         b.manifest.provenance["pipeline_parallel"] = pp
         b.manifest.provenance["data_parallel"] = dp_world
+    return b.manifest
+
+
+def _unsupported_tp(tag_dir: str, name: str, why: str) -> LayoutError:
+    return LayoutError(f"{tag_dir}: tensor-parallel parameter {name!r} {why}: not supported, nothing was read")
+
+
+def _tp_layout(tag_dir: str, rules: dict[str, Any], name: str, shards: dict[int, tuple[int, ...]]
+               ) -> tuple[tuple[int, ...], dict[int, Box]]:
+    """The global shape of a tensor-parallel parameter and the box of it each tensor-parallel
+    rank's shard holds, from DeepSpeed's ``universal_checkpoint_info``: its ``affine_map``
+    (one unscaled row-major box per rank), ``tp_replicated_parameter_patterns`` (the whole
+    tensor on every rank), ``parameter_with_row_parallelism_patterns`` (slices joined on dim
+    1) or else, as DeepSpeed's default, slices joined on dim 0. Averaged, vocabulary-padded
+    and fused (sub-parameter) layouts are refused."""
+    def matching(key: str) -> list[str]:
+        return [p for p in rules.get(key) or [] if re.match(p, name)]
+
+    affine = ((rules.get("affine_map") or {}).get("params") or {})
+    found = [p for p in affine if re.match(p, name)]
+    if len(found) > 1:
+        raise _unsupported_tp(tag_dir, name, f"matches several affine maps {found}")
+    if found:
+        spec = affine[found[0]]
+        shape = tuple(int(x) for x in spec["logical_shape"])
+        ranks = spec.get("ranks") or {}
+        boxes = {}
+        for t, shard in shards.items():
+            info = ranks.get(t, ranks.get(str(t)))
+            pieces = (info or {}).get("pieces") or []
+            if len(pieces) != 1:
+                raise _unsupported_tp(tag_dir, name, f"is held by tensor-parallel rank {t} in {len(pieces)} pieces "
+                                      "(fused sub-parameters)")
+            piece = pieces[0]
+            (src, src_strides), (dst, dst_strides) = piece["source"], piece["dest"]
+            lengths = tuple(int(x) for x in piece["shape"])
+            if (float(piece.get("scale", 1.0)) != 1.0 or lengths != shard or int(dst) != 0
+                    or tuple(dst_strides) != row_major_strides(shard) or tuple(src_strides) != row_major_strides(shape)):
+                raise _unsupported_tp(tag_dir, name, f"has an affine map piece on rank {t} that is not one unscaled "
+                                      f"box of the whole shard ({piece})")
+            offsets, rest = [], int(src)
+            for stride in row_major_strides(shape):
+                offsets.append(rest // stride)
+                rest %= stride
+            box = Box(tuple(offsets), lengths)
+            if not Box.whole(shape).contains(box):
+                raise CorruptionError(f"{tag_dir}: affine map of {name!r} on rank {t} lies outside {shape}")
+            boxes[t] = box
+        return shape, boxes
+    for key in ("parameter_to_average_patterns", "vocabulary_parameter_patterns", "parameter_with_2_sub_params_cat_dim_0"):
+        if matching(key):
+            raise _unsupported_tp(tag_dir, name, f"matches {key} (merge rule not applied by unickpt)")
+    if any(re.match(p, name) for sub in rules.get("parameter_with_sub_params") or [] for p in (sub or {}).get("patterns", [])):
+        raise _unsupported_tp(tag_dir, name, "matches parameter_with_sub_params (merge rule not applied by unickpt)")
+    first = shards[min(shards)]
+    if matching("tp_replicated_parameter_patterns"):
+        if any(s != first for s in shards.values()):
+            raise CorruptionError(f"{tag_dir}: replicated parameter {name!r} has shards of different shapes")
+        return first, {t: Box.whole(first) for t in shards}
+    dim = 1 if matching("parameter_with_row_parallelism_patterns") else 0
+    if not first or any(len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:] for s in shards.values()):
+        raise _unsupported_tp(tag_dir, name, f"has shards {list(shards.values())} that do not join on dim {dim}")
+    boxes, at = {}, 0
+    for t, shard in sorted(shards.items()):
+        offsets = [0] * len(shard)
+        offsets[dim] = at
+        boxes[t] = Box(tuple(offsets), shard)
+        at += shard[dim]
+    return first[:dim] + (at,) + first[dim + 1:], boxes
+
+
+def _read_tensor_parallel(b: _Builder, tag_dir: str, optim: dict[int, dict[int, str]], models: dict[int, Any], stage: int,
+                          first_name: str, first: Any, osd0: dict[str, Any], tp: int) -> Manifest:
+    """ZeRO-1/2 with tensor parallelism (no pipeline): tensor-parallel rank ``t`` is
+    ``mp_rank_{t:02d}``; each parameter's shard on it is a box of the global tensor given by
+    the checkpoint's ``universal_checkpoint_info`` (:func:`_tp_layout`); within the shard the
+    data-parallel ranks' flat slices follow one another as without tensor parallelism."""
+    rules = models[0]["universal_checkpoint_info"]
+    if sorted(models) != list(range(tp)):
+        raise CorruptionError(f"{tag_dir}: model-states files of model-parallel ranks {sorted(models)} for tp_degree {tp}")
+    shards: dict[str, dict[int, tuple[int, ...]]] = {}
+    for t, model in models.items():
+        for g in model.get("param_shapes") or []:
+            for n, s in g.items():
+                shards.setdefault(n, {})[t] = tuple(int(x) for x in s)
+    layouts = {}
+    for name, per_rank in shards.items():
+        if sorted(per_rank) != list(range(tp)):
+            raise _unsupported_tp(tag_dir, name, f"is held by tensor-parallel ranks {sorted(per_rank)} only")
+        layouts[name] = _tp_layout(tag_dir, rules, name, per_rank)
+    dp_world = len(optim[0])
+    master_dtype: dict[str, str] = {}
+    for t in range(tp):
+        shard_of = {}
+        for name, (shape, boxes) in layouts.items():
+            lower = [boxes[u] for u in range(t)]
+            shard_of[name] = (shape, None if boxes[t] in lower else boxes[t])
+        shapes = {n: s[t] for n, s in shards.items()}
+        _read_zero12_ranks(b, optim[t], shapes, stage, t * dp_world, {first_name: first}, master_dtype, shard_of)
+    _check_complete(b)
+    for t, model in models.items():
+        module = model.get("module")
+        for name, v in (module.items() if isinstance(module, dict) else ()):
+            if not isinstance(v, StoredTensor):
+                continue
+            if name not in layouts:
+                raise LayoutError(f"{tag_dir}: module entry {name!r} of mp_rank_{t:02d} is not an optimized parameter "
+                                  "(a buffer or frozen parameter) of a tensor-parallel checkpoint, whose split is not "
+                                  "recorded: not supported, nothing was read")
+            b.skip(f"mp_rank_{t:02d}_model_states.pt:module.{name}", "the module's tensor-parallel shard of "
+                   f"model.{name} (the fp32 master weights are read)")
+    _param_groups_value(b, osd0.get("base_optimizer_state", {}).get("param_groups"))
+    for key in ("clip_grad", "partition_count", "group_paddings"):
+        if key in osd0:
+            b.value(f"deepspeed.{key}", osd0[key])
+    _model_values(b, models[0], stage, dp_world * tp)
+    b.manifest.provenance["tensor_parallel"] = tp
+    b.manifest.provenance["data_parallel"] = dp_world
     return b.manifest
 
 
