@@ -36,11 +36,15 @@ is split alone into ``ceil(numel / dp)`` elements per rank, the last rank's tail
 rank ``r`` holds elements ``[r * part, min(numel, (r + 1) * part))``; frozen parameters are
 partitioned the same way into each rank's ``frozen_param_fragments``. Pipeline parallel
 (ZeRO-1): each stage (``mp_rank_XX``) is read as above, the module copy comes from the
-``layer_XX-model_states.pt`` files.
+``layer_XX-model_states.pt`` files. Tensor parallel (ZeRO-1/2): each tensor-parallel rank's
+shard of a parameter is a box of the global tensor, given by the checkpoint's
+``universal_checkpoint_info`` (affine map or name patterns); its flat slices are pieces of
+that box.
 
 Refused with a LayoutError naming the reason (never half-read): tensor-parallel checkpoints
-(``tp_degree > 1``: the ``universal_checkpoint_info`` merge rules are not applied), MoE
-expert files, parameters tied across pipeline stages. Not read: NVMe-offloaded state.
+without ``universal_checkpoint_info`` or with layouts it describes that are not boxes
+(fused, averaged, vocabulary-padded), tensor and pipeline parallelism together, MoE expert
+files, parameters tied across pipeline stages. Not read: NVMe-offloaded state.
 Tensors of the source left out of the manifest (module copies duplicating the master
 weights, placeholders without data, replicas) are listed with the reason in
 ``manifest.provenance["skipped"]``.
