@@ -371,8 +371,10 @@ def _parallel_degrees(model: dict[str, Any], mps: list[int], has_layer_files: bo
     return (mp_world, 1) if has_layer_files else (1, mp_world)
 
 
-def _refuse_tensor_parallel(tag_dir: str, tp: int, pp: int, model: dict[str, Any]) -> None:
-    if not isinstance(model.get("universal_checkpoint_info"), dict):
+def _refuse_tensor_parallel(tag_dir: str, tp: int, pp: int, model: dict[str, Any], why: str = "") -> None:
+    if why:
+        pass
+    elif not isinstance(model.get("universal_checkpoint_info"), dict):
         why = ("merging its tensor-parallel slices needs DeepSpeed's universal_checkpoint_info (which parameters are "
                "row-parallel, replicated, vocabulary-padded, fused), and this checkpoint carries none")
     else:
@@ -459,8 +461,8 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
     stage = int(osd0.get("zero_stage", 1)) if isinstance(osd0, dict) else 1
     if stage >= 3:
         if len(mps) > 1:
-            _refuse_tensor_parallel(tag_dir, len(mps), 1, {})
-        return _read_zero3(b, names, optim[0], stage, first)
+            _refuse_tensor_parallel(tag_dir, len(mps), 1, {}, "ZeRO-3 with tensor parallelism is not read by unickpt yet")
+        return _read_zero3(b, tag_dir, names, optim[0], stage, first)
     models = {}
     for mp in mps:
         model_name = f"mp_rank_{mp:02d}_model_states.pt"
@@ -630,12 +632,13 @@ def _read_tensor_parallel(b: _Builder, tag_dir: str, optim: dict[int, dict[int, 
     return b.manifest
 
 
-def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int, first: Any) -> Manifest:
+def _read_zero3(b: _Builder, tag_dir: str, names: list[str], optim: dict[int, str], stage: int, first: Any) -> Manifest:
     models = _rank_files(names, ZERO3_MODEL_FILE).get(0, {})
     world = len(optim)
     if sorted(models) != list(range(world)):
         raise CorruptionError(f"ZeRO-3 checkpoint with model-states files of ranks {sorted(models)} for {world} optimizer files")
     model = b.archive(models[0])
+    _refuse_experts(tag_dir, names, model)
     groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model.get("param_shapes") or []]
     layout = f"deepspeed zero-{stage} partition"
     all_names: list[str] = []
