@@ -36,6 +36,10 @@ from unickpt.errors import LayoutError  # noqa: E402
 from ds_cases import (STATES, bitwise_equal, ds_env, ds_parallel_train, ds_to_universal, ds_train,  # noqa: E402
                       universal_params, universal_tensor)
 
+# the module's fixture runs DeepSpeed 6 times and ds_to_universal 5 times (about 80 s on 2 idle
+# cores, several minutes on a loaded machine): more than the default per-test limit allows
+pytestmark = pytest.mark.timeout(900)
+
 SMALL = ["--dim", "18", "--heads", "3", "--kv-heads", "1"]  # 11898 parameters: not a multiple of 2 * 2 ranks
 FREEZE = ["layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"]  # 2 * 18: 11862 trainable, still not a multiple
 FROZEN = ["--bf16", "--freeze", *FREEZE, "--frozen-extra"]
