@@ -38,6 +38,12 @@ def ds_train(nproc: int, *args: str) -> None:
           DS_TRAIN, *args])
 
 
+def ds_parallel_train(nproc: int, mode: str, out: str) -> None:
+    """Run tests/ds_parallel_train.py (``pp``, ``moe`` or ``tp``) on ``nproc`` ranks."""
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+          os.path.join(HERE, "ds_parallel_train.py"), mode, out])
+
+
 def ds_to_universal(tag_dir: str, out: str) -> None:
     """DeepSpeed's own converter."""
     _run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir, "--output_folder", out,

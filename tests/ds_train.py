@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 module with fp32 master weights")
+    p.add_argument("--freeze", nargs="*", default=[], help="parameters made requires_grad=False (frozen)")
+    p.add_argument("--frozen-extra", action="store_true",
+                   help="add a frozen parameter `frozen_table` of 7x3 elements (unused by forward; odd size: ZeRO-3 pads it)")
     p.add_argument("--bucket", type=int, default=2000,
                    help="ZeRO bucket sizes in elements (small: several buckets even for a tiny model)")
     return p.parse_args(argv)
@@ -78,7 +81,13 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     model = Transformer(ModelArgs(args.dim, args.layers, args.heads, args.kv_heads, args.vocab, args.seq))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if args.frozen_extra:
+        model.frozen_table = torch.nn.Parameter(torch.randn(7, 3), requires_grad=False)
+    for name, param in model.named_parameters():
+        if name in args.freeze:
+            param.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     if args.global_batch % world:
         raise SystemExit(f"global batch {args.global_batch} does not split over {world} ranks")
     zero: dict = {"stage": args.stage}

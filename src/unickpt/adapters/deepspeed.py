@@ -30,13 +30,24 @@ so a DeepSpeed checkpoint loads into it and the other way round):
 ZeRO-1/2: each rank's optimizer file holds, per parameter group, one flat fp32 partition
 (and flat ``exp_avg`` / ``exp_avg_sq``); ``param_slice_mappings`` gives each parameter's
 ``(start, numel)`` inside it. A parameter's fragments follow one another in *numeric* rank
-order (rank 10 after rank 9), alignment padding is never addressed. ZeRO-3: parameter
-``i`` of a group is split alone into ``ceil(numel / dp)`` elements per rank, the last rank's
-tail padded; rank ``r`` holds elements ``[r * part, min(numel, (r + 1) * part))``.
+order (rank 10 after rank 9), alignment padding is never addressed (the fp32 partition is
+saved without ``group_paddings``, the moments with it). ZeRO-3: parameter ``i`` of a group
+is split alone into ``ceil(numel / dp)`` elements per rank, the last rank's tail padded;
+rank ``r`` holds elements ``[r * part, min(numel, (r + 1) * part))``; frozen parameters are
+partitioned the same way into each rank's ``frozen_param_fragments``. Pipeline parallel
+(ZeRO-1): each stage (``mp_rank_XX``) is read as above, the module copy comes from the
+``layer_XX-model_states.pt`` files. Tensor parallel (ZeRO-1/2): each tensor-parallel rank's
+shard of a parameter is a box of the global tensor, given by the checkpoint's
+``universal_checkpoint_info`` (affine map or name patterns); its flat slices are pieces of
+that box.
 
-Not read (refused with an error or left out): tensor- and pipeline-parallel DeepSpeed
-checkpoints (more than one ``mp_rank``), MoE expert files, NVMe-offloaded state, and the
-``universal_checkpoint_info`` merge rules (they matter only for tp > 1).
+Refused with a LayoutError naming the reason (never half-read): tensor-parallel checkpoints
+without ``universal_checkpoint_info`` or with layouts it describes that are not boxes
+(fused, averaged, vocabulary-padded), tensor and pipeline parallelism together, MoE expert
+files, parameters tied across pipeline stages. Not read: NVMe-offloaded state.
+Tensors of the source left out of the manifest (module copies duplicating the master
+weights, placeholders without data, replicas) are listed with the reason in
+``manifest.provenance["skipped"]``.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from ..errors import CorruptionError, LayoutError, NotACheckpointError, UnickptE
 from ..format.dtypes import itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
-from ..plan.box import Box
+from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.local import LocalStorage
 from .torch_archive import StoredTensor, read_archive
@@ -103,6 +114,9 @@ ALLOWED = {
 OPTIM_FILE = re.compile(r"^(?:(?:bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_(\d+)-(?:.+-)?model_states\.pt$")  # a pipeline module's layer
+EXPERT_MODEL_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPERT_OPTIM_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MARKERS = ("latest", "latest_universal")
 
 
@@ -112,7 +126,8 @@ def _kind(root: str) -> str | None:
     """``"zero"`` or ``"universal"`` for a checkpoint tag directory, else None."""
     storage = LocalStorage(root)
     names = storage.names()
-    if any(OPTIM_FILE.match(n) for n in names) and any(MODEL_FILE.match(n) or ZERO3_MODEL_FILE.match(n) for n in names):
+    optim = any(OPTIM_FILE.match(n) or EXPERT_OPTIM_FILE.match(n) for n in names)
+    if optim and any(MODEL_FILE.match(n) or ZERO3_MODEL_FILE.match(n) for n in names):
         return "zero"
     if storage.exists("zero/optimizer_state.pt"):
         return "universal"
@@ -173,6 +188,11 @@ class _Builder:
         self.storage = LocalStorage(root)
         self.prefix = prefix
         self.manifest = Manifest()
+        self.skipped: dict[str, str] = {}
+
+    def skip(self, name: str, reason: str) -> None:
+        """Account for a tensor of the source that the manifest leaves out."""
+        self.skipped[name] = reason
 
     def rel(self, name: str) -> str:
         return self.prefix + name
@@ -206,20 +226,21 @@ class _Builder:
             e.fragments.append(Fragment(t.file, t.offset, t.shape, [whole_piece(t.shape)], [], itemsize(t.dtype), rank))
 
     def flat(self, name: str, shape: tuple[int, ...], flat: StoredTensor, at: int, start: int, numel: int,
-             layout: str, rank: int) -> None:
-        """Elements ``[start, start + numel)`` of parameter ``name`` stored at element ``at``
-        of the 1-D tensor ``flat``."""
+             layout: str, rank: int, box: Box | None = None) -> None:
+        """Elements ``[start, start + numel)`` of parameter ``name`` (of ``box`` of it, a
+        tensor-parallel shard, when given) stored at element ``at`` of the 1-D tensor ``flat``."""
+        box = box or Box.whole(shape)
         if not isinstance(flat, StoredTensor) or len(flat.shape) != 1 or (flat.numel > 1 and flat.stride[0] != 1):
             raise CorruptionError(f"{name!r}: the flat partition in {getattr(flat, 'file', '?')} is not a 1-D contiguous tensor")
-        if at < 0 or at + numel > flat.numel or start < 0 or start + numel > prod(shape):
+        if at < 0 or at + numel > flat.numel or start < 0 or start + numel > box.volume:
             raise CorruptionError(
                 f"{name!r}: slice ({at}, {numel}) lies outside the partition of {flat.numel} elements in {flat.file} "
-                f"or outside the parameter's {prod(shape)} elements"
+                f"or outside the parameter's {box.volume} elements"
             )
         e = self.entry(name, shape, flat.dtype, layout)
         if numel:
             size = itemsize(flat.dtype)
-            pieces = flat_pieces(Box.whole(shape), start, start + numel)
+            pieces = flat_pieces(box, start, start + numel)
             e.fragments.append(Fragment(flat.file, flat.offset + at * size, (numel,), pieces, [], size, rank))
 
 
@@ -255,19 +276,43 @@ def _model_values(b: _Builder, model: dict[str, Any], zero_stage: int, world: in
     })
 
 
-def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: dict[str, str]) -> None:
+def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: dict[str, str], source: str,
+                    zero3: bool = False, buffers: set[str] = frozenset()) -> None:
     """The module copy: ``module.<p>`` where it differs in dtype from the master, ``model.<n>``
-    for what the optimizer does not own; zero-size ZeRO-3 placeholders are skipped."""
+    for what the optimizer does not own. ZeRO-3's zero-size placeholders of partitioned
+    parameters hold no data; a placeholder whose parameter was read from nowhere else, and a
+    module copy in the master's own dtype (a duplicate), are accounted for as skipped."""
     if not isinstance(module, dict):
         return
     for name, t in module.items():
         if not isinstance(t, StoredTensor):
             continue
         if name in master:
-            if t.numel and t.dtype != master_dtype.get(name):
+            if not t.numel:
+                continue
+            if t.dtype != master_dtype.get(name):
                 b.whole(f"module.{name}", t, "deepspeed module copy")
-        elif f"model.{name}" not in b.manifest.tensors:
+            else:
+                b.skip(f"module.{name}", f"the module's copy of model.{name} in {source}, in the dtype of the master "
+                       "weights: a duplicate (the master weights are read)")
+        elif f"model.{name}" in b.manifest.tensors:
+            continue  # a frozen ZeRO-3 parameter (read from its partitions) or a tied alias
+        elif zero3 and not t.numel and name not in buffers:
+            b.skip(f"model.{name}", f"a zero-size ZeRO-3 placeholder in {source}: the parameter's data is not in this "
+                   "checkpoint")
+        else:
             b.whole(f"model.{name}", t, "deepspeed module (not optimized)")
+
+
+def _aliases(b: _Builder, model: dict[str, Any]) -> None:
+    """``shared_params`` (tied parameters, ``alias -> source``): the alias names the source's
+    data, as ``zero_to_fp32`` restores it."""
+    shared = model.get("shared_params")
+    for alias, src in (shared.items() if isinstance(shared, dict) else ()):
+        e = b.manifest.tensors.get(f"model.{src}")
+        if e is not None and f"model.{alias}" not in b.manifest.tensors:
+            b.manifest.tensors[f"model.{alias}"] = TensorEntry(f"model.{alias}", e.shape, e.dtype, list(e.fragments),
+                                                               e.layout + " (tied)")
 
 
 def _step(b: _Builder, name: str, step: Any) -> None:
@@ -281,11 +326,9 @@ def _step(b: _Builder, name: str, step: Any) -> None:
         b.value(key, step)
 
 
-def _check_complete(b: _Builder, names: list[str]) -> None:
-    for name in names:
-        e = b.manifest.tensors.get(name)
-        if e is None:
-            continue
+def _check_complete(b: _Builder) -> None:
+    """Every entry's fragments hold all its elements (flat slices can leave gaps)."""
+    for name, e in b.manifest.tensors.items():
         got = sum(prod(f.shape) for f in e.fragments)
         if got != prod(e.shape):
             raise CorruptionError(
@@ -295,89 +338,314 @@ def _check_complete(b: _Builder, names: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- ZeRO 1/2/3
 
-def _rank_files(names: list[str], pattern: re.Pattern[str]) -> dict[int, str]:
-    found: dict[int, str] = {}
-    mps = set()
+def _rank_files(names: list[str], pattern: re.Pattern[str]) -> dict[int, dict[int, str]]:
+    """model-parallel rank -> {data-parallel rank -> file name}, both in numeric order."""
+    found: dict[int, dict[int, str]] = {}
     for n in names:
         m = pattern.match(n)
         if m:
-            mps.add(int(m.group(2)))
-            if int(m.group(2)) == 0:
-                found[int(m.group(1))] = n
-    if mps - {0}:
-        raise LayoutError("DeepSpeed checkpoints with tensor/pipeline model parallelism (mp_rank > 0) are not read yet")
-    return dict(sorted(found.items()))  # numeric rank order
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = n
+    return {mp: dict(sorted(d.items())) for mp, d in sorted(found.items())}
 
 
-def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
-    names = LocalStorage(tag_dir).names()
-    optim = _rank_files(names, OPTIM_FILE)
-    world = len(optim)
-    if sorted(optim) != list(range(world)):
-        raise CorruptionError(f"{tag_dir}: optimizer files of ranks {sorted(optim)} (some are missing)")
-    first = b.archive(optim[0])
-    osd0 = first.get("optimizer_state_dict", {}) if isinstance(first, dict) else {}
-    stage = int(osd0.get("zero_stage", 1)) if isinstance(osd0, dict) else 1
-    if stage >= 3:
-        return _read_zero3(b, names, optim, stage)
-    model_name = "mp_rank_00_model_states.pt"
-    if model_name not in names:
-        raise CorruptionError(f"{tag_dir}: {model_name} is missing")
-    model = b.archive(model_name)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for group in model.get("param_shapes") or []:
-        for name, shape in group.items():
-            shapes[name] = tuple(int(x) for x in shape)
+def _refuse_experts(tag_dir: str, names: list[str], model: dict[str, Any]) -> None:
+    """MoE checkpoints are refused whole: expert parameters carry names local to their
+    expert-parallel rank and are partitioned over the expert-data-parallel group only."""
+    experts = sorted(n for n in names if EXPERT_MODEL_FILE.match(n) or EXPERT_OPTIM_FILE.match(n))
+    if experts or model.get("num_experts"):
+        shown = ", ".join(experts[:3]) + (", ..." if len(experts) > 3 else "")
+        raise LayoutError(
+            f"{tag_dir}: a DeepSpeed MoE (expert-parallel) checkpoint (expert files: {shown or 'none'}; "
+            f"num_experts={_plain(model.get('num_experts', '?'))}) is not supported: its expert parameters are named "
+            "locally to their expert-parallel rank and their optimizer state is partitioned over the "
+            "expert-data-parallel group; unickpt does not map them to global experts yet, so nothing was read"
+        )
+
+
+def _parallel_degrees(model: dict[str, Any], mps: list[int], has_layer_files: bool) -> tuple[int, int]:
+    """(pipeline, tensor) parallel degrees of a ZeRO-1/2 checkpoint."""
+    dims = model.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, dict):
+        return int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
+    mp_world = int(model.get("mp_world_size") or len(mps))
+    return (mp_world, 1) if has_layer_files else (1, mp_world)
+
+
+def _refuse_tensor_parallel(tag_dir: str, tp: int, pp: int, model: dict[str, Any], why: str = "") -> None:
+    if why:
+        pass
+    elif not isinstance(model.get("universal_checkpoint_info"), dict):
+        why = ("merging its tensor-parallel slices needs DeepSpeed's universal_checkpoint_info (which parameters are "
+               "row-parallel, replicated, vocabulary-padded, fused), and this checkpoint carries none")
+    else:
+        why = "tensor and pipeline parallelism together are not read by unickpt yet"
+    raise LayoutError(
+        f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (tp_degree={tp}, pp_degree={pp}, files mp_rank_00 .. "
+        f"mp_rank_{tp * pp - 1:02d}) is not supported: {why}; nothing was read"
+    )
+
+
+def _flat_moments(b: _Builder, state: dict[str, Any], flat: StoredTensor, padding: int, where: str) -> dict[str, StoredTensor]:
+    """The flat per-element optimizer states of one group partition. DeepSpeed saves the
+    fp32 partition without its alignment padding (``group_paddings``, the last rank's tail)
+    but the moments with it: both lengths are the partition; the tail is never addressed."""
+    out = {}
+    for key, v in state.items():
+        if key == "step" or not isinstance(v, StoredTensor):
+            continue
+        if len(v.shape) == 1 and v.numel in (flat.numel, flat.numel + padding):
+            out[key] = v
+        else:
+            b.skip(f"{where}.{key}", f"an optimizer state of shape {list(v.shape)} that is not a flat partition "
+                   f"({flat.numel} elements, or {flat.numel + padding} with the alignment padding)")
+    return out
+
+
+def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tuple[int, ...]], stage: int, rank_base: int,
+                       loaded: dict[str, Any], master_dtype: dict[str, str],
+                       tp_shards: dict[str, tuple[tuple[int, ...], Box | None]] | None = None) -> None:
+    """The fp32 partitions and flat optimizer states of one set of data-parallel ranks (the
+    whole job, one pipeline stage, or one tensor-parallel rank: then ``tp_shards`` maps each
+    parameter to its global shape and the box of it this rank's shard holds, None for a
+    replica that a lower tensor-parallel rank holds too)."""
     layout = f"deepspeed zero-{stage} flat partition"
     filled: dict[str, int] = {}
-    master_dtype: dict[str, str] = {}
-    for rank, fname in optim.items():
-        sd = first if rank == 0 else b.archive(fname)
-        osd = sd["optimizer_state_dict"]
-        fp32 = osd.get("single_partition_of_fp32_groups")
-        mappings = osd.get("param_slice_mappings")
-        if fp32 is None or mappings is None:
+    for dp, fname in files.items():
+        sd = loaded.get(fname) or b.archive(fname)
+        osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+        fp32 = osd.get("single_partition_of_fp32_groups") if isinstance(osd, dict) else None
+        mappings = osd.get("param_slice_mappings") if isinstance(osd, dict) else None
+        if fp32 is None or mappings is None or len(fp32) != len(mappings):
             raise CorruptionError(f"{fname}: no single_partition_of_fp32_groups / param_slice_mappings (not a ZeRO-1/2 file)")
+        paddings = osd.get("group_paddings") or []
         base = osd.get("base_optimizer_state", {})
         for g, (flat, mapping) in enumerate(zip(fp32, mappings)):
+            pad = int(paddings[g]) if g < len(paddings) else 0
             state = _group_state(base, g)
-            flats = {k: v for k, v in state.items() if isinstance(v, StoredTensor) and len(v.shape) == 1 and v.numel == flat.numel}
+            moments = _flat_moments(b, state, flat, pad, f"{fname}:base_optimizer_state.state.{g}")
+            step = state.get("step", osd.get("base_optimizer_state_step"))
             for name, addr in mapping.items():
                 if name not in shapes:
-                    raise CorruptionError(f"{fname}: parameter {name!r} has no shape in {model_name}")
+                    raise CorruptionError(f"{fname}: parameter {name!r} has no shape in param_shapes")
                 # in_flat: where the slice lies in this rank's partition; in_param: where it
                 # lies in the flattened parameter (after the slices of all lower ranks)
                 in_flat, numel = int(getattr(addr, "start", 0)), int(getattr(addr, "numel", 0))
                 in_param = filled.get(name, 0)
-                b.flat(f"model.{name}", shapes[name], flat, in_flat, in_param, numel, layout, rank)
-                master_dtype[name] = flat.dtype
-                for key, t in flats.items():
-                    b.flat(f"optim.state.{name}.{key}", shapes[name], t, in_flat, in_param, numel, layout, rank)
-                _step(b, name, state.get("step"))
+                shape, box = tp_shards[name] if tp_shards else (shapes[name], None)
                 filled[name] = in_param + numel
-    _check_complete(b, [f"model.{n}" for n in shapes])
-    _module_entries(b, model.get("module"), set(shapes), master_dtype)
-    _param_groups_value(b, first["optimizer_state_dict"].get("base_optimizer_state", {}).get("param_groups"))
+                if tp_shards and box is None:
+                    for key in ("fp32", *moments):
+                        b.skip(f"{fname}:{name}.{key}", "a tensor-parallel replica of a lower tensor-parallel rank's shard")
+                    continue
+                b.flat(f"model.{name}", shape, flat, in_flat, in_param, numel, layout, rank_base + dp, box)
+                master_dtype[name] = flat.dtype
+                for key, t in moments.items():
+                    b.flat(f"optim.state.{name}.{key}", shape, t, in_flat, in_param, numel, layout, rank_base + dp, box)
+                _step(b, name, step)
+
+
+def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
+    names = LocalStorage(tag_dir).names()
+    _refuse_experts(tag_dir, names, {})
+    optim = _rank_files(names, OPTIM_FILE)
+    mps = list(optim)
+    if mps != list(range(len(mps))):
+        raise CorruptionError(f"{tag_dir}: optimizer files of model-parallel ranks {mps} (some are missing)")
+    dp_world = len(optim[0])
+    for mp, files in optim.items():
+        if sorted(files) != list(range(dp_world)):
+            raise CorruptionError(f"{tag_dir}: optimizer files of ranks {sorted(files)} for mp_rank_{mp:02d} (some are missing)")
+    first_name = optim[0][0]
+    first = b.archive(first_name)
+    osd0 = first.get("optimizer_state_dict", {}) if isinstance(first, dict) else {}
+    stage = int(osd0.get("zero_stage", 1)) if isinstance(osd0, dict) else 1
+    if stage >= 3:
+        if len(mps) > 1:
+            _refuse_tensor_parallel(tag_dir, len(mps), 1, {}, "ZeRO-3 with tensor parallelism is not read by unickpt yet")
+        return _read_zero3(b, tag_dir, names, optim[0], stage, first)
+    models = {}
+    for mp in mps:
+        model_name = f"mp_rank_{mp:02d}_model_states.pt"
+        if model_name not in names:
+            raise CorruptionError(f"{tag_dir}: {model_name} is missing")
+        models[mp] = b.archive(model_name)
+    model = models[0]
+    _refuse_experts(tag_dir, names, model)
+    layer_files: dict[int, list[str]] = {}
+    for n in names:
+        m = LAYER_FILE.match(n)
+        if m:
+            layer_files.setdefault(int(m.group(1)), []).append(n)
+    pp, tp = _parallel_degrees(model, mps, bool(layer_files))
+    if tp > 1 and pp == 1 and not layer_files and isinstance(model.get("universal_checkpoint_info"), dict):
+        return _read_tensor_parallel(b, tag_dir, optim, models, stage, first_name, first, osd0, tp)
+    if tp > 1 or any(len(v) > 1 for v in layer_files.values()):
+        _refuse_tensor_parallel(tag_dir, max(tp, 2), pp, model)
+    if pp != len(mps):
+        raise CorruptionError(f"{tag_dir}: pp_degree {pp} but files of {len(mps)} model-parallel ranks")
+    master_dtype: dict[str, str] = {}
+    owner: dict[str, int] = {}
+    for mp in mps:
+        shapes = {n: tuple(int(x) for x in s) for g in models[mp].get("param_shapes") or [] for n, s in g.items()}
+        for n in shapes:
+            if n in owner or (pp > 1 and n.startswith("tied_modules.")):
+                raise LayoutError(f"{tag_dir}: parameter {n!r} is tied across pipeline stages (a pipeline-replicated "
+                                  "parameter); such DeepSpeed pipeline checkpoints are not supported, nothing was read")
+            owner[n] = mp
+        _read_zero12_ranks(b, optim[mp], shapes, stage, mp * dp_world, {first_name: first}, master_dtype)
+    _check_complete(b)
+    if pp > 1:
+        for idx, (fname,) in sorted(layer_files.items()):
+            layer = b.archive(fname)
+            if not isinstance(layer, dict):
+                raise CorruptionError(f"{fname}: not a module state dict")
+            _module_entries(b, {f"{idx}.{k}": v for k, v in layer.items()}, set(owner), master_dtype, fname)
+    else:
+        _aliases(b, model)
+        _module_entries(b, model.get("module"), set(owner), master_dtype, "mp_rank_00_model_states.pt")
+    _param_groups_value(b, osd0.get("base_optimizer_state", {}).get("param_groups"))
     for key in ("clip_grad", "partition_count", "group_paddings"):
         if key in osd0:
             b.value(f"deepspeed.{key}", osd0[key])
-    _model_values(b, model, stage, world)
+    _model_values(b, model, stage, dp_world * pp)
+    if pp > 1:
+        b.manifest.provenance["pipeline_parallel"] = pp
+        b.manifest.provenance["data_parallel"] = dp_world
     return b.manifest
 
 
-def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int) -> Manifest:
-    models = _rank_files(names, ZERO3_MODEL_FILE)
-    if 0 not in models:
-        raise CorruptionError("ZeRO-3 checkpoint without zero_pp_rank_0_mp_rank_00_model_states.pt")
-    model = b.archive(models[0])
-    groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model.get("param_shapes") or []]
+def _unsupported_tp(tag_dir: str, name: str, why: str) -> LayoutError:
+    return LayoutError(f"{tag_dir}: tensor-parallel parameter {name!r} {why}: not supported, nothing was read")
+
+
+def _tp_layout(tag_dir: str, rules: dict[str, Any], name: str, shards: dict[int, tuple[int, ...]]
+               ) -> tuple[tuple[int, ...], dict[int, Box]]:
+    """The global shape of a tensor-parallel parameter and the box of it each tensor-parallel
+    rank's shard holds, from DeepSpeed's ``universal_checkpoint_info``: its ``affine_map``
+    (one unscaled row-major box per rank), ``tp_replicated_parameter_patterns`` (the whole
+    tensor on every rank), ``parameter_with_row_parallelism_patterns`` (slices joined on dim
+    1) or else, as DeepSpeed's default, slices joined on dim 0. Averaged, vocabulary-padded
+    and fused (sub-parameter) layouts are refused."""
+    def matching(key: str) -> list[str]:
+        return [p for p in rules.get(key) or [] if re.match(p, name)]
+
+    affine = ((rules.get("affine_map") or {}).get("params") or {})
+    found = [p for p in affine if re.match(p, name)]
+    if len(found) > 1:
+        raise _unsupported_tp(tag_dir, name, f"matches several affine maps {found}")
+    if found:
+        spec = affine[found[0]]
+        shape = tuple(int(x) for x in spec["logical_shape"])
+        ranks = spec.get("ranks") or {}
+        boxes = {}
+        for t, shard in shards.items():
+            info = ranks.get(t, ranks.get(str(t)))
+            pieces = (info or {}).get("pieces") or []
+            if len(pieces) != 1:
+                raise _unsupported_tp(tag_dir, name, f"is held by tensor-parallel rank {t} in {len(pieces)} pieces "
+                                      "(fused sub-parameters)")
+            piece = pieces[0]
+            (src, src_strides), (dst, dst_strides) = piece["source"], piece["dest"]
+            lengths = tuple(int(x) for x in piece["shape"])
+            if (float(piece.get("scale", 1.0)) != 1.0 or lengths != shard or int(dst) != 0
+                    or tuple(dst_strides) != row_major_strides(shard) or tuple(src_strides) != row_major_strides(shape)):
+                raise _unsupported_tp(tag_dir, name, f"has an affine map piece on rank {t} that is not one unscaled "
+                                      f"box of the whole shard ({piece})")
+            offsets, rest = [], int(src)
+            for stride in row_major_strides(shape):
+                offsets.append(rest // stride)
+                rest %= stride
+            box = Box(tuple(offsets), lengths)
+            if not Box.whole(shape).contains(box):
+                raise CorruptionError(f"{tag_dir}: affine map of {name!r} on rank {t} lies outside {shape}")
+            boxes[t] = box
+        return shape, boxes
+    for key in ("parameter_to_average_patterns", "vocabulary_parameter_patterns", "parameter_with_2_sub_params_cat_dim_0"):
+        if matching(key):
+            raise _unsupported_tp(tag_dir, name, f"matches {key} (merge rule not applied by unickpt)")
+    if any(re.match(p, name) for sub in rules.get("parameter_with_sub_params") or [] for p in (sub or {}).get("patterns", [])):
+        raise _unsupported_tp(tag_dir, name, "matches parameter_with_sub_params (merge rule not applied by unickpt)")
+    first = shards[min(shards)]
+    if matching("tp_replicated_parameter_patterns"):
+        if any(s != first for s in shards.values()):
+            raise CorruptionError(f"{tag_dir}: replicated parameter {name!r} has shards of different shapes")
+        return first, {t: Box.whole(first) for t in shards}
+    dim = 1 if matching("parameter_with_row_parallelism_patterns") else 0
+    if not first or any(len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:] for s in shards.values()):
+        raise _unsupported_tp(tag_dir, name, f"has shards {list(shards.values())} that do not join on dim {dim}")
+    boxes, at = {}, 0
+    for t, shard in sorted(shards.items()):
+        offsets = [0] * len(shard)
+        offsets[dim] = at
+        boxes[t] = Box(tuple(offsets), shard)
+        at += shard[dim]
+    return first[:dim] + (at,) + first[dim + 1:], boxes
+
+
+def _read_tensor_parallel(b: _Builder, tag_dir: str, optim: dict[int, dict[int, str]], models: dict[int, Any], stage: int,
+                          first_name: str, first: Any, osd0: dict[str, Any], tp: int) -> Manifest:
+    """ZeRO-1/2 with tensor parallelism (no pipeline): tensor-parallel rank ``t`` is
+    ``mp_rank_{t:02d}``; each parameter's shard on it is a box of the global tensor given by
+    the checkpoint's ``universal_checkpoint_info`` (:func:`_tp_layout`); within the shard the
+    data-parallel ranks' flat slices follow one another as without tensor parallelism."""
+    rules = models[0]["universal_checkpoint_info"]
+    if sorted(models) != list(range(tp)):
+        raise CorruptionError(f"{tag_dir}: model-states files of model-parallel ranks {sorted(models)} for tp_degree {tp}")
+    shards: dict[str, dict[int, tuple[int, ...]]] = {}
+    for t, model in models.items():
+        for g in model.get("param_shapes") or []:
+            for n, s in g.items():
+                shards.setdefault(n, {})[t] = tuple(int(x) for x in s)
+    layouts = {}
+    for name, per_rank in shards.items():
+        if sorted(per_rank) != list(range(tp)):
+            raise _unsupported_tp(tag_dir, name, f"is held by tensor-parallel ranks {sorted(per_rank)} only")
+        layouts[name] = _tp_layout(tag_dir, rules, name, per_rank)
+    dp_world = len(optim[0])
+    master_dtype: dict[str, str] = {}
+    for t in range(tp):
+        shard_of = {}
+        for name, (shape, boxes) in layouts.items():
+            lower = [boxes[u] for u in range(t)]
+            shard_of[name] = (shape, None if boxes[t] in lower else boxes[t])
+        shapes = {n: s[t] for n, s in shards.items()}
+        _read_zero12_ranks(b, optim[t], shapes, stage, t * dp_world, {first_name: first}, master_dtype, shard_of)
+    _check_complete(b)
+    for t, model in models.items():
+        module = model.get("module")
+        for name, v in (module.items() if isinstance(module, dict) else ()):
+            if not isinstance(v, StoredTensor):
+                continue
+            if name not in layouts:
+                raise LayoutError(f"{tag_dir}: module entry {name!r} of mp_rank_{t:02d} is not an optimized parameter "
+                                  "(a buffer or frozen parameter) of a tensor-parallel checkpoint, whose split is not "
+                                  "recorded: not supported, nothing was read")
+            b.skip(f"mp_rank_{t:02d}_model_states.pt:module.{name}", "the module's tensor-parallel shard of "
+                   f"model.{name} (the fp32 master weights are read)")
+    _param_groups_value(b, osd0.get("base_optimizer_state", {}).get("param_groups"))
+    for key in ("clip_grad", "partition_count", "group_paddings"):
+        if key in osd0:
+            b.value(f"deepspeed.{key}", osd0[key])
+    _model_values(b, models[0], stage, dp_world * tp)
+    b.manifest.provenance["tensor_parallel"] = tp
+    b.manifest.provenance["data_parallel"] = dp_world
+    return b.manifest
+
+
+def _read_zero3(b: _Builder, tag_dir: str, names: list[str], optim: dict[int, str], stage: int, first: Any) -> Manifest:
+    models = _rank_files(names, ZERO3_MODEL_FILE).get(0, {})
     world = len(optim)
+    if sorted(models) != list(range(world)):
+        raise CorruptionError(f"ZeRO-3 checkpoint with model-states files of ranks {sorted(models)} for {world} optimizer files")
+    model = b.archive(models[0])
+    _refuse_experts(tag_dir, names, model)
+    groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model.get("param_shapes") or []]
     layout = f"deepspeed zero-{stage} partition"
     all_names: list[str] = []
     master_dtype: dict[str, str] = {}
     first_osd = None
     for rank, fname in optim.items():
-        osd = b.archive(fname)["optimizer_state_dict"]
+        osd = (first if rank == 0 else b.archive(fname))["optimizer_state_dict"]
         first_osd = first_osd or osd
         flats = osd.get("fp32_flat_groups")
         inner = osd.get("optimizer_state_dict", {})
@@ -389,7 +657,7 @@ def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int
             state = _group_state(inner, idx)
             meta = parts[idx] if idx < len(parts) and isinstance(parts[idx], dict) else {}
             count, prank = int(meta.get("partition_count", world)), int(meta.get("partition_rank", rank))
-            moments = {k: v for k, v in state.items() if isinstance(v, StoredTensor) and len(v.shape) == 1 and v.numel == flat.numel}
+            moments = _flat_moments(b, state, flat, 0, f"{fname}:optimizer_state_dict.state.{idx}")
             offset = 0
             for name, shape in shapes.items():
                 numel = prod(shape)
@@ -404,8 +672,11 @@ def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int
                 if rank == 0:
                     all_names.append(name)
                 offset += part
-    _check_complete(b, [f"model.{n}" for n in all_names])
-    _module_entries(b, model.get("module"), set(all_names), master_dtype)
+    _read_zero3_frozen(b, models, model)
+    _check_complete(b)
+    _aliases(b, model)
+    _module_entries(b, model.get("module"), set(all_names), master_dtype, models[0], zero3=True,
+                    buffers=set(model.get("buffer_names") or []))
     if first_osd is not None:
         _param_groups_value(b, first_osd.get("optimizer_state_dict", {}).get("param_groups"))
         for key in ("clip_grad", "partition_count"):
@@ -413,6 +684,35 @@ def _read_zero3(b: _Builder, names: list[str], optim: dict[int, str], stage: int
                 b.value(f"deepspeed.{key}", first_osd[key])
     _model_values(b, model, stage, world)
     return b.manifest
+
+
+def _read_zero3_frozen(b: _Builder, models: dict[int, str], model0: dict[str, Any]) -> None:
+    """Parameters the optimizer does not own (``requires_grad=False``): each rank's model-states
+    file holds its partition of each in ``frozen_param_fragments`` (``ceil(numel / dp)``
+    elements, the last rank's tail padded); the ranks' partitions follow one another in
+    numeric rank order, as ``zero_to_fp32`` concatenates them. The copies of rank 0's module
+    entries in the other ranks' files are accounted for as replicas."""
+    frozen = model0.get("frozen_param_shapes") or {}
+    filled: dict[str, int] = {}
+    for rank, fname in models.items():
+        mr = model0 if rank == 0 else b.archive(fname)
+        if rank:
+            for k, t in (mr.get("module") or {}).items():
+                if isinstance(t, StoredTensor) and t.numel:
+                    b.skip(f"{fname}:module.{k}", f"a replica of the module entry {k!r} of {models[0]}")
+        if not frozen:
+            continue
+        frags = mr.get("frozen_param_fragments") or {}
+        for name, shape in frozen.items():
+            shape = tuple(int(x) for x in shape)
+            t = frags.get(name)
+            if not isinstance(t, StoredTensor):
+                raise CorruptionError(f"{fname}: frozen parameter {name!r} has no entry in frozen_param_fragments")
+            at = filled.get(name, 0)
+            numel = prod(shape)
+            b.flat(f"model.{name}", shape, t, 0, min(at, numel), max(0, min(t.numel, numel - at)),
+                   "deepspeed zero-3 frozen partition", rank)
+            filled[name] = at + t.numel
 
 
 # ----------------------------------------------------------------------------- universal
@@ -455,6 +755,9 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
         groups = inner.get("param_groups")
     _param_groups_value(b, groups)
     stage = int(osd.get("zero_stage", 0) or 0)
+    read = {n[len("model."):]: e.dtype for n, e in b.manifest.tensors.items() if n.startswith("model.")}
+    _module_entries(b, model.get("module"), set(read), read, model_file or "", zero3=stage >= 3,
+                    buffers=set(model.get("buffer_names") or []))
     for key in ("clip_grad", "partition_count"):
         if key in osd:
             b.value(f"deepspeed.{key}", osd[key])
@@ -476,5 +779,7 @@ def read_deepspeed(path: str) -> Manifest:
         m = _read_universal(b, tag_dir) if kind == "universal" else _read_zero(b, tag_dir)
     finally:
         b.storage.close()
+    if b.skipped:
+        m.provenance["skipped"] = dict(b.skipped)
     m.metadata.setdefault("deepspeed", {"tag": prefix.rstrip("/") or os.path.basename(os.path.abspath(tag_dir)), "kind": kind})
     return m
