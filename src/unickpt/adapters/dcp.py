@@ -7,7 +7,8 @@ chunk (an N-d box) of a tensor, or one non-tensor object.
 
 Nothing is executed to read it: ``.metadata`` goes through unickpt's allow-listing
 unpickler with only DCP's metadata data classes, ``torch.Size``, dtypes, layouts and
-pure path classes allowed; every item is opened with :func:`read_archive`, which parses the
+pure path classes allowed (the planner's ``SavePlan``/``WriteItem`` objects that
+Megatron-Core adds as ``all_local_plans`` are kept as inert records: data, never built); every item is opened with :func:`read_archive`, which parses the
 archive's zip directory and its small ``data.pkl`` (again allow-listed) and returns where
 the tensor's bytes lie instead of reading them. The result is an in-memory
 :class:`Manifest` whose fragments point into the ``.distcp`` files (one fragment per
@@ -38,7 +39,7 @@ from ..plan.box import Box
 from ..plan.piece import box_piece
 from ..storage.local import LocalStorage
 from .detect import check_relative_path
-from .torch_archive import StoredTensor, loads_restricted, read_archive, stored_tensors
+from .torch_archive import StoredTensor, inert_records, loads_restricted, read_archive, stored_tensors
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -48,6 +49,9 @@ _METADATA_CLASSES = (
     "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
 )
+# the save planner's records (Megatron-Core keeps every rank's SavePlan in the metadata)
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+_PLANNER_RECORDS = ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
 
 
 def is_dcp(path: str) -> bool:
@@ -80,6 +84,7 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {(_METADATA_MODULE, n): getattr(metadata, n) for n in _METADATA_CLASSES}
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     allowed[("torch.serialization", "_get_layout")] = _layout_by_name
+    allowed.update(inert_records(_PLANNER_MODULE, _PLANNER_RECORDS))
     for module in ("pathlib", "pathlib._local"):
         for name in ("PurePath", "PurePosixPath", "PosixPath", "Path"):
             allowed[(module, name)] = PurePosixPath
@@ -150,9 +155,10 @@ def writer_rank(file: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def read_dcp(path: str) -> Manifest:
-    """An in-memory manifest of the DCP checkpoint at ``path`` (see the module docstring)."""
-    md = read_metadata(path)
+def read_dcp(path: str, md: Any = None) -> Manifest:
+    """An in-memory manifest of the DCP checkpoint at ``path`` (see the module docstring);
+    ``md``: its metadata when the caller has read it already."""
+    md = read_metadata(path) if md is None else md
     storage = LocalStorage(path)
     try:
         return _build(storage, md, str(path))
