@@ -21,12 +21,14 @@ FORMATS = [
     ("megatron", "unickpt.adapters.megatron", "is_megatron", "read_megatron"),
     ("dcp", "unickpt.adapters.dcp", "is_dcp", "read_dcp"),
     ("deepspeed", "unickpt.adapters.deepspeed", "is_deepspeed", "read_deepspeed"),
+    ("dcp-hf", "unickpt.adapters.dcp_hf", "is_dcp_hf", "read_dcp_hf"),  # sharded safetensors of DCP's HF storage
     ("hf", "unickpt.adapters.hf", "is_hf", "read_hf"),
 ]
 
 
 def checkpoint_format(path: str) -> str:
-    """``"unickpt"``, ``"megatron"``, ``"dcp"``, ``"deepspeed"`` or ``"hf"``; NotACheckpointError otherwise."""
+    """``"unickpt"``, ``"megatron"``, ``"dcp"``, ``"deepspeed"``, ``"dcp-hf"`` or ``"hf"``;
+    NotACheckpointError otherwise."""
     storage = LocalStorage(path)
     if storage.exists(MANIFEST_NAME):
         return "unickpt"
