@@ -32,6 +32,7 @@ from ..storage.local import LocalStorage
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 OFFSETS_KEY = "saved_offsets"
+INDEX_NAME = "model.safetensors.index.json"
 
 
 def _header(storage: LocalStorage, name: str) -> tuple[dict[str, Any], int]:
@@ -75,20 +76,35 @@ def is_dcp_hf(path: str) -> bool:
     if not storage.root.is_dir():
         return False
     seen: set[str] = set()
+    nbytes = 0
     try:
         for name in _files(storage):
-            info = _sharding_info(_header(storage, name)[0], name)
+            header, _ = _header(storage, name)
+            info = _sharding_info(header, name)
             if info is None:
                 return False
             for key, v in info.items():
                 if key in seen or any(o != 0 for o in (v or {}).get(OFFSETS_KEY, ())):
                     return True
                 seen.add(key)
-        return False
+            nbytes += sum(d["data_offsets"][1] - d["data_offsets"][0] for k, d in header.items() if k != "__metadata__")
+        return bool(seen) and _index_total(storage) not in (None, nbytes)
     except Exception:  # not readable as safetensors: the Hugging Face reader reports it
         return False
     finally:
         storage.close()
+
+
+def _index_total(storage: LocalStorage) -> int | None:
+    """``metadata.total_size`` of the index DCP's coordinator writes (the bytes of the whole
+    save), or None."""
+    if not storage.exists(INDEX_NAME):
+        return None
+    try:
+        total = json.loads(storage.read_small(INDEX_NAME)).get("metadata", {}).get("total_size")
+    except (ValueError, AttributeError):
+        return None
+    return total if isinstance(total, int) and not isinstance(total, bool) else None
 
 
 def read_dcp_hf(path: str) -> Manifest:
@@ -149,6 +165,13 @@ def _build(storage: LocalStorage, path: str) -> Manifest:
                 "(without it every rank writes the same file names and overwrites the others' chunks)"
             )
         manifest.tensors[key] = entry
+    total, stored = _index_total(storage), sum(e.nbytes for e in manifest.tensors.values())
+    if total is not None and total != stored:
+        raise LayoutError(
+            f"{path}: holds {stored} bytes of tensors where its {INDEX_NAME} counts {total}: chunks of other "
+            "ranks are missing. A DCP HuggingFaceStorageWriter save on several ranks needs save_distributed=True "
+            "(without it every rank writes the same file names and overwrites the others' chunks)"
+        )
     manifest.provenance = {"format": "dcp-hf"}
     if skipped:
         manifest.provenance["skipped"] = skipped
