@@ -152,3 +152,36 @@ def test_other_backends_are_refused(ckpt: Path, tmp_path: Path) -> None:
     r = invoke("inspect", str(copy))
     assert r.exit_code == 2 and "zarr" in r.output
 
+
+
+FLAT_015 = Path(__file__).parent / "data" / "megatron_0_15_flat"
+
+
+def test_flattened_range_of_megatron_core_0_15() -> None:
+    """megatron-core <= 0.15 saved the distributed optimizer's flat slices of TP chunks
+    (``flattened_range``) as reformulated grids; they read back as the original tensors, and
+    load onto flat ranges bitwise as megatron-core 0.15's own load (recorded by
+    tests/data/make_megatron_0_15_flat.py, since 0.16 cannot write or read them)."""
+    from unickpt.api.state import Sharded
+    from unickpt.plan.box import Box
+    from unickpt.plan.piece import flat_pieces
+
+    path = str(FLAT_015 / "ckpt")
+    expected = torch.load(FLAT_015 / "expected.pt")
+    m = unickpt.read_manifest(path)
+    assert m.provenance["format"] == "megatron" and m.values["iteration"] == 5
+    w = m.tensors["optimizer.state.exp_avg.w"]
+    assert w.shape == (2, 6, 4) and sorted(f.shape for f in w.fragments) == [(10,), (10,), (14,), (14,)]
+    for name, t in expected["full"].items():
+        assert torch.equal(_bits(unickpt.load_tensor(path, name)), _bits(t)), name
+    loads = [x for rank in expected["megatron_load"] for x in rank]
+    loads.append(("optimizer.state.exp_avg.w", (2, 3, 4), 1, 0, 5, 20, None))  # another DP split than saved
+    for key, local, axis, tp, a, b, ref in loads:
+        shape = expected["full"][key].shape
+        offsets = tuple(tp * local[d] if d == axis else 0 for d in range(len(local)))
+        got = torch.full((b - a,), 7, dtype=expected["full"][key].dtype)
+        unickpt.load({key: Sharded(got, tuple(shape), flat_pieces(Box(offsets, local), a, b))}, path)
+        chunk = expected["full"][key][tuple(slice(o, o + n) for o, n in zip(offsets, local))].reshape(-1)[a:b]
+        assert torch.equal(_bits(got), _bits(chunk)), (key, tp, a, b)
+        if ref is not None:
+            assert torch.equal(_bits(got), _bits(ref)), f"{key} TP {tp} [{a}, {b}) differs from megatron-core 0.15's load"

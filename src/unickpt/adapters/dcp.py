@@ -60,6 +60,9 @@ _METADATA_CLASSES = (
 # the save planner's records (Megatron-Core keeps every rank's SavePlan in the metadata)
 _PLANNER_MODULE = "torch.distributed.checkpoint.planner"
 _PLANNER_RECORDS = ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
+# Megatron-Core <= 0.15 pickled its own subclasses: MCoreMetadata (Metadata + mcore_data)
+# and MCoreSavePlan (SavePlan + mcore_data)
+_MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 
 
 def is_dcp(path: str) -> bool:
@@ -102,6 +105,8 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     allowed[("torch.serialization", "_get_layout")] = _layout_by_name
     allowed.update(inert_records(_PLANNER_MODULE, _PLANNER_RECORDS))
+    allowed.update(inert_records(_MCORE_MODULE, ("MCoreSavePlan",)))
+    allowed[(_MCORE_MODULE, "MCoreMetadata")] = metadata.Metadata  # its fields are Metadata's plus mcore_data
     for module in ("pathlib", "pathlib._local"):
         for name in ("PurePath", "PurePosixPath", "PosixPath", "Path"):
             allowed[(module, name)] = PurePosixPath

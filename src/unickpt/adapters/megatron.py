@@ -17,21 +17,28 @@ kept as inert records: each leaf of its nested dicts becomes a tensor (a fragmen
 into ``common.pt``), a plain value, or an entry of ``manifest.provenance["skipped"]`` saying
 why not (an ``argparse.Namespace`` of training args, a NumPy array...).
 
-Checkpoints of Megatron-Core before 0.14 that stored the optimizer with ``flattened_range``
-(an N-d chunk grid reformulated with a flat last axis, described by ``mcore_data``) and the
-``zarr`` backend are refused with an error naming them.
+Megatron-Core up to 0.15 also saved ``flattened_range`` ShardedTensors (the distributed
+optimizer's per-DP-rank flat slices of a TP chunk): a global ``[X, Y, Z]`` tensor cut into
+``[x, y, z]`` chunks was stored as a ``[X/x, Y/y, Z/z, x*y*z]`` DCP tensor whose last axis
+each DP rank wrote a range of, and ``.metadata`` (an ``MCoreMetadata``) kept the original
+shape in ``mcore_data``. Such a tensor is read back as the original tensor: each stored
+chunk is the flat range ``[start, stop)`` of one ``[x, y, z]`` box, which unickpt's plan
+layer addresses directly (flat pieces), so it reshards like any other tensor.
+The ``zarr`` backend is refused with an error naming it.
 """
 
 from __future__ import annotations
 
 import json
+from math import prod
 from typing import Any
 
-from ..errors import LayoutError, ManifestError, UnickptError, UnsafePickleError
+from ..errors import ManifestError, UnickptError, UnsafePickleError
 from ..format.dtypes import itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
-from ..plan.piece import whole_piece
+from ..plan.box import Box
+from ..plan.piece import flat_pieces, whole_piece
 from ..storage.local import LocalStorage
 from .dcp import METADATA_NAME, read_dcp, read_metadata
 from .torch_archive import InertRecord, StoredTensor, read_archive, records_in, stored_tensors
@@ -75,13 +82,10 @@ def read_megatron(path: str) -> Manifest:
     if not storage.exists(METADATA_NAME):
         raise ManifestError(f"{path}: a Megatron-Core torch_dist checkpoint without its DCP {METADATA_NAME}")
     md = read_metadata(path)
-    if getattr(md, "mcore_data", None):  # Megatron-Core < 0.14 (its own reader needs legacy flags)
-        raise LayoutError(
-            f"{path}: written by Megatron-Core before 0.14 with flattened_range optimizer shards "
-            "(mcore_data in .metadata), which unickpt does not read; load and re-save it with "
-            "Megatron-Core >= 0.14 first"
-        )
     manifest = read_dcp(path, md)
+    mcore_data = getattr(md, "mcore_data", None)
+    if isinstance(mcore_data, dict):
+        _unflatten(manifest, mcore_data, path)
     skipped: dict[str, str] = dict(manifest.provenance.get("skipped", {}))
     try:
         if storage.exists(COMMON_NAME):
@@ -102,6 +106,36 @@ def read_megatron(path: str) -> Manifest:
     if skipped:
         manifest.provenance["skipped"] = skipped
     return manifest
+
+
+def _unflatten(manifest: Manifest, mcore_data: dict[Any, Any], path: str) -> None:
+    """Tensors saved with ``flattened_range`` (``nd_reformulated_orig_global_shape`` in
+    ``mcore_data``) as their original global tensors, each chunk a flat range of a box."""
+    for key, data in mcore_data.items():
+        shape = data.get("nd_reformulated_orig_global_shape") if isinstance(data, dict) else None
+        entry = manifest.tensors.get(key) if isinstance(key, str) else None
+        if shape is None or entry is None:
+            continue
+        where = f"{path}: {key!r} (saved with flattened_range)"
+        if not isinstance(shape, (tuple, list)) or not all(isinstance(n, int) and n > 0 for n in shape):
+            raise ManifestError(f"{where}: malformed original shape {shape!r:.80}")
+        grid, chunk = entry.shape[:-1], entry.shape[-1] if entry.shape else 0
+        if len(grid) != len(shape) or any(g <= 0 or n % g for n, g in zip(shape, grid)) \
+                or prod(n // g for n, g in zip(shape, grid)) != chunk:
+            raise ManifestError(f"{where}: stored shape {list(entry.shape)} does not reformulate {list(shape)}")
+        local = tuple(n // g for n, g in zip(shape, grid))
+        flat = TensorEntry(key, tuple(shape), entry.dtype, [], "megatron-flat")
+        for f in entry.fragments:
+            box = f.pieces[0].global_box if len(f.pieces) == 1 else None
+            if box is None or any(n != 1 for n in box.lengths[:-1]):
+                raise ManifestError(f"{where}: a chunk that is not one flat range ({f.file})")
+            start, stop = box.offsets[-1], box.offsets[-1] + box.lengths[-1]
+            cell = Box(tuple(o * n for o, n in zip(box.offsets[:-1], local)), local)
+            flat.fragments.append(Fragment(
+                file=f.file, offset=f.offset, shape=(stop - start,), pieces=flat_pieces(cell, start, stop), crc32c=[],
+                block_bytes=f.block_bytes, rank=f.rank,
+            ))
+        manifest.tensors[key] = flat
 
 
 def _add_common(storage: LocalStorage, manifest: Manifest, skipped: dict[str, str]) -> None:
