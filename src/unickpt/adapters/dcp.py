@@ -8,8 +8,8 @@ chunk (an N-d box) of a tensor, or one non-tensor object.
 Nothing is executed to read it: ``.metadata`` goes through unickpt's allow-listing
 unpickler with only DCP's metadata data classes, ``torch.Size``, dtypes, layouts and
 pure path classes allowed (the planner's ``SavePlan``/``WriteItem`` objects that
-Megatron-Core adds as ``all_local_plans`` are kept as inert records: data, never built); every item is opened with :func:`read_archive`, which parses the
-archive's zip directory and its small ``data.pkl`` (again allow-listed) and returns where
+Megatron-Core adds as ``all_local_plans`` are kept as inert records: data, never built);
+every item is opened with :func:`read_archive`, which parses the archive's zip directory and its small ``data.pkl`` (again allow-listed) and returns where
 the tensor's bytes lie instead of reading them. The result is an in-memory
 :class:`Manifest` whose fragments point into the ``.distcp`` files (one fragment per
 chunk, no checksums: DCP stores none), so loading reshards DCP checkpoints in place with
@@ -201,13 +201,16 @@ def _build_rank_local(storage: LocalStorage, per_rank: dict[int, str], path: str
     for rank, md in mds.items():
         if isinstance(md.planner_data, dict):
             merged.planner_data.update(md.planner_data)
+        stored: dict[str, dict[Any, Any]] = {}  # fqn -> {chunk offsets or None: (index, storage info)}
+        for k, v in md.storage_data.items():
+            stored.setdefault(k.fqn, {})[None if k.offset is None else tuple(k.offset)] = (k, v)
         for fqn, item in md.state_dict_metadata.items():
             if isinstance(item, metadata.BytesStorageMetadata):
-                infos = [v for k, v in md.storage_data.items() if k.fqn == fqn]
-                values_by_rank.setdefault(fqn, {})[rank] = infos[0] if infos else None
-                if fqn not in merged.state_dict_metadata:
+                index, info = stored.get(fqn, {}).get(None, (None, None))
+                values_by_rank.setdefault(fqn, {})[rank] = info
+                if fqn not in merged.state_dict_metadata and index is not None:
                     merged.state_dict_metadata[fqn] = item
-                    merged.storage_data.update({k: v for k, v in md.storage_data.items() if k.fqn == fqn})
+                    merged.storage_data[index] = info
                 continue
             have = merged.state_dict_metadata.setdefault(
                 fqn, metadata.TensorStorageMetadata(item.properties, item.size, []))
@@ -223,9 +226,9 @@ def _build_rank_local(storage: LocalStorage, per_rank: dict[int, str], path: str
                 if any(intersect(box, b) is not None for b in seen):
                     raise ManifestError(f"{path}: {fqn!r} has overlapping chunks of different shapes in {per_rank[rank]}")
                 have.chunks.append(chunk)
-                merged.storage_data.update(
-                    {k: v for k, v in md.storage_data.items()
-                     if k.fqn == fqn and k.offset is not None and tuple(k.offset) == tuple(chunk.offsets)})
+                index, info = stored.get(fqn, {}).get(tuple(chunk.offsets), (None, None))
+                if index is not None:  # else _build names the chunk without a storage entry
+                    merged.storage_data[index] = info
     manifest = _build(storage, merged, path)
     skipped = manifest.provenance.setdefault("skipped", {})
     for fqn, ranks in copies.items():
@@ -252,9 +255,13 @@ def _per_rank_values(storage: LocalStorage, manifest: Manifest, values_by_rank: 
             if info is None:
                 raise ManifestError(f"{storage.root}: {fqn!r} of rank {rank} has no storage entry")
             check_relative_path(info.relative_path)
-            obj = read_archive(storage, info.relative_path, info.offset, info.length)
-            encoded[rank] = encode_value(obj, fqn)
-        if all(v == encoded[min(encoded)] for v in encoded.values()):
+            try:
+                encoded[rank] = encode_value(read_archive(storage, info.relative_path, info.offset, info.length), fqn)
+            except UnickptError as e:
+                skipped[fqn] = f"rank {rank}'s value: {e}"
+                manifest.values.pop(fqn, None)
+                break
+        if fqn in skipped or all(v == encoded[min(encoded)] for v in encoded.values()):
             continue
         name = next((n for n in manifest.values if n == fqn or fqn.startswith(n + ".")), fqn)
         if name != fqn:  # regrouped into a container: keep the items flat and per rank

@@ -90,11 +90,11 @@ def read_megatron(path: str) -> Manifest:
     try:
         if storage.exists(COMMON_NAME):
             _add_common(storage, manifest, skipped)
+        for name in (CONFIG_NAME, COMMON_NAME):
+            if storage.exists(name):
+                manifest.files.setdefault(name, storage.size(name))
     finally:
         storage.close()
-    for name in (CONFIG_NAME, COMMON_NAME):
-        if storage.exists(name):
-            manifest.files.setdefault(name, storage.size(name))
     manifest.provenance = {
         **{k: v for k, v in manifest.provenance.items() if k != "skipped"},
         "format": "megatron",
