@@ -7,12 +7,20 @@ chunk (an N-d box) of a tensor, or one non-tensor object.
 
 Nothing is executed to read it: ``.metadata`` goes through unickpt's allow-listing
 unpickler with only DCP's metadata data classes, ``torch.Size``, dtypes, layouts and
-pure path classes allowed; every item is opened with :func:`read_archive`, which parses the
-archive's zip directory and its small ``data.pkl`` (again allow-listed) and returns where
+pure path classes allowed (the planner's ``SavePlan``/``WriteItem`` objects that
+Megatron-Core adds as ``all_local_plans`` are kept as inert records: data, never built);
+every item is opened with :func:`read_archive`, which parses the archive's zip directory and its small ``data.pkl`` (again allow-listed) and returns where
 the tensor's bytes lie instead of reading them. The result is an in-memory
 :class:`Manifest` whose fragments point into the ``.distcp`` files (one fragment per
 chunk, no checksums: DCP stores none), so loading reshards DCP checkpoints in place with
 unickpt's own planner, reading only the bytes each rank needs.
+
+A checkpoint saved with ``dcp.save(..., use_collectives=False)`` has no global
+``.metadata`` but one ``__{rank}.metadata`` per rank, each describing only the items that
+rank wrote. They are merged: the chunks of all ranks form each global tensor (a chunk that
+several ranks wrote, a replica, is read from the lowest rank and the other copies are
+listed in ``skipped``); a non-tensor item that differs between ranks becomes a per-rank
+value (``load_rank_values``).
 
 Non-tensor items become plain values when the restricted unpickler accepts them and they
 are JSON-like; DCP flattens lists of dicts (``optim.param_groups.0.lr``) where unickpt keeps
@@ -34,26 +42,42 @@ from ..errors import LayoutError, ManifestError, UnickptError, UnsafePickleError
 from ..format.dtypes import dtype_name, itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
-from ..plan.box import Box
+from ..plan.box import Box, intersect
 from ..plan.piece import box_piece
 from ..storage.local import LocalStorage
 from .detect import check_relative_path
-from .torch_archive import StoredTensor, loads_restricted, read_archive, stored_tensors
+from .torch_archive import StoredTensor, inert_records, loads_restricted, read_archive, stored_tensors
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 _WRITER_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_CLASSES = (
     "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
 )
+# the save planner's records (Megatron-Core keeps every rank's SavePlan in the metadata)
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+_PLANNER_RECORDS = ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
+# Megatron-Core <= 0.15 pickled its own subclasses: MCoreMetadata (Metadata + mcore_data)
+# and MCoreSavePlan (SavePlan + mcore_data)
+_MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 
 
 def is_dcp(path: str) -> bool:
-    """True when ``path`` is a directory holding a DCP ``.metadata`` file."""
+    """True when ``path`` is a directory holding a DCP ``.metadata`` file (or the per-rank
+    ``__{rank}.metadata`` files of a save without collectives)."""
     storage = LocalStorage(path)
-    return storage.root.is_dir() and (storage.root / METADATA_NAME).is_file()
+    return storage.root.is_dir() and ((storage.root / METADATA_NAME).is_file() or bool(rank_metadata_files(path)))
+
+
+def rank_metadata_files(path: str) -> dict[int, str]:
+    """``{rank: "__{rank}.metadata"}`` of a DCP save without collectives (empty otherwise)."""
+    root = LocalStorage(path).root
+    if not root.is_dir():
+        return {}
+    return {int(m.group(1)): f.name for f in root.iterdir() if (m := _RANK_METADATA.match(f.name)) and f.is_file()}
 
 
 def _layout_by_name(name: Any) -> torch.layout:
@@ -80,6 +104,9 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {(_METADATA_MODULE, n): getattr(metadata, n) for n in _METADATA_CLASSES}
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     allowed[("torch.serialization", "_get_layout")] = _layout_by_name
+    allowed.update(inert_records(_PLANNER_MODULE, _PLANNER_RECORDS))
+    allowed.update(inert_records(_MCORE_MODULE, ("MCoreSavePlan",)))
+    allowed[(_MCORE_MODULE, "MCoreMetadata")] = metadata.Metadata  # its fields are Metadata's plus mcore_data
     for module in ("pathlib", "pathlib._local"):
         for name in ("PurePath", "PurePosixPath", "PosixPath", "Path"):
             allowed[(module, name)] = PurePosixPath
@@ -88,19 +115,19 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-def read_metadata(path: str) -> Any:
-    """The ``Metadata`` object of the DCP checkpoint at ``path``, unpickled with the allow
-    list and checked for the structure a reader relies on."""
+def read_metadata(path: str, name: str = METADATA_NAME) -> Any:
+    """The ``Metadata`` object of the DCP checkpoint at ``path`` (its file ``name``),
+    unpickled with the allow list and checked for the structure a reader relies on."""
     storage = LocalStorage(path)
-    data = storage.read_small(METADATA_NAME)
-    md = loads_restricted(data, f"{path}/{METADATA_NAME}", metadata_allow_list())
-    _check_metadata(md, path)
+    data = storage.read_small(name)
+    md = loads_restricted(data, f"{path}/{name}", metadata_allow_list())
+    _check_metadata(md, path, name)
     return md
 
 
-def _check_metadata(md: Any, path: str) -> None:
+def _check_metadata(md: Any, path: str, name: str = METADATA_NAME) -> None:
     metadata, filesystem = _dcp_modules()
-    where = f"{path}/{METADATA_NAME}"
+    where = f"{path}/{name}"
     if not isinstance(md, metadata.Metadata):
         raise ManifestError(f"{where}: not DCP metadata (a {type(md).__name__})")
     sdm = getattr(md, "state_dict_metadata", None)
@@ -150,14 +177,100 @@ def writer_rank(file: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def read_dcp(path: str) -> Manifest:
-    """An in-memory manifest of the DCP checkpoint at ``path`` (see the module docstring)."""
-    md = read_metadata(path)
+def read_dcp(path: str, md: Any = None) -> Manifest:
+    """An in-memory manifest of the DCP checkpoint at ``path`` (see the module docstring);
+    ``md``: its metadata when the caller has read it already."""
     storage = LocalStorage(path)
     try:
-        return _build(storage, md, str(path))
+        if md is None and not storage.exists(METADATA_NAME) and (per_rank := rank_metadata_files(path)):
+            return _build_rank_local(storage, per_rank, str(path))
+        return _build(storage, read_metadata(path) if md is None else md, str(path))
     finally:
         storage.close()
+
+
+def _build_rank_local(storage: LocalStorage, per_rank: dict[int, str], path: str) -> Manifest:
+    """The manifest of a save without collectives: every rank's metadata merged into one."""
+    metadata, _ = _dcp_modules()
+    mds = {r: read_metadata(path, per_rank[r]) for r in sorted(per_rank)}
+    first = mds[min(mds)]
+    merged = metadata.Metadata(state_dict_metadata={}, planner_data={}, storage_data={},
+                               storage_meta=first.storage_meta, version=first.version)
+    copies: dict[str, set[int]] = {}
+    values_by_rank: dict[str, dict[int, Any]] = {}
+    for rank, md in mds.items():
+        if isinstance(md.planner_data, dict):
+            merged.planner_data.update(md.planner_data)
+        stored: dict[str, dict[Any, Any]] = {}  # fqn -> {chunk offsets or None: (index, storage info)}
+        for k, v in md.storage_data.items():
+            stored.setdefault(k.fqn, {})[None if k.offset is None else tuple(k.offset)] = (k, v)
+        for fqn, item in md.state_dict_metadata.items():
+            if isinstance(item, metadata.BytesStorageMetadata):
+                index, info = stored.get(fqn, {}).get(None, (None, None))
+                values_by_rank.setdefault(fqn, {})[rank] = info
+                if fqn not in merged.state_dict_metadata and index is not None:
+                    merged.state_dict_metadata[fqn] = item
+                    merged.storage_data[index] = info
+                continue
+            have = merged.state_dict_metadata.setdefault(
+                fqn, metadata.TensorStorageMetadata(item.properties, item.size, []))
+            if not isinstance(have, metadata.TensorStorageMetadata) or tuple(have.size) != tuple(item.size) \
+                    or have.properties.dtype != item.properties.dtype:
+                raise ManifestError(f"{path}: {fqn!r} is described differently in {per_rank[rank]} than by a lower rank")
+            for chunk in item.chunks:
+                box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+                seen = [Box(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks]
+                if box in seen:
+                    copies.setdefault(fqn, set()).add(rank)
+                    continue
+                if any(intersect(box, b) is not None for b in seen):
+                    raise ManifestError(f"{path}: {fqn!r} has overlapping chunks of different shapes in {per_rank[rank]}")
+                have.chunks.append(chunk)
+                index, info = stored.get(fqn, {}).get(tuple(chunk.offsets), (None, None))
+                if index is not None:  # else _build names the chunk without a storage entry
+                    merged.storage_data[index] = info
+    manifest = _build(storage, merged, path)
+    skipped = manifest.provenance.setdefault("skipped", {})
+    for fqn, ranks in copies.items():
+        skipped[f"{fqn} (copies of ranks {', '.join(map(str, sorted(ranks)))})"] = (
+            "the same chunk as a lower rank's (a replica written by every rank without collectives); "
+            "read from the lowest rank")
+    _per_rank_values(storage, manifest, values_by_rank, skipped)
+    if not skipped:
+        del manifest.provenance["skipped"]
+    manifest.world_size = max(max(per_rank) + 1, manifest.world_size)
+    manifest.provenance["world_size"] = manifest.world_size
+    manifest.provenance["rank_local_metadata"] = True
+    return manifest
+
+
+def _per_rank_values(storage: LocalStorage, manifest: Manifest, values_by_rank: dict[str, dict[int, Any]],
+                     skipped: dict[str, str]) -> None:
+    """A non-tensor item whose ranks saved different values becomes a per-rank value."""
+    for fqn, infos in values_by_rank.items():
+        if len(infos) < 2 or fqn in skipped:
+            continue
+        encoded: dict[int, Any] = {}
+        for rank, info in infos.items():
+            if info is None:
+                raise ManifestError(f"{storage.root}: {fqn!r} of rank {rank} has no storage entry")
+            check_relative_path(info.relative_path)
+            try:
+                encoded[rank] = encode_value(read_archive(storage, info.relative_path, info.offset, info.length), fqn)
+            except UnickptError as e:
+                skipped[fqn] = f"rank {rank}'s value: {e}"
+                manifest.values.pop(fqn, None)
+                break
+        if fqn in skipped or all(v == encoded[min(encoded)] for v in encoded.values()):
+            continue
+        name = next((n for n in manifest.values if n == fqn or fqn.startswith(n + ".")), fqn)
+        if name != fqn:  # regrouped into a container: keep the items flat and per rank
+            skipped[fqn] = "differs between ranks inside a regrouped container; read from the lowest rank"
+            continue
+        manifest.values.pop(fqn, None)
+        world = max(max(infos) + 1, manifest.world_size)
+        manifest.rank_values[fqn] = [encoded.get(r) for r in range(world)]
+        manifest.files.update({i.relative_path: storage.size(i.relative_path) for i in infos.values()})
 
 
 def _build(storage: LocalStorage, md: Any, path: str) -> Manifest:

@@ -1,10 +1,11 @@
 """Which format a checkpoint directory holds, and its manifest whatever the format.
 
-unickpt's own checkpoints have ``manifest.json``. Foreign ones (PyTorch DCP, DeepSpeed
-ZeRO and universal, Hugging Face safetensors) are described by an in-memory manifest that
-an adapter builds from the format's own metadata: its fragments point into the foreign
-files (nothing is copied) and carry no checksums (``crc32c == []``), so load, convert,
-export, inspect and verify work on every format through the same planner.
+unickpt's own checkpoints have ``manifest.json``. Foreign ones (Megatron-Core
+``dist_checkpointing``, PyTorch DCP, DeepSpeed ZeRO and universal, Hugging Face
+safetensors) are described by an in-memory manifest that an adapter builds from the
+format's own metadata: its fragments point into the foreign files (nothing is copied) and
+carry no checksums (``crc32c == []``), so load, convert, export, inspect and verify work on
+every format through the same planner.
 """
 
 from __future__ import annotations
@@ -15,16 +16,20 @@ from ..errors import ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage, is_inside
 
-# (name, module, detector, reader); detectors are tried in this order
+# (name, module, detector, reader); detectors are tried in this order (Megatron-Core's
+# torch_dist checkpoints are DCP checkpoints with more: it comes first)
 FORMATS = [
+    ("megatron", "unickpt.adapters.megatron", "is_megatron", "read_megatron"),
     ("dcp", "unickpt.adapters.dcp", "is_dcp", "read_dcp"),
     ("deepspeed", "unickpt.adapters.deepspeed", "is_deepspeed", "read_deepspeed"),
+    ("dcp-hf", "unickpt.adapters.dcp_hf", "is_dcp_hf", "read_dcp_hf"),  # sharded safetensors of DCP's HF storage
     ("hf", "unickpt.adapters.hf", "is_hf", "read_hf"),
 ]
 
 
 def checkpoint_format(path: str) -> str:
-    """``"unickpt"``, ``"dcp"``, ``"deepspeed"`` or ``"hf"``; NotACheckpointError otherwise."""
+    """``"unickpt"``, ``"megatron"``, ``"dcp"``, ``"deepspeed"``, ``"dcp-hf"`` or ``"hf"``;
+    NotACheckpointError otherwise."""
     if not os.path.isdir(path):
         raise NotACheckpointError(f"{path}: " + ("not a directory" if os.path.exists(path) else "no such directory"))
     storage = LocalStorage(path)
@@ -36,8 +41,8 @@ def checkpoint_format(path: str) -> str:
         if getattr(importlib.import_module(module), detector)(str(path)):
             return name
     raise NotACheckpointError(
-        f"{path}: not a checkpoint (no manifest.json of unickpt, no .metadata of PyTorch DCP, no DeepSpeed "
-        "model/optimizer states, no Hugging Face *.safetensors)"
+        f"{path}: not a checkpoint (no manifest.json of unickpt, no metadata.json of Megatron-Core, "
+        "no .metadata of PyTorch DCP, no DeepSpeed model/optimizer states, no Hugging Face *.safetensors)"
     )
 
 

@@ -5,6 +5,12 @@ pickles. They are read by an allow-listing unpickler: plain containers and scala
 ``torch.Size``, dtypes, ``OrderedDict`` and tensors are rebuilt; any other global is refused
 with :class:`UnsafePickleError` naming it, unless the caller allows it explicitly
 (``allowed={(module, name): factory}``; adapters pass a format's own metadata classes).
+A class whose objects are wanted as data but whose code must not run (DCP's planner
+records in Megatron-Core metadata) is allowed as an :func:`inert_record_type`: the pickle's
+arguments and state are kept on an :class:`InertRecord`, the named class is never imported.
+With ``unknown_as_records=True`` every other global becomes such a record too, so one
+foreign object does not make a whole file unreadable; the caller then reports the values
+holding records as skipped.
 
 Tensors are not materialised: each becomes a :class:`StoredTensor` saying where its bytes
 lie in the file (the archive's data records are stored uncompressed), so a reader can
@@ -14,6 +20,7 @@ read exactly the bytes it needs, in place, with the same planner as unickpt's ow
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 import struct
 import zipfile
@@ -72,6 +79,76 @@ class StoredTensor:
         return all(n == 1 or s == w for n, s, w in zip(self.shape, self.stride, want))
 
 
+class InertRecord:
+    """A pickled object of a class that unickpt does not build: its global's name and the
+    arguments and state the pickle gave it, as plain data. Pickle's object protocol (a call,
+    ``__new__``, ``__setstate__``, list and dict items) lands here; no code of the named
+    class runs and its module is not imported."""
+
+    global_name = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "InertRecord":
+        self = object.__new__(cls)
+        self.args, self.kwargs, self.state, self.items = args, kwargs, None, []
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def append(self, item: Any) -> None:
+        """List items pickled for the object (``APPENDS``)."""
+        self.items.append(item)
+
+    def extend(self, items: Any) -> None:
+        """List items pickled for the object (``APPENDS``)."""
+        self.items.extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items.append((key, value))
+
+    def field(self, name: str, default: Any = None) -> Any:
+        """A field of the recorded object's state (a dataclass's or plain object's ``__dict__``)."""
+        state = self.state[1] if isinstance(self.state, tuple) and len(self.state) == 2 else self.state
+        return state.get(name, default) if isinstance(state, dict) else default
+
+    def __repr__(self) -> str:
+        return f"<{self.global_name}, not built>"
+
+
+@functools.cache
+def inert_record_type(module: str, name: str) -> type[InertRecord]:
+    """The :class:`InertRecord` subclass standing for the global ``module.name``."""
+    return type(name, (InertRecord,), {"global_name": f"{module}.{name}", "__module__": __name__})
+
+
+def inert_records(module: str, names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
+    """Allow-list entries reading the objects of ``module.names`` as :class:`InertRecord`."""
+    return {(module, n): inert_record_type(module, n) for n in names}
+
+
+def records_in(obj: Any) -> list[InertRecord]:
+    """Every :class:`InertRecord` inside a nested structure (records included)."""
+    out: list[InertRecord] = []
+    stack, seen = [obj], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, InertRecord):
+            out.append(o)
+            stack.extend((o.args, o.kwargs, o.state, o.items))
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+    return out
+
+
 @dataclass(frozen=True)
 class _StorageRef:
     dtype: torch.dtype
@@ -94,11 +171,12 @@ def _torch_global(name: str) -> Any:
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, where: str, allowed: dict[tuple[str, str], Any], storages: dict[str, int] | None,
-                 file: str) -> None:
+                 file: str, unknown_as_records: bool = False) -> None:
         import io
 
         super().__init__(io.BytesIO(data))
         self.where, self.allowed, self.storages, self.file = where, allowed, storages, file
+        self.unknown_as_records = unknown_as_records
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
@@ -116,6 +194,8 @@ class _Unpickler(pickle.Unpickler):
             return getattr(self, name)
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
             return self._rebuild_from_type_v2
+        if self.unknown_as_records:
+            return inert_record_type(module, name)
         raise UnsafePickleError(
             f"{self.where}: refused to unpickle {module}.{name} (not on unickpt's allow-list of data types; "
             "the file was not executed)"
@@ -182,9 +262,10 @@ def loads_restricted(data: bytes, where: str, allowed: dict[tuple[str, str], Any
 
 
 def read_archive(storage: LocalStorage, file: str, start: int = 0, length: int | None = None,
-                 allowed: dict[tuple[str, str], Any] | None = None) -> Any:
+                 allowed: dict[tuple[str, str], Any] | None = None, unknown_as_records: bool = False) -> Any:
     """The object of the ``torch.save`` archive at bytes ``[start, start + length)`` of
-    ``file``, tensors replaced by :class:`StoredTensor` records pointing into ``file``."""
+    ``file``, tensors replaced by :class:`StoredTensor` records pointing into ``file``
+    (other globals become :class:`InertRecord` objects with ``unknown_as_records``)."""
     where = f"{file}" if not start and length is None else f"{file} (bytes {start}-{start + (length or 0)})"
     try:
         with zipfile.ZipFile(storage.open_range(file, start, length)) as z:
@@ -212,7 +293,7 @@ def read_archive(storage: LocalStorage, file: str, start: int = 0, length: int |
     except zipfile.BadZipFile as e:
         raise CorruptionError(f"{where}: not a torch.save archive ({e})") from None
     try:
-        obj = _Unpickler(data, where, dict(allowed or {}), storages, file).load()
+        obj = _Unpickler(data, where, dict(allowed or {}), storages, file, unknown_as_records).load()
     except (UnsafePickleError, CorruptionError):
         raise
     except Exception as e:
