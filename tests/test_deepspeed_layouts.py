@@ -31,6 +31,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (see docs/FO
 
 import unickpt  # noqa: E402
 from unickpt.adapters.deepspeed import read_deepspeed  # noqa: E402
+from unickpt.adapters.regions import source_ledger  # noqa: E402
 from unickpt.errors import LayoutError  # noqa: E402
 
 from ds_cases import (STATES, bitwise_equal, ds_env, ds_parallel_train, ds_to_universal, ds_train,  # noqa: E402
@@ -156,7 +157,8 @@ def test_pipeline_parallel_equals_ds_to_universal(runs: dict[str, str]) -> None:
     assert params == ["0.bias", "0.weight", "2.bias", "2.weight", "3.bias", "3.weight"]
     assert _assert_equals_universal(ckpt, _universal(runs, "pp")) == 4 * len(params)
     # the stages' fp32 module copies (layer files) are duplicates of the master weights: accounted for
-    assert sorted(m.provenance["skipped"]) == sorted(f"module.{p}" for p in params)
+    assert sorted(m.provenance["replicas"]) == sorted(f"module.{p}" for p in params) and "skipped" not in m.provenance
+    assert source_ledger(ckpt).complete  # replicas leave the source complete: verify and convert go on
     assert {f.file.split("/")[-1] for e in m.tensors.values() for f in e.fragments} == {
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"}
     assert unickpt.verify(ckpt).ok
@@ -174,7 +176,7 @@ def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) 
     assert len(params) == 6
     assert _assert_equals_universal(ckpt, _universal(runs, "tp")) == 4 * len(params)
     # the replicated parameters are read from tensor-parallel rank 0; rank 1's copies are accounted for
-    replicas = {k for k in m.provenance["skipped"] if k.startswith("zero_pp_rank_0_mp_rank_01")}
+    replicas = {k for k in m.provenance["replicas"] if k.startswith("zero_pp_rank_0_mp_rank_01")}
     assert replicas == {f"zero_pp_rank_0_mp_rank_01_optim_states.pt:{p}.{k}" for p in ("down_proj.bias", "norm.weight",
                         "norm.bias") for k in ("fp32", "exp_avg", "exp_avg_sq")}
     assert unickpt.verify(ckpt).ok

@@ -74,7 +74,7 @@ def test_dcp_item_skipped_is_reported_and_refused_without_allow_skip(dcp_skip: P
     # a data file no item of .metadata points into (left by an earlier save on more ranks) is not the checkpoint's
     (dcp_skip / "__1_0.distcp").write_bytes((dcp_skip / "__0_0.distcp").read_bytes())
     r = invoke("inspect", str(dcp_skip))
-    assert r.exit_code == 0 and "1 file ignored: __1_0.distcp because no item of .metadata" in r.stdout, r.output
+    assert r.exit_code == 0 and "1 file ignored: __1_0.distcp because no item of the DCP metadata" in r.stdout, r.output
     js = json.loads(invoke("inspect", str(dcp_skip), "--json").stdout)
     assert list(js["ledger"]["skipped"]) == ["when"] and js["ledger"]["unaccounted"] == [] and js["ledger"]["bytes_checked"] > 0
 

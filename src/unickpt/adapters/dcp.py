@@ -19,7 +19,7 @@ A checkpoint saved with ``dcp.save(..., use_collectives=False)`` has no global
 ``.metadata`` but one ``__{rank}.metadata`` per rank, each describing only the items that
 rank wrote. They are merged: the chunks of all ranks form each global tensor (a chunk that
 several ranks wrote, a replica, is read from the lowest rank and the other copies are
-listed in ``skipped``); a non-tensor item that differs between ranks becomes a per-rank
+listed in ``manifest.provenance["replicas"]``); a non-tensor item that differs between ranks becomes a per-rank
 value (``load_rank_values``).
 
 Non-tensor items become plain values when the restricted unpickler accepts them and they
@@ -231,8 +231,10 @@ def _build_rank_local(storage: LocalStorage, per_rank: dict[int, str], path: str
                     merged.storage_data[index] = info
     manifest = _build(storage, merged, path)
     skipped = manifest.provenance.setdefault("skipped", {})
+    if copies:
+        manifest.provenance["replicas"] = {}
     for fqn, ranks in copies.items():
-        skipped[f"{fqn} (copies of ranks {', '.join(map(str, sorted(ranks)))})"] = (
+        manifest.provenance["replicas"][f"{fqn} (copies of ranks {', '.join(map(str, sorted(ranks)))})"] = (
             "the same chunk as a lower rank's (a replica written by every rank without collectives); "
             "read from the lowest rank")
     _per_rank_values(storage, manifest, values_by_rank, skipped)

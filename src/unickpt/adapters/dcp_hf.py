@@ -10,7 +10,7 @@ chunks must cover the whole tensor: a save on several ranks without
 ``save_distributed=True`` makes every rank write the same file name, so one rank's chunks
 overwrite the others' — refused with an error naming this, never read as a smaller or
 half-filled tensor. A chunk present in several files (a replica) is read from the first
-file and the other copies are listed in ``manifest.provenance["skipped"]``.
+file and the other copies are listed in ``manifest.provenance["replicas"]``.
 
 Consolidated output (``enable_consolidation=True``) and files whose tensors are all whole
 (one process) are plain Hugging Face safetensors, read by :mod:`unickpt.adapters.hf`.
@@ -119,6 +119,7 @@ def read_dcp_hf(path: str) -> Manifest:
 def _build(storage: LocalStorage, path: str) -> Manifest:
     chunks: dict[str, list[tuple[Box, str, int, str]]] = {}  # name -> (global box, file, byte offset, dtype)
     skipped: dict[str, str] = {}
+    replicas: dict[str, str] = {}
     manifest = Manifest()
     for name in _files(storage):
         header, data_start = _header(storage, name)
@@ -147,7 +148,7 @@ def _build(storage: LocalStorage, path: str) -> Manifest:
         kept: list[Box] = []
         for box, file, at, dtype in parts:
             if box in kept:
-                skipped[f"{key} (copy in {file})"] = "the same chunk as in an earlier file (a replica); read from that file"
+                replicas[f"{key} (copy in {file})"] = "the same chunk as in an earlier file (a replica); read from that file"
                 continue
             if any(intersect(box, b) is not None for b in kept):
                 raise ManifestError(f"{path}: {key!r} has overlapping chunks of different shapes ({file})")
@@ -175,4 +176,6 @@ def _build(storage: LocalStorage, path: str) -> Manifest:
     manifest.provenance = {"format": "dcp-hf"}
     if skipped:
         manifest.provenance["skipped"] = skipped
+    if replicas:
+        manifest.provenance["replicas"] = replicas
     return manifest

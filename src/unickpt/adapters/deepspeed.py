@@ -45,9 +45,10 @@ Refused with a LayoutError naming the reason (never half-read): tensor-parallel 
 without ``universal_checkpoint_info`` or with layouts it describes that are not boxes
 (fused, averaged, vocabulary-padded), tensor and pipeline parallelism together, MoE expert
 files, parameters tied across pipeline stages. Not read: NVMe-offloaded state.
-Tensors of the source left out of the manifest (module copies duplicating the master
-weights, placeholders without data, replicas) are listed with the reason in
-``manifest.provenance["skipped"]``.
+Tensors of the source left out of the manifest are listed with the reason in
+``manifest.provenance["skipped"]`` (placeholders without data, optimizer state that is
+not a flat partition), further copies of data read once from another copy (module copies
+duplicating the master weights, tensor-parallel replicas) in ``manifest.provenance["replicas"]``.
 """
 
 from __future__ import annotations
@@ -189,10 +190,15 @@ class _Builder:
         self.prefix = prefix
         self.manifest = Manifest()
         self.skipped: dict[str, str] = {}
+        self.replicas: dict[str, str] = {}
 
     def skip(self, name: str, reason: str) -> None:
         """Account for a tensor of the source that the manifest leaves out."""
         self.skipped[name] = reason
+
+    def replica(self, name: str, reason: str) -> None:
+        """Account for a further copy of data the manifest reads from another copy."""
+        self.replicas[name] = reason
 
     def rel(self, name: str) -> str:
         return self.prefix + name
@@ -293,7 +299,7 @@ def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: di
             if t.dtype != master_dtype.get(name):
                 b.whole(f"module.{name}", t, "deepspeed module copy")
             else:
-                b.skip(f"module.{name}", f"the module's copy of model.{name} in {source}, in the dtype of the master "
+                b.replica(f"module.{name}", f"the module's copy of model.{name} in {source}, in the dtype of the master "
                        "weights: a duplicate (the master weights are read)")
         elif f"model.{name}" in b.manifest.tensors:
             continue  # a frozen ZeRO-3 parameter (read from its partitions) or a tied alias
@@ -435,7 +441,7 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
                 filled[name] = in_param + numel
                 if tp_shards and box is None:
                     for key in ("fp32", *moments):
-                        b.skip(f"{fname}:{name}.{key}", "a tensor-parallel replica of a lower tensor-parallel rank's shard")
+                        b.replica(f"{fname}:{name}.{key}", "a tensor-parallel replica of a lower tensor-parallel rank's shard")
                     continue
                 b.flat(f"model.{name}", shape, flat, in_flat, in_param, numel, layout, rank_base + dp, box)
                 master_dtype[name] = flat.dtype
@@ -620,7 +626,7 @@ def _read_tensor_parallel(b: _Builder, tag_dir: str, optim: dict[int, dict[int, 
                 raise LayoutError(f"{tag_dir}: module entry {name!r} of mp_rank_{t:02d} is not an optimized parameter "
                                   "(a buffer or frozen parameter) of a tensor-parallel checkpoint, whose split is not "
                                   "recorded: not supported, nothing was read")
-            b.skip(f"mp_rank_{t:02d}_model_states.pt:module.{name}", "the module's tensor-parallel shard of "
+            b.replica(f"mp_rank_{t:02d}_model_states.pt:module.{name}", "the module's tensor-parallel shard of "
                    f"model.{name} (the fp32 master weights are read)")
     _param_groups_value(b, osd0.get("base_optimizer_state", {}).get("param_groups"))
     for key in ("clip_grad", "partition_count", "group_paddings"):
@@ -699,7 +705,7 @@ def _read_zero3_frozen(b: _Builder, models: dict[int, str], model0: dict[str, An
         if rank:
             for k, t in (mr.get("module") or {}).items():
                 if isinstance(t, StoredTensor) and t.numel:
-                    b.skip(f"{fname}:module.{k}", f"a replica of the module entry {k!r} of {models[0]}")
+                    b.replica(f"{fname}:module.{k}", f"a replica of the module entry {k!r} of {models[0]}")
         if not frozen:
             continue
         frags = mr.get("frozen_param_fragments") or {}
@@ -781,5 +787,7 @@ def read_deepspeed(path: str) -> Manifest:
         b.storage.close()
     if b.skipped:
         m.provenance["skipped"] = dict(b.skipped)
+    if b.replicas:
+        m.provenance["replicas"] = dict(b.replicas)
     m.metadata.setdefault("deepspeed", {"tag": prefix.rstrip("/") or os.path.basename(os.path.abspath(tag_dir)), "kind": kind})
     return m

@@ -22,6 +22,8 @@ waits for the reader to declare them.
 
 from __future__ import annotations
 
+import os
+
 from ..errors import UnickptError
 from ..format.ledger import Ledger, Region, build_ledger
 from ..format.manifest import Manifest
@@ -57,13 +59,16 @@ def safetensors_regions(storage: LocalStorage, name: str) -> list[Region]:
 
 
 def _dcp_regions(path: str, manifest: Manifest) -> tuple[dict[str, list[Region]], dict[str, str]]:
-    from .dcp import read_metadata
+    from .dcp import METADATA_NAME, rank_metadata_files, read_metadata
 
-    md = read_metadata(path)
+    # a save without collectives has one __{rank}.metadata per rank, each indexing that rank's files
+    names = [METADATA_NAME] if os.path.isfile(os.path.join(path, METADATA_NAME)) else sorted(rank_metadata_files(path).values())
     regions: dict[str, list[Region]] = {}
-    for k, info in md.storage_data.items():
-        regions.setdefault(info.relative_path, []).append(Region(info.relative_path, info.offset, info.offset + info.length, k.fqn))
-    ignored = {f: "no item of .metadata is stored in it (left by an earlier save into this directory)"
+    for md in (read_metadata(path, name) for name in names):
+        for k, info in md.storage_data.items():
+            regions.setdefault(info.relative_path, []).append(
+                Region(info.relative_path, info.offset, info.offset + info.length, k.fqn))
+    ignored = {f: "no item of the DCP metadata is stored in it (left by an earlier save into this directory)"
                for f in manifest.files if f not in regions}
     return regions, ignored
 
@@ -86,7 +91,7 @@ def source_ledger(path: str, manifest: Manifest | None = None) -> Ledger:
                         declared[name] = safetensors_regions(storage, name)
                     except (UnickptError, OSError):
                         pass
-        elif fmt == "dcp":
+        elif fmt in ("dcp", "megatron"):  # Megatron-Core's torch_dist is DCP's layout
             declared, ignored = _dcp_regions(str(path), manifest)
     finally:
         storage.close()

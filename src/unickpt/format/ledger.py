@@ -7,6 +7,10 @@ The ledger says what that manifest accounts for, and what it does not:
   fragments cover;
 * **skipped**: what the reader left out on purpose, each with its reason (adapters record
   it in ``manifest.provenance["skipped"]`` as ``{name: reason}``);
+* **replicas**: further copies of data the reader reads once from another copy (a
+  replica written by several ranks, a module copy of the master weights); adapters
+  record them in ``manifest.provenance["replicas"]`` as ``{name: reason}``. They are
+  accounted for, and leave the source complete;
 * **left out**: what a command chose not to write (``export`` writes the model only);
 * **unaccounted**: byte ranges of a data file that no fragment covers, that are no known
   part of the file's structure (a header, an archive's records) and that belong to no
@@ -50,6 +54,7 @@ class Ledger:
     tensors: int = 0
     bytes_read: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
+    replicas: dict[str, str] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
     unaccounted: list[Region] = field(default_factory=list)
     ignored_files: dict[str, str] = field(default_factory=dict)
@@ -76,6 +81,8 @@ class Ledger:
         parts = [f"{_n(self.tensors, 'tensor')}, {size_text(self.bytes_read)} read"]
         if self.skipped:
             parts.append(f"{len(self.skipped)} skipped: {_because(self.skipped)}")
+        if self.replicas:
+            parts.append(f"{_n(len(self.replicas), 'replica')} read once from another copy")
         if self.left_out:
             parts.append(f"{len(self.left_out)} left out: {_because(self.left_out)}")
         if self.files_unchecked:
@@ -91,7 +98,7 @@ class Ledger:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the ledger."""
         return {
-            "tensors": self.tensors, "bytes_read": self.bytes_read, "skipped": dict(self.skipped),
+            "tensors": self.tensors, "bytes_read": self.bytes_read, "skipped": dict(self.skipped), "replicas": dict(self.replicas),
             "left_out": dict(self.left_out), "ignored_files": dict(self.ignored_files),
             "unaccounted": [{"file": r.file, "start": r.start, "stop": r.stop, "owner": r.owner} for r in self.unaccounted],
             "unaccounted_bytes": self.unaccounted_bytes, "bytes_checked": self.bytes_checked,
@@ -179,16 +186,18 @@ def build_ledger(
             covered.setdefault(f.file, []).append((f.offset, f.offset + f.nbytes(e.dtype)))
     merged = {name: _union(spans) for name, spans in covered.items()}
     skipped = manifest.provenance.get("skipped")
+    replicas = manifest.provenance.get("replicas")
     led = Ledger(
         tensors=len(manifest.tensors) + len(manifest.rank_tensors),
         bytes_read=sum(b - a for spans in merged.values() for a, b in spans),
         skipped={str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {},
+        replicas={str(k): str(v) for k, v in replicas.items()} if isinstance(replicas, dict) else {},
         ignored_files=ignored,
     )
     read_names = set(manifest.tensors) | set(manifest.rank_tensors) | set(manifest.values) | set(manifest.rank_values)
 
     def reported(owner: str) -> bool:
-        if owner in read_names or owner in led.skipped:
+        if owner in read_names or owner in led.skipped or owner in led.replicas:
             return True
         # a value read whole holds the items of its parts (DCP's ``param_groups.0.lr``)
         parts = owner.split(".")
