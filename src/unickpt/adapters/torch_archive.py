@@ -46,7 +46,7 @@ _STORAGE_DTYPES = {
 }
 _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "bytearray": bytearray, "range": range}
 # allowed callables whose result can be larger than what the pickle spells out
-_GROWING = {set, frozenset, bytearray, collections.OrderedDict, torch.Size}
+_GROWING = (set, frozenset, bytearray, collections.OrderedDict, torch.Size)
 _SIZED = (range, list, tuple, set, frozenset, dict, bytes, bytearray, str)
 BUILD_BUDGET_PER_BYTE = 8
 BUILD_BUDGET_MIN = 1 << 16
@@ -118,7 +118,7 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._find(module, name)
-        return self._bounded(found) if found in _GROWING else found
+        return self._bounded(found) if any(found is g for g in _GROWING) else found
 
     def _find(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:

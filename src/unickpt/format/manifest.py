@@ -153,7 +153,7 @@ def _check_digest(raw: bytes, digest: Any, version: tuple[int, int]) -> str | No
                 "it was edited after it was written"
             )
         return None
-    tail = _DIGEST_TAIL.search(raw)
+    tail = _DIGEST_TAIL.match(raw, max(0, raw.rfind(b',"digest":"')))
     if tail is None:
         raise ManifestError(
             f"manifest digest {digest!r:.80} is not in its place (the last member, written compactly): "
