@@ -79,9 +79,16 @@ def write_sealed(path: Path, doc_or_text: dict | str) -> None:
     (path / "manifest.json").write_text(seal(text.replace(f'"{E999}"', "1e999")))
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """Run ``python -m unickpt`` once per command, all at once (each pays torch's import)."""
     env = {**os.environ, **ENV}
-    return subprocess.run([sys.executable, "-m", "unickpt", *args], capture_output=True, text=True, env=env, timeout=120)
+    procs = [subprocess.Popen([sys.executable, "-m", "unickpt", *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for c in commands]
+    out = []
+    for c, p in zip(commands, procs):
+        stdout, stderr = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(c, p.returncode, stdout, stderr))
+    return out
 
 
 def assert_one_error_line(r: subprocess.CompletedProcess, pattern: str) -> None:
@@ -184,12 +191,16 @@ def test_malformed_manifest_text_is_a_manifest_error(ckpt: Path, case: str, mess
         unickpt.read_manifest(str(ckpt))
 
 
-def test_cli_prints_one_error_line_for_a_malformed_manifest(ckpt: Path) -> None:
-    text = json.dumps(manifest_doc(ckpt), separators=(",", ":"))
-    write_sealed(ckpt, text.replace('"metadata":{}', '"metadata":{"note":"\\udcff"}'))
-    assert_one_error_line(cli("inspect", str(ckpt)), r"^error: malformed value 'metadata'.*lone surrogate")
-    write_sealed(ckpt, _set(json.loads(text), ("tensors", "a", "shape"), [E999]))
-    assert_one_error_line(cli("verify", str(ckpt)), r"^error: malformed manifest: tensor 'a': shape is inf")
+def test_cli_prints_one_error_line_for_a_malformed_manifest(saved: Path, tmp_path: Path) -> None:
+    text = json.dumps(manifest_doc(saved), separators=(",", ":"))
+    surrogate, infinite = tmp_path / "surrogate", tmp_path / "infinite"
+    for d in (surrogate, infinite):
+        d.mkdir()
+    write_sealed(surrogate, text.replace('"metadata":{}', '"metadata":{"note":"\\udcff"}'))
+    write_sealed(infinite, _set(json.loads(text), ("tensors", "a", "shape"), [E999]))
+    inspected, verified = cli(["inspect", str(surrogate)], ["verify", str(infinite)])
+    assert_one_error_line(inspected, r"^error: malformed value 'metadata'.*lone surrogate")
+    assert_one_error_line(verified, r"^error: malformed manifest: tensor 'a': shape is inf")
 
 
 def test_cli_turns_an_unexpected_exception_into_one_line(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
