@@ -122,6 +122,19 @@ def test_truncated_file_names_tensor_file_and_bytes_on_every_read_path(ckpt: Pat
     assert torch.equal(unickpt.load_tensor(str(ckpt), "a"), TENSORS["a"])  # what is whole still loads
 
 
+def test_data_file_header_nested_too_deeply_is_a_problem_not_a_crash(ckpt: Path) -> None:
+    """verify parses every data file's own safetensors header: 5000 levels of JSON there
+    are reported as a corrupt header, not a RecursionError."""
+    data = ckpt / "rank_00000.safetensors"
+    deep = b"[" * 5000 + b"]" * 5000
+    data.write_bytes(len(deep).to_bytes(8, "little") + deep)
+    report = unickpt.verify(str(ckpt))
+    headers = [p for p in report.problems if p.kind == "header"]
+    assert [(p.file, p.message) for p in headers] == [
+        (data.name, "safetensors header does not parse: safetensors header is not valid: JSON nested too deeply")
+    ], report
+
+
 # ------------------------------------------------------------------ item 5: malformed manifests
 
 
