@@ -120,6 +120,9 @@ def test_truncated_file_names_tensor_file_and_bytes_on_every_read_path(ckpt: Pat
     with pytest.raises(CorruptionError, match=want):
         unickpt.convert(str(ckpt), str(tmp_path / "out"))
     assert torch.equal(unickpt.load_tensor(str(ckpt), "a"), TENSORS["a"])  # what is whole still loads
+    data.unlink()
+    with pytest.raises(CorruptionError, match=rf"data file {frag.file} is missing .*\(tensor '[ab]' needs bytes \d+-\d+ of it\)"):
+        unickpt.load_tensor(str(ckpt), "b")
 
 
 def test_data_file_header_nested_too_deeply_is_a_problem_not_a_crash(ckpt: Path) -> None:

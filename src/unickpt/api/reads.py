@@ -83,8 +83,13 @@ def check_in_file(file: str, size: int, tensor: str, start: int, stop: int) -> N
 def read_group(storage: LocalStorage, group: list[SpanRead]) -> None:
     """Read the bytes of ``group`` (touching spans of one file, in order) with scatter
     reads into their segments. Every read of load and convert goes through here, so a
-    span past the end of a truncated file is reported with its tensor, file and bytes."""
-    reader = storage.reader(group[0].file)
+    span past the end of a truncated file, or in a missing one, is reported with its
+    tensor, file and bytes."""
+    first = group[0]
+    try:
+        reader = storage.reader(first.file)
+    except CorruptionError as e:  # the file is missing
+        raise CorruptionError(f"{e} (tensor {first.tensor!r} needs bytes {first.offset}-{first.offset + first.nbytes} of it)") from None
     for r in group:
         check_in_file(r.file, reader.size, r.tensor, r.offset, r.offset + r.nbytes)
     reader.preadv_into(group[0].offset, group_views(group))
