@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from unickpt.errors import CorruptionError, FormatVersionError, ManifestError, UnickptError
 from unickpt.format.checksum import block_count
 from unickpt.format.dtypes import dtype_from_name, itemsize
-from unickpt.format.manifest import FORMAT_VERSION, Fragment, Manifest, TensorEntry, check_file_name
+from unickpt.format.manifest import FORMAT_VERSION, Fragment, Manifest, TensorEntry, check_file_name, seal
 from unickpt.format.safetensors_header import Entry, build_header, parse_header
 from unickpt.format.values import decode_value, encode_value
 from unickpt.plan.box import Box
@@ -64,11 +64,14 @@ def sample_manifest() -> Manifest:
 
 
 def doc_of(m: Manifest) -> dict:
-    return json.loads(m.to_json())
+    doc = json.loads(m.to_json())
+    del doc["digest"]
+    return doc
 
 
 def parse(doc: dict) -> Manifest:
-    return Manifest.from_json(json.dumps(doc))
+    """Parse an edited manifest document, sealed with a fresh digest as a writer would."""
+    return Manifest.from_json(seal(json.dumps(doc)))
 
 
 # --------------------------------------------------------------------------- manifest
@@ -122,9 +125,14 @@ def manifests(draw):
             files[name] = max(files.get(name, 0), offset + frag.nbytes(dtype) + draw(st.integers(0, 8)))
             frags.append(frag)
         tensors[f"t{i}"] = TensorEntry(f"t{i}", shape, dtype, frags, draw(st.sampled_from(["", "zero", "tp"])))
+    # a tensor's bytes must fit in the checkpoint's files (a parse-time bound): these
+    # tensors may be partly covered, so a spare file makes room
+    need = max((t.nbytes for t in tensors.values()), default=0)
+    if need > sum(files.values()):
+        files["spare.safetensors"] = need
     values = {f"v{i}": encode_value(v) for i, v in enumerate(draw(st.lists(plain_values, max_size=3)))}
     return Manifest(
-        tensors=tensors, values=values, files=files, world_size=draw(st.integers(1, 64)),
+        tensors=tensors, values=values, files=files, world_size=draw(st.integers(3, 64)),  # fragments are of ranks 0-2
         provenance={"framework": draw(st.text(max_size=5))}, metadata={"k": draw(st.integers())},
     )
 

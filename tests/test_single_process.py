@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import unickpt
+from unickpt.format.manifest import seal
 
 
 def _state():
@@ -110,9 +111,11 @@ def test_uncommitted_checkpoint_is_refused(ckpt):
 
 
 def _edit_manifest(path, fn):
+    """Edit the manifest and seal it with a fresh digest, as a (buggy or hostile) writer would."""
     doc = json.loads((path / "manifest.json").read_text())
+    del doc["digest"]
     fn(doc)
-    (path / "manifest.json").write_text(json.dumps(doc))
+    (path / "manifest.json").write_text(seal(json.dumps(doc)))
 
 
 @pytest.mark.parametrize("bad", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", "..", ""])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 from collections.abc import Callable
 from math import prod
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+import typer.exceptions
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -72,7 +74,8 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _errors(fn: F) -> F:
-    """Turn unickpt's own errors (and unreadable paths) into ``error: ...`` + exit 2."""
+    """Turn unickpt's own errors (and unreadable paths) into ``error: ...`` + exit 2; any
+    other exception too (one line naming it, never a traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -82,6 +85,10 @@ def _errors(fn: F) -> F:
             raise _fail(str(e)) from None
         except OSError as e:
             raise _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+        except (typer.Exit, typer.Abort, typer.exceptions.TyperException):  # typer's own exits and usage errors
+            raise
+        except Exception as e:  # last resort: bad input must never end in a traceback
+            raise _fail(f"unexpected {type(e).__name__} ({e}); this is a bug in unickpt, please report it") from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -399,6 +406,8 @@ def verify_cmd(
                  f"({human_bytes(report.bytes_checked)} in {_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
             soft_wrap=True,
         )
+        if report.digest_line:
+            out.print(report.digest_line, soft_wrap=True)
         _print_ledger(report.ledger)
         return
     _print_ledger(report.ledger)
@@ -409,6 +418,8 @@ def verify_cmd(
     if len(shown) < len(report.problems):
         out.print(f"  ... and {len(report.problems) - len(shown)} more (use --limit 0 to list all)")
     out.print(f"{report.bytes_checked} of {report.bytes_total} bytes verified clean", soft_wrap=True)
+    if report.digest_line:
+        out.print(report.digest_line, soft_wrap=True)
     raise typer.Exit(EXIT_FAILED)
 
 
@@ -595,6 +606,10 @@ def demo_cmd(
 
 def main() -> None:
     """Entry point of the ``unickpt`` script and ``python -m unickpt``."""
+    for stream in (sys.stdout, sys.stderr):
+        # a name that the terminal's encoding cannot show is escaped, never a crash mid-output
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     app()
 
 

@@ -15,6 +15,15 @@ holding records as skipped.
 Tensors are not materialised: each becomes a :class:`StoredTensor` saying where its bytes
 lie in the file (the archive's data records are stored uncompressed), so a reader can
 read exactly the bytes it needs, in place, with the same planner as unickpt's own format.
+
+What a pickle may build is bounded by its size, so a tiny hostile file cannot exhaust
+memory. Opcodes build at most one object each (memory linear in the pickle's length); the
+allowed callables that could build more than their arguments spell out (``set``,
+``frozenset``, ``bytearray``, ``OrderedDict``, ``torch.Size``: ``bytearray(10**9)``,
+``set(range(10**8))``) share one budget of ``BUILD_BUDGET_PER_BYTE`` elements or bytes per
+byte of pickle (at least ``BUILD_BUDGET_MIN``), charged before they run; a tensor record
+has at most 64 dimensions; a compressed ``data.pkl`` may not expand past its archive's size.
+Going over raises :class:`UnsafePickleError` at once.
 """
 
 from __future__ import annotations
@@ -43,6 +52,12 @@ _STORAGE_DTYPES = {
     "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
 }
 _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "bytearray": bytearray, "range": range}
+# allowed callables whose result can be larger than what the pickle spells out
+_GROWING = (set, frozenset, bytearray, collections.OrderedDict, torch.Size)
+_SIZED = (range, list, tuple, set, frozenset, dict, bytes, bytearray, str)
+BUILD_BUDGET_PER_BYTE = 8
+BUILD_BUDGET_MIN = 1 << 16
+MAX_TENSOR_NDIM = 64
 
 
 @dataclass(frozen=True)
@@ -177,8 +192,13 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self.where, self.allowed, self.storages, self.file = where, allowed, storages, file
         self.unknown_as_records = unknown_as_records
+        self.budget = max(BUILD_BUDGET_MIN, BUILD_BUDGET_PER_BYTE * len(data))
 
     def find_class(self, module: str, name: str) -> Any:
+        found = self._find(module, name)
+        return self._bounded(found) if any(found is g for g in _GROWING) else found
+
+    def _find(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
             return self.allowed[(module, name)]
         if module == "collections" and name == "OrderedDict":
@@ -201,6 +221,36 @@ class _Unpickler(pickle.Unpickler):
             "the file was not executed)"
         )
 
+    def _bounded(self, factory: Callable[..., Any]) -> Callable[..., Any]:
+        """``factory`` charging the size of what it is about to build to the budget first."""
+
+        def build(*args: Any) -> Any:
+            for a in args:
+                self._charge(factory, a)
+            return factory(*args)
+
+        return build
+
+    def _charge(self, factory: Callable[..., Any], arg: Any) -> None:
+        what = getattr(factory, "__name__", "a container")
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            n = arg if factory is bytearray else 0  # bytearray(n): n zero bytes
+        elif isinstance(arg, _SIZED):
+            try:
+                n = len(arg)
+            except OverflowError:  # range(10**30)
+                n = self.budget + 1
+        elif arg is None or isinstance(arg, float):
+            n = 0
+        else:
+            raise UnsafePickleError(f"{self.where}: refused to build {what} from a {type(arg).__name__}")
+        self.budget -= n
+        if self.budget < 0:
+            raise UnsafePickleError(
+                f"{self.where}: refused to unpickle: it builds a {what} of {n} elements or bytes, more than a pickle "
+                f"of its size may build (a hostile or damaged file; nothing was run)"
+            )
+
     def persistent_load(self, pid: Any) -> Any:
         if self.storages is None or not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
             raise UnsafePickleError(f"{self.where}: unexpected persistent reference {pid!r:.80}")
@@ -212,6 +262,10 @@ class _Unpickler(pickle.Unpickler):
     def _rebuild_tensor_v2(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *_: Any) -> StoredTensor:
         if not isinstance(storage, _StorageRef):
             raise UnsafePickleError(f"{self.where}: a tensor without a storage record")
+        for dims in (size, stride):
+            if not isinstance(dims, (tuple, list)) or len(dims) > MAX_TENSOR_NDIM:
+                raise CorruptionError(f"{self.where}: a tensor record whose shape or stride is not a list of at most "
+                                      f"{MAX_TENSOR_NDIM} integers")
         at = self.storages.get(storage.key) if self.storages is not None else None
         if at is None:
             raise CorruptionError(f"{self.where}: tensor storage record {storage.key!r} is missing from the archive")
@@ -273,6 +327,8 @@ def read_archive(storage: LocalStorage, file: str, start: int = 0, length: int |
             pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
             if len(pkl) != 1:
                 raise CorruptionError(f"{where}: not a torch.save archive (no data.pkl record)")
+            if pkl[0].file_size > (storage.reader(file).size if length is None else length):
+                raise CorruptionError(f"{where}: its data.pkl record claims {pkl[0].file_size} bytes, more than the file holds")
             prefix = pkl[0].filename[: -len("data.pkl")]
             storages: dict[str, int] = {}
             sizes: dict[str, int] = {}

@@ -54,7 +54,7 @@ from ..storage.local import LocalStorage
 from .gc_pause import gc_paused
 from .items import TensorItem
 from .load import direct_segments, source_fragments
-from .reads import checksum_error
+from .reads import Segment, SpanRead, checksum_error, read_group
 from ..storage.transaction import DirectoryWrite
 from .save import checkpoint_file, data_file_name
 from .writer import DataFileWriter, as_bytes
@@ -263,8 +263,8 @@ def read_whole(
                 own = buffers.buf = None  # drop the old buffer before making a larger one
                 own = buffers.buf = torch.empty(n, dtype=torch.uint8)
             buf = own[:n]
+        read_group(storage, [SpanRead(frag.file, frag.offset + sp.start, n, [Segment(0, n, buf)], tensor=entry.name)])
         mv = memoryview(buf.numpy())
-        storage.reader(frag.file).pread_into(frag.offset + sp.start, mv)
         if verify and frag.crc32c:
             nbytes = prod(frag.shape) * size
             for b in range(sp.first_block, sp.end_block):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..dist import resolve_group
-from ..errors import CorruptionError, LayoutError, MismatchError
+from ..errors import CorruptionError, LayoutError, ManifestError, MismatchError
 from ..format.checksum import block_crcs
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..adapters.detect import open_manifest
@@ -26,7 +26,7 @@ from ..storage.local import LocalStorage
 from .gc_pause import gc_paused
 from .items import is_dtensor, sharded_item, tensor_item
 from .replicated import ReplicatedReads
-from .reads import Scratch, Segment, SpanRead, checksum_error, coalesce, crc_blocks, fill_gaps, group_views
+from .reads import Scratch, Segment, SpanRead, check_in_file, checksum_error, coalesce, crc_blocks, fill_gaps, read_group
 from .optim_state import NamedOptimizer
 from .state import PerRank, Sharded, flatten
 
@@ -114,7 +114,8 @@ class _Reader:
         buffered = segments is None
         if buffered:
             segments = [Segment(0, nbytes)]
-        return SpanRead(frag.file, frag.offset + sp.start, nbytes, segments, self._finish, {"job": (entry, sp, local, buffered)})
+        return SpanRead(frag.file, frag.offset + sp.start, nbytes, segments, self._finish, {"job": (entry, sp, local, buffered)},
+                        entry.name)
 
     def _finish(self, read: SpanRead) -> None:
         entry, sp, local, buffered = read.extra["job"]
@@ -136,7 +137,7 @@ class _Reader:
 
     def _run_group(self, group: list[SpanRead]) -> None:
         self._scratch.assign(group)
-        self.storage.reader(group[0].file).preadv_into(group[0].offset, group_views(group))
+        read_group(self.storage, group)
         for read in group:
             read.finish(read)
 
@@ -346,6 +347,9 @@ def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = T
     manifest = open_manifest(str(path))
     if name not in manifest.rank_values and name not in manifest.rank_tensors:
         raise MismatchError(f"{name!r} is not per-rank state in {path}")
+    row = manifest.rank_values.get(name, manifest.rank_tensors.get(name))
+    if len(row) != manifest.world_size:  # parsing refuses this; adapter-built manifests are checked here
+        raise ManifestError(f"{name!r} holds {len(row)} per-rank entries, the checkpoint's world_size is {manifest.world_size}")
     try:
         return [_rank_value(storage, manifest, name, r, threads, verify) for r in range(manifest.world_size)]
     finally:
@@ -382,6 +386,7 @@ def mapped_entry(storage: LocalStorage, entry: TensorEntry, verify: bool = True)
     if tuple(frag.shape) != tuple(entry.shape) or list(frag.pieces) != [whole_piece(entry.shape)]:
         return None
     nbytes = frag.nbytes(entry.dtype)
+    check_in_file(frag.file, storage.reader(frag.file).size, entry.name, frag.offset, frag.offset + nbytes)
     mapping, at = storage.map_range(frag.file, frag.offset, nbytes)
     if verify and frag.crc32c:
         with memoryview(mapping) as whole, whole[at : at + nbytes] as view:

@@ -21,6 +21,7 @@ import crc32c as _crc
 import torch
 
 from ..errors import CorruptionError
+from ..storage.local import LocalStorage
 
 COALESCE_GAP = 0
 COALESCE_MAX = 64 << 20
@@ -53,14 +54,45 @@ class SpanRead:
     offset: int
     nbytes: int
     segments: list[Segment]
-    finish: Callable[["SpanRead"], None]
+    finish: Callable[["SpanRead"], None] | None = None
     extra: dict = field(default_factory=dict)
+    tensor: str = ""  # whose bytes these are (named in errors)
 
 
 def checksum_error(file: str, tensor: str, start: int, stop: int) -> CorruptionError:
     """The error for a checksum block (bytes ``[start, stop)`` of ``file``) that does not
     match: it names the file, the tensor and the bytes."""
     return CorruptionError(f"checksum mismatch in {file} (tensor {tensor!r}, bytes {start}-{stop} of the file): the checkpoint is corrupt")
+
+
+def truncated_error(file: str, tensor: str, start: int, stop: int, size: int) -> CorruptionError:
+    """The error for bytes ``[start, stop)`` of ``file`` that lie past its end (``size``
+    bytes): it names the file, the tensor and the bytes, as :func:`checksum_error` does."""
+    return CorruptionError(
+        f"{file} is truncated (tensor {tensor!r}, bytes {max(start, size)}-{stop} of the file are missing: "
+        f"the file has {size} bytes): the checkpoint is corrupt"
+    )
+
+
+def check_in_file(file: str, size: int, tensor: str, start: int, stop: int) -> None:
+    """Raise :func:`truncated_error` unless bytes ``[start, stop)`` lie inside a file of ``size`` bytes."""
+    if stop > size:
+        raise truncated_error(file, tensor, start, stop, size)
+
+
+def read_group(storage: LocalStorage, group: list[SpanRead]) -> None:
+    """Read the bytes of ``group`` (touching spans of one file, in order) with scatter
+    reads into their segments. Every read of load and convert goes through here, so a
+    span past the end of a truncated file, or in a missing one, is reported with its
+    tensor, file and bytes."""
+    first = group[0]
+    try:
+        reader = storage.reader(first.file)
+    except CorruptionError as e:  # the file is missing
+        raise CorruptionError(f"{e} (tensor {first.tensor!r} needs bytes {first.offset}-{first.offset + first.nbytes} of it)") from None
+    for r in group:
+        check_in_file(r.file, reader.size, r.tensor, r.offset, r.offset + r.nbytes)
+    reader.preadv_into(group[0].offset, group_views(group))
 
 
 def fill_gaps(nbytes: int, direct: list[Segment]) -> list[Segment] | None:

@@ -8,7 +8,9 @@ What is checked, per data file and per fragment (``tensors`` and ``rank_tensors`
   name) agrees with the manifest: dtype, shape and absolute byte range;
 * every checksum block of every fragment: its CRC-32C equals the one in the manifest;
 * the fragments of each tensor hold as many elements as the tensor has (a tensor with
-  missing shards cannot be loaded whole).
+  missing shards cannot be loaded whole);
+* the manifest itself: reading it checks its SHA-256 digest (format 1.1 on; the report's
+  ``manifest_digest``, or None for an older manifest without one).
 
 Foreign formats (PyTorch DCP, DeepSpeed, Hugging Face) store no checksums: for them the
 check is structural (every metadata record and archive parses, every fragment lies inside
@@ -92,6 +94,17 @@ class VerifyReport:
     format: str = "unickpt"
     bytes_unverifiable: int = 0  # bytes of fragments whose format stores no checksums
     ledger: Ledger = field(default_factory=Ledger)
+    manifest_digest: str | None = None  # "sha256:<hex>" checked on reading; None: the manifest has none
+
+    @property
+    def digest_line(self) -> str:
+        """What became of the manifest's own digest (unickpt format only; empty otherwise)."""
+        if self.format != "unickpt":
+            return ""
+        if self.manifest_digest is None:
+            return "manifest digest: absent (older format)"
+        algorithm, _, hexdigest = self.manifest_digest.partition(":")
+        return f"manifest digest: {algorithm} {hexdigest[:16]} verified"
 
     @property
     def ok(self) -> bool:
@@ -108,10 +121,11 @@ class VerifyReport:
             return (f"OK ({self.format}): {self.tensors} tensors, structure sound; {self.bytes_unverifiable} bytes "
                     "not verifiable (the format stores no checksums)")
         if self.ok:
-            return f"OK: {self.tensors} tensors, {self.bytes_checked} bytes verified"
-        lines = [f"CORRUPT: {len(self.problems)} problem(s) in {self.path}"]
-        lines += [f"  {p}" for p in self.problems]
-        return "\n".join(lines)
+            lines = [f"OK: {self.tensors} tensors, {self.bytes_checked} bytes verified"]
+        else:
+            lines = [f"CORRUPT: {len(self.problems)} problem(s) in {self.path}"]
+            lines += [f"  {p}" for p in self.problems]
+        return "\n".join(lines + [self.digest_line] if self.digest_line else lines)
 
 
 def _entries(manifest: Manifest) -> list[TensorEntry]:
@@ -260,7 +274,7 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
     """
     storage = LocalStorage(path)
     manifest = open_manifest(str(path))
-    report = VerifyReport(str(path), format=manifest.provenance.get("format", "unickpt"))
+    report = VerifyReport(str(path), format=manifest.provenance.get("format", "unickpt"), manifest_digest=manifest.digest)
     problems: list[Problem] = []
     try:
         states = _check_files(storage, manifest, problems, headers=report.format == "unickpt")

@@ -3,24 +3,37 @@
 See docs/FORMAT.md for the normative description. Parsing validates everything a reader
 relies on, so later layers can trust a ``Manifest`` object: known format version, file
 names that cannot leave the checkpoint directory, pieces inside their tensors, byte ranges
-inside their files.
+inside their files, integers of sane magnitude, per-rank rows of ``world_size`` entries,
+values that decode. A hostile or damaged manifest therefore raises a ``ManifestError`` (or,
+when its digest does not match, a ``CorruptionError``), never another exception.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ..errors import FormatVersionError, ManifestError
+from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestError
 from ..plan.box import Box
 from ..plan.piece import Piece
-from .dtypes import itemsize
+from .dtypes import dtype_from_name, itemsize
+from .values import check_text, decode_value
 
 FORMAT_NAME = "unickpt"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
+DIGEST_SINCE = (1, 1)  # manifests of this version on carry a digest
+DIGEST_ALGORITHM = "sha256"
+_DIGEST_TAIL = re.compile(rb',"digest":"sha256:([0-9a-f]{64})"\}\s*\Z')
+# bounds a parsed manifest must respect (a hostile one cannot make readers allocate or loop)
+MAX_INT = (1 << 63) - 1  # byte offsets and sizes
+MAX_DIM = 1 << 48  # one dimension of a shape
+MAX_NDIM = 64
+MAX_WORLD_SIZE = 1 << 24
+MAX_DEPTH = 100  # nesting of free-form JSON (provenance)
 MANIFEST_NAME = "manifest.json"
 DEFAULT_BLOCK_BYTES = 4 << 20
 
@@ -80,9 +93,12 @@ class Manifest:
     provenance: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = FORMAT_VERSION
+    # the digest checked when the manifest was parsed ("sha256:<hex>"); None when the
+    # manifest has none (format 1.0) or was built in memory
+    digest: str | None = field(default=None, compare=False)
 
     def to_json(self) -> str:
-        """Serialise to the JSON text stored in ``manifest.json``."""
+        """Serialise to the JSON text stored in ``manifest.json``, sealed with its digest."""
         doc = {
             "format": FORMAT_NAME,
             "version": f"{self.version[0]}.{self.version[1]}",
@@ -97,46 +113,160 @@ class Manifest:
                 n: [None if t is None else _tensor_to_json(t) for t in ts] for n, ts in self.rank_tensors.items()
             },
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False))
 
     @staticmethod
     def from_json(text: str | bytes) -> Manifest:
-        """Parse and validate manifest text."""
-        try:
-            doc = json.loads(text)
-        except ValueError as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        """Parse and validate manifest text: structure, types and ranges first (a
+        :class:`~unickpt.ManifestError` says what is wrong), then the digest (a
+        :class:`~unickpt.CorruptionError` when the text was changed after it was written)."""
+        raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+        doc = _parse_json(raw)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError("manifest does not declare format 'unickpt'")
         version = _parse_version(doc.get("version"))
+        digest = doc.pop("digest", None)
         try:
-            files = {check_file_name(k): int(v) for k, v in doc.get("files", {}).items()}
-            m = Manifest(
-                tensors={n: _tensor_from_json(n, t, files) for n, t in doc.get("tensors", {}).items()},
-                values=dict(doc.get("values", {})),
-                rank_values={k: list(v) for k, v in doc.get("rank_values", {}).items()},
-                rank_tensors={
-                    n: [None if t is None else _tensor_from_json(n, t, files) for t in ts]
-                    for n, ts in doc.get("rank_tensors", {}).items()
-                },
-                files=files,
-                world_size=int(doc.get("world_size", 1)),
-                provenance=dict(doc.get("provenance", {})),
-                metadata=dict(doc.get("metadata", {})),
-                version=version,
-            )
+            m = _manifest_from_doc(doc, version)
         except ManifestError:
             raise
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError, IndexError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        m.digest = _check_digest(raw, digest, version)
         return m
+
+
+def seal(text: str) -> str:
+    """``text`` (a manifest's JSON object, compact, without a digest) with its digest
+    appended as the last member: ``..., "digest":"sha256:<hex>"}`` where ``<hex>`` is the
+    SHA-256 of ``text`` itself (see docs/FORMAT.md, "Manifest digest")."""
+    if not text.endswith("}") or text == "{}":
+        raise ValueError("seal() takes a non-empty JSON object")
+    return f'{text[:-1]},"digest":"{DIGEST_ALGORITHM}:{hashlib.sha256(text.encode("utf-8")).hexdigest()}"}}'
+
+
+def _check_digest(raw: bytes, digest: Any, version: tuple[int, int]) -> str | None:
+    if digest is None:
+        if version >= DIGEST_SINCE:
+            raise ManifestError(
+                f"manifest of format {version[0]}.{version[1]} has no digest (every writer of this format adds one): "
+                "it was edited after it was written"
+            )
+        return None
+    tail = _DIGEST_TAIL.match(raw, max(0, raw.rfind(b',"digest":"')))
+    if tail is None:
+        raise ManifestError(
+            f"manifest digest {digest!r:.80} is not in its place (the last member, written compactly): "
+            "manifest.json was rewritten after it was saved"
+        )
+    expected = tail.group(1).decode("ascii")
+    got = hashlib.sha256(raw[: tail.start()] + b"}").hexdigest()
+    if got != expected:
+        raise CorruptionError(
+            f"manifest digest mismatch: manifest.json was changed after it was written "
+            f"(recorded sha256 {expected[:16]}..., content hashes to {got[:16]}...)"
+        )
+    return f"{DIGEST_ALGORITHM}:{expected}"
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ManifestError("manifest is not valid: JSON nested too deeply") from None
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"manifest is not valid UTF-8: {e}") from None
+    except ValueError as e:
+        raise ManifestError(f"manifest is not valid JSON: {e}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int]) -> Manifest:
+    world = _int(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
+    files = {check_file_name(k): _int(v, f"size of file {k!r}") for k, v in _dict(doc.get("files", {}), "files").items()}
+    total = sum(files.values())
+    tensors = {
+        n: _tensor_from_json(n, t, files, total, world) for n, t in _dict(doc.get("tensors", {}), "tensors").items()
+    }
+    values = _dict(doc.get("values", {}), "values")
+    for k, v in values.items():
+        decode_value(v, k)
+    rank_values = {}
+    for k, row in _dict(doc.get("rank_values", {}), "rank_values").items():
+        _rank_row(row, f"rank_values {k!r}", world)
+        for v in row:
+            decode_value(v, k)
+        rank_values[k] = list(row)
+    rank_tensors = {}
+    for n, row in _dict(doc.get("rank_tensors", {}), "rank_tensors").items():
+        _rank_row(row, f"rank_tensors {n!r}", world)
+        rank_tensors[n] = [None if t is None else _tensor_from_json(n, t, files, total, world) for t in row]
+    metadata = _dict(doc.get("metadata", {}), "metadata")
+    decode_value(metadata, "metadata")
+    provenance = _dict(doc.get("provenance", {}), "provenance")
+    _check_plain(provenance, "provenance")
+    return Manifest(
+        tensors=tensors, values=dict(values), rank_values=rank_values, rank_tensors=rank_tensors, files=files,
+        world_size=world, provenance=dict(provenance), metadata=dict(metadata), version=version,
+    )
+
+
+def _brief(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    return f"{v!r:.40}"
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    """``v`` when it is an integer (not a bool, not a float) in ``[lo, hi]``."""
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ManifestError(f"malformed manifest: {what} is {_brief(v)}, not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _ints(v: Any, what: str, hi: int = MAX_INT) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise ManifestError(f"malformed manifest: {what} is {_brief(v)}, not a list of at most {MAX_NDIM} integers")
+    return tuple(_int(x, what, 0, hi) for x in v)
+
+
+def _dict(v: Any, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ManifestError(f"malformed manifest: {what} is {_brief(v)}, not an object")
+    return v
+
+
+def _rank_row(row: Any, what: str, world: int) -> None:
+    if not isinstance(row, list) or len(row) != world:
+        n = len(row) if isinstance(row, list) else _brief(row)
+        raise ManifestError(f"malformed manifest: {what} holds {n} entries, world_size is {world} (one per rank)")
+
+
+def _check_plain(obj: Any, what: str) -> None:
+    """Free-form JSON (provenance): at most ``MAX_DEPTH`` deep, every string valid Unicode."""
+    stack = [(obj, 0)]
+    while stack:
+        o, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ManifestError(f"malformed manifest: {what} is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(o, str):
+            check_text(o, what)
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                check_text(k, what)
+                stack.append((v, depth + 1))
+        elif isinstance(o, list):
+            stack.extend((v, depth + 1) for v in o)
 
 
 def _parse_version(text: Any) -> tuple[int, int]:
     try:
         major, minor = (int(x) for x in str(text).split("."))
     except ValueError:
-        raise ManifestError(f"manifest has no valid version: {text!r}") from None
+        raise ManifestError(f"manifest has no valid version: {text!r:.40}") from None
     if major > FORMAT_VERSION[0]:
         raise FormatVersionError(
             f"checkpoint format version {major}.{minor} is newer than this unickpt reads "
@@ -156,13 +286,14 @@ def _piece_to_json(p: Piece, fragment_shape: tuple[int, ...]) -> dict[str, Any]:
     return d
 
 
-def _piece_from_json(d: dict[str, Any], fragment_shape: tuple[int, ...]) -> Piece:
-    lengths = tuple(int(x) for x in d["lengths"])
+def _piece_from_json(d: Any, fragment_shape: tuple[int, ...]) -> Piece:
+    d = _dict(d, "a piece")
+    lengths = _ints(d["lengths"], "piece lengths")
     return Piece(
-        Box(tuple(int(x) for x in d["global"]), lengths),
-        tuple(int(x) for x in d.get("local", [0] * len(lengths))),
-        tuple(int(x) for x in d.get("view", fragment_shape)),
-        int(d.get("flat", 0)),
+        Box(_ints(d["global"], "piece offsets"), lengths),
+        _ints(d["local"], "piece local offsets") if "local" in d else (0,) * len(lengths),
+        _ints(d["view"], "piece view", MAX_DIM) if "view" in d else fragment_shape,
+        _int(d.get("flat", 0), "piece flat offset"),
     )
 
 
@@ -179,17 +310,24 @@ def fragment_to_json(f: Fragment) -> dict[str, Any]:
     }
 
 
-def fragment_from_json(fd: dict[str, Any]) -> Fragment:
+def fragment_from_json(fd: Any) -> Fragment:
     """Parse one fragment's JSON object (structure only; see ``_tensor_from_json`` for checks)."""
-    shape = tuple(int(x) for x in fd["shape"])
+    fd = _dict(fd, "a fragment")
+    shape = _ints(fd["shape"], "fragment shape", MAX_DIM)
+    crcs = fd["crc32c"]
+    if not isinstance(crcs, list):
+        raise ManifestError(f"malformed manifest: fragment checksums are {_brief(crcs)}, not a list")
+    pieces = fd["pieces"]
+    if not isinstance(pieces, list):
+        raise ManifestError(f"malformed manifest: fragment pieces are {_brief(pieces)}, not a list")
     return Fragment(
         file=check_file_name(fd["file"]),
-        offset=int(fd["offset"]),
+        offset=_int(fd["offset"], "fragment offset", -MAX_INT),  # negative: "outside file" below
         shape=shape,
-        pieces=[_piece_from_json(p, shape) for p in fd["pieces"]],
-        crc32c=[int(c) for c in fd["crc32c"]],
-        block_bytes=int(fd.get("block_bytes", DEFAULT_BLOCK_BYTES)),
-        rank=int(fd.get("rank", 0)),
+        pieces=[_piece_from_json(p, shape) for p in pieces],
+        crc32c=[_int(c, "a checksum", 0, 0xFFFFFFFF) for c in crcs],
+        block_bytes=_int(fd.get("block_bytes", DEFAULT_BLOCK_BYTES), "block_bytes", 1, MAX_INT),
+        rank=_int(fd.get("rank", 0), "fragment rank", 0, MAX_WORLD_SIZE),
     )
 
 
@@ -201,11 +339,29 @@ def _tensor_to_json(t: TensorEntry) -> dict[str, Any]:
     return d
 
 
-def _tensor_from_json(name: str, d: dict[str, Any], files: dict[str, int]) -> TensorEntry:
-    t = TensorEntry(name, tuple(int(x) for x in d["shape"]), str(d["dtype"]), [], str(d.get("layout", "")))
+def _tensor_from_json(name: str, d: Any, files: dict[str, int], total_bytes: int, world: int) -> TensorEntry:
+    check_text(name, "tensor name")
+    d = _dict(d, f"tensor {name!r}")
+    dtype = d["dtype"]
+    try:
+        dtype_from_name(dtype)
+    except (LayoutError, TypeError):
+        raise ManifestError(f"tensor {name!r}: unknown dtype {_brief(dtype)}") from None
+    layout = d.get("layout", "")
+    if not isinstance(layout, str):
+        raise ManifestError(f"tensor {name!r}: layout is {_brief(layout)}, not a string")
+    t = TensorEntry(name, _ints(d["shape"], f"tensor {name!r}: shape", MAX_DIM), dtype, [], check_text(layout, name))
+    if t.nbytes > total_bytes:
+        raise ManifestError(
+            f"tensor {name!r}: shape {_brief(list(t.shape))} needs {t.nbytes} bytes, more than all the checkpoint's "
+            f"files hold ({total_bytes})"
+        )
     whole = Box.whole(t.shape)
     size = itemsize(t.dtype)
-    for fd in d["fragments"]:
+    fragments = d["fragments"]
+    if not isinstance(fragments, list):
+        raise ManifestError(f"tensor {name!r}: fragments are {_brief(fragments)}, not a list")
+    for fd in fragments:
         frag = fragment_from_json(fd)
         shape = frag.shape
         nbytes = prod(shape) * size
@@ -213,7 +369,9 @@ def _tensor_from_json(name: str, d: dict[str, Any], files: dict[str, int]) -> Te
             raise ManifestError(f"tensor {name!r}: fragment file {frag.file!r} is not listed in the manifest")
         if frag.offset < 0 or frag.offset + nbytes > files[frag.file]:
             raise ManifestError(f"tensor {name!r}: fragment bytes lie outside file {frag.file!r}")
-        if frag.block_bytes <= 0 or frag.block_bytes % size:
+        if frag.rank >= world:
+            raise ManifestError(f"tensor {name!r}: a fragment of rank {frag.rank}, world_size is {world}")
+        if frag.block_bytes % size:
             raise ManifestError(f"tensor {name!r}: block_bytes {frag.block_bytes} is not a positive multiple of the item size {size}")
         if len(frag.crc32c) != max(1, -(-nbytes // frag.block_bytes)):
             raise ManifestError(f"tensor {name!r}: fragment in {frag.file!r} has a wrong number of checksums")

@@ -64,4 +64,6 @@ def parse_header(prefix8: bytes, read_more) -> tuple[dict[str, dict], int]:
         header = json.loads(raw)
     except ValueError as e:
         raise CorruptionError(f"safetensors header is not JSON: {e}") from None
+    except RecursionError:
+        raise CorruptionError("safetensors header is not valid: JSON nested too deeply") from None
     return header, 8 + n
