@@ -113,6 +113,7 @@ class _Job:
     events: list
     lazy: bool
     limit: int | None
+    manifest_copy: bool | None = None
 
 
 class _Saver:
@@ -188,7 +189,7 @@ class _Saver:
         else:
             payload = {"rank": job.group.rank, "error": job.error}
         handle._staged.set()
-        commit(job.group, payload, job.storage, job.metadata)
+        commit(job.group, payload, job.storage, job.metadata, job.manifest_copy)
 
     def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int]) -> dict[str, Any]:
         group, local = job.group, job.local
@@ -264,6 +265,7 @@ def async_save(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     max_staging_bytes: int | None = None,
     lazy: bool = False,
+    manifest_copy: bool | None = None,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
@@ -284,6 +286,11 @@ def async_save(
     only read parameters and optimizer state, so call ``wait_staged()`` right before
     ``optimizer.step()`` (and before zeroing or editing anything that is saved).
 
+    ``manifest_copy`` (for directories local to each machine, like the in-memory
+    snapshots): None commits the manifest on rank 0 only; otherwise each rank passing
+    True also writes the committed manifest into its own ``path``, and every rank
+    creates its ``path`` if needed (all ranks must pass None, or all a bool).
+
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
     without ``overwrite``) are raised here.
@@ -297,6 +304,8 @@ def async_save(
     storage = LocalStorage(path)
     if storage.exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+    if manifest_copy is not None:
+        storage.prepare()
     try:
         with gc_paused():
             local, error = collect(state_dict, group, defer=True), None
@@ -307,7 +316,7 @@ def async_save(
     events = record_streams(sources)
     job = _Job(
         group, storage, local, error, dict(metadata or {}), block_bytes, threads,
-        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes,
+        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
     )
     handle = AsyncSaveHandle(str(path), group.rank)
     _SAVER.start(job, handle)

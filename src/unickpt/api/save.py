@@ -351,20 +351,35 @@ def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
     commit(group or staged.group, _rank_payload(staged), staged.storage, staged.metadata)
 
 
-def commit(group: Group, payload: dict[str, Any], storage: LocalStorage, metadata: dict[str, Any]) -> None:
+def commit(
+    group: Group, payload: dict[str, Any], storage: LocalStorage, metadata: dict[str, Any],
+    manifest_copy: bool | None = None,
+) -> None:
     """Collective: gather every rank's report to rank 0, which checks them and commits the
-    manifest; raises the same error on every rank if any rank failed."""
+    manifest; raises the same error on every rank if any rank failed.
+
+    ``manifest_copy`` (the same None-ness on every rank): when not None, rank 0 sends the
+    committed manifest to every rank, and each rank passing True also writes it into its
+    own ``storage`` (used where ranks write to different machines' directories, as the
+    in-memory snapshots do: every node needs the manifest)."""
     gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
     result = b"ok"
     if gathered is not None:
         try:
             manifest = assemble([json.loads(g) for g in gathered], group.size, metadata)
-            storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
+            doc = manifest.to_json().encode()
+            storage.write_atomic(MANIFEST_NAME, doc)
+            if manifest_copy is not None:
+                result = b"ok\n" + doc
         except UnickptError as e:
             result = f"{type(e).__name__}\n{e}".encode()
         except Exception as e:
             result = f"SaveError\n{type(e).__name__}: {e}".encode()
     result = broadcast_bytes(group, result, 0)
+    if result.startswith(b"ok\n"):
+        if manifest_copy and group.rank != 0:
+            storage.write_atomic(MANIFEST_NAME, result[3:])
+        return
     if result != b"ok":
         kind, _, text = result.decode().partition("\n")
         raise getattr(errors, kind, SaveError)(text)
