@@ -276,7 +276,8 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
                      start: int) -> tuple[Job, Any, int]:
     """Start the snapshot tier; without ``--resume``, resume from the newest whole state
     (memory, else disk) and print the one line saying from where and why."""
-    from ..snapshot import Snapshotter, job_id, recover
+    from ..snapshot.client import Snapshotter, job_id
+    from ..snapshot.recover import recover
 
     snap = Snapshotter(job_id(args.ckpt_dir), args.snapshot_every, args.parity, max_bytes=args.snapshot_max_bytes)
     if args.resume:

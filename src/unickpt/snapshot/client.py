@@ -33,7 +33,7 @@ from . import paths, wire
 from .parity import check_parity
 
 KEEPER_START_S = 60.0
-_INFO = struct.Struct("<iiiiiqq4s")  # node, is keeper's rank, port, pid, in-progress steps, used bytes, rank bytes, IPv4
+_INFO = struct.Struct("<iiiiiqqq4s")  # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4
 
 
 def job_id(ckpt_dir: str | None = None) -> str:
@@ -81,6 +81,14 @@ def running_keeper(root: str) -> dict[str, Any] | None:
 
 _CHILDREN: list[subprocess.Popen] = []
 
+# The keeper needs neither torch nor the rest of unickpt: it is started with a bare
+# ``unickpt`` package (its __init__, which imports torch, is skipped), so it starts in a
+# fraction of a second and holds no torch runtime in memory.
+_KEEPER_BOOT = (
+    "import sys, types; pkg = types.ModuleType('unickpt'); pkg.__path__ = [sys.argv.pop(1)]; "
+    "sys.modules['unickpt'] = pkg; from unickpt.snapshot.keeper import main; main(sys.argv[1:])"
+)
+
 
 def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any]:
     """The node's keeper for ``job`` (started, detached in its own session, when none runs).
@@ -98,7 +106,8 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
         return doc
     os.makedirs(paths.base_dir(root), exist_ok=True)
     log = open(os.path.join(paths.base_dir(root), "keeper.log"), "ab")
-    cmd = [sys.executable, "-m", "unickpt.snapshot.keeper", "--root", root, "--job", job, "--host", host]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-c", _KEEPER_BOOT, package, "--root", root, "--job", job, "--host", host]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
     log.close()
     _CHILDREN.append(proc)
@@ -156,15 +165,15 @@ class Snapshotter:
         self.host = host or os.environ.get("UNICKPT_KEEPER_HOST") or "127.0.0.1"
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
+        check_parity(parity, 2)
         self.group = checkpoint_group(resolve_group(process_group))
         self.node, self.local_rank = node_position()
         self.keeper: dict[str, Any] | None = None
         if self.local_rank == 0:
             os.makedirs(self.root, exist_ok=True)
             self.keeper = ensure_keeper(self.root, job, self.host)
-        self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes(self.root)
+        self.max_bytes = max_bytes
         self.requested_parity = parity
-        check_parity(parity, 2)
         self.table = self._exchange(0)[0]
         self.parity = check_parity(parity, len(self.table))
         self.handle: AsyncSaveHandle | None = None
@@ -182,17 +191,18 @@ class Snapshotter:
 
     def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[tuple[int, ...]]]:
         """Collective: every rank's node, keeper and memory figures; the keeper table by node."""
-        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, b"\0" * 4)
+        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4)
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
+            cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root)
             mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), in_progress(self.jdir), used, rank_bytes,
-                    socket.inet_aton(self.keeper["host"]))
+                    cap, socket.inet_aton(self.keeper["host"]))
         rows = [_INFO.unpack(b) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
         keepers = {r[0]: r for r in rows if r[1]}
         if sorted(keepers) != list(range(len(keepers))) or {r[0] for r in rows} != set(keepers):
             raise SnapshotError(f"every node needs one local rank 0; got nodes {sorted({r[0] for r in rows})}")
-        table = [{"host": socket.inet_ntoa(keepers[n][7]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
+        table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
         return table, rows
 
     def snapshot(self, state: dict[str, Any], step: int) -> AsyncSaveHandle | None:
@@ -207,13 +217,13 @@ class Snapshotter:
         k = max(1, self.nodes - 1)
         for n in range(self.nodes):
             node_bytes = sum(r[6] for r in rows if r[0] == n)
-            used = next(r[5] for r in rows if r[0] == n and r[1])
+            used, cap = next((r[5], r[7]) for r in rows if r[0] == n and r[1])
             need = used + node_bytes + (node_bytes * self.parity) // k
-            if need > self.max_bytes:
+            if need > cap:
                 raise SnapshotError(
                     f"snapshot of step {step} would hold {need / 2**20:.1f} MiB of host memory on node {n} "
                     f"({used / 2**20:.1f} MiB held now + {node_bytes / 2**20:.1f} MiB of state, parity {self.parity}), "
-                    f"above the cap of {self.max_bytes / 2**20:.1f} MiB; raise max_bytes or snapshot less state"
+                    f"above the cap of {cap / 2**20:.1f} MiB; raise max_bytes or snapshot less state"
                 )
         meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "nodes": self.table}}
         path = paths.step_dir(self.root, self.job, step)
