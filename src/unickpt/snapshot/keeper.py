@@ -12,7 +12,8 @@ in its own session, so it outlives a crashed trainer. It
 * runs the per-step commit: once it holds its data and its parity it tells every keeper
   (``have``); a step is *whole* when all keepers said so, then older steps are deleted
   (retention: the newest whole step plus the steps in progress);
-* serves byte ranges of its files to recovering trainers of any node (``read``/``blob``);
+* serves byte ranges of its files to recovering trainers of any node (``read``/``blob``,
+  sent with ``sendfile``);
 * on ``stop`` (the job ended cleanly) deletes the job's directory and exits.
 
 Run as ``python -m unickpt.snapshot.keeper --root R --job J``.
@@ -34,7 +35,7 @@ import numpy as np
 
 from ..storage.local import is_inside
 from . import paths, wire
-from .parity import read_blob, stripe_of, stripe_range, xor_into
+from .parity import blob_parts, read_blob, stripe_of, stripe_range, xor_into
 
 POLL_S = 0.02
 
@@ -228,6 +229,10 @@ class Keeper:
                     return
                 payload = wire.recv_payload(sock, header)
                 try:
+                    parts = self.file_parts(header)
+                    if parts is not None:
+                        wire.send_file_parts(sock, {"ok": True}, parts)
+                        continue
                     reply, data = self.dispatch(header, payload)
                     wire.send(sock, dict(reply, ok=True), data)
                 except Exception as e:
@@ -239,8 +244,22 @@ class Keeper:
             if not self.stopping.is_set():
                 _log(f"connection dropped: {e}")
 
+    def file_parts(self, header: dict[str, Any]) -> list[tuple[str, int, int]] | None:
+        """The file ranges a ``read`` or ``blob`` request asks for (sent with sendfile); None
+        for other requests."""
+        op = header.get("op")
+        if op == "read":
+            rel = str(header["path"])
+            if not is_inside(rel):
+                raise ValueError(f"refused path {rel!r}")
+            return [(os.path.join(self.jdir, rel), int(header["offset"]), int(header["length"]))]
+        if op == "blob":
+            sdir = paths.step_dir(self.root, self.job, int(header["step"]))
+            return blob_parts(sdir, node_files(sdir), int(header["offset"]), int(header["length"]))
+        return None
+
     def dispatch(self, header: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], Any]:
-        """Run one request; returns the reply header and payload."""
+        """Run one request other than a read; returns the reply header and payload."""
         op = header.get("op")
         if op == "ping":
             return {"pid": os.getpid(), "job": self.job}, None
@@ -255,21 +274,6 @@ class Keeper:
         if op == "reset":
             self.reset(int(header["keep_upto"]))
             return {}, None
-        if op == "read":
-            rel = str(header["path"])
-            if not is_inside(rel):
-                raise ValueError(f"refused path {rel!r}")
-            out = memoryview(bytearray(int(header["length"])))
-            with open(os.path.join(self.jdir, rel), "rb", buffering=0) as f:
-                f.seek(int(header["offset"]))
-                if f.readinto(out) != out.nbytes:
-                    raise ValueError(f"{rel} is shorter than asked")
-            return {}, out
-        if op == "blob":
-            sdir = paths.step_dir(self.root, self.job, int(header["step"]))
-            out = memoryview(bytearray(int(header["length"])))
-            read_blob(sdir, node_files(sdir), int(header["offset"]), out)
-            return {}, out
         raise ValueError(f"unknown request {op!r}")
 
     def on_stripe(self, h: dict[str, Any], payload: memoryview) -> None:

@@ -45,6 +45,20 @@ def stripe_range(blob_bytes: int, s: int, k: int) -> tuple[int, int]:
     return lo, min(blob_bytes, lo + size)
 
 
+def blob_parts(sdir: str, files: list[tuple[str, int]], offset: int, length: int) -> list[tuple[str, int, int]]:
+    """The (path, offset, count) file ranges holding bytes ``[offset, offset + length)`` of
+    the blob made of ``files`` (name, size) in ``sdir``."""
+    parts, at, end = [], 0, offset + length
+    for name, size in files:
+        lo, hi = max(offset, at), min(end, at + size)
+        if lo < hi:
+            parts.append((os.path.join(sdir, name), lo - at, hi - lo))
+        at += size
+    if end > at:
+        raise SnapshotError(f"blob of {sdir} ends at byte {at}, before {end}")
+    return parts
+
+
 def read_blob(sdir: str, files: list[tuple[str, int]], offset: int, out: memoryview) -> None:
     """Fill ``out`` with bytes ``offset..`` of the blob made of ``files`` (name, size) in ``sdir``."""
     view = memoryview(out).cast("B")

@@ -25,7 +25,8 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ class Outcome:
     source: str  # "memory", "disk" or "fresh"
     line: str
     seconds: float
-    tried: bool = False  # a memory load was attempted (and failed): the job's state is partly overwritten
+    tried: bool = False  # a memory load was attempted (when it failed, the job's state is partly overwritten)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, rebuild, load (of the last step tried)
 
 
 # -- what a node holds ------------------------------------------------------------------
@@ -154,21 +156,13 @@ class Peers:
         self.conns.clear()
 
 
-def rebuild(plan: dict[str, Any], snap: Snapshotter, peers: Peers) -> dict[str, list[Any]]:
-    """Rebuild the lost node's files of ``plan`` into this node's shm root; returns where
-    each rebuilt file now is. Raises CorruptionError when a parity chunk, a data stripe or
-    a rebuilt stripe does not match its crc32c."""
-    step, rb = plan["step"], plan["rebuild"]
-    x, n = int(rb["lost"]), int(rb["nodes"])
+def _rebuild_stripe(step: int, x: int, j: int, n: int, meta: dict[str, Any], holder: dict[int, int],
+                    table: list[dict[str, Any]]) -> tuple[int, np.ndarray]:
+    """Node ``x``'s stripe in parity group ``j``: the parity held by ``j`` XOR the other
+    members' stripes, each checked against its crc32c. Returns (stripe index, bytes)."""
     k = n - 1
-    metas = {int(j): m for j, m in rb["metas"].items()}
-    holder = {int(j): int(h) for j, h in rb["holder"].items()}
-    info = next(m["members"][str(x)] for j, m in metas.items() if j != x)
-    out = np.zeros(int(info["blob"]), np.uint8)
-    for j in range(n):
-        if j == x:
-            continue
-        meta = metas[j]
+    peers = Peers(table)
+    try:
         acc = np.empty(int(meta["nbytes"]), np.uint8)
         peers.get(holder[j]).read(f"{paths.step_name(step)}/{paths.PARITY_BIN}", 0, memoryview(acc))
         if _crc.crc32c(acc) != int(meta["crc"]):
@@ -178,17 +172,38 @@ def rebuild(plan: dict[str, Any], snap: Snapshotter, peers: Peers) -> dict[str, 
             if i == x:
                 continue
             lo, hi = stripe_range(int(m["blob"]), int(m["stripe"]), k)
-            buf = memoryview(bytearray(hi - lo))
-            peers.get(holder[i]).request({"op": "blob", "step": step, "offset": lo, "length": hi - lo}, into=buf)
+            buf = np.empty(hi - lo, np.uint8)
+            peers.get(holder[i]).read_views({"op": "blob", "step": step, "offset": lo}, [memoryview(buf)])
             if _crc.crc32c(buf) != int(m["crc"]):
                 raise CorruptionError(f"data stripe {m['stripe']} of node {i} (step {step}) fails its crc32c")
             xor_into(acc, buf)
-        mx = meta["members"][str(x)]
-        got = acc[: int(mx["len"])]
-        if _crc.crc32c(got) != int(mx["crc"]) or stripe_of(x, j, n) != int(mx["stripe"]):
-            raise CorruptionError(f"stripe {mx['stripe']} of node {x} rebuilt from node {j}'s parity fails its crc32c")
-        lo, hi = stripe_range(out.size, int(mx["stripe"]), k)
-        out[lo:hi] = got
+    finally:
+        peers.close()
+    mx = meta["members"][str(x)]
+    got = acc[: int(mx["len"])]
+    if _crc.crc32c(got) != int(mx["crc"]) or stripe_of(x, j, n) != int(mx["stripe"]):
+        raise CorruptionError(f"stripe {mx['stripe']} of node {x} rebuilt from node {j}'s parity fails its crc32c")
+    return int(mx["stripe"]), got
+
+
+def rebuild(plan: dict[str, Any], snap: Snapshotter) -> dict[str, list[Any]]:
+    """Rebuild the lost node's files of ``plan`` into this node's shm root (its stripes in
+    parallel, one thread per parity group); returns where each rebuilt file now is. Raises
+    CorruptionError when a parity chunk, a data stripe or a rebuilt stripe does not match
+    its crc32c."""
+    step, rb = plan["step"], plan["rebuild"]
+    x, n = int(rb["lost"]), int(rb["nodes"])
+    metas = {int(j): m for j, m in rb["metas"].items()}
+    holder = {int(j): int(h) for j, h in rb["holder"].items()}
+    info = next(m["members"][str(x)] for j, m in metas.items() if j != x)
+    out = np.zeros(int(info["blob"]), np.uint8)
+    groups = [j for j in range(n) if j != x]
+    with ThreadPoolExecutor(len(groups)) as pool:
+        futures = [pool.submit(_rebuild_stripe, step, x, j, n, metas[j], holder, snap.table) for j in groups]
+        for f in futures:
+            s, got = f.result()
+            lo, hi = stripe_range(out.size, s, n - 1)
+            out[lo:hi] = got
     rdir = os.path.join(snap.jdir, f"rebuilt_{step:08d}")
     paths.remove_tree(rdir)
     os.makedirs(rdir)
@@ -213,12 +228,8 @@ class RemoteReader:
         self.conn.read(self.rel, offset, out)
 
     def preadv_into(self, offset: int, views: list[memoryview]) -> None:
-        """Fill the buffers one after the other from ``offset`` on."""
-        for v in views:
-            v = memoryview(v).cast("B")
-            if v.nbytes:
-                self.conn.read(self.rel, offset, v)
-                offset += v.nbytes
+        """Fill the buffers one after the other from ``offset`` on (one request)."""
+        self.conn.read_views({"op": "read", "path": self.rel, "offset": offset}, views)
 
     def close(self) -> None:
         """Nothing to release (the connection belongs to the storage)."""
@@ -281,19 +292,17 @@ def _reset_keeper(snap: Snapshotter, keep_upto: int) -> None:
         conn.close()
 
 
-def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn) -> tuple[int | None, str]:
+def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: dict[str, float]) -> tuple[int | None, str]:
     """Rebuild (if needed) and load one planned step; (step, how) or (None, why not)."""
     step = plan["step"]
     where = dict(plan["where"])
     error = None
+    t0 = time.perf_counter()
     if plan["rebuild"] is not None and snap.group.rank == 0:
-        peers = Peers(snap.table)
         try:
-            where.update(rebuild(plan, snap, peers))
+            where.update(rebuild(plan, snap))
         except UnickptError as e:
             error = str(e)
-        finally:
-            peers.close()
     if plan["rebuild"] is not None:
         error = _agree(snap, error)
         if error is not None:
@@ -305,6 +314,7 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn) -> tuple[in
         with open(os.path.join(rdir, MANIFEST_NAME), "w") as f:
             f.write(plan["manifest"])
     _agree(snap, None)  # the manifest is in place on every node
+    t1 = time.perf_counter()
     sizes = json.loads(plan["manifest"])["files"]
     storage = SnapshotStorage(snap, where, sizes)
     error = None
@@ -319,6 +329,7 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn) -> tuple[in
     finally:
         storage.close()
     error = _agree(snap, error)
+    timings.update(rebuild=t1 - t0, load=time.perf_counter() - t1)
     if snap.local_rank == 0:
         paths.remove_tree(rdir)
     if snap.group.rank == 0:
@@ -347,18 +358,21 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
         nodes = [d for d in (json.loads(g) for g in gathered) if d is not None]
         plans, reasons = plan_candidates(nodes)
     plans, reasons = _share(snap, [plans, reasons])
+    timings: dict[str, float] = {"plan": time.perf_counter() - t0}
     step: int | None = None
     for plan in plans:
-        step, how = _try_step(snap, plan, load)
+        step, how = _try_step(snap, plan, load, timings)
         if step is not None:
             _reset_keeper(snap, step)
-            return Outcome(step, "memory", f"resumed step {step} from memory ({how})", time.perf_counter() - t0)
+            return Outcome(step, "memory", f"resumed step {step} from memory ({how})", time.perf_counter() - t0, True, timings)
         reasons.append(how)
     why = "; ".join(reasons) if reasons else "no snapshot in memory"
     got = disk() if disk is not None else None
     if got is not None:
         step, path = got
         _reset_keeper(snap, step)
-        return Outcome(step, "disk", f"resumed step {step} from disk ({path}; memory: {why})", time.perf_counter() - t0)
+        return Outcome(step, "disk", f"resumed step {step} from disk ({path}; memory: {why})", time.perf_counter() - t0,
+                       bool(plans), timings)
     _reset_keeper(snap, 0)
-    return Outcome(0, "fresh", f"starting fresh (memory: {why}; no checkpoint on disk)", time.perf_counter() - t0, bool(plans))
+    return Outcome(0, "fresh", f"starting fresh (memory: {why}; no checkpoint on disk)", time.perf_counter() - t0,
+                   bool(plans), timings)

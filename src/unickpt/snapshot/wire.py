@@ -10,6 +10,7 @@ one carries ``error``.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import threading
@@ -28,6 +29,28 @@ def send(sock: socket.socket, header: dict[str, Any], payload: memoryview | byte
     sock.sendall(_LEN.pack(len(doc)) + doc)
     if payload is not None and header["nbytes"]:
         sock.sendall(payload)
+
+
+def send_file_parts(sock: socket.socket, header: dict[str, Any], parts: list[tuple[str, int, int]]) -> None:
+    """Send one message whose payload is byte ranges of files (path, offset, count), with
+    ``sendfile`` (no copy through user space). A file shorter than its range is an error
+    before anything is sent."""
+    files = []
+    try:
+        for path, offset, count in parts:
+            f = open(path, "rb")
+            files.append(f)
+            if os.fstat(f.fileno()).st_size < offset + count:
+                raise SnapshotError(f"{os.path.basename(path)} is shorter than asked")
+        total = sum(c for _, _, c in parts)
+        doc = json.dumps(dict(header, nbytes=total)).encode()
+        sock.sendall(_LEN.pack(len(doc)) + doc)
+        for f, (_, offset, count) in zip(files, parts):
+            if count:
+                sock.sendfile(f, offset, count)
+    finally:
+        for f in files:
+            f.close()
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -92,8 +115,27 @@ class Connection:
 
     def read(self, path: str, offset: int, into: memoryview) -> None:
         """Fill ``into`` with bytes ``offset..`` of ``path`` (relative to the keeper's job directory)."""
-        view = memoryview(into).cast("B")
-        self.request({"op": "read", "path": path, "offset": offset, "length": view.nbytes}, into=view)
+        self.read_views({"op": "read", "path": path, "offset": offset}, [into])
+
+    def read_views(self, header: dict[str, Any], views: list[memoryview]) -> None:
+        """One ranged request (``read`` or ``blob``) for the total length of ``views``,
+        its reply received straight into them, one after the other."""
+        views = [memoryview(v).cast("B") for v in views]
+        total = sum(v.nbytes for v in views)
+        with self.lock:
+            try:
+                send(self.sock, dict(header, length=total))
+                reply = recv_header(self.sock)
+                if reply is None:
+                    raise SnapshotError("keeper closed the connection")
+                if not reply.get("ok"):
+                    raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {reply.get('error')}")
+                if int(reply.get("nbytes", 0)) != total:
+                    raise SnapshotError(f"keeper sent {reply.get('nbytes')} bytes, {total} asked")
+                for v in views:
+                    recv_exact(self.sock, v)
+            except OSError as e:
+                raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {e}") from None
 
     def close(self) -> None:
         """Close the connection."""
