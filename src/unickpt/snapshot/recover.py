@@ -364,14 +364,16 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
         step, how = _try_step(snap, plan, load, timings)
         if step is not None:
             _reset_keeper(snap, step)
-            return Outcome(step, "memory", f"resumed step {step} from memory ({how})", time.perf_counter() - t0, True, timings)
+            took = time.perf_counter() - t0
+            return Outcome(step, "memory", f"resumed step {step} from memory ({how}; {took:.2f} s)", took, True, timings)
         reasons.append(how)
     why = "; ".join(reasons) if reasons else "no snapshot in memory"
     got = disk() if disk is not None else None
     if got is not None:
         step, path = got
         _reset_keeper(snap, step)
-        return Outcome(step, "disk", f"resumed step {step} from disk ({path}; memory: {why})", time.perf_counter() - t0,
+        took = time.perf_counter() - t0
+        return Outcome(step, "disk", f"resumed step {step} from disk ({path}; memory: {why}; {took:.2f} s)", took,
                        bool(plans), timings)
     _reset_keeper(snap, 0)
     return Outcome(0, "fresh", f"starting fresh (memory: {why}; no checkpoint on disk)", time.perf_counter() - t0,
