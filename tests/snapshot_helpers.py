@@ -52,12 +52,37 @@ def wait_all(procs: list[subprocess.Popen], cwd, timeout: float = 240, check: bo
     return outs
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun's workers are in process groups of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def kill_session(p: subprocess.Popen) -> None:
-    """SIGKILL every process of an agent's session (the agent and its trainers)."""
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL an agent and the trainers it started; snapshot keepers (detached, in their
+    own sessions) are left alone: they outlive the trainers."""
+    for pid in [p.pid, *_descendants(p.pid)]:
+        try:
+            if b"unickpt.snapshot.keeper" in open(f"/proc/{pid}/cmdline", "rb").read():
+                continue
+        except OSError:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     p.wait()
 
 

@@ -73,11 +73,37 @@ def _launch(root: str, shm: list[str], flags: list[str]) -> list[subprocess.Pope
     return procs
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun's workers are in process groups of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def _kill_session(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL an agent and the trainers it started; snapshot keepers (detached, in their
+    own sessions) are left alone: they outlive the trainers."""
+    for pid in [p.pid, *_descendants(p.pid)]:
+        try:
+            if b"unickpt.snapshot.keeper" in open(f"/proc/{pid}/cmdline", "rb").read():
+                continue
+        except OSError:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     p.wait()
 
 
@@ -178,7 +204,7 @@ def _table(r: FaultDemo, say: Any, console: Any) -> None:
     rows = []
     for step, ref in r.reference.items():
         if step in r.after:
-            got, where = r.after[step], f"{NODES - 1} nodes"
+            got, where = r.after[step], f"{NODES - 1} nodes" + (" (redone)" if step in r.before else "")
         elif step in r.before:
             got, where = r.before[step], f"{NODES} nodes" + (" (lost)" if step > r.resumed_step else "")
         else:

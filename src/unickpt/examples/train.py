@@ -287,7 +287,9 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
         path = manager.latest() if manager else None
         return None if path is None else (resume(job, manager, path), path)
 
-    outcome = recover(snap, lambda path, storage: resume(job, None, path, storage), disk)
+    latest = manager.latest() if manager else None
+    disk_step = int(os.path.basename(latest).split("_")[-1]) if latest else None
+    outcome = recover(snap, lambda path, storage: resume(job, None, path, storage), disk, disk_step)
     if outcome.tried and outcome.source == "fresh":
         job = build(args)  # a rejected snapshot may have been partly loaded: start from scratch
     if job.rank == 0:

@@ -343,12 +343,14 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
                   f"{rb['nodes'] - 1} nodes, every chunk's crc32c verified")
 
 
-def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] | None] | None = None) -> Outcome:
+def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] | None] | None = None,
+            disk_step: int | None = None) -> Outcome:
     """Resume from the newest whole, verified state (collective); see the module docstring.
 
     ``load(path, storage)`` loads the checkpoint at ``path`` (its files through
     ``storage``) into the job and returns the step it holds. ``disk()`` resumes from the
-    durable tier and returns (step, path), or None when it holds nothing."""
+    durable tier and returns (step, path), or None when it holds nothing; ``disk_step``,
+    the step of the durable tier's newest checkpoint, makes older snapshots lose to it."""
     t0 = time.perf_counter()
     mine = json.dumps(inventory(snap) if snap.local_rank == 0 else None).encode()
     gathered = gather_bytes(snap.group, mine, 0)
@@ -361,6 +363,9 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     timings: dict[str, float] = {"plan": time.perf_counter() - t0}
     step: int | None = None
     for plan in plans:
+        if disk_step is not None and plan["step"] < disk_step:
+            reasons.append(f"step {plan['step']}: older than the durable checkpoint of step {disk_step}")
+            break
         step, how = _try_step(snap, plan, load, timings)
         if step is not None:
             _reset_keeper(snap, step)
