@@ -138,14 +138,24 @@ def state_bytes(state: dict[str, Any]) -> int:
     return total
 
 
-def in_progress(jdir: str) -> int:
-    """Committed steps newer than the node's newest whole step (their parity is still running)."""
+def in_progress(jdir: str, keepers: list[dict[str, Any]]) -> int:
+    """Committed steps newer than the node's newest whole step whose parity is still
+    running: steps whose keepers are all among ``keepers`` (the job's live ones; a step
+    that names a keeper since replaced can never become whole and is not waited for)."""
+    live = {(int(k["port"]), int(k["pid"])) for k in keepers}
     whole = [s for s in paths.steps(jdir) if os.path.exists(os.path.join(jdir, paths.step_name(s), paths.WHOLE))]
     newest_whole = max(whole, default=-1)
-    return sum(
-        1 for s in paths.steps(jdir)
-        if s > newest_whole and os.path.exists(os.path.join(jdir, paths.step_name(s), MANIFEST_NAME))
-    )
+    count = 0
+    for s in paths.steps(jdir):
+        if s <= newest_whole:
+            continue
+        try:
+            with open(os.path.join(jdir, paths.step_name(s), MANIFEST_NAME)) as f:
+                nodes = ((json.load(f).get("metadata") or {}).get("snapshot") or {}).get("nodes", [])
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        count += all((int(k["port"]), int(k["pid"])) in live for k in nodes)
+    return count
 
 
 def default_max_bytes(root: str) -> int:
@@ -196,7 +206,8 @@ class Snapshotter:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
             cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root)
-            mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), in_progress(self.jdir), used, rank_bytes,
+            pending = in_progress(self.jdir, getattr(self, "table", []))
+            mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
                     cap, socket.inet_aton(self.keeper["host"]))
         rows = [_INFO.unpack(b) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
         keepers = {r[0]: r for r in rows if r[1]}

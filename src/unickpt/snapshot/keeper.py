@@ -340,6 +340,8 @@ class Keeper:
             for d in (self.partial, self.haves, self.peers):
                 for s in [s for s in d if s < step]:
                     del d[s]
+            for st in (self.sent, self.stored, self.announced, self.seen):
+                st.difference_update({s for s in st if s < step})
         for old in paths.steps(self.jdir):
             if old < step:
                 paths.remove_tree(paths.step_dir(self.root, self.job, old))
