@@ -88,10 +88,12 @@ def test_killed_rank_resumes_from_memory_bitwise(tmp_path, keepers_down):
     log = str(tmp_path / "run.jsonl")
     flags = [*TINY, "--snapshot-every", "2", "--save-every", "10", "--ckpt-dir", "ck", "--loss-log", log]
     procs = launch_nodes(tmp_path, [root], [*flags, "--compute-sleep", "0.4"], nproc=2)
-    _wait_for(lambda: _last_step(log) >= 5 and steps_whole(root), what="step 5", procs=procs)
-    keeper = keeper_pid(root)
-    os.kill(_trainer_pid(root, 1), signal.SIGKILL)
-    wait_all(procs, tmp_path, check=False)
+    try:
+        _wait_for(lambda: _last_step(log) >= 5 and steps_whole(root), what="step 5", procs=procs)
+        keeper = keeper_pid(root)
+        os.kill(_trainer_pid(root, 1), signal.SIGKILL)
+    finally:
+        wait_all(procs, tmp_path, timeout=60, check=False)
     assert procs[0].returncode != 0
     assert keeper is not None and os.path.exists(f"/proc/{keeper}")
     snap_step = max(steps_whole(root))
@@ -200,11 +202,16 @@ def test_killed_keeper_is_recreated_and_a_corrupt_snapshot_never_used(tmp_path, 
     flags = [*TINY, "--snapshot-every", "2", "--save-every", "4", "--ckpt-dir", str(tmp_path / "ck"), "--loss-log", log]
     cmd = [sys.executable, "-m", "unickpt.examples.train", *flags]
     p = subprocess.Popen([*cmd, "--compute-sleep", "0.3", "--stop-after", "8"], env=env_for(root), cwd=tmp_path)
-    _wait_for(lambda: 2 in steps_whole(root), what="step 2 whole", procs=[p])
-    first = keeper_pid(root)
-    assert not os.path.exists(stale)
-    kill_keeper(root)
-    assert p.wait(120) == 0
+    try:
+        _wait_for(lambda: 2 in steps_whole(root), what="step 2 whole", procs=[p])
+        first = keeper_pid(root)
+        assert not os.path.exists(stale)
+        kill_keeper(root)
+        assert p.wait(120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     assert sorted(losses(log)) == list(range(1, 9))
     second = keeper_pid(root)
     assert second is not None and second != first and os.path.exists(f"/proc/{second}")
