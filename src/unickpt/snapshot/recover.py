@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -243,9 +244,14 @@ class SnapshotStorage:
         self.snap, self.where, self.sizes = snap, where, sizes
         self.peers = Peers(snap.table)
         self._readers: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def reader(self, name: str):
-        """A positional reader of file ``name``."""
+        """A positional reader of file ``name`` (shared by load's threads)."""
+        with self._lock:
+            return self._reader(name)
+
+    def _reader(self, name: str):
         r = self._readers.get(name)
         if r is None:
             if name not in self.where:
