@@ -35,7 +35,7 @@ import crc32c as _crc
 import numpy as np
 
 from ..dist import broadcast_bytes, gather_bytes
-from ..errors import CorruptionError, SnapshotError, UnickptError
+from ..errors import CorruptionError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from ..storage.local import FileReader
 from . import paths, wire
@@ -345,8 +345,9 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     if plan["rebuild"] is None:
         return step, f"all {plan['files']} files held by the surviving nodes, checksums verified"
     rb = plan["rebuild"]
+    held = rb["nodes"] - 1
     return step, (f"node {rb['lost']} of {rb['nodes']} lost: its files rebuilt from XOR parity on "
-                  f"{rb['nodes'] - 1} nodes, every chunk's crc32c verified")
+                  f"{held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
 
 
 def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] | None] | None = None,
