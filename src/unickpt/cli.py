@@ -586,8 +586,21 @@ def demo_cmd(
     plot: Annotated[Path, typer.Option("--plot", help="Where to write the PNG of both loss curves.")] = Path(
         "unickpt_demo_resume.png"
     ),
+    fault_tolerance: Annotated[
+        bool, typer.Option("--fault-tolerance", help="Instead: 4 simulated nodes with in-memory snapshots lose one; "
+                           "training continues on 3 from memory (PNG: unickpt_demo_fault.png unless --plot).")
+    ] = False,
 ) -> None:
     """Train on tp2 x dp2, lose the job, resume on 3 ranks: the loss curve goes on (CPU, gloo)."""
+    if fault_tolerance:
+        from .demo_fault import run_fault_demo
+
+        png = str(plot) if plot != Path("unickpt_demo_resume.png") else "unickpt_demo_fault.png"
+        ft = run_fault_demo(str(directory) if directory else None, png, _out())
+        if not ft.ok:
+            _err().print(Text("demo FAILED: the survivors did not continue from memory on the unbroken curve", style="bold red"))
+            raise typer.Exit(EXIT_FAILED)
+        return
     if reshard:
         from .demo import run_demo
 

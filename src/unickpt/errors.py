@@ -40,3 +40,8 @@ class SaveError(UnickptError):
 class UnsafePickleError(UnickptError):
     """A foreign checkpoint's pickle names a class or function that is not allowed: it was
     refused, never run."""
+
+
+class SnapshotError(UnickptError):
+    """The in-memory snapshot tier cannot do what was asked (host memory cap, keeper
+    start-up, an unsupported parity), or a snapshot cannot be rebuilt or verified."""

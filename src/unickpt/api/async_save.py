@@ -114,6 +114,7 @@ class _Job:
     events: list
     lazy: bool
     limit: int | None
+    manifest_copy: bool | None = None
 
 
 class _Saver:
@@ -181,13 +182,13 @@ class _Saver:
         # Start writing only once every rank has staged: a rank that writes while others
         # still copy takes CPU and memory bandwidth from their (blocking) staging.
         all_gather_fixed(job.group, b"\x01")
-        target = prepare_collective(job.group, job.path, job.overwrite)
+        target = prepare_collective(job.group, job.path, job.overwrite, job.manifest_copy)
         if job.error is None:
             payload = self._write(job, handle, buf, crcs, target.storage)
         else:
             payload = {"rank": job.group.rank, "error": job.error}
         handle._staged.set()
-        commit(job.group, payload, target, job.metadata)
+        commit(job.group, payload, target, job.metadata, job.manifest_copy)
 
     def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: LocalStorage) -> dict[str, Any]:
         group, local = job.group, job.local
@@ -263,6 +264,7 @@ def async_save(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     max_staging_bytes: int | None = None,
     lazy: bool = False,
+    manifest_copy: bool | None = None,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
@@ -282,6 +284,11 @@ def async_save(
     not modify them in place until ``handle.wait_staged()`` returns. Forward and backward
     only read parameters and optimizer state, so call ``wait_staged()`` right before
     ``optimizer.step()`` (and before zeroing or editing anything that is saved).
+
+    ``manifest_copy`` (for directories local to each machine, like the in-memory
+    snapshots): None commits the manifest on rank 0 only; otherwise each rank passing
+    True also writes the committed manifest into its own ``path``, and every rank
+    creates its ``path`` if needed (all ranks must pass None, or all a bool).
 
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
@@ -305,7 +312,7 @@ def async_save(
     events = record_streams(sources)
     job = _Job(
         group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
-        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes,
+        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
     )
     handle = AsyncSaveHandle(str(path), group.rank)
     _SAVER.start(job, handle)

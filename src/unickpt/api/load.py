@@ -209,6 +209,7 @@ def load(
     verify: bool = True,
     stats: dict[str, Any] | None = None,
     broadcast_replicated: bool = False,
+    storage: LocalStorage | None = None,
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -229,8 +230,11 @@ def load(
     ``broadcast_replicated=True`` reads each plain (replicated) target tensor on one rank
     and broadcasts it over ``process_group`` instead of reading it on every rank; the
     load is then collective (see docs/PERFORMANCE.md for when it pays).
+    ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
+    any object with ``LocalStorage``'s ``reader``/``close``, such as the snapshot tier's
+    view of files spread over several machines.
     """
-    storage = LocalStorage(path)
+    storage = storage if storage is not None else LocalStorage(path)
     manifest = open_manifest(str(path))
     group = resolve_group(process_group)
     statefuls: list[tuple[Any, dict[str, Any]]] = []

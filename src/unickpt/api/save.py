@@ -252,10 +252,25 @@ class Target:
     write: DirectoryWrite | None
 
 
-def prepare_collective(group: Group, path: str, overwrite: bool) -> Target:
+def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: bool | None = None) -> Target:
     """Collective: rank 0 claims the checkpoint directory (an exclusive lock, then the
     overwrite check) and makes the staging directory every rank writes to. Raises the same
-    :class:`SaveError` on every rank when it cannot."""
+    :class:`SaveError` on every rank when it cannot.
+
+    With ``manifest_copy`` not None (each rank's ``path`` a directory of its own machine,
+    as the in-memory snapshots' fresh per-step directories in host memory) every rank
+    writes straight into its own ``path``, created if needed: no claim, no staging."""
+    if manifest_copy is not None:
+        storage, problem = LocalStorage(path), b""
+        try:
+            storage.prepare()
+        except (OSError, UnickptError) as e:
+            problem = f"rank {group.rank}: cannot prepare {path}: {e}".encode()
+        problems = gather_bytes(group, problem, 0)
+        status = broadcast_bytes(group, b"\n".join(p for p in problems if p) if problems is not None else b"", 0)
+        if status:
+            raise SaveError(status.decode(errors="replace"))
+        return Target(storage, None)
     write, status = None, b""
     if group.rank == 0:
         try:
@@ -376,25 +391,43 @@ def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
     commit(group, _rank_payload(staged, target.storage), target, staged.metadata)
 
 
-def commit(group: Group, payload: dict[str, Any], target: Target, metadata: dict[str, Any]) -> None:
+def commit(
+    group: Group, payload: dict[str, Any], target: Target, metadata: dict[str, Any],
+    manifest_copy: bool | None = None,
+) -> None:
     """Collective: gather every rank's report to rank 0, which checks them and commits the
     manifest (swapping the staging directory in), or, when any rank failed, removes
-    everything the save wrote; raises the same error on every rank if any rank failed."""
+    everything the save wrote; raises the same error on every rank if any rank failed.
+
+    ``manifest_copy`` (the same None-ness on every rank): when not None, the ranks wrote
+    straight into their own directories (``prepare_collective``), rank 0 sends the
+    committed manifest to every rank, and each rank passing True also writes it into its
+    own directory (ranks writing to different machines' directories, as the in-memory
+    snapshots do: every node needs the manifest)."""
     gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
     result = b"ok"
     if gathered is not None:
-        assert target.write is not None
         try:
             manifest = assemble([json.loads(g) for g in gathered], group.size, metadata)
-            target.write.commit({MANIFEST_NAME: manifest.to_json().encode()})
+            doc = manifest.to_json().encode()
+            if target.write is not None:
+                target.write.commit({MANIFEST_NAME: doc})
+            else:
+                target.storage.write_atomic(MANIFEST_NAME, doc)
+            if manifest_copy is not None:
+                result = b"ok\n" + doc
         except UnickptError as e:
             result = f"{type(e).__name__}\n{e}".encode()
         except Exception as e:
             result = f"SaveError\n{type(e).__name__}: {e}".encode()
         finally:
-            if result != b"ok":
+            if not result.startswith(b"ok") and target.write is not None:
                 target.write.abort()
     result = broadcast_bytes(group, result, 0)
+    if result.startswith(b"ok\n"):
+        if manifest_copy and group.rank != 0:
+            target.storage.write_atomic(MANIFEST_NAME, result[3:])
+        return
     if result != b"ok":
         kind, _, text = result.decode().partition("\n")
         raise getattr(errors, kind, SaveError)(text)

@@ -45,6 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=None, help="keep only the newest N checkpoints")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint path")
     p.add_argument("--async-save", action="store_true", help="save in the background (unickpt.async_save)")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="snapshot the state into host memory every N steps (0: never); the run then "
+                   "recovers by itself at start from memory, else from --ckpt-dir (docs/SNAPSHOT.md)")
+    p.add_argument("--parity", type=int, default=1,
+                   help="parity shards across nodes for the snapshots (1: XOR, survives one lost node; 0: local only)")
+    p.add_argument("--compute-sleep", type=float, default=0.0,
+                   help="sleep this many seconds per step, standing in for accelerator compute (benchmarks, tests)")
+    p.add_argument("--snapshot-max-bytes", type=int, default=None,
+                   help="cap on the host memory the snapshots hold per node (default: half the shm file system)")
     p.add_argument("--log", "--loss-log", dest="log", default=None,
                    help="append one JSON line per step {step, loss} to this file (under torchrun write --loss-log: "
                    "torchrun takes --log for its own --log-dir)")
@@ -149,8 +158,10 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
-def train_step(job: Job, step: int) -> float:
-    """One optimizer step; returns the loss over the whole global batch (same on every rank)."""
+def train_step(job: Job, step: int, before_update: Any = None) -> float:
+    """One optimizer step; returns the loss over the whole global batch (same on every rank).
+    ``before_update()``, when given, runs right before the optimizer changes the weights
+    (a lazy snapshot waits there for its copy of the state)."""
     args = job.args
     x, y = job.loader.next_batch()
     for group in job.optimizer.param_groups:
@@ -176,6 +187,8 @@ def train_step(job: Job, step: int) -> float:
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(g, group=job.dp_group)
                 g.div_(args.dp)
+    if before_update is not None:
+        before_update()
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     if args.dp > 1:
@@ -200,25 +213,30 @@ def checkpoint_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any
     return state, msd, osd
 
 
-def resume(job: Job, manager: unickpt.CheckpointManager, where: str) -> int:
-    """Load a checkpoint onto this job's layout; returns the step it was saved at (0 if none)."""
+def resume(job: Job, manager: unickpt.CheckpointManager | None, where: str, storage: Any = None,
+           say: bool = True) -> int:
+    """Load a checkpoint onto this job's layout; returns the step it was saved at (0 if none).
+    ``storage`` reads the files from elsewhere than ``where`` (a snapshot spread over nodes);
+    ``say=False`` prints nothing (the snapshot tier's recovery prints its own one line)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    path = manager.latest() if where == "latest" else where
+    path = manager.latest() if where == "latest" and manager is not None else where
     if path is None:
-        _say(job, f"no checkpoint in {manager.root}: starting fresh")
+        if say:
+            _say(job, f"no checkpoint in {manager.root}: starting fresh")
         return 0
     state, msd, osd = checkpoint_state(job, 0)
     del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
     if unickpt.read_manifest(path).world_size != job.world:
         del state["rng"]  # per-rank RNG only carries over to the same world size
-    unickpt.load(state, path)
+    unickpt.load(state, path, storage=storage)
     set_state_dict(job.model, job.optimizer, model_state_dict=msd, optim_state_dict=osd)
     job.loader.load_state_dict(state["train"]["loader"])
     if "rng" in state:
         torch.set_rng_state(state["rng"].value)
     step = int(state["train"]["step"])
-    _say(job, f"resumed from {path} at step {step}")
+    if say:
+        _say(job, f"resumed from {path} at step {step}")
     return step
 
 
@@ -237,12 +255,17 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     start = resume(job, manager, args.resume) if args.resume and manager else 0
     if args.resume and not manager and args.resume != "latest":
         start = resume(job, unickpt.CheckpointManager(os.path.dirname(args.resume)), args.resume)
+    snap = None
+    if args.snapshot_every:
+        job, snap, start = recover_at_start(job, manager, args, start)
     records = []
     pending = None
     last = min(args.steps, args.stop_after or args.steps)
     tick, since = time.perf_counter(), start  # the last progress line: its time and step
     for step in range(start + 1, last + 1):
-        loss = train_step(job, step)
+        if args.compute_sleep:
+            time.sleep(args.compute_sleep)
+        loss = train_step(job, step, snap.before_update if snap else None)
         records.append({"step": step, "loss": loss})
         if args.print_every and (step % args.print_every == 0 or step == last):
             now = time.perf_counter()
@@ -259,9 +282,39 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
                 pending = unickpt.async_save(state, manager.path_for(step))
             else:
                 manager.save(state, step)
+        if snap is not None and snap.due(step):
+            state, _, _ = checkpoint_state(job, step)
+            snap.snapshot(state, step)
     if pending is not None:
         pending.result()
+    if snap is not None:
+        snap.close(clean=last == args.steps)
     return records
+
+
+def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: argparse.Namespace,
+                     start: int) -> tuple[Job, Any, int]:
+    """Start the snapshot tier; without ``--resume``, resume from the newest whole state
+    (memory, else disk) and print the one line saying from where and why."""
+    from ..snapshot.client import Snapshotter, job_id
+    from ..snapshot.recover import recover
+
+    snap = Snapshotter(job_id(args.ckpt_dir), args.snapshot_every, args.parity, max_bytes=args.snapshot_max_bytes)
+    if args.resume:
+        return job, snap, start
+
+    def disk() -> tuple[int, str] | None:
+        path = manager.latest() if manager else None
+        return None if path is None else (resume(job, manager, path, say=False), path)
+
+    latest = manager.latest() if manager else None
+    disk_step = int(os.path.basename(latest).split("_")[-1]) if latest else None
+    outcome = recover(snap, lambda path, storage: resume(job, None, path, storage, say=False), disk, disk_step)
+    if outcome.tried and outcome.source == "fresh":
+        job = build(args)  # a rejected snapshot may have been partly loaded: start from scratch
+    if job.rank == 0:
+        print(outcome.line, flush=True)
+    return job, snap, outcome.step
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,291 @@
+"""The trainer's side of the snapshot tier: start the node's keeper, take snapshots.
+
+:class:`Snapshotter` is made once per rank after the process group is up. Every
+``every`` steps, :meth:`Snapshotter.snapshot` writes this rank's state into the node's
+shared memory with :func:`unickpt.async_save` (``lazy=True``: the copy runs in the
+background while the next step computes; call :meth:`Snapshotter.before_update` before
+the optimizer changes the tensors). A snapshot is an ordinary unickpt checkpoint whose
+manifest is committed on every node (``manifest_copy``); its metadata names the keepers
+of the step, so each keeper knows where the parity of its node goes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..api.async_save import AsyncSaveHandle, async_save, checkpoint_group
+from ..api.items import is_dtensor
+from ..api.state import PerRank, Sharded, flatten
+from ..dist import all_gather_fixed, resolve_group
+from ..errors import SnapshotError, UnickptError
+from ..format.manifest import MANIFEST_NAME
+from . import paths, wire
+from .parity import check_parity
+
+KEEPER_START_S = 60.0
+_INFO = struct.Struct("<iiiiiqqq4s")  # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4
+
+
+def job_id(ckpt_dir: str | None = None) -> str:
+    """The job's name in the shm root: ``$UNICKPT_JOB_ID``, else derived from the durable
+    checkpoint directory (stable across relaunches), else ``default``."""
+    env = os.environ.get("UNICKPT_JOB_ID")
+    if env:
+        return env
+    if ckpt_dir:
+        return "job-" + hashlib.blake2b(os.path.abspath(ckpt_dir).encode(), digest_size=6).hexdigest()
+    return "default"
+
+
+def node_position() -> tuple[int, int]:
+    """(node index, local rank) from torchrun's environment; one node when not under torchrun."""
+    rank = int(os.environ.get("RANK", "0"))
+    return int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", str(rank)))
+
+
+def _alive(pid: int) -> bool:
+    """True when ``pid`` is a running (not zombie) keeper process."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"unickpt.snapshot.keeper" in f.read()
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def running_keeper(root: str) -> dict[str, Any] | None:
+    """The address document of the live keeper of this shm root, or None."""
+    try:
+        with open(paths.address_file(root)) as f:
+            doc = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return doc if _alive(int(doc["pid"])) else None
+
+
+_CHILDREN: list[subprocess.Popen] = []
+
+# The keeper needs neither torch nor the rest of unickpt: it is started with a bare
+# ``unickpt`` package (its __init__, which imports torch, is skipped), so it starts in a
+# fraction of a second and holds no torch runtime in memory.
+_KEEPER_BOOT = (
+    "import sys, types; pkg = types.ModuleType('unickpt'); pkg.__path__ = [sys.argv.pop(1)]; "
+    "sys.modules['unickpt'] = pkg; from unickpt.snapshot.keeper import main; main(sys.argv[1:])"
+)
+
+
+def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any]:
+    """The node's keeper for ``job`` (started, detached in its own session, when none runs).
+    A live keeper of another job on the same root is a SnapshotError."""
+    for p in list(_CHILDREN):  # reap keepers this process started that have died
+        if p.poll() is not None:
+            _CHILDREN.remove(p)
+    doc = running_keeper(root)
+    if doc is not None:
+        if doc["job"] != job:
+            raise SnapshotError(
+                f"the snapshot keeper (pid {doc['pid']}) in {root} serves job {doc['job']!r}, not {job!r}; "
+                f"give each job its own UNICKPT_SHM_ROOT, or stop that keeper"
+            )
+        return doc
+    os.makedirs(paths.base_dir(root), exist_ok=True)
+    log = open(os.path.join(paths.base_dir(root), "keeper.log"), "ab")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-c", _KEEPER_BOOT, package, "--root", root, "--job", job, "--host", host]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+    log.close()
+    _CHILDREN.append(proc)
+    deadline = time.monotonic() + KEEPER_START_S
+    while time.monotonic() < deadline:
+        doc = running_keeper(root)
+        if doc is not None and int(doc["pid"]) == proc.pid:
+            return doc
+        if proc.poll() is not None:
+            raise SnapshotError(f"the snapshot keeper exited at start (code {proc.returncode}); see {log.name}")
+        time.sleep(0.01)
+    raise SnapshotError(f"the snapshot keeper did not start within {KEEPER_START_S:.0f} s; see {log.name}")
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of the tensors this rank holds in ``state`` (local shards of DTensors)."""
+    total = 0
+    for leaf in flatten(state):
+        v = leaf.value
+        if isinstance(v, PerRank):
+            v = v.value
+        if isinstance(v, Sharded):
+            v = v.local
+        if isinstance(v, torch.Tensor):
+            if is_dtensor(v):
+                v = v.to_local()
+            total += v.numel() * v.element_size()
+    return total
+
+
+def in_progress(jdir: str, keepers: list[dict[str, Any]]) -> int:
+    """Committed steps newer than the node's newest whole step whose parity is still
+    running: steps whose keepers are all among ``keepers`` (the job's live ones; a step
+    that names a keeper since replaced can never become whole and is not waited for)."""
+    live = {(int(k["port"]), int(k["pid"])) for k in keepers}
+    whole = [s for s in paths.steps(jdir) if os.path.exists(os.path.join(jdir, paths.step_name(s), paths.WHOLE))]
+    newest_whole = max(whole, default=-1)
+    count = 0
+    for s in paths.steps(jdir):
+        if s <= newest_whole:
+            continue
+        try:
+            with open(os.path.join(jdir, paths.step_name(s), MANIFEST_NAME)) as f:
+                nodes = ((json.load(f).get("metadata") or {}).get("snapshot") or {}).get("nodes", [])
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        count += all((int(k["port"]), int(k["pid"])) in live for k in nodes)
+    return count
+
+
+def default_max_bytes(root: str) -> int:
+    """Half the size of the shm root's file system (tmpfs: half of what it may take of RAM)."""
+    st = os.statvfs(root)
+    return st.f_blocks * st.f_frsize // 2
+
+
+class Snapshotter:
+    """One rank's handle on the snapshot tier (collective methods: every rank calls them)."""
+
+    def __init__(self, job: str, every: int, parity: int = 1, *, root: str | None = None,
+                 max_bytes: int | None = None, process_group: Any = None, host: str | None = None) -> None:
+        if every < 1:
+            raise SnapshotError(f"snapshot interval must be at least 1 step, not {every}")
+        self.job, self.every = job, every
+        self.host = host or os.environ.get("UNICKPT_KEEPER_HOST") or "127.0.0.1"
+        self.root = root or paths.shm_root()
+        self.jdir = paths.job_dir(self.root, job)
+        check_parity(parity, 2)
+        self.group = checkpoint_group(resolve_group(process_group))
+        self.node, self.local_rank = node_position()
+        self.keeper: dict[str, Any] | None = None
+        if self.local_rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            self.keeper = ensure_keeper(self.root, job, self.host)
+        self.max_bytes = max_bytes
+        self.requested_parity = parity
+        self.table = self._exchange(0)[0]
+        self.parity = check_parity(parity, len(self.table))
+        self.handle: AsyncSaveHandle | None = None
+        self.skipped = 0
+        self.failures: list[str] = []
+
+    @property
+    def nodes(self) -> int:
+        """Number of nodes of the job."""
+        return len(self.table)
+
+    def due(self, step: int) -> bool:
+        """True when ``step`` is a snapshot step."""
+        return step % self.every == 0
+
+    def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[tuple[int, ...]]]:
+        """Collective: every rank's node, keeper and memory figures; the keeper table by node."""
+        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4)
+        if self.local_rank == 0:
+            self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
+            used = paths.dir_bytes(self.jdir)
+            cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root)
+            pending = in_progress(self.jdir, getattr(self, "table", []))
+            mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
+                    cap, socket.inet_aton(self.keeper["host"]))
+        rows = [_INFO.unpack(b) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
+        keepers = {r[0]: r for r in rows if r[1]}
+        if sorted(keepers) != list(range(len(keepers))) or {r[0] for r in rows} != set(keepers):
+            raise SnapshotError(f"every node needs one local rank 0; got nodes {sorted({r[0] for r in rows})}")
+        table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
+        return table, rows
+
+    def snapshot(self, state: dict[str, Any], step: int) -> AsyncSaveHandle | None:
+        """Snapshot ``state`` as of ``step`` (collective). Returns the save's handle, or None
+        when skipped because the keepers still encode two earlier snapshots. Raises
+        SnapshotError when the snapshot would exceed ``max_bytes`` of host memory on a node."""
+        self.settle()
+        self.table, rows = self._exchange(state_bytes(state))
+        if any(r[4] >= 2 for r in rows if r[1]):
+            self.skipped += 1
+            return None
+        k = max(1, self.nodes - 1)
+        for n in range(self.nodes):
+            node_bytes = sum(r[6] for r in rows if r[0] == n)
+            used, cap = next((r[5], r[7]) for r in rows if r[0] == n and r[1])
+            need = used + node_bytes + (node_bytes * self.parity) // k
+            if need > cap:
+                raise SnapshotError(
+                    f"snapshot of step {step} would hold {need / 2**20:.1f} MiB of host memory on node {n} "
+                    f"({used / 2**20:.1f} MiB held now + {node_bytes / 2**20:.1f} MiB of state, parity {self.parity}), "
+                    f"above the cap of {cap / 2**20:.1f} MiB; raise max_bytes or snapshot less state"
+                )
+        meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "nodes": self.table}}
+        path = paths.step_dir(self.root, self.job, step)
+        self.handle = async_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0)
+        return self.handle
+
+    def before_update(self) -> None:
+        """Block until the snapshot in flight has copied the state (call before the
+        optimizer or anything else changes saved tensors in place)."""
+        if self.handle is not None:
+            self.handle.wait_staged()
+
+    def settle(self) -> None:
+        """Wait for the snapshot in flight; its failure is recorded, never raised (a failed
+        snapshot must not stop training: the next one replaces it)."""
+        if self.handle is None:
+            return
+        try:
+            self.handle.result()
+        except UnickptError as e:
+            self.failures.append(str(e))
+            if self.group.rank == 0:
+                print(f"unickpt: snapshot failed, training goes on: {e}", file=sys.stderr, flush=True)
+        self.handle = None
+
+    def close(self, clean: bool = True) -> None:
+        """Finish the snapshot in flight; on a clean end of the job, stop the node's keeper,
+        which deletes the job's snapshots (no shared memory is left behind)."""
+        self.settle()
+        if not clean:
+            return
+        all_gather_fixed(self.group, b"\x01")  # every rank is done with the snapshots
+        if self.local_rank == 0:
+            stop_keeper(self.root)
+
+
+def stop_keeper(root: str, timeout: float = 30.0) -> None:
+    """Ask the keeper of ``root`` to delete its job's snapshots and exit, and wait for it."""
+    doc = running_keeper(root)
+    if doc is None:
+        return
+    try:
+        conn = wire.Connection(doc["host"], int(doc["port"]))
+        try:
+            conn.request({"op": "stop"})
+        finally:
+            conn.close()
+    except SnapshotError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(int(doc["pid"])):
+        for p in _CHILDREN:
+            p.poll()
+        time.sleep(0.01)

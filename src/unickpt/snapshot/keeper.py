@@ -1,0 +1,364 @@
+"""The snapshot keeper: one process per node that owns the node's snapshots in host memory.
+
+Started by the first local rank of a job (:func:`unickpt.snapshot.client.ensure_keeper`),
+in its own session, so it outlives a crashed trainer. It
+
+* reaps the snapshot directories of other (dead) jobs under its shm root at start;
+* watches its job directory: when a step's manifest appears (the step is committed on
+  this node), it sends the stripes of its node's blob to the keepers that hold their
+  parity (:mod:`.parity`), over TCP;
+* XORs the stripes other keepers send it into its parity of the step, stored beside the
+  data with its crc32c and every stripe's crc32c (``parity.bin``, ``parity.json``);
+* runs the per-step commit: once it holds its data and its parity it tells every keeper
+  (``have``); a step is *whole* when all keepers said so, then older steps are deleted
+  (retention: the newest whole step plus the steps in progress);
+* serves byte ranges of its files to recovering trainers of any node (``read``/``blob``,
+  sent with ``sendfile``);
+* on ``stop`` (the job ended cleanly) deletes the job's directory and exits.
+
+Run as ``python -m unickpt.snapshot.keeper --root R --job J``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socketserver
+import sys
+import threading
+import time
+from typing import Any
+
+import crc32c as _crc
+import numpy as np
+
+from ..storage.local import is_inside
+from . import paths, wire
+from .parity import blob_parts, read_blob, stripe_of, stripe_range, xor_into
+
+POLL_S = 0.02
+
+
+def _log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} keeper[{os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def _write_atomic(path: str, data: bytes | memoryview) -> None:
+    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def node_files(sdir: str) -> list[tuple[str, int]]:
+    """(name, size) of the rank files a node holds for a step, in blob order."""
+    return [(n, os.path.getsize(os.path.join(sdir, n))) for n in paths.data_files(sdir)]
+
+
+class Keeper:
+    """The keeper's state: stripes received, steps announced and whole, the server."""
+
+    def __init__(self, root: str, job: str, host: str) -> None:
+        self.root, self.job, self.host = root, job, host
+        self.jdir = paths.job_dir(root, job)
+        self.lock = threading.Lock()
+        self.partial: dict[int, dict[str, Any]] = {}
+        self.haves: dict[int, set[int]] = {}
+        self.sent: set[int] = set()
+        self.stored: set[int] = set()
+        self.announced: set[int] = set()
+        self.seen: set[int] = set()
+        self.whole_step = -1
+        self.peers: dict[int, list[dict[str, Any]]] = {}
+        self.conns: dict[tuple[str, int], wire.Connection] = {}
+        self.stopping = threading.Event()
+        self.server: socketserver.ThreadingTCPServer | None = None
+        self.port = 0
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> None:
+        """Reap other jobs' snapshots, listen, publish the address and pid."""
+        base = paths.base_dir(self.root)
+        os.makedirs(self.jdir, exist_ok=True)
+        for name in os.listdir(base):
+            full = os.path.join(base, name)
+            if name != self.job and os.path.isdir(full):
+                _log(f"reaping stale snapshots of job {name!r}")
+                paths.remove_tree(full)
+        keeper = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                keeper.handle_connection(self.request)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        socketserver.ThreadingTCPServer.daemon_threads = True
+        self.server = socketserver.ThreadingTCPServer((self.host, 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, name="keeper-server", daemon=True).start()
+        doc = {"pid": os.getpid(), "host": self.host, "port": self.port, "job": self.job}
+        _write_atomic(paths.address_file(self.root), json.dumps(doc).encode())
+        _write_atomic(paths.pid_file(self.root), f"{os.getpid()}\n".encode())
+        _log(f"serving job {self.job!r} on {self.host}:{self.port}")
+
+    def run(self) -> None:
+        """Watch for committed steps until stopped."""
+        while not self.stopping.is_set():
+            try:
+                self.poll()
+            except Exception as e:  # a keeper must not die of one bad step
+                _log(f"error: {type(e).__name__}: {e}")
+            self.stopping.wait(POLL_S)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Delete the job's snapshots and this keeper's files (clean end of the job)."""
+        paths.remove_tree(self.jdir)
+        try:
+            os.unlink(os.path.join(paths.base_dir(self.root), "keeper.log"))
+        except FileNotFoundError:
+            pass
+        for f in (paths.address_file(self.root), paths.pid_file(self.root)):
+            try:
+                with open(f) as fh:
+                    mine = str(os.getpid()) in fh.read()
+                if mine:
+                    os.unlink(f)
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(paths.base_dir(self.root))
+        except OSError:
+            pass
+
+    # -- committed steps --------------------------------------------------------------
+    def poll(self) -> None:
+        """Process the newest committed step not seen yet (older unseen ones are skipped)."""
+        for step in reversed(paths.steps(self.jdir)):
+            if step in self.seen or step <= self.whole_step:
+                return
+            sdir = paths.step_dir(self.root, self.job, step)
+            if os.path.exists(os.path.join(sdir, "manifest.json")):
+                self.seen.update(s for s in paths.steps(self.jdir) if s <= step)
+                self.process(step, sdir)
+                return
+
+    def process(self, step: int, sdir: str) -> None:
+        """Send this node's stripes of a committed step to the parity holders."""
+        with open(os.path.join(sdir, "manifest.json"), "rb") as f:
+            snap = (json.load(f).get("metadata") or {}).get("snapshot")
+        if not snap:
+            return
+        nodes, parity = snap["nodes"], int(snap["parity"])
+        me = next((i for i, p in enumerate(nodes) if p["port"] == self.port and p["pid"] == os.getpid()), None)
+        if me is None:
+            _log(f"step {step}: not among the step's keepers, left alone")
+            return
+        n = len(nodes)
+        if parity == 0 or n == 1:
+            self.mark_whole(step)
+            return
+        with self.lock:
+            self.peers[step] = nodes
+        files = node_files(sdir)
+        blob = sum(s for _, s in files)
+        k = n - 1
+        t0 = time.perf_counter()
+        for j in range(n):
+            if j == me:
+                continue
+            s = stripe_of(me, j, n)
+            lo, hi = stripe_range(blob, s, k)
+            buf = memoryview(bytearray(hi - lo))
+            read_blob(sdir, files, lo, buf)
+            header = {"op": "stripe", "step": step, "from": me, "to": j, "nodes": n, "stripe": s,
+                      "len": hi - lo, "crc": _crc.crc32c(buf), "files": files, "blob": blob, "peers": nodes}
+            try:
+                self.call(nodes[j], header, buf)
+            except Exception as e:
+                _log(f"step {step}: cannot send stripe {s} to node {j}: {e}; the step will not be whole")
+                return
+        _log(f"step {step}: sent {blob} bytes in {k} stripes in {time.perf_counter() - t0:.3f} s")
+        with self.lock:
+            self.sent.add(step)
+        self.maybe_announce(step)
+
+    def call(self, peer: dict[str, Any], header: dict[str, Any], payload=None) -> dict[str, Any]:
+        """One request to a peer keeper (connections are cached; a broken one is retried once)."""
+        addr = (peer["host"], int(peer["port"]))
+        for attempt in (0, 1):
+            conn = self.conns.get(addr)
+            try:
+                if conn is None:
+                    conn = self.conns[addr] = wire.Connection(*addr)
+                return conn.request(header, payload)[0]
+            except Exception:
+                self.conns.pop(addr, None)
+                if conn is not None:
+                    conn.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def maybe_announce(self, step: int) -> None:
+        """Once this node holds its data and its parity of ``step``, tell every keeper."""
+        with self.lock:
+            if step in self.announced or step not in self.sent or step not in self.stored:
+                return
+            self.announced.add(step)
+            nodes = self.peers[step]
+            me = next(i for i, p in enumerate(nodes) if p["port"] == self.port and p["pid"] == os.getpid())
+        for j, peer in enumerate(nodes):
+            header = {"op": "have", "step": step, "node": me, "nodes": len(nodes)}
+            if j == me:
+                self.on_have(header)
+                continue
+            try:
+                self.call(peer, header)
+            except Exception as e:
+                _log(f"step {step}: cannot tell node {j}: {e}")
+
+    # -- requests ---------------------------------------------------------------------
+    def handle_connection(self, sock) -> None:
+        """Serve requests on one connection until it closes."""
+        try:
+            while True:
+                header = wire.recv_header(sock)
+                if header is None:
+                    return
+                payload = wire.recv_payload(sock, header)
+                try:
+                    parts = self.file_parts(header)
+                    if parts is not None:
+                        wire.send_file_parts(sock, {"ok": True}, parts)
+                        continue
+                    reply, data = self.dispatch(header, payload)
+                    wire.send(sock, dict(reply, ok=True), data)
+                except Exception as e:
+                    wire.send(sock, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                if header.get("op") == "stop":
+                    self.stopping.set()
+                    return
+        except (OSError, Exception) as e:
+            if not self.stopping.is_set():
+                _log(f"connection dropped: {e}")
+
+    def file_parts(self, header: dict[str, Any]) -> list[tuple[str, int, int]] | None:
+        """The file ranges a ``read`` or ``blob`` request asks for (sent with sendfile); None
+        for other requests."""
+        op = header.get("op")
+        if op == "read":
+            rel = str(header["path"])
+            if not is_inside(rel):
+                raise ValueError(f"refused path {rel!r}")
+            return [(os.path.join(self.jdir, rel), int(header["offset"]), int(header["length"]))]
+        if op == "blob":
+            sdir = paths.step_dir(self.root, self.job, int(header["step"]))
+            return blob_parts(sdir, node_files(sdir), int(header["offset"]), int(header["length"]))
+        return None
+
+    def dispatch(self, header: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], Any]:
+        """Run one request other than a read; returns the reply header and payload."""
+        op = header.get("op")
+        if op == "ping":
+            return {"pid": os.getpid(), "job": self.job}, None
+        if op == "stop":
+            return {}, None
+        if op == "stripe":
+            self.on_stripe(header, payload)
+            return {}, None
+        if op == "have":
+            self.on_have(header)
+            return {}, None
+        if op == "reset":
+            self.reset(int(header["keep_upto"]))
+            return {}, None
+        raise ValueError(f"unknown request {op!r}")
+
+    def on_stripe(self, h: dict[str, Any], payload: memoryview) -> None:
+        """Fold a received stripe into this node's parity of the step; store it when complete."""
+        step, n = int(h["step"]), int(h["nodes"])
+        if step <= self.whole_step:
+            return
+        with self.lock:
+            part = self.partial.setdefault(step, {"acc": np.zeros(0, np.uint8), "members": {}})
+            if part["acc"].size < payload.nbytes:
+                acc = np.zeros(payload.nbytes, np.uint8)
+                acc[: part["acc"].size] = part["acc"]
+                part["acc"] = acc
+            xor_into(part["acc"], payload)
+            part["members"][int(h["from"])] = {k: h[k] for k in ("stripe", "len", "crc", "files", "blob")}
+            self.peers.setdefault(step, h["peers"])
+            if len(part["members"]) < n - 1:
+                return
+            del self.partial[step]
+        sdir = paths.step_dir(self.root, self.job, step)
+        os.makedirs(sdir, exist_ok=True)
+        data = part["acc"].data
+        _write_atomic(os.path.join(sdir, paths.PARITY_BIN), data)
+        meta = {"step": step, "node": int(h["to"]), "nodes": n, "nbytes": data.nbytes, "crc": _crc.crc32c(data),
+                "members": {str(i): m for i, m in part["members"].items()}, "peers": h["peers"]}
+        _write_atomic(os.path.join(sdir, paths.PARITY_META), json.dumps(meta).encode())
+        with self.lock:
+            self.stored.add(step)
+        self.maybe_announce(step)
+
+    def on_have(self, h: dict[str, Any]) -> None:
+        """Record that a keeper holds its data and parity of a step; mark the step whole at n."""
+        step = int(h["step"])
+        with self.lock:
+            got = self.haves.setdefault(step, set())
+            got.add(int(h["node"]))
+            whole = len(got) == int(h["nodes"])
+        if whole:
+            self.mark_whole(step)
+
+    def reset(self, keep_upto: int) -> None:
+        """Forget and delete the snapshots newer than ``keep_upto`` (a recovery resumed
+        from that step: newer ones belong to an abandoned timeline)."""
+        with self.lock:
+            self.whole_step = min(self.whole_step, keep_upto)
+            for d in (self.partial, self.haves, self.peers):
+                for s in [s for s in d if s > keep_upto]:
+                    del d[s]
+            for st in (self.sent, self.stored, self.announced, self.seen):
+                st.difference_update({s for s in st if s > keep_upto})
+        for step in paths.steps(self.jdir):
+            if step > keep_upto:
+                paths.remove_tree(paths.step_dir(self.root, self.job, step))
+        _log(f"reset: snapshots after step {keep_upto} dropped")
+
+    def mark_whole(self, step: int) -> None:
+        """Mark ``step`` whole on this node and delete every older snapshot (retention)."""
+        sdir = paths.step_dir(self.root, self.job, step)
+        if not os.path.isdir(sdir):
+            return
+        _write_atomic(os.path.join(sdir, paths.WHOLE), b"")
+        with self.lock:
+            self.whole_step = max(self.whole_step, step)
+            for d in (self.partial, self.haves, self.peers):
+                for s in [s for s in d if s < step]:
+                    del d[s]
+            for st in (self.sent, self.stored, self.announced, self.seen):
+                st.difference_update({s for s in st if s < step})
+        for old in paths.steps(self.jdir):
+            if old < step:
+                paths.remove_tree(paths.step_dir(self.root, self.job, old))
+        _log(f"step {step} whole")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the keeper process."""
+    p = argparse.ArgumentParser(prog="unickpt.snapshot.keeper")
+    p.add_argument("--root", required=True, help="the node's shared-memory root")
+    p.add_argument("--job", required=True, help="the job whose snapshots this keeper owns")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    args = p.parse_args(argv)
+    keeper = Keeper(args.root, args.job, args.host)
+    keeper.start()
+    keeper.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Where the snapshot tier keeps its files in a node's host shared memory.
+
+    <shm root>/keeper.pid                      the node's keeper process id (plain text)
+    <shm root>/unickpt/keeper.json             its address and job: {"pid", "host", "port", "job"}
+    <shm root>/unickpt/<job>/step_00000012/    a snapshot: an ordinary unickpt checkpoint
+        manifest.json                          (on every node), this node's rank files,
+        parity.bin, parity.json                the parity this node holds for the step,
+        whole                                  written once every keeper holds data + parity
+    <shm root>/unickpt/<job>/rebuilt_00000012/ a lost node's files, rebuilt during recovery
+    <shm root>/unickpt/<job>/recover_00000012/ the manifest a recovery loads through
+
+The shm root is ``UNICKPT_SHM_ROOT`` (default ``/dev/shm``, a tmpfs: host memory that
+outlives the processes that wrote it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+SHM_ROOT_ENV = "UNICKPT_SHM_ROOT"
+PARITY_BIN = "parity.bin"
+PARITY_META = "parity.json"
+WHOLE = "whole"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def shm_root() -> str:
+    """The node's shared-memory root (``$UNICKPT_SHM_ROOT`` or ``/dev/shm``)."""
+    return os.environ.get(SHM_ROOT_ENV) or "/dev/shm"
+
+
+def base_dir(root: str) -> str:
+    """The directory holding every job's snapshots under ``root``."""
+    return os.path.join(root, "unickpt")
+
+
+def pid_file(root: str) -> str:
+    """``<root>/keeper.pid``: the keeper's process id."""
+    return os.path.join(root, "keeper.pid")
+
+
+def address_file(root: str) -> str:
+    """The keeper's address document."""
+    return os.path.join(base_dir(root), "keeper.json")
+
+
+def job_dir(root: str, job: str) -> str:
+    """The directory of one job's snapshots."""
+    return os.path.join(base_dir(root), job)
+
+
+def step_name(step: int) -> str:
+    """Directory name of the snapshot of ``step``."""
+    return f"step_{step:08d}"
+
+
+def step_dir(root: str, job: str, step: int) -> str:
+    """The directory of the snapshot of ``step``."""
+    return os.path.join(job_dir(root, job), step_name(step))
+
+
+def steps(jdir: str) -> list[int]:
+    """Steps of the snapshot directories (committed or not) under a job directory, oldest first."""
+    try:
+        names = os.listdir(jdir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _STEP.match(n)))
+
+
+def data_files(sdir: str) -> list[str]:
+    """The rank files a node holds in a snapshot directory, sorted (its parity blob's order)."""
+    try:
+        return sorted(n for n in os.listdir(sdir) if n.startswith("rank_") and n.endswith(".safetensors"))
+    except FileNotFoundError:
+        return []
+
+
+def dir_bytes(path: str) -> int:
+    """Total size of the regular files below ``path``."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def remove_tree(path: str) -> None:
+    """Delete a directory tree, ignoring what is already gone."""
+    shutil.rmtree(path, ignore_errors=True)

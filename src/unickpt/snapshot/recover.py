@@ -1,0 +1,392 @@
+"""Recovery at start: the newest whole and verified state, from memory or from disk.
+
+Collective over the trainers (every rank calls :func:`recover`). The first local rank of
+each node lists what its node's shm root holds (committed steps, rank files, parity);
+rank 0 plans, newest step first:
+
+* every file of the step is held by a surviving node (a process crash; or a relaunch on
+  any layout): load it as it is;
+* the files of one lost node are missing and the step has parity 1: rank 0 rebuilds them
+  from the survivors' parity and data stripes, fetched from their keepers over TCP; the
+  parity, every stripe and every rebuilt stripe are checked against their crc32c;
+* otherwise the step is skipped, and the reason kept.
+
+The chosen step is loaded by every rank through the ordinary read plan
+(:func:`unickpt.load` resharding onto the new layout, every block checksum verified),
+reading its node's files from its shm root and other nodes' files from their keepers.
+Any failure on any rank rejects the step for all; the next source is tried, ending with
+the durable tier (the newest valid checkpoint on disk). The result is one line:
+``resumed step S from memory (...)`` / ``resumed step S from disk (...)`` / ``starting fresh (...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc
+import numpy as np
+
+from ..dist import broadcast_bytes, gather_bytes
+from ..errors import CorruptionError, UnickptError
+from ..format.manifest import MANIFEST_NAME
+from ..storage.local import FileReader
+from . import paths, wire
+from .client import Snapshotter
+from .parity import stripe_of, stripe_range, xor_into
+
+LoadFn = Callable[[str, Any], int]
+
+
+@dataclass
+class Outcome:
+    """What recovery did: the step resumed (0 when fresh), its source and the log line."""
+
+    step: int
+    source: str  # "memory", "disk" or "fresh"
+    line: str
+    seconds: float
+    tried: bool = False  # a memory load was attempted (when it failed, the job's state is partly overwritten)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, rebuild, load (of the last step tried)
+
+
+# -- what a node holds ------------------------------------------------------------------
+def inventory(snap: Snapshotter) -> dict[str, Any]:
+    """This node's committed snapshots: manifest, rank files and parity of each step."""
+    steps: dict[str, Any] = {}
+    for step in paths.steps(snap.jdir):
+        sdir = paths.step_dir(snap.root, snap.job, step)
+        entry: dict[str, Any] = {"files": {n: os.path.getsize(os.path.join(sdir, n)) for n in paths.data_files(sdir)}}
+        try:
+            with open(os.path.join(sdir, MANIFEST_NAME)) as f:
+                entry["manifest"] = f.read()
+        except FileNotFoundError:
+            entry["manifest"] = None
+        try:
+            with open(os.path.join(sdir, paths.PARITY_META)) as f:
+                entry["parity"] = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            entry["parity"] = None
+        steps[str(step)] = entry
+    return {"node": snap.node, "steps": steps}
+
+
+# -- planning (rank 0) ------------------------------------------------------------------
+def plan_candidates(nodes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Steps that can be recovered, newest first, each with where every file is (or how
+    to rebuild it); and the reasons the newer steps cannot."""
+    all_steps = sorted({int(s) for n in nodes for s, e in n["steps"].items() if e["manifest"]}, reverse=True)
+    plans, reasons = [], []
+    for step in all_steps:
+        plan, why = _plan_step(step, nodes)
+        if plan is None:
+            reasons.append(f"step {step}: {why}")
+        else:
+            plans.append(plan)
+    return plans, reasons
+
+
+def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    key = str(step)
+    text = next(n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"])
+    doc = json.loads(text)
+    files: dict[str, int] = doc["files"]
+    snap = (doc.get("metadata") or {}).get("snapshot") or {}
+    where: dict[str, list[Any]] = {}
+    for n in nodes:
+        held = n["steps"].get(key, {}).get("files", {})
+        for name, size in held.items():
+            if files.get(name) == size and name not in where:
+                where[name] = [n["node"], f"{paths.step_name(step)}/{name}"]
+    missing = sorted(set(files) - set(where))
+    plan = {"step": step, "manifest": text, "where": where, "rebuild": None, "files": len(files)}
+    if not missing:
+        return plan, ""
+    old_nodes = len(snap.get("nodes", []))
+    if int(snap.get("parity", 0)) == 0:
+        return None, f"{len(missing)} of {len(files)} files were lost with their node and the snapshot has no parity"
+    metas = {int(n["steps"][key]["parity"]["node"]): (n["node"], n["steps"][key]["parity"])
+             for n in nodes if key in n["steps"] and n["steps"][key]["parity"]}
+    owners: dict[str, int] = {}
+    for _, meta in metas.values():
+        for i, m in meta["members"].items():
+            for name, _ in m["files"]:
+                owners[name] = int(i)
+    lost = sorted({owners.get(name, -1) for name in missing})
+    if -1 in lost:
+        return None, f"no surviving parity describes {len([m for m in missing if m not in owners])} of the missing files"
+    if len(lost) > 1:
+        return None, f"nodes {', '.join(map(str, lost))} of {old_nodes} were lost; parity 1 rebuilds one node"
+    x = lost[0]
+    absent = [j for j in range(old_nodes) if j != x and j not in metas]
+    if absent:
+        return None, f"node {x} was lost and the parity held by node(s) {', '.join(map(str, absent))} is gone"
+    holder_of = {j: holder for j, (holder, _) in metas.items()}
+    plan["rebuild"] = {"lost": x, "nodes": old_nodes, "metas": {str(j): m for j, (_, m) in metas.items()},
+                       "holder": {str(j): h for j, h in holder_of.items()}}
+    return plan, ""
+
+
+# -- rebuilding a lost node (rank 0) ----------------------------------------------------
+class Peers:
+    """Connections to the keepers of the current job's nodes, by node index."""
+
+    def __init__(self, table: list[dict[str, Any]]) -> None:
+        self.table = table
+        self.conns: dict[int, wire.Connection] = {}
+
+    def get(self, node: int) -> wire.Connection:
+        """The connection to node ``node``'s keeper (opened on first use)."""
+        conn = self.conns.get(node)
+        if conn is None:
+            peer = self.table[node]
+            conn = self.conns[node] = wire.Connection(peer["host"], int(peer["port"]))
+        return conn
+
+    def close(self) -> None:
+        """Close every connection."""
+        for c in self.conns.values():
+            c.close()
+        self.conns.clear()
+
+
+def _rebuild_stripe(step: int, x: int, j: int, n: int, meta: dict[str, Any], holder: dict[int, int],
+                    table: list[dict[str, Any]]) -> tuple[int, np.ndarray]:
+    """Node ``x``'s stripe in parity group ``j``: the parity held by ``j`` XOR the other
+    members' stripes, each checked against its crc32c. Returns (stripe index, bytes)."""
+    k = n - 1
+    peers = Peers(table)
+    try:
+        acc = np.empty(int(meta["nbytes"]), np.uint8)
+        peers.get(holder[j]).read(f"{paths.step_name(step)}/{paths.PARITY_BIN}", 0, memoryview(acc))
+        if _crc.crc32c(acc) != int(meta["crc"]):
+            raise CorruptionError(f"the parity of step {step} held by node {j} fails its crc32c")
+        for i_str, m in meta["members"].items():
+            i = int(i_str)
+            if i == x:
+                continue
+            lo, hi = stripe_range(int(m["blob"]), int(m["stripe"]), k)
+            buf = np.empty(hi - lo, np.uint8)
+            peers.get(holder[i]).read_views({"op": "blob", "step": step, "offset": lo}, [memoryview(buf)])
+            if _crc.crc32c(buf) != int(m["crc"]):
+                raise CorruptionError(f"data stripe {m['stripe']} of node {i} (step {step}) fails its crc32c")
+            xor_into(acc, buf)
+    finally:
+        peers.close()
+    mx = meta["members"][str(x)]
+    got = acc[: int(mx["len"])]
+    if _crc.crc32c(got) != int(mx["crc"]) or stripe_of(x, j, n) != int(mx["stripe"]):
+        raise CorruptionError(f"stripe {mx['stripe']} of node {x} rebuilt from node {j}'s parity fails its crc32c")
+    return int(mx["stripe"]), got
+
+
+def rebuild(plan: dict[str, Any], snap: Snapshotter) -> dict[str, list[Any]]:
+    """Rebuild the lost node's files of ``plan`` into this node's shm root (its stripes in
+    parallel, one thread per parity group); returns where each rebuilt file now is. Raises
+    CorruptionError when a parity chunk, a data stripe or a rebuilt stripe does not match
+    its crc32c."""
+    step, rb = plan["step"], plan["rebuild"]
+    x, n = int(rb["lost"]), int(rb["nodes"])
+    metas = {int(j): m for j, m in rb["metas"].items()}
+    holder = {int(j): int(h) for j, h in rb["holder"].items()}
+    info = next(m["members"][str(x)] for j, m in metas.items() if j != x)
+    out = np.zeros(int(info["blob"]), np.uint8)
+    groups = [j for j in range(n) if j != x]
+    with ThreadPoolExecutor(len(groups)) as pool:
+        futures = [pool.submit(_rebuild_stripe, step, x, j, n, metas[j], holder, snap.table) for j in groups]
+        for f in futures:
+            s, got = f.result()
+            lo, hi = stripe_range(out.size, s, n - 1)
+            out[lo:hi] = got
+    rdir = os.path.join(snap.jdir, f"rebuilt_{step:08d}")
+    paths.remove_tree(rdir)
+    os.makedirs(rdir)
+    where, at = {}, 0
+    for name, size in info["files"]:
+        with open(os.path.join(rdir, name), "wb") as f:
+            f.write(out[at : at + size].data)
+        where[name] = [snap.node, f"rebuilt_{step:08d}/{name}"]
+        at += size
+    return where
+
+
+# -- reading a snapshot spread over nodes ---------------------------------------------
+class RemoteReader:
+    """A file held by another node, read by ranges from its keeper."""
+
+    def __init__(self, conn: wire.Connection, path: str, size: int) -> None:
+        self.conn, self.rel, self.size = conn, path, size
+
+    def pread_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``."""
+        self.conn.read(self.rel, offset, out)
+
+    def preadv_into(self, offset: int, views: list[memoryview]) -> None:
+        """Fill the buffers one after the other from ``offset`` on (one request)."""
+        self.conn.read_views({"op": "read", "path": self.rel, "offset": offset}, views)
+
+    def close(self) -> None:
+        """Nothing to release (the connection belongs to the storage)."""
+
+
+class SnapshotStorage:
+    """The files of one snapshot as ``load`` reads them: this node's from its shm root,
+    the others' from their keepers."""
+
+    def __init__(self, snap: Snapshotter, where: dict[str, list[Any]], sizes: dict[str, int]) -> None:
+        self.snap, self.where, self.sizes = snap, where, sizes
+        self.peers = Peers(snap.table)
+        self._readers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def reader(self, name: str):
+        """A positional reader of file ``name`` (shared by load's threads)."""
+        with self._lock:
+            return self._reader(name)
+
+    def _reader(self, name: str):
+        r = self._readers.get(name)
+        if r is None:
+            if name not in self.where:
+                raise CorruptionError(f"data file {name} of the snapshot is held by no surviving node")
+            node, rel = self.where[name]
+            if node == self.snap.node:
+                r = FileReader(Path(self.snap.jdir) / rel)
+            else:
+                r = RemoteReader(self.peers.get(node), rel, self.sizes[name])
+            self._readers[name] = r
+        return r
+
+    def close(self) -> None:
+        """Close every reader and connection."""
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+        self.peers.close()
+
+
+# -- the collective procedure ---------------------------------------------------------
+def _agree(snap: Snapshotter, error: str | None) -> str | None:
+    """Collective: the first rank's error (the same on every rank), or None."""
+    gathered = gather_bytes(snap.group, (error or "").encode(), 0)
+    first = b""
+    if gathered is not None:
+        first = next((g for g in gathered if g), b"")
+    return broadcast_bytes(snap.group, first, 0).decode() or None
+
+
+def _share(snap: Snapshotter, doc: Any) -> Any:
+    """Collective: rank 0's JSON document on every rank."""
+    return json.loads(broadcast_bytes(snap.group, json.dumps(doc).encode() if snap.group.rank == 0 else None, 0))
+
+
+def _reset_keeper(snap: Snapshotter, keep_upto: int) -> None:
+    """This node's keeper forgets and deletes every snapshot newer than ``keep_upto``."""
+    if snap.local_rank != 0 or snap.keeper is None:
+        return
+    conn = wire.Connection(snap.keeper["host"], int(snap.keeper["port"]))
+    try:
+        conn.request({"op": "reset", "keep_upto": keep_upto})
+    finally:
+        conn.close()
+
+
+def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: dict[str, float]) -> tuple[int | None, str]:
+    """Rebuild (if needed) and load one planned step; (step, how) or (None, why not)."""
+    step = plan["step"]
+    where = dict(plan["where"])
+    error = None
+    t0 = time.perf_counter()
+    if plan["rebuild"] is not None and snap.group.rank == 0:
+        try:
+            where.update(rebuild(plan, snap))
+        except UnickptError as e:
+            error = str(e)
+    if plan["rebuild"] is not None:
+        error = _agree(snap, error)
+        if error is not None:
+            return None, f"step {step}: {error}"
+        where = _share(snap, where)
+    rdir = os.path.join(snap.jdir, f"recover_{step:08d}")
+    if snap.local_rank == 0:
+        os.makedirs(rdir, exist_ok=True)
+        with open(os.path.join(rdir, MANIFEST_NAME), "w") as f:
+            f.write(plan["manifest"])
+    _agree(snap, None)  # the manifest is in place on every node
+    t1 = time.perf_counter()
+    sizes = json.loads(plan["manifest"])["files"]
+    storage = SnapshotStorage(snap, where, sizes)
+    error = None
+    try:
+        got = load(rdir, storage)
+        if got != step:
+            error = f"the snapshot says step {got}, its directory step {step}"
+    except UnickptError as e:
+        error = str(e)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        storage.close()
+    error = _agree(snap, error)
+    timings.update(rebuild=t1 - t0, load=time.perf_counter() - t1)
+    if snap.local_rank == 0:
+        paths.remove_tree(rdir)
+    if snap.group.rank == 0:
+        paths.remove_tree(os.path.join(snap.jdir, f"rebuilt_{step:08d}"))
+    if error is not None:
+        return None, f"step {step}: {error}"
+    if plan["rebuild"] is None:
+        return step, f"all {plan['files']} files held by the surviving nodes, checksums verified"
+    rb = plan["rebuild"]
+    held = rb["nodes"] - 1
+    return step, (f"node {rb['lost']} of {rb['nodes']} lost: its files rebuilt from XOR parity on "
+                  f"{held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
+
+
+def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] | None] | None = None,
+            disk_step: int | None = None) -> Outcome:
+    """Resume from the newest whole, verified state (collective); see the module docstring.
+
+    ``load(path, storage)`` loads the checkpoint at ``path`` (its files through
+    ``storage``) into the job and returns the step it holds. ``disk()`` resumes from the
+    durable tier and returns (step, path), or None when it holds nothing; ``disk_step``,
+    the step of the durable tier's newest checkpoint, makes older snapshots lose to it."""
+    t0 = time.perf_counter()
+    mine = json.dumps(inventory(snap) if snap.local_rank == 0 else None).encode()
+    gathered = gather_bytes(snap.group, mine, 0)
+    plans: list[dict[str, Any]] = []
+    reasons: list[str] = []
+    if gathered is not None:
+        nodes = [d for d in (json.loads(g) for g in gathered) if d is not None]
+        plans, reasons = plan_candidates(nodes)
+    plans, reasons = _share(snap, [plans, reasons])
+    timings: dict[str, float] = {"plan": time.perf_counter() - t0}
+    step: int | None = None
+    for plan in plans:
+        if disk_step is not None and plan["step"] < disk_step:
+            reasons.append(f"step {plan['step']}: older than the durable checkpoint of step {disk_step}")
+            break
+        step, how = _try_step(snap, plan, load, timings)
+        if step is not None:
+            _reset_keeper(snap, step)
+            took = time.perf_counter() - t0
+            return Outcome(step, "memory", f"resumed step {step} from memory ({how}; {took:.2f} s)", took, True, timings)
+        reasons.append(how)
+    why = "; ".join(reasons) if reasons else "no snapshot in memory"
+    got = disk() if disk is not None else None
+    if got is not None:
+        step, path = got
+        _reset_keeper(snap, step)
+        took = time.perf_counter() - t0
+        return Outcome(step, "disk", f"resumed step {step} from disk ({path}; memory: {why}; {took:.2f} s)", took,
+                       bool(plans), timings)
+    _reset_keeper(snap, 0)
+    return Outcome(0, "fresh", f"starting fresh (memory: {why}; no checkpoint on disk)", time.perf_counter() - t0,
+                   bool(plans), timings)

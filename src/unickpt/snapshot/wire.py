@@ -1,0 +1,145 @@
+"""The keepers' small TCP protocol (JSON headers, raw byte payloads, no pickle).
+
+A message is a 4-byte big-endian header length, a JSON header, then ``header["nbytes"]``
+bytes of payload. Requests (``op``): ``stripe`` (a data stripe for the receiver's parity),
+``have`` (a keeper holds its data and parity of a step), ``read`` (a byte range of a file
+under the keeper's job directory), ``ping`` and ``stop``. Every reply has ``ok``; a failed
+one carries ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from typing import Any
+
+from ..errors import SnapshotError
+
+_LEN = struct.Struct(">I")
+TIMEOUT = 30.0
+
+
+def send(sock: socket.socket, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
+    """Send one message."""
+    header = dict(header, nbytes=0 if payload is None else memoryview(payload).nbytes)
+    doc = json.dumps(header).encode()
+    sock.sendall(_LEN.pack(len(doc)) + doc)
+    if payload is not None and header["nbytes"]:
+        sock.sendall(payload)
+
+
+def send_file_parts(sock: socket.socket, header: dict[str, Any], parts: list[tuple[str, int, int]]) -> None:
+    """Send one message whose payload is byte ranges of files (path, offset, count), with
+    ``sendfile`` (no copy through user space). A file shorter than its range is an error
+    before anything is sent."""
+    files = []
+    try:
+        for path, offset, count in parts:
+            f = open(path, "rb")
+            files.append(f)
+            if os.fstat(f.fileno()).st_size < offset + count:
+                raise SnapshotError(f"{os.path.basename(path)} is shorter than asked")
+        total = sum(c for _, _, c in parts)
+        doc = json.dumps(dict(header, nbytes=total)).encode()
+        sock.sendall(_LEN.pack(len(doc)) + doc)
+        for f, (_, offset, count) in zip(files, parts):
+            if count:
+                sock.sendfile(f, offset, count)
+    finally:
+        for f in files:
+            f.close()
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket; a closed connection is a SnapshotError."""
+    view = view.cast("B")
+    while view.nbytes:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise SnapshotError("keeper connection closed mid-message")
+        view = view[n:]
+
+
+def recv_header(sock: socket.socket) -> dict[str, Any] | None:
+    """The next message's header (its payload is still to be read), None at a clean end."""
+    head = bytearray(_LEN.size)
+    n = sock.recv_into(head)
+    if n == 0:
+        return None
+    if n < _LEN.size:
+        recv_exact(sock, memoryview(head)[n:])
+    (size,) = _LEN.unpack(head)
+    doc = bytearray(size)
+    recv_exact(sock, memoryview(doc))
+    return json.loads(doc)
+
+
+def recv_payload(sock: socket.socket, header: dict[str, Any], into: memoryview | None = None) -> memoryview:
+    """The payload announced by ``header`` (into ``into`` when given, of the right size)."""
+    n = int(header.get("nbytes", 0))
+    out = memoryview(bytearray(n)) if into is None else memoryview(into).cast("B")
+    if out.nbytes != n:
+        raise SnapshotError(f"keeper sent {n} bytes, {out.nbytes} expected")
+    recv_exact(sock, out)
+    return out
+
+
+class Connection:
+    """A client connection to one keeper (thread-safe: one request at a time)."""
+
+    def __init__(self, host: str, port: int, timeout: float = TIMEOUT) -> None:
+        self.address = (host, port)
+        try:
+            self.sock = socket.create_connection(self.address, timeout=timeout)
+        except OSError as e:
+            raise SnapshotError(f"cannot reach the snapshot keeper at {host}:{port}: {e}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.lock = threading.Lock()
+
+    def request(self, header: dict[str, Any], payload=None, into: memoryview | None = None) -> tuple[dict[str, Any], memoryview]:
+        """Send a request, return the reply's header and payload; a failed reply raises."""
+        with self.lock:
+            try:
+                send(self.sock, header, payload)
+                reply = recv_header(self.sock)
+                if reply is None:
+                    raise SnapshotError("keeper closed the connection")
+                if not reply.get("ok"):
+                    raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {reply.get('error')}")
+                return reply, recv_payload(self.sock, reply, into)
+            except OSError as e:
+                raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {e}") from None
+
+    def read(self, path: str, offset: int, into: memoryview) -> None:
+        """Fill ``into`` with bytes ``offset..`` of ``path`` (relative to the keeper's job directory)."""
+        self.read_views({"op": "read", "path": path, "offset": offset}, [into])
+
+    def read_views(self, header: dict[str, Any], views: list[memoryview]) -> None:
+        """One ranged request (``read`` or ``blob``) for the total length of ``views``,
+        its reply received straight into them, one after the other."""
+        views = [memoryview(v).cast("B") for v in views]
+        total = sum(v.nbytes for v in views)
+        with self.lock:
+            try:
+                send(self.sock, dict(header, length=total))
+                reply = recv_header(self.sock)
+                if reply is None:
+                    raise SnapshotError("keeper closed the connection")
+                if not reply.get("ok"):
+                    raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {reply.get('error')}")
+                if int(reply.get("nbytes", 0)) != total:
+                    raise SnapshotError(f"keeper sent {reply.get('nbytes')} bytes, {total} asked")
+                for v in views:
+                    recv_exact(self.sock, v)
+            except OSError as e:
+                raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {e}") from None
+
+    def close(self) -> None:
+        """Close the connection."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,159 @@
+"""Launching the example trainer as simulated nodes (one torchrun agent per node on
+localhost, each with its own shm root) and injecting failures, for the snapshot tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from unickpt.testing import free_port
+
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+TINY = ["--steps", "10", "--seed", "3", "--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--dataset-size", "240"]
+
+
+def env_for(root: str) -> dict[str, str]:
+    """The environment of one simulated node."""
+    return dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=root)
+
+
+def launch_nodes(cwd, roots: list[str], flags: list[str], nproc: int = 1) -> list[subprocess.Popen]:
+    """One torchrun agent per shm root, all meeting at one c10d rendezvous on localhost;
+    each agent in its own session (so a node's processes can be killed together)."""
+    port = free_port()
+    procs = []
+    for i, root in enumerate(roots):
+        cmd = [TORCHRUN, f"--nnodes={len(roots)}", f"--node-rank={i}", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "unickpt.examples.train", *flags]
+        out = open(os.path.join(cwd, f"node{i}.log"), "w")
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env_for(root), stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], cwd, timeout: float = 240, check: bool = True) -> list[str]:
+    """Wait for the agents; return each node's output (raise with it when one failed)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                kill_session(q)
+            raise
+    outs = [open(os.path.join(cwd, f"node{i}.log")).read() for i in range(len(procs))]
+    if check and any(p.returncode for p in procs):
+        raise AssertionError("a node failed:\n" + "\n".join(f"--- node {i} ---\n{o[-3000:]}" for i, o in enumerate(outs)))
+    return outs
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun's workers are in process groups of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_session(p: subprocess.Popen) -> None:
+    """SIGKILL an agent and the trainers it started; snapshot keepers (detached, in their
+    own sessions) are left alone: they outlive the trainers."""
+    for pid in [p.pid, *_descendants(p.pid)]:
+        try:
+            if b"unickpt.snapshot.keeper" in open(f"/proc/{pid}/cmdline", "rb").read():
+                continue
+        except OSError:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+
+
+def keeper_pid(root: str) -> int | None:
+    """The pid in ``<root>/keeper.pid``, if any."""
+    try:
+        return int(open(os.path.join(root, "keeper.pid")).read())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def kill_keeper(root: str) -> None:
+    """SIGKILL the keeper of a shm root (if it runs) and wait until it is gone."""
+    pid = keeper_pid(root)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    for _ in range(500):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
+def lose_node(root: str) -> None:
+    """A lost node's memory: its keeper killed, its shm root deleted."""
+    kill_keeper(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def steps_whole(root: str) -> list[int]:
+    """Steps marked whole in a shm root (read by the test, the outside observer)."""
+    base = os.path.join(root, "unickpt")
+    out = []
+    for job in (os.listdir(base) if os.path.isdir(base) else []):
+        jdir = os.path.join(base, job)
+        if not os.path.isdir(jdir):
+            continue
+        for d in os.listdir(jdir):
+            if d.startswith("step_") and os.path.exists(os.path.join(jdir, d, "whole")):
+                out.append(int(d[5:]))
+    return sorted(out)
+
+
+def step_dir(root: str, step: int) -> str:
+    """The directory of a snapshot step in a shm root (the only job there)."""
+    base = os.path.join(root, "unickpt")
+    job = next(j for j in os.listdir(base) if os.path.isdir(os.path.join(base, j)))
+    return os.path.join(base, job, f"step_{step:08d}")
+
+
+def flip_bit(path: str, offset: int | None = None) -> None:
+    """Flip one bit of a file (in the middle when no offset is given)."""
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        at = size // 2 if offset is None else offset
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def losses(path: str) -> dict[int, float]:
+    """step -> loss of a --loss-log file (the last record of a step wins)."""
+    return {r["step"]: r["loss"] for r in map(json.loads, open(path))}
+
+
+def resumed_lines(outs: list[str]) -> list[str]:
+    """The recovery lines printed (resumed ... / starting fresh ...)."""
+    return [line for o in outs for line in o.splitlines() if line.startswith(("resumed step", "starting fresh"))]

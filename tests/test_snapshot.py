@@ -1,0 +1,249 @@
+"""The in-memory snapshot tier with real processes: torchrun agents as simulated nodes
+(each with its own shm root), real SIGKILL, keepers killed, shm roots deleted, bits flipped.
+
+Reference runs are unbroken runs of the example trainer without snapshots: the same
+layout must match bitwise, another layout within 1e-4 relative (as in test_resume)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import unickpt
+from unickpt.errors import SnapshotError
+from unickpt.testing import run_ranks
+
+from snapshot_helpers import (
+    TINY, env_for, flip_bit, keeper_pid, kill_keeper, launch_nodes, lose_node, losses, resumed_lines,
+    step_dir, steps_whole, wait_all,
+)
+from train_cases import train
+
+
+def _wait_for(cond, timeout: float = 120, what: str = "condition", procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a process ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _last_step(log: str) -> int:
+    return max(losses(log), default=0) if os.path.exists(log) else 0
+
+
+def _trainer_pid(root: str, rank: int) -> int:
+    """The pid of the example trainer of ``rank`` on the node of shm root ``root``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"unickpt.examples.train" in cmd and b"torchrun" not in cmd and f"UNICKPT_SHM_ROOT={root}".encode() in env \
+                and f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no trainer of rank {rank} on {root}")
+
+
+def _committed(root: str) -> list[int]:
+    """Steps whose snapshot is committed (manifest written) in a one-job shm root."""
+    base = os.path.join(root, "unickpt")
+    job = next(j for j in os.listdir(base) if os.path.isdir(os.path.join(base, j)))
+    return [int(d[5:]) for d in os.listdir(os.path.join(base, job))
+            if d.startswith("step_") and os.path.exists(os.path.join(base, job, d, "manifest.json"))]
+
+
+def _no_leftovers(root: str) -> None:
+    assert not os.path.exists(os.path.join(root, "unickpt")), os.listdir(os.path.join(root, "unickpt"))
+    assert keeper_pid(root) is None
+
+
+def _same_checkpoints(a: str, b: str) -> None:
+    names = set(unickpt.read_manifest(a).tensors)
+    assert names == set(unickpt.read_manifest(b).tensors)
+    assert any(n.endswith("exp_avg_sq") for n in names)
+    for name in names:
+        assert torch.equal(unickpt.load_tensor(a, name), unickpt.load_tensor(b, name)), name
+
+
+@pytest.fixture
+def keepers_down():
+    """Kill the keepers a test leaves behind under the roots it registers."""
+    roots: list[str] = []
+    yield roots
+    for r in roots:
+        kill_keeper(r)
+
+
+def test_killed_rank_resumes_from_memory_bitwise(tmp_path, keepers_down):
+    """SIGKILL one of two trainer ranks mid-run, relaunch the same layout: it resumes by
+    itself from the snapshot in memory (the durable tier holds nothing yet), the keeper
+    having outlived the trainers; losses and final weights and moments are bitwise those
+    of an unbroken run, and a clean end leaves no shared memory behind."""
+    root = str(tmp_path / "shm")
+    keepers_down.append(root)
+    log = str(tmp_path / "run.jsonl")
+    flags = [*TINY, "--snapshot-every", "2", "--save-every", "10", "--ckpt-dir", "ck", "--loss-log", log]
+    procs = launch_nodes(tmp_path, [root], [*flags, "--compute-sleep", "0.4"], nproc=2)
+    try:
+        _wait_for(lambda: _last_step(log) >= 5 and steps_whole(root), what="step 5", procs=procs)
+        keeper = keeper_pid(root)
+        os.kill(_trainer_pid(root, 1), signal.SIGKILL)
+    finally:
+        wait_all(procs, tmp_path, timeout=60, check=False)
+    assert procs[0].returncode != 0
+    assert keeper is not None and os.path.exists(f"/proc/{keeper}")
+    snap_step = max(_committed(root))
+    assert snap_step >= 4 and not os.path.exists(tmp_path / "ck" / "step_00000004")
+
+    outs = wait_all(launch_nodes(tmp_path, [root], flags, nproc=2), tmp_path)
+    assert resumed_lines(outs) == [resumed_lines(outs)[0]]
+    assert re.fullmatch(rf"resumed step {snap_step} from memory \(.+\)", resumed_lines(outs)[0]), outs[0][-2000:]
+    _no_leftovers(root)
+
+    ref = str(tmp_path / "ref.json")
+    run_ranks(train, 2, [*TINY, "--save-every", "10", "--ckpt-dir", str(tmp_path / "ref")], ref,
+              preload=["unickpt.examples.train"])
+    want = {r["step"]: r["loss"] for r in __import__("json").load(open(ref))}
+    got = losses(log)
+    assert sorted(got) == list(range(1, 11))
+    assert all(got[s] == want[s] for s in got), (got, want)
+    _same_checkpoints(str(tmp_path / "ck" / "step_00000010"), str(tmp_path / "ref" / "step_00000010"))
+
+
+@pytest.fixture(scope="module")
+def four_nodes(tmp_path_factory):
+    """4 simulated nodes (one rank each, FSDP) stopped after step 6, its snapshot whole on
+    every node; then node 2 is lost (keeper killed, shm root deleted). The survivors' roots
+    and the durable tier (step 4) are copied so each test starts from this state."""
+    tmp = tmp_path_factory.mktemp("nodes")
+    roots = [str(tmp / f"shm{i}") for i in range(4)]
+    os.environ["UNICKPT_JOB_ID"] = "ft"
+    flags = [*TINY, "--fsdp", "--snapshot-every", "2", "--save-every", "4", "--loss-log", str(tmp / "run.jsonl")]
+    try:
+        wait_all(launch_nodes(tmp, roots, [*flags, "--ckpt-dir", "ck", "--stop-after", "6"]), tmp)
+        _wait_for(lambda: all(6 in steps_whole(r) for r in roots), 60, "step 6 whole on every node")
+        lose_node(roots[2])
+        for i in (0, 1, 3):
+            shutil.copytree(roots[i], tmp / f"backup{i}", symlinks=True)
+        yield tmp, roots, flags
+    finally:
+        os.environ.pop("UNICKPT_JOB_ID", None)
+        for r in roots:
+            kill_keeper(r)
+
+
+def _restore(tmp, roots, nodes: list[int], ckpt: str) -> list[str]:
+    for i in nodes:
+        kill_keeper(roots[i])
+        shutil.rmtree(roots[i], ignore_errors=True)
+        shutil.copytree(tmp / f"backup{i}", roots[i], symlinks=True)
+    shutil.rmtree(tmp / ckpt, ignore_errors=True)
+    shutil.copytree(tmp / "ck", tmp / ckpt)
+    return [roots[i] for i in nodes]
+
+
+def test_lost_node_rebuilt_from_parity_onto_three_nodes(four_nodes):
+    """Relaunch on the 3 survivors: step 6 is rebuilt from XOR parity (every chunk checked)
+    and resharded from 4 ranks onto 3; the loss curve continues within 1e-4 of an unbroken run."""
+    tmp, roots, flags = four_nodes
+    survivors = [roots[0], roots[1], roots[3]]
+    shutil.copytree(tmp / "ck", tmp / "ck_rebuilt")
+    outs = wait_all(launch_nodes(tmp, survivors, [*flags, "--ckpt-dir", "ck_rebuilt", "--loss-log", str(tmp / "resumed.jsonl")]), tmp)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and lines[0].startswith("resumed step 6 from memory (node 2 of 4 lost"), outs[0][-3000:]
+    for r in survivors:
+        _no_leftovers(r)
+    from unickpt.examples.train import run
+
+    want = {r["step"]: r["loss"] for r in run([*TINY])}
+    got = losses(str(tmp / "resumed.jsonl"))
+    assert sorted(got) == [7, 8, 9, 10]
+    for s, loss in got.items():
+        assert abs(loss - want[s]) <= 1e-4 * abs(want[s]), (s, loss, want[s])
+
+
+def test_flipped_parity_bit_is_detected_and_disk_used(four_nodes):
+    """One flipped bit in a survivor's parity chunk: the rebuild refuses it (crc32c), the
+    run resumes from the durable tier and the line says why."""
+    tmp, roots, flags = four_nodes
+    survivors = _restore(tmp, roots, [0, 1, 3], "ck_parity")
+    flip_bit(os.path.join(step_dir(roots[1], 6), "parity.bin"))
+    outs = wait_all(launch_nodes(tmp, survivors, [*flags, "--ckpt-dir", "ck_parity", "--stop-after", "5"]), tmp)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and lines[0].startswith("resumed step 4 from disk ("), outs[0][-3000:]
+    assert "parity of step 6 held by node 1 fails its crc32c" in lines[0]
+
+
+def test_two_lost_nodes_fall_back_to_disk(four_nodes):
+    """Nodes 2 and 3 lost with parity 1: not rebuildable; resumed from disk on 2 nodes."""
+    tmp, roots, flags = four_nodes
+    survivors = _restore(tmp, roots, [0, 1], "ck_two")
+    kill_keeper(roots[3])
+    outs = wait_all(launch_nodes(tmp, survivors, [*flags, "--ckpt-dir", "ck_two", "--stop-after", "5"]), tmp)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and lines[0].startswith("resumed step 4 from disk ("), outs[0][-3000:]
+    assert "step 6: nodes 2, 3 of 4 were lost; parity 1 rebuilds one node" in lines[0]
+
+
+def test_killed_keeper_is_recreated_and_a_corrupt_snapshot_never_used(tmp_path, keepers_down):
+    """The keeper SIGKILLed while the trainer runs: training goes on, the next snapshot
+    starts a new keeper (which reaps a dead job's leftovers) and later steps become whole.
+    Then a flipped bit in the snapshot's data: recovery refuses it and uses the disk."""
+    root = str(tmp_path / "shm")
+    keepers_down.append(root)
+    stale = os.path.join(root, "unickpt", "dead-job", "step_00000002")
+    os.makedirs(stale)
+    open(os.path.join(stale, "rank_00000.safetensors"), "wb").write(b"\0" * 100)
+    log = str(tmp_path / "run.jsonl")
+    flags = [*TINY, "--snapshot-every", "2", "--save-every", "4", "--ckpt-dir", str(tmp_path / "ck"), "--loss-log", log]
+    cmd = [sys.executable, "-m", "unickpt.examples.train", *flags]
+    p = subprocess.Popen([*cmd, "--compute-sleep", "0.3", "--stop-after", "8"], env=env_for(root), cwd=tmp_path)
+    try:
+        _wait_for(lambda: 2 in steps_whole(root), what="step 2 whole", procs=[p])
+        first = keeper_pid(root)
+        assert not os.path.exists(stale)
+        kill_keeper(root)
+        assert p.wait(120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert sorted(losses(log)) == list(range(1, 9))
+    second = keeper_pid(root)
+    assert second is not None and second != first and os.path.exists(f"/proc/{second}")
+    _wait_for(lambda: steps_whole(root) == [8], 30, "step 8 whole")
+
+    flip_bit(os.path.join(step_dir(root, 8), "rank_00000.safetensors"))
+    out = subprocess.run([*cmd, "--stop-after", "9"], env=env_for(root), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = resumed_lines([out.stdout])
+    assert len(lines) == 1 and lines[0].startswith("resumed step 8 from disk ("), out.stdout
+    assert "step 8: checksum mismatch in rank_00000.safetensors" in lines[0]
+
+
+def test_memory_cap_and_unsupported_parity_are_clear_errors(tmp_path, keepers_down):
+    """A snapshot above max_bytes is refused before anything is written; parity 2 is refused."""
+    from unickpt.snapshot import Snapshotter
+
+    root = str(tmp_path / "shm")
+    keepers_down.append(root)
+    with pytest.raises(SnapshotError, match="Reed-Solomon"):
+        Snapshotter("cap", 1, 2, root=root)
+    snap = Snapshotter("cap", 1, 0, root=root, max_bytes=1000)
+    with pytest.raises(SnapshotError, match=r"above the cap of 0\.0 MiB"):
+        snap.snapshot({"w": torch.zeros(1000)}, 1)
+    assert not os.path.exists(os.path.join(root, "unickpt", "cap", "step_00000001"))
+    snap.close()
+    _no_leftovers(root)
