@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from unickpt.testing import free_port
+from unickpt.testing import free_port, kill_session
 
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
 TINY = ["--steps", "10", "--seed", "3", "--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--dataset-size", "240"]
@@ -50,40 +50,6 @@ def wait_all(procs: list[subprocess.Popen], cwd, timeout: float = 240, check: bo
     if check and any(p.returncode for p in procs):
         raise AssertionError("a node failed:\n" + "\n".join(f"--- node {i} ---\n{o[-3000:]}" for i, o in enumerate(outs)))
     return outs
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun's workers are in process groups of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def kill_session(p: subprocess.Popen) -> None:
-    """SIGKILL an agent and the trainers it started; snapshot keepers (detached, in their
-    own sessions) are left alone: they outlive the trainers."""
-    for pid in [p.pid, *_descendants(p.pid)]:
-        try:
-            if b"unickpt.snapshot.keeper" in open(f"/proc/{pid}/cmdline", "rb").read():
-                continue
-        except OSError:
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait()
 
 
 def keeper_pid(root: str) -> int | None:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .testing import free_port
+from .testing import free_port, kill_session
 
 NODES, LOST = 4, 2
 STEPS, SNAPSHOT_EVERY, SAVE_EVERY = 16, 2, 8
@@ -73,40 +73,6 @@ def _launch(root: str, shm: list[str], flags: list[str]) -> list[subprocess.Pope
     return procs
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun's workers are in process groups of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _kill_session(p: subprocess.Popen) -> None:
-    """SIGKILL an agent and the trainers it started; snapshot keepers (detached, in their
-    own sessions) are left alone: they outlive the trainers."""
-    for pid in [p.pid, *_descendants(p.pid)]:
-        try:
-            if b"unickpt.snapshot.keeper" in open(f"/proc/{pid}/cmdline", "rb").read():
-                continue
-        except OSError:
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait()
-
-
 def _kill_keeper(shm: str) -> None:
     try:
         os.kill(int(open(os.path.join(shm, "keeper.pid")).read()), signal.SIGKILL)
@@ -147,11 +113,11 @@ def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_
         failed_at = max(_losses(log))
         say(f"3. node {LOST} lost after step {failed_at}: its trainer and keeper SIGKILLed, its shared memory deleted; "
             "the job is restarted on the 3 survivors ...")
-        _kill_session(procs[LOST])
+        kill_session(procs[LOST])
         _kill_keeper(shm[LOST])
         shutil.rmtree(shm[LOST], ignore_errors=True)
         for p in procs:
-            _kill_session(p)
+            kill_session(p)
         before = _losses(log)
         survivors = [r for i, r in enumerate(shm) if i != LOST]
         procs = _launch(root, survivors, flags)
@@ -163,7 +129,7 @@ def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_session(p)
+                kill_session(p)
         for r in shm:
             _kill_keeper(r)
     line = next((x for o in outs for x in o.splitlines() if x.startswith(("resumed step", "starting fresh"))), "")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -73,3 +75,37 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                 if os.path.exists(p):
                     reports.append(f"--- rank {r} ---\n{open(p).read()}")
             raise RankFailure("\n".join(reports) or str(e)) from None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun's workers are in process groups of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_session(p: subprocess.Popen) -> None:
+    """SIGKILL an agent and the trainers it started; snapshot keepers (detached, in their
+    own sessions) are left alone: they outlive the trainers."""
+    for pid in [p.pid, *descendants(p.pid)]:
+        try:
+            if b"unickpt.snapshot.keeper" in open(f"/proc/{pid}/cmdline", "rb").read():
+                continue
+        except OSError:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import LayoutError, ManifestError
 from ..format.dtypes import itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
-from ..format.safetensors_header import parse_header
+from ..format.safetensors_header import read_header
 from ..plan.box import Box, intersect
 from ..plan.piece import box_piece
 from ..storage.local import LocalStorage
@@ -36,16 +36,7 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def _header(storage: LocalStorage, name: str) -> tuple[dict[str, Any], int]:
-    reader = storage.reader(name)
-    prefix = bytearray(8)
-    reader.pread_into(0, memoryview(prefix))
-
-    def more(n: int) -> bytes:
-        buf = bytearray(n)
-        reader.pread_into(8, memoryview(buf))
-        return bytes(buf)
-
-    header, data_start = parse_header(bytes(prefix), more)
+    header, data_start = read_header(storage.reader(name))
     if not isinstance(header, dict):
         raise ManifestError(f"{name}: safetensors header is not a JSON object")
     return header, data_start

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import UnickptError
 from ..format.dtypes import itemsize
 from ..format.manifest import MANIFEST_NAME, Fragment, Manifest, TensorEntry, check_file_name
-from ..format.safetensors_header import parse_header
+from ..format.safetensors_header import read_header
 from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
@@ -66,15 +66,7 @@ def _file_tensors(storage: LocalStorage, name: str) -> dict[str, tuple[str, tupl
     """``{tensor: (dtype, shape, absolute data offset)}`` of one safetensors file, checked
     against the file's size."""
     reader = storage.reader(name)
-    prefix = bytearray(8)
-    reader.pread_into(0, memoryview(prefix))
-
-    def more(n: int) -> bytes:
-        buf = bytearray(n)
-        reader.pread_into(8, memoryview(buf))
-        return bytes(buf)
-
-    header, data_start = parse_header(bytes(prefix), more)
+    header, data_start = read_header(reader)
     if not isinstance(header, dict):
         raise HfError(f"{name}: safetensors header is not a JSON object")
     out = {}

@@ -27,23 +27,14 @@ import os
 from ..errors import UnickptError
 from ..format.ledger import Ledger, Region, build_ledger
 from ..format.manifest import Manifest
-from ..format.safetensors_header import parse_header
+from ..format.safetensors_header import read_header
 from ..storage.local import LocalStorage
 from .detect import open_manifest
 
 
 def safetensors_regions(storage: LocalStorage, name: str) -> list[Region]:
     """The header of a safetensors file (structure) and each entry's bytes (owned by its key)."""
-    reader = storage.reader(name)
-    first = bytearray(min(8, reader.size))
-    reader.pread_into(0, memoryview(first))
-
-    def more(n: int) -> bytes:
-        buf = bytearray(max(0, min(n, reader.size - 8)))
-        reader.pread_into(8, memoryview(buf))
-        return bytes(buf)
-
-    header, start = parse_header(bytes(first), more)
+    header, start = read_header(storage.reader(name))
     if not isinstance(header, dict):
         raise UnickptError(f"{name}: safetensors header is not a JSON object")
     out = [Region(name, 0, start)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import CorruptionError
 
@@ -67,3 +68,18 @@ def parse_header(prefix8: bytes, read_more) -> tuple[dict[str, dict], int]:
     except RecursionError:
         raise CorruptionError("safetensors header is not valid: JSON nested too deeply") from None
     return header, 8 + n
+
+
+def read_header(reader: Any) -> tuple[dict[str, dict], int]:
+    """:func:`parse_header` of a file open for ranged reads (``reader.size`` and
+    ``reader.pread_into(offset, memoryview)``, as storage's readers have); reads past the
+    end of the file come back short, so a truncated header is a CorruptionError."""
+    first = bytearray(min(8, reader.size))
+    reader.pread_into(0, memoryview(first))
+
+    def more(n: int) -> bytes:
+        buf = bytearray(max(0, min(n, reader.size - 8)))
+        reader.pread_into(8, memoryview(buf))
+        return bytes(buf)
+
+    return parse_header(bytes(first), more)
