@@ -63,6 +63,9 @@ class Keeper:
         self.root, self.job, self.host = root, job, host
         self.jdir = paths.job_dir(root, job)
         self.lock = threading.Lock()
+        # held while files are added to the job's directory, and by the clean end while it
+        # deletes it: a peer's late stripe must not recreate what the end removed
+        self.tree_lock = threading.Lock()
         self.partial: dict[int, dict[str, Any]] = {}
         self.haves: dict[int, set[int]] = {}
         self.sent: set[int] = set()
@@ -114,7 +117,8 @@ class Keeper:
 
     def shutdown(self) -> None:
         """Delete the job's snapshots and this keeper's files (clean end of the job)."""
-        paths.remove_tree(self.jdir)
+        with self.tree_lock:  # self.stopping is set: no writer adds files after this
+            paths.remove_tree(self.jdir)
         try:
             os.unlink(os.path.join(paths.base_dir(self.root), "keeper.log"))
         except FileNotFoundError:
@@ -294,12 +298,15 @@ class Keeper:
                 return
             del self.partial[step]
         sdir = paths.step_dir(self.root, self.job, step)
-        os.makedirs(sdir, exist_ok=True)
         data = part["acc"].data
-        _write_atomic(os.path.join(sdir, paths.PARITY_BIN), data)
         meta = {"step": step, "node": int(h["to"]), "nodes": n, "nbytes": data.nbytes, "crc": _crc.crc32c(data),
                 "members": {str(i): m for i, m in part["members"].items()}, "peers": h["peers"]}
-        _write_atomic(os.path.join(sdir, paths.PARITY_META), json.dumps(meta).encode())
+        with self.tree_lock:
+            if self.stopping.is_set():
+                return
+            os.makedirs(sdir, exist_ok=True)
+            _write_atomic(os.path.join(sdir, paths.PARITY_BIN), data)
+            _write_atomic(os.path.join(sdir, paths.PARITY_META), json.dumps(meta).encode())
         with self.lock:
             self.stored.add(step)
         self.maybe_announce(step)
@@ -332,9 +339,10 @@ class Keeper:
     def mark_whole(self, step: int) -> None:
         """Mark ``step`` whole on this node and delete every older snapshot (retention)."""
         sdir = paths.step_dir(self.root, self.job, step)
-        if not os.path.isdir(sdir):
-            return
-        _write_atomic(os.path.join(sdir, paths.WHOLE), b"")
+        with self.tree_lock:
+            if self.stopping.is_set() or not os.path.isdir(sdir):
+                return
+            _write_atomic(os.path.join(sdir, paths.WHOLE), b"")
         with self.lock:
             self.whole_step = max(self.whole_step, step)
             for d in (self.partial, self.haves, self.peers):
