@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="unickpt",
-    help="Universal checkpoints for distributed PyTorch: inspect, verify, demo.",
+    help="Universal checkpoints for distributed PyTorch: inspect, verify, convert, export, demo.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -105,7 +105,7 @@ def _root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    """Universal checkpoints for distributed PyTorch: inspect, verify, demo."""
+    """Universal checkpoints for distributed PyTorch: inspect, verify, convert, export, demo."""
 
 
 # ---------------------------------------------------------------- helpers
