@@ -385,7 +385,8 @@ def _step(b: _Builder, name: str, step: Any, where: str) -> None:
     if key in b.manifest.tensors or key in b.manifest.values:
         read = b.manifest.tensors[key].fragments if key in b.manifest.tensors else []
         if isinstance(step, StoredTensor) and not any(f.file == step.file and f.offset == step.offset for f in read):
-            b.replica(f"{where}.step", f"a copy of the group's optimizer step (read once, as {key})", step)
+            b.replica(f"{where}.step", "a copy of the group's optimizer step (read once, from the first rank holding "
+                      "the group)", step)
         return
     if isinstance(step, StoredTensor) and step.numel == 1:
         b.whole(key, step, "deepspeed per-group step")
@@ -841,12 +842,37 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
     read = {n[len("model."):]: e.dtype for n, e in b.manifest.tensors.items() if n.startswith("model.")}
     _module_entries(b, model.get("module"), set(read), read, model_file or "", zero3=stage >= 3,
                     buffers=set(model.get("buffer_names") or []))
+    _universal_leftovers(b, osd, model, model_file or "")
     for key in ("clip_grad", "partition_count"):
         if key in osd:
             b.value(f"deepspeed.{key}", osd[key])
     _model_values(b, model, stage, 1)
     b.manifest.provenance["universal"] = True
     return b.manifest
+
+
+def _universal_leftovers(b: _Builder, osd: dict[str, Any], model: dict[str, Any], model_file: str) -> None:
+    """What ``ds_to_universal`` copies beside the merged ``zero/<param>/`` files: rank 0's
+    flat partitions and moments in ``zero/optimizer_state.pt`` (ZeRO-3) are replicas of
+    what those files hold; rank 0's ``frozen_param_fragments`` in the model-states file are
+    part of the frozen parameters reported as skipped."""
+    read = {(f.file, f.offset) for e in b.manifest.tensors.values() for f in e.fragments}
+    for path, t in _tensor_paths(osd, ""):
+        if (t.file, t.offset) not in read:
+            b.replica(f"zero/optimizer_state.pt:{path}", "rank 0's flat partition as DeepSpeed saved it, a copy of part "
+                      "of the merged zero/<param>/ files (those are read)", t)
+    frags = model.get("frozen_param_fragments")
+    for name, t in (frags.items() if isinstance(frags, dict) else ()):
+        if f"model.{name}" in b.skipped:
+            b.own(f"model.{name}", t)
+
+
+def _tensor_paths(obj: Any, path: str) -> list[tuple[str, StoredTensor]]:
+    """Every stored tensor inside nested dicts and lists, with its dotted path."""
+    if isinstance(obj, StoredTensor):
+        return [(path, obj)]
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return [found for k, v in items for found in _tensor_paths(v, f"{path}.{k}" if path else str(k))]
 
 
 def read_deepspeed(path: str, regions: dict[str, list[Region]] | None = None) -> Manifest:
