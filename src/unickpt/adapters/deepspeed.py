@@ -195,6 +195,7 @@ class _Builder:
         self.regions: dict[str, list[Region]] = {}  # per file: its zip structure, padding and owned storages
         self.storage_spans: dict[str, dict[int, tuple[int, int]]] = {}
         self.group_paddings = 0  # elements of alignment padding of all flat groups (ZeRO-1/2 group_paddings)
+        self.alignment = 0  # elements a flat group is padded to a multiple of, when group_paddings are not known
 
     def skip(self, name: str, reason: str, t: Any = None, at: int = 0, numel: int | None = None) -> None:
         """Account for a tensor of the source that the manifest leaves out (``t``: its
@@ -353,7 +354,8 @@ def _storage_numel(t: StoredTensor) -> int:
 def _module_buffer_padding(b: _Builder, module: dict[str, Any]) -> None:
     """ZeRO-1/2 module parameters are views of one flat buffer per group, saved whole: the
     buffer's bytes past its last view, no more than the groups' alignment padding
-    (``group_paddings``), are that padding."""
+    (``group_paddings``; in a universal checkpoint, which keeps rank 0's only: less than
+    the alignment, the buffer a multiple of it), are that padding."""
     ends: dict[tuple[str, int], tuple[StoredTensor, int]] = {}
     for t in module.values():
         if isinstance(t, StoredTensor) and t.numel and t.is_contiguous():
@@ -362,8 +364,9 @@ def _module_buffer_padding(b: _Builder, module: dict[str, Any]) -> None:
             if key not in ends or end > ends[key][1]:
                 ends[key] = (t, end)
     for t, end in ends.values():
-        tail = t.storage_bytes // itemsize(t.dtype) - end
-        if 0 < tail <= b.group_paddings:
+        total = t.storage_bytes // itemsize(t.dtype)
+        tail = total - end
+        if 0 < tail <= b.group_paddings or (0 < tail < b.alignment and total % b.alignment == 0):
             b.padding(t, end - t.storage_offset, tail)
 
 
@@ -839,6 +842,10 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
         groups = inner.get("param_groups")
     _param_groups_value(b, groups)
     stage = int(osd.get("zero_stage", 0) or 0)
+    counts = osd.get("partition_count")
+    counts = counts if isinstance(counts, list) else [counts]
+    # DeepSpeed pads each flat group to a multiple of 2 (nccl_start_alignment_factor) x its partition count
+    b.alignment = 2 * max((int(c) for c in counts if isinstance(c, int)), default=0)
     read = {n[len("model."):]: e.dtype for n, e in b.manifest.tensors.items() if n.startswith("model.")}
     _module_entries(b, model.get("module"), set(read), read, model_file or "", zero3=stage >= 3,
                     buffers=set(model.get("buffer_names") or []))
