@@ -49,6 +49,10 @@ Tensors of the source left out of the manifest are listed with the reason in
 ``manifest.provenance["skipped"]`` (placeholders without data, optimizer state that is
 not a flat partition), further copies of data read once from another copy (module copies
 duplicating the master weights, tensor-parallel replicas) in ``manifest.provenance["replicas"]``.
+Byte by byte: every ``*.pt`` file read is declared to the ledger (``read_deepspeed(path,
+regions)``): its zip records other than tensor storages are structure, alignment padding
+inside a storage is structure, and the storages of skipped and replicated tensors are owned
+by their reported names; a storage nothing claims is left for the ledger to flag.
 """
 
 from __future__ import annotations
@@ -60,12 +64,12 @@ from typing import Any
 
 from ..errors import CorruptionError, LayoutError, NotACheckpointError, UnickptError
 from ..format.dtypes import itemsize
+from ..format.ledger import Region
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
 from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.local import LocalStorage
-from ..format.ledger import Region
 from .torch_archive import StoredTensor, archive_layout, read_archive
 
 
