@@ -184,7 +184,8 @@ def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) 
     # the replicated parameters are read from tensor-parallel rank 0; rank 1's copies are accounted for
     replicas = {k for k in m.provenance["replicas"] if k.startswith("zero_pp_rank_0_mp_rank_01")}
     assert replicas == {f"zero_pp_rank_0_mp_rank_01_optim_states.pt:{p}.{k}" for p in ("down_proj.bias", "norm.weight",
-                        "norm.bias") for k in ("fp32", "exp_avg", "exp_avg_sq")}
+                        "norm.bias") for k in ("fp32", "exp_avg", "exp_avg_sq")} | {
+                        "zero_pp_rank_0_mp_rank_01_optim_states.pt:base_optimizer_state.state.0.step"}  # the group's step
     assert unickpt.verify(ckpt).ok
     assert_every_byte(ckpt)  # the replicas' slices of the flat partitions and the module's shards included
     assert_every_byte(_universal(runs, "tp"))
