@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+import unickpt
 from unickpt.testing import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,3 +76,17 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.numel() != b.numel():
         return False
     return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def assert_every_byte(path: str, skipped: tuple[str, ...] = ()) -> None:
+    """Every byte of every ``*.pt`` file the reader opens is accounted for (read, structure,
+    alignment padding, or owned by a reported replica or skipped tensor), and exactly
+    ``skipped`` is reported skipped."""
+    from unickpt.adapters.regions import source_ledger
+
+    ledger = source_ledger(path)
+    pt = [f for f in unickpt.read_manifest(path).files if f.endswith(".pt")]
+    assert pt and ledger.unaccounted == [] and ledger.files_unchecked == [], ledger.line()
+    assert sorted(ledger.skipped) == sorted(skipped), ledger.skipped
+    sizes = sum(os.path.getsize(os.path.join(path, f)) for f in pt)
+    assert ledger.bytes_checked == sizes, (ledger.bytes_checked, sizes)

@@ -32,7 +32,8 @@ from unickpt.adapters.deepspeed import is_deepspeed, read_deepspeed  # noqa: E40
 from unickpt.adapters.deepspeed_writer import write_universal  # noqa: E402
 from unickpt.adapters.detect import checkpoint_format  # noqa: E402
 
-from ds_cases import STATES, bitwise_equal, ds_to_universal, ds_train, losses, universal_params, universal_tensor  # noqa: E402
+from ds_cases import (STATES, assert_every_byte, bitwise_equal, ds_to_universal, ds_train, losses,  # noqa: E402
+                      universal_params, universal_tensor)
 
 CASES = {"z1_2": (1, 2), "z2_4": (2, 4), "z3_2": (3, 2), "z3_4": (3, 4), "z2_2_bf16": (2, 2)}
 BF16 = {"z2_2_bf16"}  # bf16 module, fp32 master weights (bf16_zero_pp_rank_* files)
@@ -98,6 +99,8 @@ def test_read_equals_ds_to_universal(runs: dict[str, str], case: str) -> None:
     assert files and all(f.startswith(f"{TAG}/") and f.endswith(".pt") for f in files)
     assert _compare_reads(ckpt, uni) >= 3 * len(params)
     assert _compare_reads(uni, uni) >= 3 * len(params)  # the universal directory read in place
+    for path in (ckpt, uni):  # every byte of DeepSpeed's *.pt files accounted for
+        assert_every_byte(path)
     if case in BF16:
         assert all(f.startswith(f"{TAG}/bf16_zero_pp_rank_") for e in m.tensors.values() if e.name.startswith("optim.")
                    for f in (g.file for g in e.fragments))

@@ -19,6 +19,8 @@ from unickpt.adapters.deepspeed import is_deepspeed, read_deepspeed
 from unickpt.adapters.deepspeed_writer import write_universal
 from unickpt.errors import CorruptionError, UnsafePickleError
 
+from ds_cases import assert_every_byte
+
 
 class FragmentAddress:
     """Pickled as DeepSpeed's deepspeed.utils.tensor_fragment.fragment_address."""
@@ -130,6 +132,7 @@ def test_eleven_ranks_numeric_order(tmp_path) -> None:
     assert torch.equal(unickpt.load_tensor(str(tmp_path), "model.rope.cos"), torch.arange(6.0))
     assert m.values["train.step"] == 7 and m.values["deepspeed.global_samples"] == 56
     assert m.values["optim.param_groups"][0]["lr"] == 0.1
+    assert_every_byte(str(tmp_path))  # the last rank's padded partition and the module copies included
 
 
 def test_bf16_module_copy(tmp_path) -> None:
@@ -139,6 +142,7 @@ def test_bf16_module_copy(tmp_path) -> None:
         assert m.tensors[f"module.{n}"].dtype == "BF16"
         assert torch.equal(unickpt.load_tensor(str(tmp_path), f"module.{n}"), t.bfloat16())
         assert torch.equal(unickpt.load_tensor(str(tmp_path), f"model.{n}"), t)
+    assert_every_byte(str(tmp_path))
 
 
 def test_unknown_class_refused(tmp_path) -> None:
@@ -175,6 +179,7 @@ def test_write_universal_layout(tmp_path) -> None:
     # and it reads back, in place, as a DeepSpeed universal checkpoint
     for n, t in full.items():
         assert torch.equal(unickpt.load_tensor(str(tmp_path / "uni"), f"model.{n}"), t)
+    assert_every_byte(str(tmp_path / "uni"))
     # no temporary files are left behind
     assert not [f for _, _, fs in os.walk(out) for f in fs if f.endswith(".tmp")]
 

@@ -34,7 +34,7 @@ from unickpt.adapters.deepspeed import read_deepspeed  # noqa: E402
 from unickpt.adapters.regions import source_ledger  # noqa: E402
 from unickpt.errors import LayoutError  # noqa: E402
 
-from ds_cases import (STATES, bitwise_equal, ds_env, ds_parallel_train, ds_to_universal, ds_train,  # noqa: E402
+from ds_cases import (STATES, assert_every_byte, bitwise_equal, ds_env, ds_parallel_train, ds_to_universal, ds_train,  # noqa: E402
                       universal_params, universal_tensor)
 
 # the module's fixture runs DeepSpeed 6 times and ds_to_universal 5 times (about 80 s on 2 idle
@@ -108,6 +108,8 @@ def test_padded_group_equals_ds_to_universal(runs: dict[str, str], case: str, tm
     assert osd["base_optimizer_state"]["state"][0]["exp_avg"].numel() == osd["single_partition_of_fp32_groups"][0].numel() + pad
     report = unickpt.verify(ckpt)
     assert report.ok, report.problems
+    assert_every_byte(ckpt)  # the padding tails of the partitions and the module's flat buffer included
+    assert_every_byte(_universal(runs, case))
     frozen = FROZEN_NAMES if "frozen" in case else ()
     n = _assert_equals_universal(ckpt, _universal(runs, case), frozen)
     assert n == 4 * (21 - len(frozen) + bool(frozen)) + len(frozen)  # fp32, exp_avg, exp_avg_sq, step; fp32 if frozen
@@ -145,6 +147,8 @@ def test_frozen_parameters_equal_zero_to_fp32(runs: dict[str, str], case: str, t
         um = unickpt.read_manifest(_universal(runs, case))
         assert sorted(um.provenance["skipped"]) == sorted(f"model.{n}" for n in FROZEN_NAMES)
         assert not any(f"model.{n}" in um.tensors for n in FROZEN_NAMES)
+        assert_every_byte(_universal(runs, case), tuple(f"model.{n}" for n in FROZEN_NAMES))
+    assert_every_byte(ckpt)  # each rank's frozen fragments, partition tails and group steps accounted for
 
 
 def test_pipeline_parallel_equals_ds_to_universal(runs: dict[str, str]) -> None:
@@ -159,6 +163,8 @@ def test_pipeline_parallel_equals_ds_to_universal(runs: dict[str, str]) -> None:
     # the stages' fp32 module copies (layer files) are duplicates of the master weights: accounted for
     assert sorted(m.provenance["replicas"]) == sorted(f"module.{p}" for p in params) and "skipped" not in m.provenance
     assert source_ledger(ckpt).complete  # replicas leave the source complete: verify and convert go on
+    assert_every_byte(ckpt)
+    assert_every_byte(_universal(runs, "pp"))
     assert {f.file.split("/")[-1] for e in m.tensors.values() for f in e.fragments} == {
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"}
     assert unickpt.verify(ckpt).ok
@@ -178,11 +184,38 @@ def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) 
     # the replicated parameters are read from tensor-parallel rank 0; rank 1's copies are accounted for
     replicas = {k for k in m.provenance["replicas"] if k.startswith("zero_pp_rank_0_mp_rank_01")}
     assert replicas == {f"zero_pp_rank_0_mp_rank_01_optim_states.pt:{p}.{k}" for p in ("down_proj.bias", "norm.weight",
-                        "norm.bias") for k in ("fp32", "exp_avg", "exp_avg_sq")}
+                        "norm.bias") for k in ("fp32", "exp_avg", "exp_avg_sq")} | {
+                        "zero_pp_rank_0_mp_rank_01_optim_states.pt:base_optimizer_state.state.0.step"}  # the group's step
     assert unickpt.verify(ckpt).ok
+    assert_every_byte(ckpt)  # the replicas' slices of the flat partitions and the module's shards included
+    assert_every_byte(_universal(runs, "tp"))
     # the same checkpoint described by the name patterns alone (no affine map: DeepSpeed's older form)
     patterns_only = _edit_rules(ckpt, tmp_path / "patterns_only", lambda sd: sd["universal_checkpoint_info"].pop("affine_map"))
     assert _assert_equals_universal(patterns_only, _universal(runs, "tp")) == 4 * len(params)
+
+
+def test_planted_tensor_is_neither_read_nor_reported(runs: dict[str, str], tmp_path) -> None:
+    """A tensor storage the reader does not know, planted in a copy of a real checkpoint's
+    model-states file (re-saved by torch.save): its bytes, exactly, are unaccounted and
+    verify fails."""
+    from test_cli import invoke
+
+    ckpt = tmp_path / "planted"
+    shutil.copytree(runs["z1_pad"], ckpt)
+    f = ckpt / "global_step4" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    planted = torch.arange(1000, dtype=torch.float32) + 0.5
+    sd["planted"] = planted
+    torch.save(sd, f)
+    ledger = source_ledger(str(ckpt))
+    assert not ledger.complete and ledger.files_unchecked == [] and ledger.unaccounted_bytes == planted.numel() * 4
+    (region,) = ledger.unaccounted
+    assert region.file == "global_step4/mp_rank_00_model_states.pt"
+    with open(f, "rb") as fh:
+        fh.seek(region.start)
+        assert fh.read(region.stop - region.start) == planted.numpy().tobytes()
+    r = invoke("verify", str(ckpt))
+    assert r.exit_code == 1 and "CORRUPT" in r.stdout and f"bytes {region.start}-{region.stop}" in r.stdout, r.output
 
 
 def _edit_rules(ckpt: str, dst, edit) -> str:

@@ -49,6 +49,10 @@ Tensors of the source left out of the manifest are listed with the reason in
 ``manifest.provenance["skipped"]`` (placeholders without data, optimizer state that is
 not a flat partition), further copies of data read once from another copy (module copies
 duplicating the master weights, tensor-parallel replicas) in ``manifest.provenance["replicas"]``.
+Byte by byte: every ``*.pt`` file read is declared to the ledger (``read_deepspeed(path,
+regions)``): its zip records other than tensor storages are structure, alignment padding
+inside a storage is structure, and the storages of skipped and replicated tensors are owned
+by their reported names; a storage nothing claims is left for the ledger to flag.
 """
 
 from __future__ import annotations
@@ -60,12 +64,13 @@ from typing import Any
 
 from ..errors import CorruptionError, LayoutError, NotACheckpointError, UnickptError
 from ..format.dtypes import itemsize
+from ..format.ledger import Region
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
 from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.local import LocalStorage
-from .torch_archive import StoredTensor, read_archive
+from .torch_archive import StoredTensor, archive_layout, read_archive
 
 
 class DeepSpeedRecord:
@@ -191,14 +196,41 @@ class _Builder:
         self.manifest = Manifest()
         self.skipped: dict[str, str] = {}
         self.replicas: dict[str, str] = {}
+        self.regions: dict[str, list[Region]] = {}  # per file: its zip structure, padding and owned storages
+        self.storage_spans: dict[str, dict[int, tuple[int, int]]] = {}
+        self.group_paddings = 0  # elements of alignment padding of all flat groups (ZeRO-1/2 group_paddings)
+        self.alignment = 0  # elements a flat group is padded to a multiple of, when group_paddings are not known
 
-    def skip(self, name: str, reason: str) -> None:
-        """Account for a tensor of the source that the manifest leaves out."""
+    def skip(self, name: str, reason: str, t: Any = None, at: int = 0, numel: int | None = None) -> None:
+        """Account for a tensor of the source that the manifest leaves out (``t``: its
+        bytes, or elements ``[at, at + numel)`` of it)."""
         self.skipped[name] = reason
+        self.own(name, t, at, numel)
 
-    def replica(self, name: str, reason: str) -> None:
-        """Account for a further copy of data the manifest reads from another copy."""
+    def replica(self, name: str, reason: str, t: Any = None, at: int = 0, numel: int | None = None) -> None:
+        """Account for a further copy of data the manifest reads from another copy (``t``:
+        its bytes, or elements ``[at, at + numel)`` of it)."""
         self.replicas[name] = reason
+        self.own(name, t, at, numel)
+
+    def own(self, owner: str | None, t: Any, at: int = 0, numel: int | None = None) -> None:
+        """Declare the bytes of stored tensor ``t`` (its whole storage record, or elements
+        ``[at, at + numel)`` of the tensor) as owned by ``owner`` (None: structure, such as
+        alignment padding)."""
+        if not isinstance(t, StoredTensor):
+            return
+        if numel is None:
+            start, stop = self.storage_spans.get(t.file, {}).get(t.storage_at, (t.offset, t.offset + t.nbytes))
+        else:
+            size = itemsize(t.dtype)
+            start = t.offset + at * size
+            stop = start + numel * size
+        if stop > start:
+            self.regions.setdefault(t.file, []).append(Region(t.file, start, stop, owner))
+
+    def padding(self, t: Any, at: int, numel: int) -> None:
+        """Elements ``[at, at + numel)`` of flat tensor ``t`` are alignment padding, no data."""
+        self.own(None, t, at, numel)
 
     def rel(self, name: str) -> str:
         return self.prefix + name
@@ -206,7 +238,11 @@ class _Builder:
     def archive(self, name: str) -> Any:
         rel = self.rel(name)
         self.manifest.files[rel] = self.storage.size(rel)
-        return read_archive(self.storage, rel, allowed=ALLOWED)
+        obj = read_archive(self.storage, rel, allowed=ALLOWED)
+        layout = archive_layout(self.storage, rel)
+        self.regions.setdefault(rel, []).extend(Region(rel, a, b) for a, b in layout.structure)
+        self.storage_spans[rel] = layout.storages
+        return obj
 
     def value(self, key: str, value: Any) -> None:
         try:
@@ -290,6 +326,7 @@ def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: di
     module copy in the master's own dtype (a duplicate), are accounted for as skipped."""
     if not isinstance(module, dict):
         return
+    _module_buffer_padding(b, module)
     for name, t in module.items():
         if not isinstance(t, StoredTensor):
             continue
@@ -300,14 +337,41 @@ def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: di
                 b.whole(f"module.{name}", t, "deepspeed module copy")
             else:
                 b.replica(f"module.{name}", f"the module's copy of model.{name} in {source}, in the dtype of the master "
-                       "weights: a duplicate (the master weights are read)")
+                          "weights: a duplicate (the master weights are read)", t)
         elif f"model.{name}" in b.manifest.tensors:
-            continue  # a frozen ZeRO-3 parameter (read from its partitions) or a tied alias
+            # a frozen ZeRO-3 parameter (read from its partitions) or a tied alias
+            if t.numel:
+                b.replica(f"module.{name}", f"the module's copy of model.{name} in {source} (model.{name} is read "
+                          "from its own partitions or from the parameter it is tied to)", t)
         elif zero3 and not t.numel and name not in buffers:
             b.skip(f"model.{name}", f"a zero-size ZeRO-3 placeholder in {source}: the parameter's data is not in this "
-                   "checkpoint")
+                   "checkpoint", t)
         else:
             b.whole(f"model.{name}", t, "deepspeed module (not optimized)")
+
+
+def _storage_numel(t: StoredTensor) -> int:
+    """Elements of ``t``'s storage record from the tensor's first element on."""
+    return t.storage_bytes // itemsize(t.dtype) - t.storage_offset
+
+
+def _module_buffer_padding(b: _Builder, module: dict[str, Any]) -> None:
+    """ZeRO-1/2 module parameters are views of one flat buffer per group, saved whole: the
+    buffer's bytes past its last view, no more than the groups' alignment padding
+    (``group_paddings``; in a universal checkpoint, which keeps rank 0's only: less than
+    the alignment, the buffer a multiple of it), are that padding."""
+    ends: dict[tuple[str, int], tuple[StoredTensor, int]] = {}
+    for t in module.values():
+        if isinstance(t, StoredTensor) and t.numel and t.is_contiguous():
+            key = (t.file, t.storage_at)
+            end = t.storage_offset + t.numel
+            if key not in ends or end > ends[key][1]:
+                ends[key] = (t, end)
+    for t, end in ends.values():
+        total = t.storage_bytes // itemsize(t.dtype)
+        tail = total - end
+        if 0 < tail <= b.group_paddings or (0 < tail < b.alignment and total % b.alignment == 0):
+            b.padding(t, end - t.storage_offset, tail)
 
 
 def _aliases(b: _Builder, model: dict[str, Any]) -> None:
@@ -321,10 +385,15 @@ def _aliases(b: _Builder, model: dict[str, Any]) -> None:
                                                                e.layout + " (tied)")
 
 
-def _step(b: _Builder, name: str, step: Any) -> None:
-    """The optimizer step of a parameter's group, recorded once (the first rank holding it)."""
+def _step(b: _Builder, name: str, step: Any, where: str) -> None:
+    """The optimizer step of a parameter's group, recorded once (the first rank holding it);
+    the other ranks' copies of it (``where``: the group state holding one) are replicas."""
     key = f"optim.state.{name}.step"
     if key in b.manifest.tensors or key in b.manifest.values:
+        read = b.manifest.tensors[key].fragments if key in b.manifest.tensors else []
+        if isinstance(step, StoredTensor) and not any(f.file == step.file and f.offset == step.offset for f in read):
+            b.replica(f"{where}.step", "a copy of the group's optimizer step (read once, from the first rank holding "
+                      "the group)", step)
         return
     if isinstance(step, StoredTensor) and step.numel == 1:
         b.whole(key, step, "deepspeed per-group step")
@@ -403,7 +472,7 @@ def _flat_moments(b: _Builder, state: dict[str, Any], flat: StoredTensor, paddin
             out[key] = v
         else:
             b.skip(f"{where}.{key}", f"an optimizer state of shape {list(v.shape)} that is not a flat partition "
-                   f"({flat.numel} elements, or {flat.numel + padding} with the alignment padding)")
+                   f"({flat.numel} elements, or {flat.numel + padding} with the alignment padding)", v)
     return out
 
 
@@ -427,9 +496,17 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
         base = osd.get("base_optimizer_state", {})
         for g, (flat, mapping) in enumerate(zip(fp32, mappings)):
             pad = int(paddings[g]) if g < len(paddings) else 0
+            b.group_paddings += pad
             state = _group_state(base, g)
-            moments = _flat_moments(b, state, flat, pad, f"{fname}:base_optimizer_state.state.{g}")
+            where = f"{fname}:base_optimizer_state.state.{g}"
+            moments = _flat_moments(b, state, flat, pad, where)
             step = state.get("step", osd.get("base_optimizer_state_step"))
+            end = max((int(getattr(a, "start", 0)) + int(getattr(a, "numel", 0)) for a in mapping.values()), default=0)
+            for t in (flat, *moments.values()):
+                # past the last parameter: the group's alignment padding (group_paddings; the fp32
+                # partition is saved as a view without it, its storage record holds it)
+                if _storage_numel(t) - end <= pad:
+                    b.padding(t, end, _storage_numel(t) - end)
             for name, addr in mapping.items():
                 if name not in shapes:
                     raise CorruptionError(f"{fname}: parameter {name!r} has no shape in param_shapes")
@@ -440,14 +517,16 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
                 shape, box = tp_shards[name] if tp_shards else (shapes[name], None)
                 filled[name] = in_param + numel
                 if tp_shards and box is None:
-                    for key in ("fp32", *moments):
-                        b.replica(f"{fname}:{name}.{key}", "a tensor-parallel replica of a lower tensor-parallel rank's shard")
+                    for key, t in (("fp32", flat), *moments.items()):
+                        b.replica(f"{fname}:{name}.{key}", "a tensor-parallel replica of a lower tensor-parallel rank's shard",
+                                  t, in_flat, numel)
+                    _step(b, name, step, where)
                     continue
                 b.flat(f"model.{name}", shape, flat, in_flat, in_param, numel, layout, rank_base + dp, box)
                 master_dtype[name] = flat.dtype
                 for key, t in moments.items():
                     b.flat(f"optim.state.{name}.{key}", shape, t, in_flat, in_param, numel, layout, rank_base + dp, box)
-                _step(b, name, step)
+                _step(b, name, step, where)
 
 
 def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
@@ -627,7 +706,7 @@ def _read_tensor_parallel(b: _Builder, tag_dir: str, optim: dict[int, dict[int, 
                                   "(a buffer or frozen parameter) of a tensor-parallel checkpoint, whose split is not "
                                   "recorded: not supported, nothing was read")
             b.replica(f"mp_rank_{t:02d}_model_states.pt:module.{name}", "the module's tensor-parallel shard of "
-                   f"model.{name} (the fp32 master weights are read)")
+                      f"model.{name} (the fp32 master weights are read)", v)
     _param_groups_value(b, osd0.get("base_optimizer_state", {}).get("param_groups"))
     for key in ("clip_grad", "partition_count", "group_paddings"):
         if key in osd0:
@@ -663,7 +742,8 @@ def _read_zero3(b: _Builder, tag_dir: str, names: list[str], optim: dict[int, st
             state = _group_state(inner, idx)
             meta = parts[idx] if idx < len(parts) and isinstance(parts[idx], dict) else {}
             count, prank = int(meta.get("partition_count", world)), int(meta.get("partition_rank", rank))
-            moments = _flat_moments(b, state, flat, 0, f"{fname}:optimizer_state_dict.state.{idx}")
+            where = f"{fname}:optimizer_state_dict.state.{idx}"
+            moments = _flat_moments(b, state, flat, 0, where)
             offset = 0
             for name, shape in shapes.items():
                 numel = prod(shape)
@@ -674,10 +754,14 @@ def _read_zero3(b: _Builder, tag_dir: str, names: list[str], optim: dict[int, st
                 master_dtype[name] = flat.dtype
                 for key, t in moments.items():
                     b.flat(f"optim.state.{name}.{key}", shape, t, offset, min(start, numel), n, layout, rank)
-                _step(b, name, state.get("step"))
+                for t in (flat, *moments.values()):  # the last rank's tail of the parameter's partition
+                    b.padding(t, offset + n, min(part, t.numel - offset) - n)
+                _step(b, name, state.get("step"), where)
                 if rank == 0:
                     all_names.append(name)
                 offset += part
+            for t in (flat, *moments.values()):  # the group's alignment padding
+                b.padding(t, offset, _storage_numel(t) - offset)
     _read_zero3_frozen(b, models, model)
     _check_complete(b)
     _aliases(b, model)
@@ -705,7 +789,7 @@ def _read_zero3_frozen(b: _Builder, models: dict[int, str], model0: dict[str, An
         if rank:
             for k, t in (mr.get("module") or {}).items():
                 if isinstance(t, StoredTensor) and t.numel:
-                    b.replica(f"{fname}:module.{k}", f"a replica of the module entry {k!r} of {models[0]}")
+                    b.replica(f"{fname}:module.{k}", f"a replica of the module entry {k!r} of {models[0]}", t)
         if not frozen:
             continue
         frags = mr.get("frozen_param_fragments") or {}
@@ -716,8 +800,9 @@ def _read_zero3_frozen(b: _Builder, models: dict[int, str], model0: dict[str, An
                 raise CorruptionError(f"{fname}: frozen parameter {name!r} has no entry in frozen_param_fragments")
             at = filled.get(name, 0)
             numel = prod(shape)
-            b.flat(f"model.{name}", shape, t, 0, min(at, numel), max(0, min(t.numel, numel - at)),
-                   "deepspeed zero-3 frozen partition", rank)
+            n = max(0, min(t.numel, numel - at))
+            b.flat(f"model.{name}", shape, t, 0, min(at, numel), n, "deepspeed zero-3 frozen partition", rank)
+            b.padding(t, n, t.numel - n)  # the last rank's tail
             filled[name] = at + t.numel
 
 
@@ -755,15 +840,20 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
                 b.value(name, t)
         # ds_to_universal writes no step.pt for ZeRO-3: the step is that of the first group
         if f"model.{param}" in b.manifest.tensors:
-            _step(b, param, _group_state(inner, 0).get("step"))
+            _step(b, param, _group_state(inner, 0).get("step"), "zero/optimizer_state.pt:optimizer_state_dict.state.0")
     groups = osd.get("param_groups")
     if groups is None:
         groups = inner.get("param_groups")
     _param_groups_value(b, groups)
     stage = int(osd.get("zero_stage", 0) or 0)
+    counts = osd.get("partition_count")
+    counts = counts if isinstance(counts, list) else [counts]
+    # DeepSpeed pads each flat group to a multiple of 2 (nccl_start_alignment_factor) x its partition count
+    b.alignment = 2 * max((int(c) for c in counts if isinstance(c, int)), default=0)
     read = {n[len("model."):]: e.dtype for n, e in b.manifest.tensors.items() if n.startswith("model.")}
     _module_entries(b, model.get("module"), set(read), read, model_file or "", zero3=stage >= 3,
                     buffers=set(model.get("buffer_names") or []))
+    _universal_leftovers(b, osd, model, model_file or "")
     for key in ("clip_grad", "partition_count"):
         if key in osd:
             b.value(f"deepspeed.{key}", osd[key])
@@ -772,9 +862,36 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
     return b.manifest
 
 
-def read_deepspeed(path: str) -> Manifest:
+def _universal_leftovers(b: _Builder, osd: dict[str, Any], model: dict[str, Any], model_file: str) -> None:
+    """What ``ds_to_universal`` copies beside the merged ``zero/<param>/`` files: rank 0's
+    flat partitions and moments in ``zero/optimizer_state.pt`` (ZeRO-3) are replicas of
+    what those files hold; rank 0's ``frozen_param_fragments`` in the model-states file are
+    part of the frozen parameters reported as skipped."""
+    read = {(f.file, f.offset) for e in b.manifest.tensors.values() for f in e.fragments}
+    for path, t in _tensor_paths(osd, ""):
+        if (t.file, t.offset) not in read:
+            b.replica(f"zero/optimizer_state.pt:{path}", "rank 0's flat partition as DeepSpeed saved it, a copy of part "
+                      "of the merged zero/<param>/ files (those are read)", t)
+    frags = model.get("frozen_param_fragments")
+    for name, t in (frags.items() if isinstance(frags, dict) else ()):
+        if f"model.{name}" in b.skipped:
+            b.own(f"model.{name}", t)
+
+
+def _tensor_paths(obj: Any, path: str) -> list[tuple[str, StoredTensor]]:
+    """Every stored tensor inside nested dicts and lists, with its dotted path."""
+    if isinstance(obj, StoredTensor):
+        return [(path, obj)]
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return [found for k, v in items for found in _tensor_paths(v, f"{path}.{k}" if path else str(k))]
+
+
+def read_deepspeed(path: str, regions: dict[str, list[Region]] | None = None) -> Manifest:
     """The manifest of a DeepSpeed checkpoint (ZeRO 1/2/3 tag directory, its parent with a
-    ``latest`` file, or a universal directory); fragments point into DeepSpeed's files."""
+    ``latest`` file, or a universal directory); fragments point into DeepSpeed's files.
+    ``regions``, when given, receives the declared regions of each ``*.pt`` file read (its
+    zip structure, alignment padding, the storages of skipped and replicated tensors) for
+    the ledger (:func:`unickpt.adapters.regions.source_ledger`)."""
     found = _resolve(str(path))
     if found is None:
         raise NotACheckpointError(f"{path}: not a DeepSpeed checkpoint (no *_optim_states.pt / *_model_states.pt, "
@@ -789,5 +906,7 @@ def read_deepspeed(path: str) -> Manifest:
         m.provenance["skipped"] = dict(b.skipped)
     if b.replicas:
         m.provenance["replicas"] = dict(b.replicas)
+    if regions is not None:
+        regions.update(b.regions)
     m.metadata.setdefault("deepspeed", {"tag": prefix.rstrip("/") or os.path.basename(os.path.abspath(tag_dir)), "kind": kind})
     return m

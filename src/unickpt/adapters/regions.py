@@ -13,11 +13,12 @@ whose format it knows:
   file no item points into is a leftover of an earlier save into the same directory
   (DCP overwrites files, it never removes them) and is listed as ignored.
 
-DeepSpeed's ``*.pt`` archives are accounted for by tensor only (``files_unchecked``): the
-reader leaves out on purpose the module's copy of the fp32 master weights, each rank's
-copy of a group's step and alignment padding, and names none of them yet (a byte check of
-a real ZeRO-2 run flags the module copy, of a ZeRO-3 run rank 1's step), so a byte check
-waits for the reader to declare them.
+* DeepSpeed's ``*.pt`` files (``torch.save`` zip archives): the DeepSpeed reader declares
+  each file's zip structure (record headers, ``data.pkl`` and the small records, the
+  central directory) and, within the tensor storage records, the alignment padding of flat
+  partitions as structure, and the storages of the tensors it skips or reads once from
+  another copy as owned by their reported names. A storage record nothing claims (a tensor
+  the reader does not know) is unaccounted.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def source_ledger(path: str, manifest: Manifest | None = None) -> Ledger:
                         declared[name] = safetensors_regions(storage, name)
                     except (UnickptError, OSError):
                         pass
+        elif fmt == "deepspeed":
+            from .deepspeed import read_deepspeed
+
+            read_deepspeed(str(path), declared)
         elif fmt in ("dcp", "megatron"):  # Megatron-Core's torch_dist is DCP's layout
             declared, ignored = _dcp_regions(str(path), manifest)
     finally:

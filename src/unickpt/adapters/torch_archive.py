@@ -360,6 +360,50 @@ def read_archive(storage: LocalStorage, file: str, start: int = 0, length: int |
     return obj
 
 
+@dataclass(frozen=True)
+class ArchiveLayout:
+    """Which bytes of a ``torch.save`` archive are what: ``structure`` (local record
+    headers, the pickle and the small records, data descriptors, the central directory and
+    its end records) and ``storages`` (each tensor storage record's bytes, keyed by where
+    they start, as :attr:`StoredTensor.storage_at`). Bytes in neither (between records, past
+    the end of the archive) belong to nothing in the archive."""
+
+    structure: list[tuple[int, int]]
+    storages: dict[int, tuple[int, int]]
+
+
+def archive_layout(storage: LocalStorage, file: str) -> ArchiveLayout:
+    """The :class:`ArchiveLayout` of the ``torch.save`` archive ``file`` (a whole file), from
+    ``zipfile``'s records and each record's local header."""
+    structure: list[tuple[int, int]] = []
+    storages: dict[int, tuple[int, int]] = {}
+    try:
+        with zipfile.ZipFile(storage.open_range(file, 0, None)) as z:
+            fh = storage.open_range(file, 0, None)
+            for i in z.infolist():
+                fh.seek(i.header_offset)
+                head = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
+                if head[0] != b"PK\x03\x04":
+                    raise CorruptionError(f"{file}: bad zip record header for {i.filename}")
+                at = i.header_offset + _LOCAL_HEADER.size + head[-2] + head[-1]
+                end = at + i.compress_size
+                if i.flag_bits & 0x08:  # a data descriptor follows the data (its signature is optional)
+                    fh.seek(end)
+                    size = 24 if i.compress_size >= 0xFFFFFFFF or i.file_size >= 0xFFFFFFFF else 16
+                    end += size if fh.read(4) == b"PK\x07\x08" else size - 4
+                is_storage = "/data/" in f"/{i.filename}" and i.compress_type == zipfile.ZIP_STORED
+                if is_storage:
+                    structure.append((i.header_offset, at))
+                    storages[at] = (at, at + i.compress_size)
+                    structure.append((at + i.compress_size, end))
+                else:
+                    structure.append((i.header_offset, end))
+            structure.append((z.start_dir, storage.size(file)))
+    except zipfile.BadZipFile as e:
+        raise CorruptionError(f"{file}: not a torch.save archive ({e})") from None
+    return ArchiveLayout([s for s in structure if s[1] > s[0]], storages)
+
+
 def stored_tensors(obj: Any) -> list[StoredTensor]:
     """Every :class:`StoredTensor` inside a nested structure of dicts, lists and tuples."""
     out: list[StoredTensor] = []

@@ -19,7 +19,7 @@ The ledger says what that manifest accounts for, and what it does not:
 
 Which byte ranges of a file are structure, and which item owns which range, depends on the
 file format: the caller gives them as *declared regions* (``unickpt.adapters.regions``
-finds them for safetensors files and PyTorch DCP items). Files without declared regions
+finds them for safetensors files, PyTorch DCP items and DeepSpeed archives). Files without declared regions
 are accounted for by tensor only (``files_unchecked``). Pure: no I/O here.
 """
 
