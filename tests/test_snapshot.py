@@ -247,3 +247,38 @@ def test_memory_cap_and_unsupported_parity_are_clear_errors(tmp_path, keepers_do
     assert not os.path.exists(os.path.join(root, "unickpt", "cap", "step_00000001"))
     snap.close()
     _no_leftovers(root)
+
+
+def test_flushed_snapshots_are_checkpoints_and_resume_when_memory_is_lost(tmp_path, keepers_down):
+    """--flush-every 2 without --save-every: the keepers write snapshot steps 4 and 8 as
+    ordinary checkpoints in --ckpt-dir (the trainers gone after step 8, the keepers finish
+    by themselves); each verifies and holds bitwise the tensors of a checkpoint the trainer
+    saves at that step. Both nodes lost: the relaunch resumes from the flushed step 8 from
+    disk and continues bitwise like the unbroken run."""
+    roots = [str(tmp_path / "shm0"), str(tmp_path / "shm1")]
+    keepers_down.extend(roots)
+    ck = tmp_path / "ck"
+    flags = [*TINY, "--snapshot-every", "2", "--flush-every", "2", "--ckpt-dir", "ck"]
+    wait_all(launch_nodes(tmp_path, roots, [*flags, "--stop-after", "8"]), tmp_path)
+    _wait_for(lambda: os.path.exists(ck / "step_00000008" / "manifest.json"), 60, "step 8 flushed")
+    assert sorted(os.listdir(ck)) == ["step_00000004", "step_00000008"]  # no staging left, steps 2, 6 not flushed
+
+    ref = str(tmp_path / "ref.json")
+    run_ranks(train, 2, [*TINY, "--save-every", "4", "--ckpt-dir", str(tmp_path / "ref")], ref,
+              preload=["unickpt.examples.train"])
+    for step in ("step_00000004", "step_00000008"):
+        report = unickpt.verify(str(ck / step))
+        assert report.ok, report
+        _same_checkpoints(str(ck / step), str(tmp_path / "ref" / step))
+
+    for r in roots:
+        lose_node(r)
+    log = str(tmp_path / "resumed.jsonl")
+    outs = wait_all(launch_nodes(tmp_path, roots, [*flags, "--loss-log", log]), tmp_path)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and lines[0].startswith("resumed step 8 from disk (ck/step_00000008; "), outs[0][-3000:]
+    want = {r["step"]: r["loss"] for r in __import__("json").load(open(ref))}
+    got = losses(log)
+    assert sorted(got) == [9, 10] and all(got[s] == want[s] for s in got), (got, want)
+    for r in roots:
+        _no_leftovers(r)
