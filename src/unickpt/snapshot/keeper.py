@@ -82,6 +82,7 @@ class Keeper:
         self.peers: dict[int, list[dict[str, Any]]] = {}
         self.conns: dict[tuple[str, int], wire.Connection] = {}
         self.stopping = threading.Event()
+        self.shut = False  # shutdown() began: what a late request writes is removed again
         self.server: socketserver.ThreadingTCPServer | None = None
         self.port = 0
 
@@ -125,6 +126,7 @@ class Keeper:
 
     def shutdown(self) -> None:
         """Delete the job's snapshots and this keeper's files (clean end of the job)."""
+        self.shut = True
         paths.remove_tree(self.jdir)
         try:
             os.unlink(os.path.join(paths.base_dir(self.root), "keeper.log"))
@@ -300,7 +302,7 @@ class Keeper:
     def on_stripe(self, h: dict[str, Any], payload: memoryview) -> None:
         """Fold a received stripe into this node's parity of the step; store it when complete."""
         step, n = int(h["step"]), int(h["nodes"])
-        if step <= self.whole_step:
+        if step <= self.whole_step or self.stopping.is_set():
             return
         with self.lock:
             part = self.partial.setdefault(step, {"acc": np.zeros(0, np.uint8), "members": {}})
@@ -321,6 +323,9 @@ class Keeper:
         meta = {"step": step, "node": int(h["to"]), "nodes": n, "nbytes": data.nbytes, "crc": _crc.crc32c(data),
                 "members": {str(i): m for i, m in part["members"].items()}, "peers": h["peers"]}
         _write_atomic(os.path.join(sdir, paths.PARITY_META), json.dumps(meta).encode())
+        if self.shut:  # the job ended while this stripe was being stored: leave nothing behind
+            self.shutdown()
+            return
         with self.lock:
             self.stored.add(step)
         self.maybe_announce(step)
@@ -360,6 +365,9 @@ class Keeper:
         if not os.path.isdir(sdir):
             return
         _write_atomic(os.path.join(sdir, paths.WHOLE), b"")
+        if self.shut:
+            self.shutdown()
+            return
         snap = _snapshot_meta(sdir)
         due = bool(snap.get("flush"))
         with self.lock:
