@@ -283,3 +283,19 @@ def test_flushed_snapshots_are_checkpoints_and_resume_when_memory_is_lost(tmp_pa
     assert sorted(got) == [9, 10] and all(got[s] == want[s] for s in got), (got, want)
     for r in roots:
         _no_leftovers(r)
+
+
+def test_flush_commits_only_when_every_keeper_wrote_exactly_the_manifests_files():
+    """The coordinator's check before it writes the manifest: every node reported, none
+    failed, and together they wrote exactly the manifest's files (names and sizes)."""
+    from unickpt.snapshot.flush import check_reports
+
+    manifest = b'{"files": {"rank_00000.safetensors": 10, "rank_00001.safetensors": 20}}'
+    ok = {0: {"files": [["rank_00000.safetensors", 10]]}, 1: {"files": [["rank_00001.safetensors", 20]]}}
+    check_reports(manifest, ok, 2)
+    with pytest.raises(SnapshotError, match=r"node\(s\) 1 did not report"):
+        check_reports(manifest, {0: ok[0]}, 2)
+    with pytest.raises(SnapshotError, match="node 1: OSError: disk full"):
+        check_reports(manifest, {0: ok[0], 1: {"files": [], "error": "OSError: disk full"}}, 2)
+    with pytest.raises(SnapshotError, match="the manifest names"):
+        check_reports(manifest, {0: ok[0], 1: {"files": [["rank_00001.safetensors", 19]]}}, 2)
