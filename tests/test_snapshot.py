@@ -299,3 +299,29 @@ def test_flush_commits_only_when_every_keeper_wrote_exactly_the_manifests_files(
         check_reports(manifest, {0: ok[0], 1: {"files": [], "error": "OSError: disk full"}}, 2)
     with pytest.raises(SnapshotError, match="the manifest names"):
         check_reports(manifest, {0: ok[0], 1: {"files": [["rank_00001.safetensors", 19]]}}, 2)
+
+
+def test_flush_with_a_dead_keeper_commits_nothing(tmp_path, keepers_down):
+    """Two real keepers; the step's manifest names both and a flush target, node 1's keeper
+    is SIGKILLed before node 0's step is committed: node 0's flush cannot reach it, and
+    nothing is left in the checkpoint directory (no committed step, no staging directory)."""
+    import json
+
+    from unickpt.snapshot import ensure_keeper
+
+    roots = [str(tmp_path / "shm0"), str(tmp_path / "shm1")]
+    keepers_down.extend(roots)
+    docs = [ensure_keeper(r, "fl") for r in roots]
+    kill_keeper(roots[1])
+    target = tmp_path / "ck" / "step_00000002"
+    sdir = os.path.join(roots[0], "unickpt", "fl", "step_00000002")
+    os.makedirs(sdir)
+    open(os.path.join(sdir, "rank_00000.safetensors"), "wb").write(b"x" * 1000)
+    nodes = [{"host": d["host"], "port": d["port"], "pid": d["pid"]} for d in docs]
+    doc = {"files": {"rank_00000.safetensors": 1000, "rank_00001.safetensors": 1000},
+           "metadata": {"snapshot": {"step": 2, "job": "fl", "parity": 0, "nodes": nodes, "flush": str(target)}}}
+    open(os.path.join(sdir, "manifest.json"), "w").write(json.dumps(doc))
+    log = os.path.join(roots[0], "unickpt", "keeper.log")
+    _wait_for(lambda: "flush to" in open(log).read(), 30, "the flush to end")
+    assert "failed, nothing committed" in open(log).read()
+    assert not os.path.exists(target) and os.listdir(tmp_path / "ck") == []
