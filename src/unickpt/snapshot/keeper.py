@@ -317,14 +317,17 @@ class Keeper:
                 return
             del self.partial[step]
         sdir = paths.step_dir(self.root, self.job, step)
-        os.makedirs(sdir, exist_ok=True)
-        data = part["acc"].data
-        _write_atomic(os.path.join(sdir, paths.PARITY_BIN), data)
-        meta = {"step": step, "node": int(h["to"]), "nodes": n, "nbytes": data.nbytes, "crc": _crc.crc32c(data),
-                "members": {str(i): m for i, m in part["members"].items()}, "peers": h["peers"]}
-        _write_atomic(os.path.join(sdir, paths.PARITY_META), json.dumps(meta).encode())
-        if self.shut:  # the job ended while this stripe was being stored: leave nothing behind
-            self.shutdown()
+        try:
+            os.makedirs(sdir, exist_ok=True)
+            data = part["acc"].data
+            _write_atomic(os.path.join(sdir, paths.PARITY_BIN), data)
+            meta = {"step": step, "node": int(h["to"]), "nodes": n, "nbytes": data.nbytes, "crc": _crc.crc32c(data),
+                    "members": {str(i): m for i, m in part["members"].items()}, "peers": h["peers"]}
+            _write_atomic(os.path.join(sdir, paths.PARITY_META), json.dumps(meta).encode())
+        finally:
+            if self.shut:  # the job ended while this stripe was being stored: leave nothing behind
+                self.shutdown()
+        if self.shut:
             return
         with self.lock:
             self.stored.add(step)
@@ -364,9 +367,12 @@ class Keeper:
         sdir = paths.step_dir(self.root, self.job, step)
         if not os.path.isdir(sdir):
             return
-        _write_atomic(os.path.join(sdir, paths.WHOLE), b"")
+        try:
+            _write_atomic(os.path.join(sdir, paths.WHOLE), b"")
+        finally:
+            if self.shut:  # the job ended meanwhile: leave nothing behind
+                self.shutdown()
         if self.shut:
-            self.shutdown()
             return
         snap = _snapshot_meta(sdir)
         due = bool(snap.get("flush"))
