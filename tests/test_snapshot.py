@@ -247,3 +247,81 @@ def test_memory_cap_and_unsupported_parity_are_clear_errors(tmp_path, keepers_do
     assert not os.path.exists(os.path.join(root, "unickpt", "cap", "step_00000001"))
     snap.close()
     _no_leftovers(root)
+
+
+def test_flushed_snapshots_are_checkpoints_and_resume_when_memory_is_lost(tmp_path, keepers_down):
+    """--flush-every 2 without --save-every: the keepers write snapshot steps 4 and 8 as
+    ordinary checkpoints in --ckpt-dir (the trainers gone after step 8, the keepers finish
+    by themselves); each verifies and holds bitwise the tensors of a checkpoint the trainer
+    saves at that step. Both nodes lost: the relaunch resumes from the flushed step 8 from
+    disk and continues bitwise like the unbroken run."""
+    roots = [str(tmp_path / "shm0"), str(tmp_path / "shm1")]
+    keepers_down.extend(roots)
+    ck = tmp_path / "ck"
+    flags = [*TINY, "--snapshot-every", "2", "--flush-every", "2", "--ckpt-dir", "ck"]
+    wait_all(launch_nodes(tmp_path, roots, [*flags, "--stop-after", "8"]), tmp_path)
+    flushed = ["step_00000004", "step_00000008"]  # steps 2 and 6 are not flushed; no staging directory is left
+    _wait_for(lambda: os.path.exists(ck / flushed[1] / "manifest.json") and sorted(os.listdir(ck)) == flushed, 60,
+              f"steps 4 and 8 flushed, only they in {ck}")
+
+    ref = str(tmp_path / "ref.json")
+    run_ranks(train, 2, [*TINY, "--save-every", "4", "--ckpt-dir", str(tmp_path / "ref")], ref,
+              preload=["unickpt.examples.train"])
+    for step in ("step_00000004", "step_00000008"):
+        report = unickpt.verify(str(ck / step))
+        assert report.ok, report
+        _same_checkpoints(str(ck / step), str(tmp_path / "ref" / step))
+
+    for r in roots:
+        lose_node(r)
+    log = str(tmp_path / "resumed.jsonl")
+    outs = wait_all(launch_nodes(tmp_path, roots, [*flags, "--loss-log", log]), tmp_path)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and lines[0].startswith("resumed step 8 from disk (ck/step_00000008; "), outs[0][-3000:]
+    want = {r["step"]: r["loss"] for r in __import__("json").load(open(ref))}
+    got = losses(log)
+    assert sorted(got) == [9, 10] and all(got[s] == want[s] for s in got), (got, want)
+    for r in roots:
+        _no_leftovers(r)
+
+
+def test_flush_commits_only_when_every_keeper_wrote_exactly_the_manifests_files():
+    """The coordinator's check before it writes the manifest: every node reported, none
+    failed, and together they wrote exactly the manifest's files (names and sizes)."""
+    from unickpt.snapshot.flush import check_reports
+
+    manifest = b'{"files": {"rank_00000.safetensors": 10, "rank_00001.safetensors": 20}}'
+    ok = {0: {"files": [["rank_00000.safetensors", 10]]}, 1: {"files": [["rank_00001.safetensors", 20]]}}
+    check_reports(manifest, ok, 2)
+    with pytest.raises(SnapshotError, match=r"node\(s\) 1 did not report"):
+        check_reports(manifest, {0: ok[0]}, 2)
+    with pytest.raises(SnapshotError, match="node 1: OSError: disk full"):
+        check_reports(manifest, {0: ok[0], 1: {"files": [], "error": "OSError: disk full"}}, 2)
+    with pytest.raises(SnapshotError, match="the manifest names"):
+        check_reports(manifest, {0: ok[0], 1: {"files": [["rank_00001.safetensors", 19]]}}, 2)
+
+
+def test_flush_with_a_dead_keeper_commits_nothing(tmp_path, keepers_down):
+    """Two real keepers; the step's manifest names both and a flush target, node 1's keeper
+    is SIGKILLed before node 0's step is committed: node 0's flush cannot reach it, and
+    nothing is left in the checkpoint directory (no committed step, no staging directory)."""
+    import json
+
+    from unickpt.snapshot import ensure_keeper
+
+    roots = [str(tmp_path / "shm0"), str(tmp_path / "shm1")]
+    keepers_down.extend(roots)
+    docs = [ensure_keeper(r, "fl") for r in roots]
+    kill_keeper(roots[1])
+    target = tmp_path / "ck" / "step_00000002"
+    sdir = os.path.join(roots[0], "unickpt", "fl", "step_00000002")
+    os.makedirs(sdir)
+    open(os.path.join(sdir, "rank_00000.safetensors"), "wb").write(b"x" * 1000)
+    nodes = [{"host": d["host"], "port": d["port"], "pid": d["pid"]} for d in docs]
+    doc = {"files": {"rank_00000.safetensors": 1000, "rank_00001.safetensors": 1000},
+           "metadata": {"snapshot": {"step": 2, "job": "fl", "parity": 0, "nodes": nodes, "flush": str(target)}}}
+    open(os.path.join(sdir, "manifest.json"), "w").write(json.dumps(doc))
+    log = os.path.join(roots[0], "unickpt", "keeper.log")
+    _wait_for(lambda: "flush to" in open(log).read(), 30, "the flush to end")
+    assert "failed, nothing committed" in open(log).read()
+    assert not os.path.exists(target) and os.listdir(tmp_path / "ck") == []

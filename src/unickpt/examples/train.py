@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "recovers by itself at start from memory, else from --ckpt-dir (docs/SNAPSHOT.md)")
     p.add_argument("--parity", type=int, default=1,
                    help="parity shards across nodes for the snapshots (1: XOR, survives one lost node; 0: local only)")
+    p.add_argument("--flush-every", type=int, default=0,
+                   help="the snapshot keepers write every Mth snapshot as an ordinary checkpoint into --ckpt-dir, "
+                   "in the background (0: never; docs/SNAPSHOT.md)")
     p.add_argument("--compute-sleep", type=float, default=0.0,
                    help="sleep this many seconds per step, standing in for accelerator compute (benchmarks, tests)")
     p.add_argument("--snapshot-max-bytes", type=int, default=None,
@@ -250,6 +253,8 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     args = parse_args(argv)
     if args.resume == "latest" and not args.ckpt_dir:
         raise SystemExit("--resume latest needs --ckpt-dir (the directory of numbered checkpoints)")
+    if args.flush_every and not (args.snapshot_every and args.ckpt_dir):
+        raise SystemExit("--flush-every needs --snapshot-every and --ckpt-dir (where the keepers write the checkpoints)")
     job = build(args)
     manager = unickpt.CheckpointManager(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
     start = resume(job, manager, args.resume) if args.resume and manager else 0
@@ -274,7 +279,8 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         if job.rank == 0 and args.log:
             with open(args.log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-        if manager and args.save_every and step % args.save_every == 0:
+        saved = bool(manager and args.save_every and step % args.save_every == 0)
+        if saved:
             state, _, _ = checkpoint_state(job, step)
             if args.async_save:
                 if pending is not None:
@@ -284,7 +290,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
                 manager.save(state, step)
         if snap is not None and snap.due(step):
             state, _, _ = checkpoint_state(job, step)
-            snap.snapshot(state, step)
+            snap.snapshot(state, step, flush=not saved)  # the trainer's own save of the step wins
     if pending is not None:
         pending.result()
     if snap is not None:
@@ -299,7 +305,8 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
     from ..snapshot.client import Snapshotter, job_id
     from ..snapshot.recover import recover
 
-    snap = Snapshotter(job_id(args.ckpt_dir), args.snapshot_every, args.parity, max_bytes=args.snapshot_max_bytes)
+    snap = Snapshotter(job_id(args.ckpt_dir), args.snapshot_every, args.parity, max_bytes=args.snapshot_max_bytes,
+                       flush_every=args.flush_every, flush_dir=args.ckpt_dir)
     if args.resume:
         return job, snap, start
 

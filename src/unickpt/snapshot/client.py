@@ -168,10 +168,15 @@ class Snapshotter:
     """One rank's handle on the snapshot tier (collective methods: every rank calls them)."""
 
     def __init__(self, job: str, every: int, parity: int = 1, *, root: str | None = None,
-                 max_bytes: int | None = None, process_group: Any = None, host: str | None = None) -> None:
+                 max_bytes: int | None = None, process_group: Any = None, host: str | None = None,
+                 flush_every: int = 0, flush_dir: str | None = None) -> None:
         if every < 1:
             raise SnapshotError(f"snapshot interval must be at least 1 step, not {every}")
+        if flush_every < 0 or (flush_every and not flush_dir):
+            raise SnapshotError("a durable flush needs a positive interval (in snapshots) and a checkpoint directory")
         self.job, self.every = job, every
+        self.flush_every = flush_every
+        self.flush_dir = os.path.abspath(flush_dir) if flush_dir else None
         self.host = host or os.environ.get("UNICKPT_KEEPER_HOST") or "127.0.0.1"
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
@@ -199,6 +204,11 @@ class Snapshotter:
         """True when ``step`` is a snapshot step."""
         return step % self.every == 0
 
+    def flush_due(self, step: int) -> bool:
+        """True when the snapshot of ``step`` is to be flushed to the durable tier (every
+        ``flush_every``-th snapshot step)."""
+        return bool(self.flush_every) and step % (self.every * self.flush_every) == 0
+
     def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[tuple[int, ...]]]:
         """Collective: every rank's node, keeper and memory figures; the keeper table by node."""
         mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4)
@@ -216,10 +226,13 @@ class Snapshotter:
         table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
         return table, rows
 
-    def snapshot(self, state: dict[str, Any], step: int) -> AsyncSaveHandle | None:
+    def snapshot(self, state: dict[str, Any], step: int, flush: bool = True) -> AsyncSaveHandle | None:
         """Snapshot ``state`` as of ``step`` (collective). Returns the save's handle, or None
         when skipped because the keepers still encode two earlier snapshots. Raises
-        SnapshotError when the snapshot would exceed ``max_bytes`` of host memory on a node."""
+        SnapshotError when the snapshot would exceed ``max_bytes`` of host memory on a node.
+        When the step is due for a flush (and ``flush``: pass False when the trainer writes
+        this step's durable checkpoint itself), the keepers write it, once whole, as an
+        ordinary checkpoint ``<flush_dir>/step_XXXXXXXX`` in the background."""
         self.settle()
         self.table, rows = self._exchange(state_bytes(state))
         if any(r[4] >= 2 for r in rows if r[1]):
@@ -237,6 +250,8 @@ class Snapshotter:
                     f"above the cap of {cap / 2**20:.1f} MiB; raise max_bytes or snapshot less state"
                 )
         meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "nodes": self.table}}
+        if flush and self.flush_due(step) and self.flush_dir:
+            meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
         self.handle = async_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0)
         return self.handle

@@ -14,6 +14,9 @@ in its own session, so it outlives a crashed trainer. It
   (retention: the newest whole step plus the steps in progress);
 * serves byte ranges of its files to recovering trainers of any node (``read``/``blob``,
   sent with ``sendfile``);
+* flushes every whole step whose manifest names a durable directory into an ordinary
+  checkpoint there, in the background (:mod:`.flush`): each keeper copies its node's
+  files, the keeper of the step's node 0 commits the manifest once all are durable;
 * on ``stop`` (the job ended cleanly) deletes the job's directory and exits.
 
 Run as ``python -m unickpt.snapshot.keeper --root R --job J``.
@@ -34,7 +37,7 @@ import crc32c as _crc
 import numpy as np
 
 from ..storage.local import is_inside
-from . import paths, wire
+from . import flush, paths, wire
 from .parity import blob_parts, read_blob, stripe_of, stripe_range, xor_into
 
 POLL_S = 0.02
@@ -73,6 +76,12 @@ class Keeper:
         self.announced: set[int] = set()
         self.seen: set[int] = set()
         self.whole_step = -1
+        self.cond = threading.Condition(self.lock)
+        self.pinned: int | None = None  # the newest whole step due for a flush: kept until flushed
+        self.copying: set[int] = set()  # steps whose files this keeper is copying to the durable tier
+        self.reports: dict[int, dict[int, dict[str, Any]]] = {}  # flush step -> node -> its report
+        self.flushing = False  # this keeper coordinates a flush now (one at a time)
+        self.workers: list[threading.Thread] = []
         self.peers: dict[int, list[dict[str, Any]]] = {}
         self.conns: dict[tuple[str, int], wire.Connection] = {}
         self.stopping = threading.Event()
@@ -113,6 +122,8 @@ class Keeper:
             except Exception as e:  # a keeper must not die of one bad step
                 _log(f"error: {type(e).__name__}: {e}")
             self.stopping.wait(POLL_S)
+        for t in list(self.workers):  # a flush in flight is finished (or given up) first
+            t.join(flush.FLUSH_TIMEOUT_S)
         self.shutdown()
 
     def shutdown(self) -> None:
@@ -155,7 +166,7 @@ class Keeper:
         if not snap:
             return
         nodes, parity = snap["nodes"], int(snap["parity"])
-        me = next((i for i, p in enumerate(nodes) if p["port"] == self.port and p["pid"] == os.getpid()), None)
+        me = self.my_index(nodes)
         if me is None:
             _log(f"step {step}: not among the step's keepers, left alone")
             return
@@ -188,6 +199,10 @@ class Keeper:
             self.sent.add(step)
         self.maybe_announce(step)
 
+    def my_index(self, nodes: list[dict[str, Any]]) -> int | None:
+        """This keeper's node index in a step's keeper table, or None."""
+        return next((i for i, p in enumerate(nodes) if p["port"] == self.port and p["pid"] == os.getpid()), None)
+
     def call(self, peer: dict[str, Any], header: dict[str, Any], payload=None) -> dict[str, Any]:
         """One request to a peer keeper (connections are cached; a broken one is retried once)."""
         addr = (peer["host"], int(peer["port"]))
@@ -212,7 +227,7 @@ class Keeper:
                 return
             self.announced.add(step)
             nodes = self.peers[step]
-            me = next(i for i, p in enumerate(nodes) if p["port"] == self.port and p["pid"] == os.getpid())
+            me = self.my_index(nodes)
         for j, peer in enumerate(nodes):
             header = {"op": "have", "step": step, "node": me, "nodes": len(nodes)}
             if j == me:
@@ -278,12 +293,18 @@ class Keeper:
         if op == "reset":
             self.reset(int(header["keep_upto"]))
             return {}, None
+        if op == "flush":
+            self.on_flush(header)
+            return {}, None
+        if op == "flushed":
+            self.on_flushed(header)
+            return {}, None
         raise ValueError(f"unknown request {op!r}")
 
     def on_stripe(self, h: dict[str, Any], payload: memoryview) -> None:
         """Fold a received stripe into this node's parity of the step; store it when complete."""
         step, n = int(h["step"]), int(h["nodes"])
-        if step <= self.whole_step:
+        if step <= self.whole_step or self.stopping.is_set():
             return
         with self.lock:
             part = self.partial.setdefault(step, {"acc": np.zeros(0, np.uint8), "members": {}})
@@ -331,18 +352,24 @@ class Keeper:
                     del d[s]
             for st in (self.sent, self.stored, self.announced, self.seen):
                 st.difference_update({s for s in st if s > keep_upto})
+            if self.pinned is not None and self.pinned > keep_upto:
+                self.pinned = None
         for step in paths.steps(self.jdir):
             if step > keep_upto:
                 paths.remove_tree(paths.step_dir(self.root, self.job, step))
         _log(f"reset: snapshots after step {keep_upto} dropped")
 
     def mark_whole(self, step: int) -> None:
-        """Mark ``step`` whole on this node and delete every older snapshot (retention)."""
+        """Mark ``step`` whole on this node and delete every older snapshot (retention),
+        but the one a flush still needs; start the step's flush when it is due and this
+        keeper is its coordinator (node 0 of the step)."""
         sdir = paths.step_dir(self.root, self.job, step)
         with self.tree_lock:
             if self.stopping.is_set() or not os.path.isdir(sdir):
                 return
             _write_atomic(os.path.join(sdir, paths.WHOLE), b"")
+        snap = _snapshot_meta(sdir)
+        due = bool(snap.get("flush"))
         with self.lock:
             self.whole_step = max(self.whole_step, step)
             for d in (self.partial, self.haves, self.peers):
@@ -350,10 +377,137 @@ class Keeper:
                     del d[s]
             for st in (self.sent, self.stored, self.announced, self.seen):
                 st.difference_update({s for s in st if s < step})
-        for old in paths.steps(self.jdir):
-            if old < step:
-                paths.remove_tree(paths.step_dir(self.root, self.job, old))
+            if due:
+                self.pinned = step
+        self.retain()
         _log(f"step {step} whole")
+        if due and self.my_index(snap["nodes"]) == 0:
+            self.start_flush(step, sdir, snap)
+
+    def retain(self) -> None:
+        """Delete the snapshots older than the newest whole step, except those a flush needs."""
+        with self.lock:
+            keep = self.copying | ({self.pinned} if self.pinned is not None else set())
+            whole = self.whole_step
+        for old in paths.steps(self.jdir):
+            if old < whole and old not in keep:
+                paths.remove_tree(paths.step_dir(self.root, self.job, old))
+
+    # -- durable flush (see .flush) ---------------------------------------------------
+    def _spawn(self, target, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, name="keeper-flush", daemon=True)
+        self.workers = [w for w in self.workers if w.is_alive()] + [t]
+        t.start()
+
+    def start_flush(self, step: int, sdir: str, snap: dict[str, Any]) -> None:
+        """Coordinate the flush of whole step ``step`` in the background (one at a time:
+        a step due while another flush runs is not flushed)."""
+        with self.lock:
+            if self.flushing:
+                _log(f"step {step}: a flush is still running, this step is not flushed")
+                return
+            self.flushing = True
+            self.copying.add(step)
+            self.reports[step] = {}
+        self._spawn(self.coordinate, step, sdir, snap)
+
+    def coordinate(self, step: int, sdir: str, snap: dict[str, Any]) -> None:
+        """The coordinator's flush: claim the checkpoint directory, have every keeper copy
+        its files into the staging directory, commit the manifest once all reported them
+        durable and complete; otherwise remove what was written."""
+        from ..storage.transaction import DirectoryWrite
+
+        nodes, target = snap["nodes"], str(snap["flush"])
+        t0 = time.perf_counter()
+        write = None
+        try:
+            with open(os.path.join(sdir, flush.MANIFEST), "rb") as f:
+                manifest = f.read()
+            write = DirectoryWrite.begin(target, flush.MANIFEST, True, flush.checkpoint_file)
+            staging = str(write.staging)
+            for j, peer in enumerate(nodes):
+                if j:
+                    self.call(peer, {"op": "flush", "step": step, "staging": staging, "node": j, "reply": nodes[0]})
+            self.on_flushed(self.copy_files(step, sdir, staging, 0))
+            deadline = time.monotonic() + flush.FLUSH_TIMEOUT_S
+            with self.cond:
+                got = self.reports[step]
+                while len(got) < len(nodes) and not any(r.get("error") for r in got.values()):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
+                reports = dict(got)
+            flush.check_reports(manifest, reports, len(nodes))
+            write.commit({flush.MANIFEST: manifest})
+            write = None
+            _log(f"step {step} flushed to {target} in {time.perf_counter() - t0:.3f} s")
+        except Exception as e:
+            _log(f"step {step}: flush to {target} failed, nothing committed: {type(e).__name__}: {e}")
+        finally:
+            if write is not None:
+                write.abort()
+            with self.lock:
+                self.reports.pop(step, None)
+                self.flushing = False
+            self.release(step)
+
+    def copy_files(self, step: int, sdir: str, staging: str, node: int) -> dict[str, Any]:
+        """Copy this node's files of ``step`` into ``staging``; the report for the coordinator."""
+        report: dict[str, Any] = {"op": "flushed", "step": step, "node": node, "files": [], "error": None}
+        try:
+            if not os.path.isdir(sdir):
+                raise FileNotFoundError(f"step {step} is no longer held by node {node}")
+            report["files"] = flush.copy_files(sdir, staging, node_files(sdir))
+        except Exception as e:
+            report["error"] = f"{type(e).__name__}: {e}"
+        return report
+
+    def on_flush(self, h: dict[str, Any]) -> None:
+        """A coordinator asks for this node's files of a step: copy them in the background,
+        then report."""
+        step = int(h["step"])
+        sdir = paths.step_dir(self.root, self.job, step)
+        with self.lock:
+            if not os.path.isdir(sdir):
+                raise FileNotFoundError(f"step {step} is not held here")
+            self.copying.add(step)
+        self._spawn(self.serve_flush, step, sdir, str(h["staging"]), int(h["node"]), h["reply"])
+
+    def serve_flush(self, step: int, sdir: str, staging: str, node: int, reply: dict[str, Any]) -> None:
+        """Copy this node's files of ``step`` and report to the coordinator."""
+        try:
+            report = self.copy_files(step, sdir, staging, node)
+            self.call(reply, report)
+        except Exception as e:
+            _log(f"step {step}: cannot report the flush to the coordinator: {e}")
+        finally:
+            self.release(step)
+
+    def on_flushed(self, h: dict[str, Any]) -> None:
+        """A keeper's report on its files of a flush this keeper coordinates."""
+        with self.cond:
+            got = self.reports.get(int(h["step"]))
+            if got is not None:
+                got[int(h["node"])] = h
+                self.cond.notify_all()
+
+    def release(self, step: int) -> None:
+        """A flush of ``step`` ended here: its snapshot is no longer kept for it."""
+        with self.lock:
+            self.copying.discard(step)
+            if self.pinned == step:
+                self.pinned = None
+        self.retain()
+
+
+def _snapshot_meta(sdir: str) -> dict[str, Any]:
+    """The ``snapshot`` metadata of a committed step's manifest ({} when unreadable)."""
+    try:
+        with open(os.path.join(sdir, flush.MANIFEST), "rb") as f:
+            return (json.load(f).get("metadata") or {}).get("snapshot") or {}
+    except (OSError, ValueError):
+        return {}
 
 
 def main(argv: list[str] | None = None) -> None:

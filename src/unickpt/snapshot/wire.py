@@ -3,7 +3,10 @@
 A message is a 4-byte big-endian header length, a JSON header, then ``header["nbytes"]``
 bytes of payload. Requests (``op``): ``stripe`` (a data stripe for the receiver's parity),
 ``have`` (a keeper holds its data and parity of a step), ``read`` (a byte range of a file
-under the keeper's job directory), ``ping`` and ``stop``. Every reply has ``ok``; a failed
+under the keeper's job directory), ``blob`` (a byte range of a node's blob of a step),
+``reset`` (drop snapshots newer than a step), ``flush`` (copy this node's files of a
+step into a durable checkpoint's staging directory) and ``flushed`` (a keeper's report
+to the flush's coordinator), ``ping`` and ``stop``. Every reply has ``ok``; a failed
 one carries ``error``.
 """
 
