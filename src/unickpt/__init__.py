@@ -18,11 +18,13 @@ from .errors import (  # noqa: E402
     MismatchError,
     NotACheckpointError,
     SaveError,
+    SnapshotError,
     UnickptError,
+    UnsafePickleError,
 )
 
 __all__ = [
     "save", "load", "CheckpointManager", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "verify",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
-    "LayoutError", "MismatchError", "InconsistentStateError", "SaveError",
+    "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "UnsafePickleError",
 ]
