@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .demo_resume import print_rows
 from .testing import free_port, kill_session
 
 NODES, LOST = 4, 2
@@ -182,20 +183,8 @@ def _table(r: FaultDemo, say: Any, console: Any) -> None:
             note = f"node {LOST} lost"
         rel = "" if got is None or step not in r.after else f"{abs(got - ref) / abs(ref):.1e}"
         rows.append((str(step), f"{ref:.6f}", "" if got is None else f"{got:.6f}", where, rel, note))
-    try:
-        from rich.table import Table
-    except ImportError:  # pragma: no cover
-        Table = None
-    if console is not None and Table is not None:
-        t = Table(title="loss: unbroken run vs a run that loses a node")
-        for col in ("step", "unbroken", "this run", "on", "rel. diff", ""):
-            t.add_column(col, justify="right" if col != "" else "left")
-        for row in rows:
-            t.add_row(*row)
-        console.print(t)
-    else:
-        for row in rows:
-            say("  ".join(row))
+    print_rows(say, console, "loss: unbroken run vs a run that loses a node",
+               ("step", "unbroken", "this run", "on", "rel. diff", ""), rows)
     say(f"recovery: {r.line}")
     verdict = "OK" if r.ok else "MISMATCH"
     diff = f"{r.max_rel_diff:.1e}" if r.after else "n/a"

@@ -124,27 +124,35 @@ def run_resume_demo(directory: str | None = None, plot_path: str = "unickpt_demo
     return result
 
 
-def _table(result: ResumeDemo, say: Any, console: Any) -> None:
+def print_rows(say: Any, console: Any, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A demo's table: the title on a line of its own (a table title would wrap in a
+    narrow terminal), then the rows under ``columns`` (a rich table on a console, else
+    plain lines); a column with an empty name is left-aligned."""
     try:
         from rich.table import Table
     except ImportError:  # pragma: no cover
         Table = None
-    rows = []
-    for step, ref in result.reference.items():
-        got = result.resumed.get(step)
-        rel = "" if got is None else f"{abs(got - ref) / abs(ref):.1e}"
-        rows.append((str(step), f"{ref:.6f}", "" if got is None else f"{got:.6f}", rel))
     if console is not None and Table is not None:
-        say(f"loss: unbroken ({BEFORE[0]}) vs resumed at step {RESUME_STEP} ({AFTER[0]})")  # a title would wrap
+        say(title)
         t = Table()
-        for col in ("step", "unbroken", "resumed", "rel. diff"):
-            t.add_column(col, justify="right")
+        for col in columns:
+            t.add_column(col, justify="right" if col else "left")
         for r in rows:
             t.add_row(*r)
         console.print(t)
     else:
         for r in rows:
             say("  ".join(r))
+
+
+def _table(result: ResumeDemo, say: Any, console: Any) -> None:
+    rows = []
+    for step, ref in result.reference.items():
+        got = result.resumed.get(step)
+        rel = "" if got is None else f"{abs(got - ref) / abs(ref):.1e}"
+        rows.append((str(step), f"{ref:.6f}", "" if got is None else f"{got:.6f}", rel))
+    print_rows(say, console, f"loss: unbroken ({BEFORE[0]}) vs resumed at step {RESUME_STEP} ({AFTER[0]})",
+               ("step", "unbroken", "resumed", "rel. diff"), rows)
     verdict = "OK" if result.ok else "MISMATCH"
     say(f"{verdict}: max relative difference after the resume {result.max_rel_diff:.1e} (bound 1e-4); "
         f"plot: {result.plot}; {result.seconds:.0f} s")

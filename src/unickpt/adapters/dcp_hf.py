@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import LayoutError, ManifestError
 from ..format.dtypes import itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
-from ..format.safetensors_header import read_header
+from ..format.safetensors_header import header_tensors, read_header
 from ..plan.box import Box, intersect
 from ..plan.piece import box_piece
 from ..storage.local import LocalStorage
@@ -118,19 +118,15 @@ def _build(storage: LocalStorage, path: str) -> Manifest:
         if info is None:
             raise ManifestError(f"{path}: {name} has no {SHARDING_KEY}, unlike the other files of this DCP save")
         manifest.files[name] = storage.size(name)
-        for key, d in header.items():
-            if key == "__metadata__":
-                continue
+        tensors = header_tensors(header, data_start, manifest.files[name], f"{path}: {name}", ManifestError)
+        for key, (dtype, shape, at) in tensors.items():
             try:
-                dtype, shape = str(d["dtype"]), tuple(int(x) for x in d["shape"])
-                begin, end = (int(x) for x in d["data_offsets"])
                 offsets = tuple(int(x) for x in info[key][OFFSETS_KEY])
             except (KeyError, TypeError, ValueError):
-                raise ManifestError(f"{path}: {name}: malformed entry or sharding info for {key!r}") from None
-            if len(offsets) != len(shape) or any(o < 0 for o in offsets) or begin < 0 \
-                    or end - begin != prod(shape) * itemsize(dtype) or data_start + end > manifest.files[name]:
-                raise ManifestError(f"{path}: {name}: {key!r} has a byte range or offsets that do not fit")
-            chunks.setdefault(key, []).append((Box(offsets, shape), name, data_start + begin, dtype))
+                raise ManifestError(f"{path}: {name}: malformed sharding info for {key!r}") from None
+            if len(offsets) != len(shape) or any(o < 0 for o in offsets):
+                raise ManifestError(f"{path}: {name}: {key!r} has offsets that do not fit its shape")
+            chunks.setdefault(key, []).append((Box(offsets, shape), name, at, dtype))
     for key, parts in chunks.items():
         if len({p[3] for p in parts}) != 1 or len({len(p[0].offsets) for p in parts}) != 1:
             raise ManifestError(f"{path}: the chunks of {key!r} disagree on dtype or rank")

@@ -13,13 +13,12 @@ index does not list) is left out and named in ``provenance["skipped"]``.
 from __future__ import annotations
 
 import json
-from math import prod
 from typing import Any
 
 from ..errors import UnickptError
 from ..format.dtypes import itemsize
 from ..format.manifest import MANIFEST_NAME, Fragment, Manifest, TensorEntry, check_file_name
-from ..format.safetensors_header import read_header
+from ..format.safetensors_header import header_tensors, read_header
 from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
@@ -69,19 +68,7 @@ def _file_tensors(storage: LocalStorage, name: str) -> dict[str, tuple[str, tupl
     header, data_start = read_header(reader)
     if not isinstance(header, dict):
         raise HfError(f"{name}: safetensors header is not a JSON object")
-    out = {}
-    for key, d in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape = str(d["dtype"]), tuple(int(x) for x in d["shape"])
-            begin, end = (int(x) for x in d["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise HfError(f"{name}: malformed safetensors entry for {key!r}") from None
-        if end - begin != prod(shape) * itemsize(dtype) or begin < 0 or data_start + end > reader.size:
-            raise HfError(f"{name}: tensor {key!r} has a byte range that does not fit its shape or the file")
-        out[key] = (dtype, shape, data_start + begin)
-    return out
+    return header_tensors(header, data_start, reader.size, name, HfError)
 
 
 def _row_pieces(shape: tuple[int, ...], head_dim: int) -> list[Piece]:

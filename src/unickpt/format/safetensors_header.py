@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 from ..errors import CorruptionError
@@ -83,3 +84,24 @@ def read_header(reader: Any) -> tuple[dict[str, dict], int]:
         return bytes(buf)
 
     return parse_header(bytes(first), more)
+
+
+def header_tensors(header: dict[str, Any], data_start: int, file_size: int, where: str,
+                   error: type[Exception] = CorruptionError) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """``{tensor: (dtype, shape, absolute data offset)}`` of a parsed header, each entry
+    checked against its shape and the file's size; ``error(...)`` naming ``where`` otherwise."""
+    from .dtypes import itemsize  # imports torch: only once a header is read
+
+    out = {}
+    for key, d in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape = str(d["dtype"]), tuple(int(x) for x in d["shape"])
+            begin, end = (int(x) for x in d["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise error(f"{where}: malformed safetensors entry for {key!r}") from None
+        if end - begin != prod(shape) * itemsize(dtype) or begin < 0 or data_start + end > file_size:
+            raise error(f"{where}: tensor {key!r} has a byte range that does not fit its shape or the file")
+        out[key] = (dtype, shape, data_start + begin)
+    return out

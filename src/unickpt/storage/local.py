@@ -19,6 +19,7 @@ import secrets
 import sys
 import threading
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from ..errors import CorruptionError, NotACheckpointError
 
@@ -27,19 +28,21 @@ EARLY_WRITEBACK_MIN = 1 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _load_sync_file_range():
+def libc_function(name: str, argtypes: list[Any]) -> Any:
+    """The Linux C library's ``name`` (returning int, errno kept), or None elsewhere or
+    when this libc lacks it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:

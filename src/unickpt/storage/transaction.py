@@ -30,13 +30,12 @@ import os
 import re
 import secrets
 import shutil
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import SaveError
-from .local import fsync_path
+from .local import fsync_path, libc_function
 
 LOCK_NAME = ".unickpt.lock"
 _STAGING_TAG = ".unickpt-"
@@ -45,19 +44,7 @@ _RENAME_EXCHANGE = 2
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EBUSY, errno.ENOTSUP}
 
 
-def _load_renameat2():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _load_renameat2()
+_renameat2 = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
 
 
 def exchange(a: Path, b: Path) -> bool:
