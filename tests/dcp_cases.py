@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 
 import unickpt
-from unickpt.api.state import flatten
+from unickpt.engine.state import flatten
 from unickpt.testing import run_ranks
 
 from torch_parallel_cases import Net, _train

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 import unickpt
-from unickpt.api.state import Sharded
+from unickpt.engine.state import Sharded
 from unickpt.plan.box import Box
 from unickpt.plan.piece import box_piece
 from unickpt.testing import run_ranks

@@ -11,8 +11,8 @@ import torch
 
 import unickpt
 from unickpt.api.load import _Reader
-from unickpt.api.reads import Segment, SpanRead, coalesce, crc_blocks, fill_gaps
-from unickpt.api.staging import plan_batches
+from unickpt.engine.reads import Segment, SpanRead, coalesce, crc_blocks, fill_gaps
+from unickpt.engine.staging import plan_batches
 from unickpt.format.checksum import crc32c
 from unickpt.testing import run_ranks
 

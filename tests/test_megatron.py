@@ -168,7 +168,7 @@ def test_flattened_range_of_megatron_core_0_15() -> None:
     (``flattened_range``) as reformulated grids; they read back as the original tensors, and
     load onto flat ranges bitwise as megatron-core 0.15's own load (recorded by
     tests/data/make_megatron_0_15_flat.py, since 0.16 cannot write or read them)."""
-    from unickpt.api.state import Sharded
+    from unickpt.engine.state import Sharded
     from unickpt.plan.box import Box
     from unickpt.plan.piece import flat_pieces
 

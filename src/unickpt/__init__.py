@@ -7,7 +7,7 @@ from .api.convert import convert  # noqa: E402
 from .api.load import load, load_rank_values, load_tensor, read_manifest  # noqa: E402
 from .api.manager import CheckpointManager  # noqa: E402
 from .api.save import save  # noqa: E402
-from .api.state import PerRank, Sharded  # noqa: E402
+from .engine.state import PerRank, Sharded  # noqa: E402
 from .api.verify import verify  # noqa: E402
 from .errors import (  # noqa: E402
     CorruptionError,
@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     MismatchError,
     NotACheckpointError,
     SaveError,
+    StorageError,
     SnapshotError,
     UnickptError,
     UnsafePickleError,
@@ -26,5 +27,5 @@ from .errors import (  # noqa: E402
 __all__ = [
     "save", "load", "CheckpointManager", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "verify",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
-    "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "UnsafePickleError",
+    "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "StorageError", "UnsafePickleError",
 ]

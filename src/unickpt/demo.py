@@ -181,7 +181,7 @@ def _load_rank(rank: int, world: int, path: str, result: str) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     import unickpt
-    from unickpt.api.items import describe_placements
+    from unickpt.engine.items import describe_placements
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     flat: dict[str, Any] = {}

@@ -45,3 +45,8 @@ class UnsafePickleError(UnickptError):
 class SnapshotError(UnickptError):
     """The in-memory snapshot tier cannot do what was asked (host memory cap, keeper
     start-up, an unsupported parity), or a snapshot cannot be rebuilt or verified."""
+
+
+class StorageError(UnickptError):
+    """A checkpoint location that cannot be opened: an unsupported URL scheme, a storage
+    service that refuses or goes away."""

@@ -25,13 +25,13 @@ from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment
 from ..storage.local import LocalStorage
-from .gc_pause import gc_paused
-from .items import TensorItem
+from ..engine.gc_pause import gc_paused
+from ..engine.items import TensorItem
 from .save import (
     LocalState, _describe, collect, commit, data_file_name, prepare_collective, rank_payload, tensor_digest,
 )
-from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
-from .writer import DataFileWriter
+from ..engine.staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
+from ..engine.writer import DataFileWriter
 
 _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 

@@ -51,13 +51,13 @@ from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Span, plan_reads
 from ..storage.local import LocalStorage
-from .gc_pause import gc_paused
-from .items import TensorItem
+from ..engine.gc_pause import gc_paused
+from ..engine.items import TensorItem
 from .load import direct_segments, source_fragments
-from .reads import Segment, SpanRead, checksum_error, read_group
+from ..engine.reads import Segment, SpanRead, checksum_error, read_group
 from ..storage.transaction import DirectoryWrite
 from .save import checkpoint_file, data_file_name
-from .writer import DataFileWriter, as_bytes
+from ..engine.writer import DataFileWriter, as_bytes
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 

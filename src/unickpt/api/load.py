@@ -23,12 +23,12 @@ from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
-from .gc_pause import gc_paused
-from .items import is_dtensor, sharded_item, tensor_item
-from .replicated import ReplicatedReads
-from .reads import Scratch, Segment, SpanRead, check_in_file, checksum_error, coalesce, crc_blocks, fill_gaps, read_group
-from .optim_state import NamedOptimizer
-from .state import PerRank, Sharded, flatten
+from ..engine.gc_pause import gc_paused
+from ..engine.items import is_dtensor, sharded_item, tensor_item
+from ..engine.replicated import ReplicatedReads
+from ..engine.reads import Scratch, Segment, SpanRead, check_in_file, checksum_error, coalesce, crc_blocks, fill_gaps, read_group
+from ..engine.optim_state import NamedOptimizer
+from ..engine.state import PerRank, Sharded, flatten
 
 
 def read_manifest(path: str) -> Manifest:
@@ -221,7 +221,7 @@ def load(
     placements, or plain tensors (the whole tensor on this rank). Plain values are
     replaced, Stateful objects get ``load_state_dict`` with their filled state. A torch
     optimizer's state is matched by parameter name and built from the checkpoint when
-    the optimizer has none yet (``unickpt.api.optim_state``). With ``strict=False``,
+    the optimizer has none yet (``unickpt.engine.optim_state``). With ``strict=False``,
     target keys absent from the checkpoint are left as they are, but an optimizer the
     checkpoint holds nothing for is warned about, and one none of whose saved state fits
     it (other parameter names) is an error.

@@ -34,10 +34,10 @@ from ..plan.box import Box
 from ..plan.save_plan import replica_owner
 from ..storage.local import LocalStorage
 from ..storage.transaction import DirectoryWrite
-from .writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
-from .items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
-from .state import PerRank, Sharded, flatten
-from .gc_pause import gc_paused
+from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
+from ..engine.items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
+from ..engine.state import PerRank, Sharded, flatten
+from ..engine.gc_pause import gc_paused
 
 
 def data_file_name(rank: int) -> str:

@@ -47,7 +47,7 @@ from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.safetensors_header import parse_header
 from ..plan.box import Box
 from ..storage.local import LocalStorage
-from .gc_pause import gc_paused
+from ..engine.gc_pause import gc_paused
 
 # Several checksum blocks are read at once when blocks are small, to keep syscalls few.
 READ_CHUNK_BYTES = 16 << 20

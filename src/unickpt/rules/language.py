@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..api.state import Sharded
+from ..engine.state import Sharded
 from ..errors import LayoutError
 from ..plan.box import Box
 from ..plan.piece import box_piece
@@ -544,6 +544,6 @@ def _put(d: dict[str, Any], name: str, value: Any, shown: str | None = None) -> 
 
 
 def _is_dtensor(v: Any) -> bool:
-    from ..api.items import is_dtensor
+    from ..engine.items import is_dtensor
 
     return is_dtensor(v)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..api.state import flatten
+from ..engine.state import flatten
 from ..dist import broadcast_bytes, gather_bytes, resolve_group
 from ..errors import InconsistentStateError, LayoutError
 from ..format.checksum import crc32c

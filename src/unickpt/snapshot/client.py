@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ..api.async_save import AsyncSaveHandle, async_save, checkpoint_group
-from ..api.items import is_dtensor
-from ..api.state import PerRank, Sharded, flatten
+from ..engine.items import is_dtensor
+from ..engine.state import PerRank, Sharded, flatten
 from ..dist import all_gather_fixed, resolve_group
 from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME

@@ -93,7 +93,7 @@ def flatten(
 
     ``on_stateful(name, obj)`` is called for each Stateful object and returns the dict to
     descend into (by default ``obj.state_dict()``). A torch optimizer is handed over as a
-    :class:`~unickpt.api.optim_state.NamedOptimizer` (its state keyed by the names of its
+    :class:`~unickpt.engine.optim_state.NamedOptimizer` (its state keyed by the names of its
     parameters in the modules of ``state``) unless its own ``state_dict`` names them.
     """
     if not isinstance(state, dict):
