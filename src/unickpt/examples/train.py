@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flush-every", type=int, default=0,
                    help="the snapshot keepers write every Mth snapshot as an ordinary checkpoint into --ckpt-dir, "
                    "in the background (0: never; docs/SNAPSHOT.md)")
+    p.add_argument("--log-deltas", action="store_true",
+                   help="log every step's applied gradients (with --save-every K --ckpt-dir DIR): a relaunch with the "
+                   "same flags replays them onto the last full checkpoint, losing no step (docs/DELTAS.md)")
     p.add_argument("--compute-sleep", type=float, default=0.0,
                    help="sleep this many seconds per step, standing in for accelerator compute (benchmarks, tests)")
     p.add_argument("--snapshot-max-bytes", type=int, default=None,
@@ -260,9 +263,17 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     start = resume(job, manager, args.resume) if args.resume and manager else 0
     if args.resume and not manager and args.resume != "latest":
         start = resume(job, unickpt.CheckpointManager(os.path.dirname(args.resume)), args.resume)
-    snap = None
+    snap, deltas = None, None
+    if args.log_deltas:
+        from .delta_replay import TrainerDeltas
+
+        deltas = TrainerDeltas(args, manager)
+        if not args.resume and not args.snapshot_every:
+            start = deltas.recover(job)
     if args.snapshot_every:
-        job, snap, start = recover_at_start(job, manager, args, start)
+        job, snap, start = recover_at_start(job, manager, args, start, deltas)
+    if deltas is not None:
+        deltas.started(start)
     records = []
     pending = None
     last = min(args.steps, args.stop_after or args.steps)
@@ -270,7 +281,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     for step in range(start + 1, last + 1):
         if args.compute_sleep:
             time.sleep(args.compute_sleep)
-        loss = train_step(job, step, snap.before_update if snap else None)
+        loss = train_step(job, step, _before_update(job, step, snap, deltas))
         records.append({"step": step, "loss": loss})
         if args.print_every and (step % args.print_every == 0 or step == last):
             now = time.perf_counter()
@@ -293,15 +304,30 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
             snap.snapshot(state, step, flush=not saved)  # the trainer's own save of the step wins
     if pending is not None:
         pending.result()
+    if deltas is not None:
+        deltas.close()
     if snap is not None:
         snap.close(clean=last == args.steps)
     return records
 
 
+def _before_update(job: Job, step: int, snap: Any, deltas: Any) -> Any:
+    """What runs right before the optimizer step: the lazy snapshot's wait, the delta log's capture."""
+    if deltas is None:
+        return snap.before_update if snap else None
+
+    def hooks() -> None:
+        if snap is not None:
+            snap.before_update()
+        deltas.capture(job, step)
+    return hooks
+
+
 def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: argparse.Namespace,
-                     start: int) -> tuple[Job, Any, int]:
+                     start: int, deltas: Any = None) -> tuple[Job, Any, int]:
     """Start the snapshot tier; without ``--resume``, resume from the newest whole state
-    (memory, else disk) and print the one line saying from where and why."""
+    (memory, else disk, plus the delta log's steps with ``--log-deltas``: memory wins when
+    it is at least as new) and print the one line saying from where and why."""
     from ..snapshot.client import Snapshotter, job_id
     from ..snapshot.recover import recover
 
@@ -316,11 +342,23 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
 
     latest = manager.latest() if manager else None
     disk_step = int(os.path.basename(latest).split("_")[-1]) if latest else None
+    replay = deltas.plan() if deltas is not None else None
+    if replay is not None and replay.usable:
+        disk_step = replay.step
+
+        def disk() -> tuple[int, str] | None:  # noqa: F811  (the full checkpoint plus the logged steps)
+            nonlocal job
+            if replay.base is None:
+                job = build(args)  # the replay starts from the initial state: a rejected snapshot may have changed it
+            return deltas.restore(job, replay), deltas.reason(replay)
     outcome = recover(snap, lambda path, storage: resume(job, None, path, storage, say=False), disk, disk_step)
     if outcome.tried and outcome.source == "fresh":
         job = build(args)  # a rejected snapshot may have been partly loaded: start from scratch
+    line = outcome.line
+    if replay is not None and replay.usable and outcome.source == "disk":
+        line = line.replace(" from disk (", f" from disk + {len(replay.entries)} logged steps (", 1)
     if job.rank == 0:
-        print(outcome.line, flush=True)
+        print(line, flush=True)
     return job, snap, outcome.step
 
 

@@ -1,0 +1,138 @@
+"""The example trainer's per-step delta log (``--log-deltas``): what a step logs, and how
+a relaunched run replays the log onto the last full checkpoint (docs/DELTAS.md).
+
+Each step logs, right before ``optimizer.step()``, exactly what the optimizer consumes:
+every parameter's gradient (after the data-parallel all-reduce or FSDP's reduce-scatter,
+and after any clipping), sharded as the parameter is, plus the data loader's position
+and this rank's RNG state after the step. Replaying step ``s`` sets those gradients, the
+learning rate of step ``s``, and runs the same ``optimizer.step()``: on the same layout
+the result is bitwise the run that never stopped; on another layout the gradients are
+resharded by the ordinary load, like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+import unickpt
+
+from ..api.delta_log import DELTAS_DIR, DeltaLog, Replay, replayable, step_of
+from ..dist import broadcast_bytes, resolve_group
+from .train import Job, learning_rate, resume
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private host copy of a gradient, with the same placements when it is a DTensor."""
+    from ..engine.items import is_dtensor
+
+    if not is_dtensor(t):
+        return t.detach().to("cpu", copy=True)
+    if t.device.type == "cpu":
+        return t.detach().clone()  # a local copy of the shard; no communication
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t.to_local().detach().to("cpu", copy=True), t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape, stride=t.stride())
+
+
+class TrainerDeltas:
+    """The delta log of one run of the example trainer (collective construction)."""
+
+    def __init__(self, args: argparse.Namespace, manager: unickpt.CheckpointManager) -> None:
+        if not (args.ckpt_dir and args.save_every):
+            raise SystemExit("--log-deltas needs --save-every K and --ckpt-dir (the full checkpoints the log replays onto)")
+        self.args, self.manager = args, manager
+        self.log = DeltaLog(os.path.join(args.ckpt_dir, DELTAS_DIR), covered=self._covered)
+
+    def _covered(self) -> int | None:
+        latest = self.manager.latest()
+        return None if latest is None else step_of(latest)
+
+    # -- logging ---------------------------------------------------------------------
+    def capture(self, job: Job, step: int) -> None:
+        """Stage this step's applied gradients and step state to host memory and queue
+        them (call right before ``optimizer.step()``)."""
+        grads = {name: host_copy(p.grad) for name, p in job.model.named_parameters() if p.grad is not None}
+        state = {"grad": grads, "train": {"step": step, "loader": job.loader.state_dict()},
+                 "rng": unickpt.PerRank(torch.get_rng_state())}
+        self.log.append(step, state)
+
+    def close(self) -> None:
+        """Write what is queued and stop the writer."""
+        self.log.close()
+
+    # -- recovery --------------------------------------------------------------------
+    def plan(self) -> Replay:
+        """The recovery plan, made on rank 0 and shared with every rank (collective)."""
+        group = resolve_group()
+        doc = b""
+        if group.rank == 0:
+            p = replayable(self.args.ckpt_dir, self.log.root)
+            doc = json.dumps([p.base, p.base_step, p.entries, p.notes]).encode()
+        base, base_step, entries, notes = json.loads(broadcast_bytes(group, doc, 0))
+        return Replay(base, base_step, entries, notes)
+
+    def restore(self, job: Job, plan: Replay) -> int:
+        """Load the plan's full checkpoint and replay its entries; returns the step reached."""
+        step = resume(job, self.manager, plan.base, say=False) if plan.base is not None else 0
+        params = dict(job.model.named_parameters())
+        for path in plan.entries:
+            step = replay_step(job, params, path, step + 1)
+        if plan.entries:
+            last = plan.entries[-1]
+            state: dict[str, Any] = {"train": {"step": 0, "loader": job.loader.state_dict()},
+                                     "rng": unickpt.PerRank(torch.get_rng_state())}
+            if unickpt.read_manifest(last).world_size != job.world:
+                del state["rng"]  # per-rank RNG carries over to the same world size only
+            unickpt.load(state, last)
+            job.loader.load_state_dict(state["train"]["loader"])
+            if "rng" in state:
+                torch.set_rng_state(state["rng"].value)
+        return step
+
+    def reason(self, plan: Replay, seconds: float | None = None) -> str:
+        """What the recovery line says in parentheses."""
+        parts = [plan.base or "no full checkpoint yet: the initial state"]
+        if plan.entries:
+            parts.append(f"replayed steps {plan.base_step + 1}..{plan.step}")
+        parts += plan.notes
+        return "; ".join(parts + ([f"{seconds:.2f} s"] if seconds is not None else []))
+
+    def recover(self, job: Job) -> int:
+        """Resume from the last full checkpoint plus the logged steps after it; print the
+        one line saying so. Returns the step reached (0 when there is nothing)."""
+        t0 = time.perf_counter()
+        plan = self.plan()
+        if not plan.usable:
+            notes = "; ".join([f"no full checkpoint or logged step in {self.args.ckpt_dir}", *plan.notes])
+            step, line = 0, f"starting fresh ({notes})"
+        else:
+            step = self.restore(job, plan)
+            line = f"resumed step {step} from disk + {len(plan.entries)} logged steps ({self.reason(plan, time.perf_counter() - t0)})"
+        if job.rank == 0:
+            print(line, flush=True)
+        return step
+
+    def started(self, step: int) -> None:
+        """The run continues after ``step``: drop the entries it will rewrite."""
+        self.log.discard_after(step)
+
+
+def replay_step(job: Job, params: dict[str, torch.nn.Parameter], path: str, step: int) -> int:
+    """Apply the logged gradients of ``step`` (at ``path``) with that step's learning rate."""
+    names = unickpt.read_manifest(path).tensors
+    grads = {n: torch.zeros_like(p.detach()) for n, p in params.items() if f"grad.{n}" in names}
+    unickpt.load({"grad": grads}, path)
+    for n, p in params.items():
+        p.grad = grads.get(n)
+    for group in job.optimizer.param_groups:
+        group["lr"] = learning_rate(step, job.args)
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    return step
