@@ -24,3 +24,20 @@ def train_many(rank: int, world: int, jobs: list[tuple[list[str], str]]) -> None
     for flags, out in jobs:
         train(rank, world, flags, out)
         dist.barrier()
+
+
+def train_many_printing(rank: int, world: int, jobs: list[tuple[list[str], str]]) -> None:
+    """``train_many``, each run's printed lines kept in ``<out>.stdout`` (rank 0's)."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    for flags, out in jobs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train(rank, world, flags, out)
+        if rank == 0:
+            with open(f"{out}.stdout", "w") as f:
+                f.write(printed.getvalue())
+        dist.barrier()
