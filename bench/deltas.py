@@ -51,10 +51,14 @@ def overhead_rank(rank: int, world: int, cfg: dict) -> None:
     rows: dict[str, list[float]] = {"base": [], "log": [], "stall": []}
     capture = delta_replay.TrainerDeltas.capture
 
+    logs = []
+
     def timed_capture(self, job, step):  # what the loop waits for: the host copy and the queue
         t0 = time.perf_counter()
         capture(self, job, step)
         rows["stall"].append(time.perf_counter() - t0)
+        if self.log not in logs:
+            logs.append(self.log)
 
     delta_replay.TrainerDeltas.capture = timed_capture
     for rep in range(cfg["reps"]):
@@ -66,6 +70,9 @@ def overhead_rank(rank: int, world: int, cfg: dict) -> None:
             with contextlib.redirect_stdout(printed):
                 run(flags + (["--log-deltas"] if arm == "log" else []))
             rows[arm] += _step_times(printed.getvalue())[1:]
+    n = sum(log.stats["entries"] for log in logs)
+    rows["write_s"] = [sum(log.stats["write_s"] for log in logs) / n]
+    rows["write_cpu_s"] = [sum(log.stats["write_cpu_s"] for log in logs) / n]
     if rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump(rows, f)
@@ -82,7 +89,8 @@ def overhead(model: list[str], sleep: float, steps: int, reps: int, tmp: str) ->
     sizes = [sum(os.path.getsize(os.path.join(entry, n, f)) for f in os.listdir(os.path.join(entry, n)))
              for n in os.listdir(entry)] if os.path.isdir(entry) else [0]
     return {"base": base, "log": log, "overhead": (log - base) / base, "entry_bytes": max(sizes),
-            "stall": statistics.median(rows["stall"]), "stall_max": max(rows["stall"])}
+            "stall": statistics.median(rows["stall"]), "stall_max": max(rows["stall"]),
+            "write_s": rows["write_s"][0], "write_cpu_s": rows["write_cpu_s"][0]}
 
 
 def lost_on_kill(tmp: str, kills: int, sleep: float, seed: int) -> list[tuple[int, int, int]]:
@@ -131,15 +139,15 @@ def main() -> None:
     steps, reps, kills = (25, 1, 3) if a.quick else (45, 2, 6)  # not a multiple of K: entries remain to measure
     try:
         models = {"default (dim 64, 4 layers)": [], "dim 256, 4 layers": ["--dim", "256"]}
-        print("| model | entry per step (both ranks) | step time | with --log-deltas | difference | loop's wait per step (median / max) |")
-        print("|---|---|---|---|---|---|")
+        print("| model | entry per step (both ranks) | step time | with --log-deltas | difference | loop's wait per step (median / max) | entry write, background (wall / CPU) |")
+        print("|---|---|---|---|---|---|---|")
         for name, flags in models.items():
             sub = os.path.join(tmp, re.sub(r"\W+", "_", name))
             os.makedirs(sub)
             r = overhead(flags, a.sleep, steps, reps, sub)
             print(f"| {name} | {r['entry_bytes'] / 1e6:.2f} MB | {r['base']:.4f} s | {r['log']:.4f} s | "
                   f"{100 * r['overhead']:+.1f}% | {1e3 * r['stall']:.2f} ms ({100 * r['stall'] / r['base']:.1f}%) / "
-                  f"{1e3 * r['stall_max']:.1f} ms |", flush=True)
+                  f"{1e3 * r['stall_max']:.1f} ms | {1e3 * r['write_s']:.1f} ms / {1e3 * r['write_cpu_s']:.1f} ms |", flush=True)
         rows = lost_on_kill(tmp, kills, a.sleep, seed=1)
         print(f"\n| SIGKILL after step | lost, full checkpoints every {K} | lost, with the log |")
         print("|---|---|---|")

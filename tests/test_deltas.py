@@ -107,3 +107,31 @@ def test_relaunch_on_another_layout_reshards_the_log(runs, layout):
     assert sorted(got) == list(range(newest, 11))
     for step, loss in got.items():
         assert abs(loss - want[step]) <= 1e-4 * abs(want[step]), (step, loss, want[step])
+
+
+def test_with_snapshots_the_newer_of_memory_and_disk_plus_log_wins(tmp_path, monkeypatch):
+    """--snapshot-every and --log-deltas together (one process): a snapshot older than the
+    log's last step loses to disk + log; one as new wins; the run stays bitwise."""
+    from snapshot_helpers import kill_keeper
+    from unickpt.examples.train import run
+
+    root = str(tmp_path / "shm")
+    monkeypatch.setenv("UNICKPT_SHM_ROOT", root)
+    log = str(tmp_path / "run.jsonl")
+    flags = [*TINY, "--save-every", str(K), "--ckpt-dir", str(tmp_path / "ck"), "--log-deltas", "--print-every", "0",
+             "--snapshot-every", "3", "--loss-log", log]
+    lines = []
+    try:
+        for stop in ("7", "9", "10"):  # snapshots of steps 3, 6 and 9; full checkpoints of 5 and 10
+            printed = __import__("io").StringIO()
+            with __import__("contextlib").redirect_stdout(printed):
+                run([*flags, "--stop-after", stop])
+            lines += [line for line in resumed_lines([printed.getvalue()]) if line.startswith("resumed")]
+    finally:
+        kill_keeper(root)
+    assert re.fullmatch(r"resumed step 7 from disk \+ 2 logged steps \(.*step_00000005; replayed steps 6\.\.7; "
+                        r"memory: step 6: older than .*\)", lines[0]), lines
+    assert re.fullmatch(r"resumed step 9 from memory \(.*\)", lines[1]), lines
+    ref = run([*TINY, "--print-every", "0"])
+    got = losses(log)
+    assert sorted(got) == list(range(1, 11)) and all(got[r["step"]] == r["loss"] for r in ref), (got, ref)

@@ -26,6 +26,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,14 +53,16 @@ class DeltaLog:
     """The delta log under ``root`` (usually ``<ckpt dir>/deltas``).
 
     Collective construction over ``process_group`` (every rank makes the log's own gloo
-    group). ``append(step, state)`` queues one entry; ``state`` must already be a private
+    group). ``threads`` write each entry (one suits entries of a few MB).
+    ``append(step, state)`` queues one entry; ``state`` must already be a private
     copy (the trainer may change its tensors at once). ``covered()`` returns the step of
     the newest committed full checkpoint (or None); entries up to it are folded away after
     each commit. ``close()`` waits for the queue and raises the first write failure."""
 
     def __init__(self, root: str | os.PathLike, process_group: Any = None, *,
-                 covered: Callable[[], int | None] | None = None, max_pending: int = 2) -> None:
+                 covered: Callable[[], int | None] | None = None, max_pending: int = 2, threads: int = 1) -> None:
         self.root = str(root)
+        self.threads = threads  # an entry is small: one writer thread, no pool to start per step
         self.entries = CheckpointManager(self.root)
         group = resolve_group(process_group)
         self.rank = group.rank
@@ -72,6 +75,8 @@ class DeltaLog:
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self.last_committed: int | None = None
+        # entries written, and the wall and CPU seconds the writer thread spent on them
+        self.stats = {"entries": 0, "write_s": 0.0, "write_cpu_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="unickpt-delta-log", daemon=True)
         self._thread.start()
 
@@ -97,9 +102,13 @@ class DeltaLog:
             step, state = item
             try:
                 if self._error is None:
-                    save(state, self.path_for(step), process_group=self._pg, overwrite=True,
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    save(state, self.path_for(step), process_group=self._pg, overwrite=True, threads=self.threads,
                          metadata={"delta_log": {"step": step}})
                     self.last_committed = step
+                    self.stats["entries"] += 1
+                    self.stats["write_s"] += time.perf_counter() - t0
+                    self.stats["write_cpu_s"] += time.thread_time() - c0
                     if self._covered is not None and self.rank == 0:
                         self.fold(self._covered())
             except BaseException as e:  # reported by the next append() or close()
