@@ -123,6 +123,32 @@ def lost_on_kill(tmp: str, kills: int, sleep: float, seed: int) -> list[tuple[in
     return out
 
 
+def drift(tmp: str) -> dict[str, tuple[float, float, int]]:
+    """Per --delta-dtype: after a stop at step 2K-1 and a relaunch that replays K-1 logged
+    steps, the largest relative loss difference from an unbroken run over the steps that
+    follow, the largest weight difference in the full checkpoint of step 2K; an entry's bytes."""
+    import unickpt
+    from unickpt.examples.train import run
+
+    steps = 3 * K - 5
+    base = ["--steps", str(steps), "--save-every", str(K), "--print-every", "0"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref = {r["step"]: r["loss"] for r in run([*base, "--ckpt-dir", os.path.join(tmp, "drift_ref")])}
+        out = {}
+        for dtype in ("exact", "bf16"):
+            d = os.path.join(tmp, f"drift_{dtype}")
+            flags = [*base, "--ckpt-dir", d, "--log-deltas", "--delta-dtype", dtype]
+            run([*flags, "--stop-after", str(2 * K - 1)])
+            after = run(flags)
+            rel = max(abs(r["loss"] - ref[r["step"]]) / abs(ref[r["step"]]) for r in after)
+            entry = os.path.join(d, "deltas", f"step_{steps:08d}")
+            a, b = os.path.join(d, f"step_{2 * K:08d}"), os.path.join(tmp, "drift_ref", f"step_{2 * K:08d}")
+            weights = max((unickpt.load_tensor(a, n) - unickpt.load_tensor(b, n)).abs().max().item()
+                          for n in unickpt.read_manifest(a).tensors if n.startswith("model."))
+            out[dtype] = (rel, weights, sum(os.path.getsize(os.path.join(entry, f)) for f in os.listdir(entry)))
+    return out
+
+
 def _latest(ck: str) -> str | None:
     import unickpt
 
@@ -148,6 +174,11 @@ def main() -> None:
             print(f"| {name} | {r['entry_bytes'] / 1e6:.2f} MB | {r['base']:.4f} s | {r['log']:.4f} s | "
                   f"{100 * r['overhead']:+.1f}% | {1e3 * r['stall']:.2f} ms ({100 * r['stall'] / r['base']:.1f}%) / "
                   f"{1e3 * r['stall_max']:.1f} ms | {1e3 * r['write_s']:.1f} ms / {1e3 * r['write_cpu_s']:.1f} ms |", flush=True)
+        print(f"\n| --delta-dtype | entry (1 rank) | after replaying {K - 1} steps: largest relative loss difference "
+              f"(steps {2 * K}..{3 * K - 5}) | largest weight difference (step {2 * K}) |")
+        print("|---|---|---|---|")
+        for dtype, (rel, weights, nbytes) in drift(tmp).items():
+            print(f"| {dtype} | {nbytes / 1e6:.2f} MB | {rel:.2e} | {weights:.2e} |", flush=True)
         rows = lost_on_kill(tmp, kills, a.sleep, seed=1)
         print(f"\n| SIGKILL after step | lost, full checkpoints every {K} | lost, with the log |")
         print("|---|---|---|")

@@ -24,6 +24,7 @@ import unickpt
 
 from ..api.delta_log import DELTAS_DIR, DeltaLog, Replay, replayable, step_of
 from ..dist import broadcast_bytes, resolve_group
+from ..format.dtypes import dtype_from_name
 from .train import Job, learning_rate, resume
 
 
@@ -59,6 +60,8 @@ class TrainerDeltas:
         """Stage this step's applied gradients and step state to host memory and queue
         them (call right before ``optimizer.step()``)."""
         grads = {name: host_copy(p.grad) for name, p in job.model.named_parameters() if p.grad is not None}
+        if self.args.delta_dtype == "bf16":  # lossy, opt-in: half the bytes, replay no longer bitwise
+            grads = {name: g.to(torch.bfloat16) for name, g in grads.items()}
         state = {"grad": grads, "train": {"step": step, "loader": job.loader.state_dict()},
                  "rng": unickpt.PerRank(torch.get_rng_state())}
         self.log.append(step, state)
@@ -126,11 +129,13 @@ class TrainerDeltas:
 
 def replay_step(job: Job, params: dict[str, torch.nn.Parameter], path: str, step: int) -> int:
     """Apply the logged gradients of ``step`` (at ``path``) with that step's learning rate."""
-    names = unickpt.read_manifest(path).tensors
-    grads = {n: torch.zeros_like(p.detach()) for n, p in params.items() if f"grad.{n}" in names}
+    entries = unickpt.read_manifest(path).tensors
+    grads = {n: torch.zeros_like(p.detach(), dtype=dtype_from_name(entries[f"grad.{n}"].dtype))
+             for n, p in params.items() if f"grad.{n}" in entries}
     unickpt.load({"grad": grads}, path)
     for n, p in params.items():
-        p.grad = grads.get(n)
+        g = grads.get(n)
+        p.grad = g if g is None or g.dtype == p.dtype else g.to(p.dtype)
     for group in job.optimizer.param_groups:
         group["lr"] = learning_rate(step, job.args)
     job.optimizer.step()

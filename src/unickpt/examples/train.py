@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-deltas", action="store_true",
                    help="log every step's applied gradients (with --save-every K --ckpt-dir DIR): a relaunch with the "
                    "same flags replays them onto the last full checkpoint, losing no step (docs/DELTAS.md)")
+    p.add_argument("--delta-dtype", choices=("exact", "bf16"), default="exact",
+                   help="with --log-deltas: 'bf16' logs the gradients in bfloat16 (half the bytes; the replay is then "
+                   "close, not bitwise: drift in docs/DELTAS.md)")
     p.add_argument("--compute-sleep", type=float, default=0.0,
                    help="sleep this many seconds per step, standing in for accelerator compute (benchmarks, tests)")
     p.add_argument("--snapshot-max-bytes", type=int, default=None,
