@@ -99,12 +99,25 @@ def test_relaunch_on_another_layout_reshards_the_log(runs, layout):
     tmp, newest = runs
     want = _records(tmp / "ref.json")
     out = tmp / f"{layout}.json"
+    first = newest
     if layout == "1":
+        import contextlib
+        import io
+
         from unickpt.examples.train import run
 
-        json.dump(run([*FLAGS, "--ckpt-dir", str(tmp / "ck_1")]), open(out, "w"))
+        # and the entry before the truncated one uncommitted, as a write killed before its
+        # manifest leaves it: the replay stops one step earlier and says why
+        first = newest - 1
+        os.remove(tmp / "ck_1" / "deltas" / f"step_{first:08d}" / "manifest.json")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            json.dump(run([*FLAGS, "--ckpt-dir", str(tmp / "ck_1")]), open(out, "w"))
+        assert re.search(rf"^resumed step {first - 1} from disk \+ {first - 1 - K} logged steps \(.*; "
+                         rf"step {first}: torn entry \(no commit marker\), not replayed; 1 later entries", printed.getvalue(),
+                         re.M), printed.getvalue()
     got = _records(out)
-    assert sorted(got) == list(range(newest, 11))
+    assert sorted(got) == list(range(first, 11))
     for step, loss in got.items():
         assert abs(loss - want[step]) <= 1e-4 * abs(want[step]), (step, loss, want[step])
 
