@@ -263,7 +263,8 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         raise SystemExit("--flush-every needs --snapshot-every and --ckpt-dir (where the keepers write the checkpoints)")
     job = build(args)
     manager = unickpt.CheckpointManager(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
-    start = resume(job, manager, args.resume) if args.resume and manager else 0
+    replays = args.log_deltas and args.resume == "latest"  # the delta log's recovery below is "latest" and more
+    start = resume(job, manager, args.resume) if args.resume and manager and not replays else 0
     if args.resume and not manager and args.resume != "latest":
         start = resume(job, unickpt.CheckpointManager(os.path.dirname(args.resume)), args.resume)
     snap, deltas = None, None
@@ -271,7 +272,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         from .delta_replay import TrainerDeltas
 
         deltas = TrainerDeltas(args, manager)
-        if not args.resume and not args.snapshot_every:
+        if (not args.resume or replays) and not args.snapshot_every:
             start = deltas.recover(job)
     if args.snapshot_every:
         job, snap, start = recover_at_start(job, manager, args, start, deltas)
