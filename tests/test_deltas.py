@@ -23,7 +23,7 @@ import torch
 import unickpt
 from unickpt.testing import kill_session, run_ranks
 
-from snapshot_helpers import TINY, launch_nodes, losses, resumed_lines, wait_all
+from snapshot_helpers import TINY, launch_nodes, losses, resumed_lines
 from train_cases import train_many_printing
 
 K = 5

@@ -347,15 +347,17 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
     latest = manager.latest() if manager else None
     disk_step = int(os.path.basename(latest).split("_")[-1]) if latest else None
     replay = deltas.plan() if deltas is not None else None
-    if replay is not None and replay.usable:
-        disk_step = replay.step
 
-        def disk() -> tuple[int, str] | None:  # noqa: F811  (the full checkpoint plus the logged steps)
-            nonlocal job
-            if replay.base is None:
-                job = build(args)  # the replay starts from the initial state: a rejected snapshot may have changed it
-            return deltas.restore(job, replay), deltas.reason(replay)
-    outcome = recover(snap, lambda path, storage: resume(job, None, path, storage, say=False), disk, disk_step)
+    def disk_and_log() -> tuple[int, str] | None:  # the full checkpoint plus the logged steps after it
+        nonlocal job
+        if replay.base is None:
+            job = build(args)  # the replay starts from the initial state: a rejected snapshot may have changed it
+        return deltas.restore(job, replay), deltas.reason(replay)
+
+    durable = disk
+    if replay is not None and replay.usable:
+        durable, disk_step = disk_and_log, replay.step
+    outcome = recover(snap, lambda path, storage: resume(job, None, path, storage, say=False), durable, disk_step)
     if outcome.tried and outcome.source == "fresh":
         job = build(args)  # a rejected snapshot may have been partly loaded: start from scratch
     line = outcome.line
