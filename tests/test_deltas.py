@@ -125,7 +125,7 @@ def test_relaunch_on_another_layout_reshards_the_log(runs, layout):
 def test_with_snapshots_the_newer_of_memory_and_disk_plus_log_wins(tmp_path, monkeypatch):
     """--snapshot-every and --log-deltas together (one process): a snapshot older than the
     log's last step loses to disk + log; one as new wins; the run stays bitwise."""
-    from snapshot_helpers import kill_keeper
+    from snapshot_helpers import kill_keeper, steps_whole
     from unickpt.examples.train import run
 
     root = str(tmp_path / "shm")
@@ -139,6 +139,10 @@ def test_with_snapshots_the_newer_of_memory_and_disk_plus_log_wins(tmp_path, mon
             printed = __import__("io").StringIO()
             with __import__("contextlib").redirect_stdout(printed):
                 run([*flags, "--stop-after", stop])
+            deadline = time.monotonic() + 60
+            while stop == "9" and 9 not in steps_whole(root):  # the keeper makes a snapshot whole in the background
+                assert time.monotonic() < deadline, "step 9's snapshot never became whole"
+                time.sleep(0.02)
             lines += [line for line in resumed_lines([printed.getvalue()]) if line.startswith("resumed")]
     finally:
         kill_keeper(root)

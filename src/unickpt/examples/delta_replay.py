@@ -49,11 +49,19 @@ class TrainerDeltas:
         if not (args.ckpt_dir and args.save_every):
             raise SystemExit("--log-deltas needs --save-every K and --ckpt-dir (the full checkpoints the log replays onto)")
         self.args, self.manager = args, manager
+        self._newest: int | None = None  # the newest full checkpoint seen, and the step the valid ones cover
+        self._covers: int | None = None
         self.log = DeltaLog(os.path.join(args.ckpt_dir, DELTAS_DIR), covered=self._covered)
 
     def _covered(self) -> int | None:
-        latest = self.manager.latest()
-        return None if latest is None else step_of(latest)
+        """The step of the newest valid full checkpoint (its manifest is re-read only when
+        a newer checkpoint appears: this runs after every entry)."""
+        steps = self.manager.steps()
+        newest = steps[-1] if steps else None
+        if newest != self._newest:
+            latest = self.manager.latest()
+            self._newest, self._covers = newest, None if latest is None else step_of(latest)
+        return self._covers
 
     # -- logging ---------------------------------------------------------------------
     def capture(self, job: Job, step: int) -> None:
