@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +26,6 @@ import unickpt
 from ..api.delta_log import DELTAS_DIR, DeltaLog, Replay, replayable, step_of
 from ..dist import broadcast_bytes, resolve_group
 from ..format.dtypes import dtype_from_name
-from .train import Job, learning_rate, resume
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -42,10 +42,17 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
                               run_check=False, shape=t.shape, stride=t.stride())
 
 
+Job = Any  # examples.train.Job: not imported, the trainer imports this module
+
+
 class TrainerDeltas:
     """The delta log of one run of the example trainer (collective construction)."""
 
-    def __init__(self, args: argparse.Namespace, manager: unickpt.CheckpointManager) -> None:
+    def __init__(self, args: argparse.Namespace, manager: unickpt.CheckpointManager,
+                 resume: Callable[..., int], learning_rate: Callable[[int, argparse.Namespace], float]) -> None:
+        """``resume`` and ``learning_rate`` are the trainer's own (passed in, so that this
+        module does not import the trainer that imports it)."""
+        self.resume, self.learning_rate = resume, learning_rate
         if not (args.ckpt_dir and args.save_every):
             raise SystemExit("--log-deltas needs --save-every K and --ckpt-dir (the full checkpoints the log replays onto)")
         self.args, self.manager = args, manager
@@ -91,10 +98,10 @@ class TrainerDeltas:
 
     def restore(self, job: Job, plan: Replay) -> int:
         """Load the plan's full checkpoint and replay its entries; returns the step reached."""
-        step = resume(job, self.manager, plan.base, say=False) if plan.base is not None else 0
+        step = self.resume(job, self.manager, plan.base, say=False) if plan.base is not None else 0
         params = dict(job.model.named_parameters())
         for path in plan.entries:
-            step = replay_step(job, params, path, step + 1)
+            step = replay_step(job, params, path, step + 1, self.learning_rate)
         if plan.entries:
             last = plan.entries[-1]
             state: dict[str, Any] = {"train": {"step": 0, "loader": job.loader.state_dict()},
@@ -135,7 +142,8 @@ class TrainerDeltas:
         self.log.discard_after(step)
 
 
-def replay_step(job: Job, params: dict[str, torch.nn.Parameter], path: str, step: int) -> int:
+def replay_step(job: Job, params: dict[str, torch.nn.Parameter], path: str, step: int,
+                learning_rate: Callable[[int, argparse.Namespace], float]) -> int:
     """Apply the logged gradients of ``step`` (at ``path``) with that step's learning rate."""
     entries = unickpt.read_manifest(path).tensors
     grads = {n: torch.zeros_like(p.detach(), dtype=dtype_from_name(entries[f"grad.{n}"].dtype))

@@ -271,7 +271,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     if args.log_deltas:
         from .delta_replay import TrainerDeltas
 
-        deltas = TrainerDeltas(args, manager)
+        deltas = TrainerDeltas(args, manager, resume, learning_rate)
         if (not args.resume or replays) and not args.snapshot_every:
             start = deltas.recover(job)
     if args.snapshot_every:
