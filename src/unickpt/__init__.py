@@ -1,6 +1,6 @@
 """unickpt: universal, fast, fault-tolerant checkpointing for distributed PyTorch."""
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 from .api.async_save import AsyncSaveHandle, async_save  # noqa: E402
 from .api.convert import convert  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, resolve_group
 from .. import errors
 from ..errors import InconsistentStateError, SaveError, UnickptError
