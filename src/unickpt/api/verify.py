@@ -42,7 +42,7 @@ from ..errors import CorruptionError, UnickptError
 from ..format.dtypes import itemsize
 from ..format.ledger import Ledger
 from ..format.manifest import Fragment, Manifest, TensorEntry
-from ..format.safetensors_header import parse_header
+from ..format.safetensors_header import read_header
 from ..plan.box import Box
 from ..storage.base import Storage
 from ..engine.gc_pause import gc_paused
@@ -178,19 +178,7 @@ def _check_files(storage: Storage, manifest: Manifest, problems: list[Problem], 
         if not headers:
             continue
         try:
-            reader = storage.reader(name)
-            at = [8]
-
-            def read_more(n: int, reader=reader, at=at) -> bytes:
-                n = max(0, min(n, reader.size - at[0]))
-                buf = bytearray(n)
-                reader.pread_into(at[0], memoryview(buf))
-                at[0] += n
-                return bytes(buf)
-
-            first = bytearray(min(8, reader.size))
-            reader.pread_into(0, memoryview(first))
-            header, data_start = parse_header(bytes(first), read_more)
+            header, data_start = read_header(storage.reader(name))
             if not isinstance(header, dict):
                 raise UnickptError("safetensors header is not a JSON object")
             st.header = {"entries": header, "data_start": data_start}
