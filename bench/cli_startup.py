@@ -1,7 +1,8 @@
 """How fast the command line starts: ``unickpt --help`` (and ``import unickpt``) run
 repeatedly in fresh interpreters, hyperfine-style; prints the best and median wall time
-and the CPU time (user + sys, steadier than wall time on a shared machine) and whether
-torch was imported. The target of issue 15: ``--help`` under 0.3 s.
+and the best CPU time (user + sys: steadier than wall time on a shared machine). The
+target of issue 15: ``--help`` under 0.3 s. Run it with ``PYTHONPATH`` naming the tree to
+measure.
 
     python -m bench.cli_startup [--runs 15]
 """
@@ -18,7 +19,7 @@ import time
 
 CASES = {
     "python -c pass": ["-c", "pass"],
-    "import unickpt": ["-c", "import unickpt, sys; assert 'torch' not in sys.modules"],
+    "import unickpt": ["-c", "import unickpt"],
     "unickpt --help": ["-m", "unickpt", "--help"],
     "import torch": ["-c", "import torch"],
 }
