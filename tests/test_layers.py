@@ -5,6 +5,7 @@ each other in a circle, even through imports made inside functions."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -32,6 +33,7 @@ def layer_of(module: str) -> int:
     return best
 
 
+@functools.cache
 def module_graph(root: Path = SRC) -> dict[str, set[str]]:
     """Each module of the package and the unickpt modules it imports (a ``from X import
     name`` counts as an import of ``X.name`` when that is a module, else of ``X``)."""
@@ -42,6 +44,8 @@ def module_graph(root: Path = SRC) -> dict[str, set[str]]:
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         targets: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
