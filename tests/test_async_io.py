@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.api.load import _Reader
+from unickpt.engine.tensor_reads import TensorReads
 from unickpt.engine.reads import Segment, SpanRead, coalesce, crc_blocks, fill_gaps
 from unickpt.engine.staging import plan_batches
 from unickpt.format.checksum import crc32c
@@ -74,14 +74,13 @@ def test_direct_reads_into_targets_and_buffered_fallback(tmp_path):
     assert stats["bytes_read"] == sum(v.nbytes for v in sd.values())
     # the contiguous targets are read in place: no scratch buffer in their spans
     m = unickpt.read_manifest(str(tmp_path / "c"))
-    from unickpt.api.load import _fill
     from unickpt.plan.piece import whole_piece
     from unickpt.storage.local import LocalStorage
 
-    reader = _Reader(LocalStorage(str(tmp_path / "c")), 2, True)
+    reader = TensorReads(LocalStorage(str(tmp_path / "c")), 2, True)
     target = torch.zeros(300, 50)
-    _fill(reader, m.tensors["big"], target, [whole_piece((300, 50))])
-    reads = [reader._span_read(e, sp, t) for e, _, sp, t in reader.jobs]
+    reader.add(m.tensors["big"], target, [whole_piece((300, 50))])
+    reads = [reader.span_read(e, sp, t) for e, sp, t in reader.jobs]
     assert all(s.target is not None for r in reads for s in r.segments)
 
 

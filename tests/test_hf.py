@@ -23,11 +23,9 @@ from typer.testing import CliRunner  # noqa: E402
 import unickpt  # noqa: E402
 from unickpt.adapters.hf import INDEX_NAME, is_hf, read_hf  # noqa: E402
 from unickpt.adapters.hf_export import export_hf, parse_size, split_shards  # noqa: E402
-from unickpt.api.load import _fill, _Reader  # noqa: E402
+from unickpt.engine.tensor_reads import read_entry  # noqa: E402
 from unickpt.cli import app  # noqa: E402
 from unickpt.examples.model import ModelArgs, Transformer  # noqa: E402
-from unickpt.format.dtypes import dtype_from_name  # noqa: E402
-from unickpt.plan.piece import whole_piece  # noqa: E402
 from unickpt.rules.hf import HF_LLAMA, hf_row_of, rotary_from_hf, rotary_to_hf  # noqa: E402
 from unickpt.storage.local import LocalStorage  # noqa: E402
 from unickpt.testing import run_ranks  # noqa: E402
@@ -195,13 +193,11 @@ def test_config_flag_when_model_args_missing(ckpt, tmp_path):
 
 
 def _assemble(path: str, entry) -> torch.Tensor:
-    out = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
     storage = LocalStorage(path)
-    reader = _Reader(storage, 2, False)
-    _fill(reader, entry, out, [whole_piece(entry.shape)])
-    reader.run()
-    storage.close()
-    return out
+    try:
+        return read_entry(storage, entry, 2, False)
+    finally:
+        storage.close()
 
 
 def test_read_hf_bitwise_and_logits(tmp_path):

@@ -221,13 +221,13 @@ def test_cli_prints_one_error_line_for_a_malformed_manifest(saved: Path, tmp_pat
 
 def test_cli_turns_an_unexpected_exception_into_one_line(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The last resort, for a bug no test has found yet: one line, exit 2, no traceback."""
-    from unickpt.api import load as load_module
+    from unickpt.adapters import checkpoint as checkpoint_module
     from unickpt.cli import app
 
     def broken(path: str):
         raise IndexError("list index out of range")
 
-    monkeypatch.setattr(load_module, "read_manifest", broken)
+    monkeypatch.setattr(checkpoint_module, "open_checkpoint", broken)
     r = CliRunner().invoke(app, ["inspect", str(ckpt)], env=ENV)
     assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines() == [

@@ -3,8 +3,8 @@
 A random global tensor is cut into random stored fragments (DTensor-like grids, padded
 boxes, fused/stacked pieces, ZeRO-style flat partitions with padding, and mixtures of
 those), each kept as contiguous bytes. Random target layouts are filled by executing the
-plan the way ``unickpt.api.load._Reader._run`` does (span bytes viewed as the dtype,
-``_Reader._copy`` for every copy), and compared bitwise with the reference.
+plan the way ``unickpt.engine.tensor_reads.TensorReads`` does (span bytes viewed as the dtype,
+``copy_into`` for every copy), and compared bitwise with the reference.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unickpt.api.load import _Reader, _target_view
+from unickpt.engine.tensor_reads import copy_into, target_view
 from unickpt.errors import ManifestError
 from unickpt.format.checksum import block_crcs
 from unickpt.format.manifest import Manifest
@@ -181,7 +181,7 @@ def cases(draw):
 
 
 def execute(plan, fragments: list[SourceFragment], data: list[torch.Tensor], dtype, local: torch.Tensor, hits: torch.Tensor):
-    """What ``_Reader._run`` does, minus the file: read span bytes, view them, copy."""
+    """What ``TensorReads`` does, minus the file: read span bytes, view them, copy."""
     size = dtype.itemsize
     for sp in plan.spans:
         frag_bytes = bits(data[sp.fragment])
@@ -189,9 +189,9 @@ def execute(plan, fragments: list[SourceFragment], data: list[torch.Tensor], dty
         view = buf.view(dtype)
         first = sp.start // size
         for c in sp.copies:
-            _Reader._copy(c, view, first, local)
+            copy_into(c, view, first, local)
             dst_local = c.target.local_of(c.box)
-            region(_target_view(hits, c.target), dst_local).add_(1)
+            region(target_view(hits, c.target), dst_local).add_(1)
 
 
 def rows_needed(c) -> tuple[int, int]:
@@ -276,8 +276,8 @@ def test_plan_reads_reshards_bitwise(case):
         expected = local.clone()
         want_hits = torch.zeros(tshape, dtype=torch.int64)
         for p in tpieces:
-            region(_target_view(expected, p), p.local_box).copy_(region(g, p.global_box))
-            region(_target_view(want_hits, p), p.local_box).add_(1)
+            region(target_view(expected, p), p.local_box).copy_(region(g, p.global_box))
+            region(target_view(want_hits, p), p.local_box).add_(1)
         plan = plan_reads(list(tpieces), fragments, dtype.itemsize, max_span_bytes=max_span)
         check_plan(plan, list(tpieces), fragments, dtype.itemsize, max_span)
         hits = torch.zeros(tshape, dtype=torch.int64)

@@ -270,7 +270,7 @@ def test_sharded_flat_partitions_round_trip(tmp_path):
 
 
 def test_load_tensor_mmap_maps_whole_tensors_and_still_verifies(ckpt):
-    from unickpt.api.load import mapped_entry
+    from unickpt.engine.tensor_reads import mapped_entry
     from unickpt.storage.local import LocalStorage
 
     path, sd = ckpt

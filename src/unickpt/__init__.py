@@ -1,14 +1,5 @@
 """unickpt: universal, fast, fault-tolerant checkpointing for distributed PyTorch."""
 
-__version__ = "0.1.0"
-
-from .api.async_save import AsyncSaveHandle, async_save  # noqa: E402
-from .api.convert import convert  # noqa: E402
-from .api.load import load, load_rank_values, load_tensor, read_manifest  # noqa: E402
-from .api.manager import CheckpointManager  # noqa: E402
-from .api.save import save  # noqa: E402
-from .engine.state import PerRank, Sharded  # noqa: E402
-from .api.verify import verify  # noqa: E402
 from .errors import (  # noqa: E402
     CorruptionError,
     FormatVersionError,
@@ -23,6 +14,33 @@ from .errors import (  # noqa: E402
     UnickptError,
     UnsafePickleError,
 )
+
+from .version import __version__  # noqa: E402
+
+# The entry points import torch: they are loaded on first use (PEP 562), so that
+# ``import unickpt`` (and the command line's start) costs no torch import.
+_LAZY = {
+    "save": "api.save", "async_save": "api.async_save", "AsyncSaveHandle": "api.async_save",
+    "load": "api.load", "load_rank_values": "api.load", "load_tensor": "api.load", "read_manifest": "api.load",
+    "convert": "api.convert", "verify": "api.verify", "CheckpointManager": "api.manager",
+    "PerRank": "engine.state", "Sharded": "engine.state",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unickpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "save", "load", "CheckpointManager", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "verify",

@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
+from .version import __version__
 from .errors import UnickptError
 
 if TYPE_CHECKING:
@@ -145,13 +145,14 @@ def _tensor_count(manifest: Any) -> str:
 
 def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
     """Everything ``inspect`` shows, as JSON-ready data, and the checkpoint's ledger."""
+    from .adapters.checkpoint import open_checkpoint
     from .adapters.regions import source_ledger
-    from .api.load import read_manifest
     from .format.dtypes import itemsize
     from .format.values import decode_value
 
-    m = read_manifest(path)
-    ledger = source_ledger(path, m)
+    with open_checkpoint(path) as ckpt:
+        m = ckpt.manifest
+        ledger = source_ledger(ckpt)
     tensors = []
     for t in m.tensors.values():
         stored = sum(prod(f.shape) for f in t.fragments) * itemsize(t.dtype)
@@ -379,13 +380,14 @@ def verify_cmd(
 ) -> None:
     """Re-check every checksum and file size; exit 1 if anything is corrupt, or the source
     holds anything unickpt does not read (unless --allow-skip)."""
-    from .api.load import read_manifest
+    from .adapters.checkpoint import open_checkpoint
     from .api.verify import total_bytes, verify
 
-    manifest = read_manifest(str(path))
-    total = total_bytes(manifest)
-    t0 = time.perf_counter()
-    report = _with_byte_progress("verifying", total, lambda progress: verify(str(path), progress=progress, threads=threads))
+    with open_checkpoint(str(path)) as ckpt:
+        manifest = ckpt.manifest
+        total = total_bytes(manifest)
+        t0 = time.perf_counter()
+        report = _with_byte_progress("verifying", total, lambda progress: verify(ckpt, progress=progress, threads=threads))
     elapsed = time.perf_counter() - t0
     out = _out()
     counted = _tensor_count(manifest)
@@ -453,18 +455,24 @@ def convert_cmd(
     --consolidate stores one fragment per tensor. State is never dropped silently: when the
     source holds data unickpt does not read, or the output format cannot hold some of the
     state, convert lists it and writes nothing (exit 1) unless --allow-skip."""
-    from .adapters.detect import checkpoint_format
-    from .adapters.regions import source_ledger
-    from .api.convert import convert, total_bytes
-    from .api.load import read_manifest
+    from .adapters.checkpoint import open_checkpoint
 
     if to not in ("unickpt", "dcp", "deepspeed"):
         raise _fail(f"unknown output format {to!r}: choose unickpt, dcp or deepspeed")
-    source_format = checkpoint_format(str(src))
+    with open_checkpoint(str(src)) as ckpt:
+        _convert(ckpt, dst, to, consolidate, threads, buffer_mib, overwrite, allow_skip)
+
+
+def _convert(ckpt: Any, dst: Path, to: str, consolidate: bool, threads: int, buffer_mib: int, overwrite: bool,
+             allow_skip: bool) -> None:
+    """``convert`` of an open checkpoint: its manifest and ledger are built once, here."""
+    from .adapters.regions import source_ledger
+    from .api.convert import convert, total_bytes
+
+    src, source_format, manifest = ckpt.location, ckpt.format, ckpt.manifest
     if to == "unickpt" and source_format == "unickpt" and not consolidate:
         raise _fail("nothing to do: pass --consolidate, or --to dcp / --to deepspeed")
-    manifest = read_manifest(str(src))
-    ledger = source_ledger(str(src), manifest)
+    ledger = source_ledger(ckpt)
     _refuse_incomplete(ledger, allow_skip, "written")
     total = total_bytes(manifest)
     if to != "unickpt":
@@ -481,18 +489,19 @@ def convert_cmd(
             raise typer.Exit(EXIT_FAILED)
     if to == "unickpt":
         kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
-        report = _with_byte_progress("converting", total, lambda progress: convert(str(src), str(dst), progress=progress, **kwargs))
+        report = _with_byte_progress("converting", total, lambda progress: convert(ckpt, str(dst), progress=progress, ledger=ledger,
+                                                                                       **kwargs))
         what = f"{report.tensors} tensors " + ("consolidated" if source_format == "unickpt" else "imported")
     elif to == "dcp":
         from .adapters.dcp_writer import write_dcp
 
-        report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite))
+        report = _with_byte_progress("writing DCP", total, lambda progress: write_dcp(ckpt, str(dst), progress=progress, threads=threads, overwrite=overwrite))
         what = f"{report.tensors} tensors"
     else:
         from .adapters.deepspeed_writer import write_universal
 
         report = _with_byte_progress(
-            "writing DeepSpeed universal", total, lambda progress: write_universal(str(src), str(dst), progress=progress, threads=threads, overwrite=overwrite)
+            "writing DeepSpeed universal", total, lambda progress: write_universal(ckpt, str(dst), progress=progress, threads=threads, overwrite=overwrite)
         )
         what = f"{report.params} parameters"
     warnings = list(getattr(report, "warnings", [])) + ledger_warnings(ledger)
@@ -537,8 +546,8 @@ def export_cmd(
     """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming.
     Every other tensor is listed; exit 1, writing nothing, when model weights would be left
     out or the source holds data unickpt does not read, unless --allow-skip."""
+    from .adapters.checkpoint import open_checkpoint
     from .adapters.hf_export import export_hf, export_ledger, parse_size, plan_hf_export
-    from .api.load import read_manifest
 
     if fmt != "hf":
         raise _fail(f"unknown export format {fmt!r} (known: hf)")
@@ -552,12 +561,13 @@ def export_cmd(
         if not isinstance(hf_config, dict):
             raise _fail(f"{config} does not hold a JSON object")
     kwargs: dict[str, Any] = {"dtype": dtype, "names": names, "prefix": prefix, "config": hf_config}
-    manifest = read_manifest(str(src))
-    plan = plan_hf_export(manifest, **kwargs)
-    _refuse_incomplete(export_ledger(str(src), manifest, plan), allow_skip, "exported")
-    total = plan.total_bytes
-    report = _with_byte_progress("exporting", total, lambda progress: export_hf(
-        str(src), str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
+    with open_checkpoint(str(src)) as ckpt:
+        manifest = ckpt.manifest
+        plan = plan_hf_export(manifest, **kwargs)
+        _refuse_incomplete(export_ledger(ckpt, manifest, plan), allow_skip, "exported")
+        total = plan.total_bytes
+        report = _with_byte_progress("exporting", total, lambda progress: export_hf(
+            ckpt, str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
     extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
     warnings = list(getattr(report, "warnings", [])) + ledger_warnings(report.ledger)
     _print_warnings(warnings)

@@ -6,11 +6,20 @@ With no process group (a single process) every function degrades to the local ca
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def is_dtensor(t: Any) -> bool:
+    """True for a DTensor."""
+    # no DTensor can exist before its module is imported, and importing it costs ~1 s
+    # (sympy), which a command-line conversion never needs
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 @dataclass

@@ -45,6 +45,7 @@ from ..format.values import encode_value
 from ..plan.box import Box, intersect
 from ..plan.piece import box_piece
 from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 from .detect import check_relative_path
 from .torch_archive import StoredTensor, inert_records, loads_restricted, read_archive, stored_tensors
 
@@ -68,13 +69,13 @@ _MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 def is_dcp(path: str) -> bool:
     """True when ``path`` is a directory holding a DCP ``.metadata`` file (or the per-rank
     ``__{rank}.metadata`` files of a save without collectives)."""
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     return storage.root.is_dir() and ((storage.root / METADATA_NAME).is_file() or bool(rank_metadata_files(path)))
 
 
 def rank_metadata_files(path: str) -> dict[int, str]:
     """``{rank: "__{rank}.metadata"}`` of a DCP save without collectives (empty otherwise)."""
-    root = LocalStorage(path).root
+    root = open_storage(path).root
     if not root.is_dir():
         return {}
     return {int(m.group(1)): f.name for f in root.iterdir() if (m := _RANK_METADATA.match(f.name)) and f.is_file()}
@@ -118,7 +119,7 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
 def read_metadata(path: str, name: str = METADATA_NAME) -> Any:
     """The ``Metadata`` object of the DCP checkpoint at ``path`` (its file ``name``),
     unpickled with the allow list and checked for the structure a reader relies on."""
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     data = storage.read_small(name)
     md = loads_restricted(data, f"{path}/{name}", metadata_allow_list())
     _check_metadata(md, path, name)
@@ -180,7 +181,7 @@ def writer_rank(file: str) -> int | None:
 def read_dcp(path: str, md: Any = None) -> Manifest:
     """An in-memory manifest of the DCP checkpoint at ``path`` (see the module docstring);
     ``md``: its metadata when the caller has read it already."""
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     try:
         if md is None and not storage.exists(METADATA_NAME) and (per_rank := rank_metadata_files(path)):
             return _build_rank_local(storage, per_rank, str(path))

@@ -29,6 +29,7 @@ from ..format.safetensors_header import header_tensors, read_header
 from ..plan.box import Box, intersect
 from ..plan.piece import box_piece
 from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 OFFSETS_KEY = "saved_offsets"
@@ -63,7 +64,7 @@ def is_dcp_hf(path: str) -> bool:
     """True when ``path`` holds safetensors files written by DCP's Hugging Face storage that
     are sharded: ``DCP_SHARDING_INFO`` with a chunk off the origin or a tensor in several
     files. (Unsharded ones, every tensor whole, are plain Hugging Face files.)"""
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     if not storage.root.is_dir():
         return False
     seen: set[str] = set()
@@ -100,7 +101,7 @@ def _index_total(storage: LocalStorage) -> int | None:
 
 def read_dcp_hf(path: str) -> Manifest:
     """An in-memory manifest of the DCP Hugging Face storage checkpoint at ``path``."""
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     try:
         return _build(storage, str(path))
     finally:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -43,10 +42,13 @@ from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.values import decode_value
-from ..storage.local import FileWriter, LocalStorage
+from ..engine.reads import Scratch
+from ..engine.tensor_reads import aligned, batches, read_tensors
+from ..storage.local import FileWriter
+from ..storage.open import open_storage
 from ..storage.files import cleans_up_output
 from .dcp import DATA_SUFFIX, METADATA_NAME
-from .detect import open_manifest
+from .checkpoint import Checkpoint, using_checkpoint
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 _COALESCE_BYTES = 1 << 20
@@ -127,7 +129,7 @@ def _terminal(values: list[Any]) -> bool:
 
 @cleans_up_output
 def write_dcp(
-    src: str,
+    src: str | Checkpoint,
     dst: str,
     *,
     progress: Callable[[int], None] | None = None,
@@ -140,16 +142,19 @@ def write_dcp(
     written; ``threads`` bounds the read threads and the number of data files (one per
     256 MiB of tensor data, each filled by its own thread). An existing
     DCP checkpoint at ``dst`` is replaced only with ``overwrite=True``."""
-    from torch.distributed.checkpoint import filesystem as dcp_fs
-    from torch.distributed.checkpoint import metadata as dcp_md
-
-    from ..api.convert import aligned, batches, read_whole  # convert's bounded-memory whole-tensor reader
-
     if threads < 1 or buffer_bytes < 1:
         raise UnickptError("write_dcp: threads and buffer_bytes must be >= 1")
     t0 = time.perf_counter()
-    manifest = open_manifest(str(src))
-    source, out = LocalStorage(src), LocalStorage(dst)
+    with using_checkpoint(src) as ckpt:
+        return _write_dcp(ckpt, dst, buffer_bytes, threads, overwrite, progress, t0)
+
+
+def _write_dcp(ckpt: Checkpoint, dst: str, buffer_bytes: int, threads: int, overwrite: bool,
+               progress: Callable[[int], None] | None, t0: float) -> DcpWriteReport:
+    from torch.distributed.checkpoint import filesystem as dcp_fs
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    manifest, source, out = ckpt.manifest, ckpt.storage, open_storage(dst)
     if out.root.resolve() == source.root.resolve():
         raise SaveError("write_dcp: the destination must differ from the source")
     if out.exists(MANIFEST_NAME):
@@ -210,7 +215,7 @@ def write_dcp(
         arena = torch.empty(max(largest, min(aligned(buffer_bytes), total), 64), dtype=torch.uint8)
         arena_bytes = memoryview(arena.numpy())
         span_bytes = max(1, buffer_bytes // threads)
-        buffers = threading.local()
+        scratch = Scratch()
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for batch in batches(list(enumerate(tensors)), arena.numel()):
                 views: list[torch.Tensor] = []
@@ -225,7 +230,7 @@ def write_dcp(
                     else:
                         views.append(torch.empty(e.shape, dtype=dt))
                     at += aligned(e.nbytes)
-                read_whole(pool, buffers, source, [(e, t) for (_, e), t in zip(batch, views) if e.nbytes], span_bytes, True)
+                read_tensors(source, [(e, t) for (_, e), t in zip(batch, views) if e.nbytes], span_bytes, True, pool, scratch)
                 per_file: dict[int, list[tuple[int, TensorEntry, torch.Tensor]]] = {}
                 for (i, e), t in zip(batch, views):
                     per_file.setdefault(assign[i], []).append((i, e, t))
@@ -276,7 +281,7 @@ def write_dcp(
     )
     out.write_atomic(METADATA_NAME, pickle.dumps(md))
     sizes = sum(out.size(f) for f in file_names)
-    return DcpWriteReport(str(src), str(dst), len(tensors), len(values), sizes, len(file_names),
+    return DcpWriteReport(ckpt.location, str(dst), len(tensors), len(values), sizes, len(file_names),
                           time.perf_counter() - t0, warnings)
 
 

@@ -69,7 +69,7 @@ from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
 from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
-from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 from .torch_archive import StoredTensor, archive_layout, read_archive
 
 
@@ -130,7 +130,7 @@ MARKERS = ("latest", "latest_universal")
 
 def _kind(root: str) -> str | None:
     """``"zero"`` or ``"universal"`` for a checkpoint tag directory, else None."""
-    storage = LocalStorage(root)
+    storage = open_storage(root)
     names = storage.names()
     optim = any(OPTIM_FILE.match(n) or EXPERT_OPTIM_FILE.match(n) for n in names)
     if optim and any(MODEL_FILE.match(n) or ZERO3_MODEL_FILE.match(n) for n in names):
@@ -145,7 +145,7 @@ def _resolve(path: str) -> tuple[str, str, str] | None:
     kind = _kind(path)
     if kind:
         return "", path, kind
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     for marker in MARKERS:
         if not storage.exists(marker):
             continue
@@ -191,7 +191,7 @@ class _Builder:
     """Collects entries, values and files of the manifest being built."""
 
     def __init__(self, root: str, prefix: str) -> None:
-        self.storage = LocalStorage(root)
+        self.storage = open_storage(root)
         self.prefix = prefix
         self.manifest = Manifest()
         self.skipped: dict[str, str] = {}
@@ -530,7 +530,7 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
 
 
 def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
-    names = LocalStorage(tag_dir).names()
+    names = open_storage(tag_dir).names()
     _refuse_experts(tag_dir, names, {})
     optim = _rank_files(names, OPTIM_FILE)
     mps = list(optim)
@@ -813,7 +813,7 @@ UNIVERSAL_STATES = {"fp32": "model.{}", "exp_avg": "optim.state.{}.exp_avg", "ex
 
 
 def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
-    names = LocalStorage(tag_dir).names()
+    names = open_storage(tag_dir).names()
     model_file = next((n for n in names if MODEL_FILE.match(n)), None) or next((n for n in names if ZERO3_MODEL_FILE.match(n)), None)
     model = b.archive(model_file) if model_file else {}
     model = model if isinstance(model, dict) else {}
@@ -823,8 +823,8 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
     inner = osd.get("optimizer_state_dict") if isinstance(osd.get("optimizer_state_dict"), dict) else {}
     zero = os.path.join(tag_dir, "zero")
     layout = "deepspeed universal"
-    for param in LocalStorage(zero).names():
-        for fname in LocalStorage(os.path.join(zero, param)).names():
+    for param in open_storage(zero).names():
+        for fname in open_storage(os.path.join(zero, param)).names():
             if not fname.endswith(".pt"):
                 continue
             key = fname[:-3]

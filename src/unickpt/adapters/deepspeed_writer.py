@@ -52,8 +52,10 @@ from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.files import DurableBatch, cleans_up_output
-from ..storage.local import LocalStorage
-from .detect import open_manifest
+from ..engine.reads import Scratch
+from ..engine.tensor_reads import read_tensors
+from ..storage.open import open_storage
+from .checkpoint import Checkpoint, open_checkpoint
 
 UNIVERSAL_CHECKPOINT_VERSION = 0.4
 DS_VERSION_FALLBACK = "0.19.0"  # ds_version written when the source is not a DeepSpeed checkpoint
@@ -179,7 +181,7 @@ class _ByteBudget:
 
 @cleans_up_output
 def write_universal(
-    src: str,
+    src: str | Checkpoint,
     dst: str,
     *,
     progress: Callable[[int], None] | None = None,
@@ -204,12 +206,11 @@ def write_universal(
     bytes of tensors (a larger tensor alone); the files are fsynced together at the end,
     before the marker. The first failure stops the files not yet started and is raised.
     """
-    from ..api.convert import read_whole  # the bounded-memory whole-tensor reader of convert
-
     if threads < 1:
         raise UnickptError("write_universal: threads must be >= 1")
     t0 = time.perf_counter()
-    manifest = open_manifest(str(src))
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    manifest, source, src = ckpt.manifest, ckpt.storage, ckpt.location
     dst_path = Path(dst)
     if dst_path.resolve() == Path(src).resolve():
         raise SaveError("write_universal: the destination must differ from the source")
@@ -232,8 +233,8 @@ def write_universal(
     batch = DurableBatch(dst, threads=max(8, threads))
     budget = _ByteBudget(max_bytes_in_flight)
     reuse_limit = max_bytes_in_flight // (2 * threads)
-    source = LocalStorage(src)
     buffers = threading.local()
+    scratch = Scratch()
     lock = threading.Lock()
     steps: dict[int, torch.Tensor] = {}
 
@@ -244,7 +245,7 @@ def write_universal(
             with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "float32" else 0)):
                 t = _reusable(buffers, e, reuse_limit)
                 if t.numel():
-                    read_whole(None, buffers, source, [(e, t)], 16 << 20, verify)
+                    read_tensors(source, [(e, t)], 16 << 20, verify, None, scratch)
                 return _write_state(param, key, t.float() if key == "fp32" else t, index)
         if isinstance(e, (int, float)):
             return _write_state(param, key, torch.tensor(float(e)), index)
@@ -333,6 +334,6 @@ def write_universal(
         files += 1
     batch.commit()
     # the marker last: DeepSpeed follows it only once every file above is durable
-    LocalStorage(marker_dir).write_atomic("latest_universal", tag.encode())
+    open_storage(marker_dir).write_atomic("latest_universal", tag.encode())
     return UniversalReport(str(src), str(dst), len(params), files + 1, written, global_steps, time.perf_counter() - t0,
                            left_out(manifest))

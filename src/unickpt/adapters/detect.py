@@ -14,7 +14,9 @@ import importlib
 import os
 from ..errors import ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..storage.local import LocalStorage, is_inside
+from ..storage.base import Storage
+from ..storage.local import is_inside
+from ..storage.open import open_storage
 
 # (name, module, detector, reader); detectors are tried in this order (Megatron-Core's
 # torch_dist checkpoints are DCP checkpoints with more: it comes first)
@@ -27,18 +29,24 @@ FORMATS = [
 ]
 
 
-def checkpoint_format(path: str) -> str:
+def checkpoint_format(path: str, storage: Storage | None = None) -> str:
     """``"unickpt"``, ``"megatron"``, ``"dcp"``, ``"deepspeed"``, ``"dcp-hf"`` or ``"hf"``;
-    NotACheckpointError otherwise."""
-    if not os.path.isdir(path):
-        raise NotACheckpointError(f"{path}: " + ("not a directory" if os.path.exists(path) else "no such directory"))
-    storage = LocalStorage(path)
+    NotACheckpointError otherwise. ``storage``: the location already opened (a native
+    checkpoint is recognised through it, on any backend; foreign formats are read from a
+    local directory)."""
+    storage = storage if storage is not None else open_storage(path)
+    if not hasattr(storage, "names"):  # not local files: only unickpt's own format
+        if storage.exists(MANIFEST_NAME):
+            return "unickpt"
+        raise NotACheckpointError(f"{path}: not a committed checkpoint (no {MANIFEST_NAME})")
+    if not os.path.isdir(storage.root):
+        raise NotACheckpointError(f"{path}: " + ("not a directory" if os.path.exists(storage.root) else "no such directory"))
     if storage.exists(MANIFEST_NAME):
         return "unickpt"
     if any(f.startswith("rank_") and f.endswith(".safetensors") for f in storage.names()):
         raise NotACheckpointError(f"{path}: not a committed checkpoint (no {MANIFEST_NAME})")
     for name, module, detector, _ in FORMATS:
-        if getattr(importlib.import_module(module), detector)(str(path)):
+        if getattr(importlib.import_module(module), detector)(str(storage.root)):
             return name
     raise NotACheckpointError(
         f"{path}: not a checkpoint (no manifest.json of unickpt, no metadata.json of Megatron-Core, "
@@ -46,13 +54,18 @@ def checkpoint_format(path: str) -> str:
     )
 
 
-def open_manifest(path: str) -> Manifest:
-    """The manifest of the checkpoint at ``path`` in any supported format (validated)."""
-    fmt = checkpoint_format(path)
+def open_manifest(path: str, storage: Storage | None = None, regions: dict | None = None) -> Manifest:
+    """The manifest of the checkpoint at ``path`` (``storage``: the location already
+    opened) in any supported format (validated). ``regions``, when given, receives the
+    byte regions a foreign reader declares while it reads (DeepSpeed's: the ledger then
+    needs no second pass)."""
+    storage = storage if storage is not None else open_storage(path)
+    fmt = checkpoint_format(path, storage)
     if fmt == "unickpt":
-        return Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))
+        return Manifest.from_json(storage.read_small(MANIFEST_NAME))
     _, module, _, reader = next(f for f in FORMATS if f[0] == fmt)
-    manifest = getattr(importlib.import_module(module), reader)(str(path))
+    read = getattr(importlib.import_module(module), reader)
+    manifest = read(str(storage.root), regions) if fmt == "deepspeed" and regions is not None else read(str(storage.root))
     manifest.provenance.setdefault("format", fmt)
     check_foreign(manifest)
     return manifest

@@ -24,6 +24,7 @@ from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
 from ..rules.hf import HfMapping, heads_from_config, hf_row_of
 from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -36,7 +37,7 @@ class HfError(UnickptError):
 def is_hf(path: str) -> bool:
     """True when ``path`` is a folder of HF safetensors: ``model.safetensors.index.json``
     or ``*.safetensors`` files, and no ``manifest.json`` (that would be a unickpt checkpoint)."""
-    files = LocalStorage(path).names()
+    files = open_storage(path).names()
     return MANIFEST_NAME not in files and (INDEX_NAME in files or any(f.endswith(".safetensors") for f in files))
 
 
@@ -90,7 +91,7 @@ def read_hf(path: str, names: HfMapping | None = None, prefix: str = "") -> Mani
     still without a copy (head counts from ``config.json``). A tied ``lm_head`` (no
     ``lm_head.weight``) is given as the embedding's fragment under the output's name.
     """
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     try:
         files, wmap = _shard_files(storage)
         config = _read_json(storage, CONFIG_NAME) if storage.exists(CONFIG_NAME) else None

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..api.load import read_entry, read_manifest
+from ..engine.tensor_reads import read_entry
 from ..errors import UnickptError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.ledger import Ledger
@@ -44,9 +44,11 @@ from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
-from ..storage.local import LocalStorage
+from ..storage.base import Storage
+from ..storage.open import open_storage
 from ..storage.files import cleans_up_output
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
+from .checkpoint import Checkpoint, open_checkpoint
 from .regions import source_ledger
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -246,7 +248,7 @@ def split_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return shards
 
 
-def _read(storage: LocalStorage, t: OutTensor, threads: int) -> torch.Tensor:
+def _read(storage: Storage, t: OutTensor, threads: int) -> torch.Tensor:
     """The whole tensor, assembled from its fragments (checksums verified), in HF form."""
     e = t.entry
     out = read_entry(storage, e, threads)
@@ -257,7 +259,7 @@ def _read(storage: LocalStorage, t: OutTensor, threads: int) -> torch.Tensor:
     return out.contiguous()
 
 
-def _prepare_dst(out: LocalStorage, src: LocalStorage, overwrite: bool) -> None:
+def _prepare_dst(out: Storage, src: Storage, overwrite: bool) -> None:
     if out.root.resolve() == src.root.resolve():
         raise HfError("export: the destination must differ from the source")
     present = out.names()
@@ -274,7 +276,7 @@ def _prepare_dst(out: LocalStorage, src: LocalStorage, overwrite: bool) -> None:
 
 @cleans_up_output
 def export_hf(
-    src: str,
+    src: str | Checkpoint,
     dst: str,
     *,
     max_shard_size: str | int = "5GB",
@@ -294,11 +296,12 @@ def export_hf(
     that is acceptable (the command line refuses dropped or skipped tensors)."""
     t0 = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
-    source = LocalStorage(src)
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    source = ckpt.storage
     try:
-        manifest = read_manifest(src)
+        manifest = ckpt.manifest
         plan = plan_hf_export(manifest, names=names, prefix=prefix, dtype=dtype, config=config)
-        out = LocalStorage(dst)
+        out = open_storage(dst)
         _prepare_dst(out, source, overwrite)
         groups = split_shards([t.nbytes for t in plan.tensors], max_bytes)
         shard_names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
@@ -333,13 +336,13 @@ def export_hf(
     finally:
         source.close()
     return ExportReport(str(dst), len(plan.tensors), shard_names, written, plan.names, plan.config is not None,
-                        time.perf_counter() - t0, weight_map, export_ledger(src, manifest, plan))
+                        time.perf_counter() - t0, weight_map, export_ledger(ckpt, manifest, plan))
 
 
-def export_ledger(src: str, manifest: Manifest, plan: ExportPlan) -> Ledger:
+def export_ledger(src: str | Checkpoint, manifest: Manifest, plan: ExportPlan) -> Ledger:
     """The source's ledger as an export sees it: the exported tensors read; the others
     left out, or skipped (dropped by the prefix, or skipped by the source's reader)."""
-    ledger = source_ledger(src, manifest)
+    ledger = source_ledger(src)
     ledger.tensors = len(plan.tensors)
     ledger.bytes_read = sum(t.entry.nbytes for t in plan.tensors)
     ledger.left_out = dict(plan.left_out)

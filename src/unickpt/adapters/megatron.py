@@ -40,6 +40,7 @@ from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 from .dcp import METADATA_NAME, read_dcp, read_metadata
 from .torch_archive import InertRecord, StoredTensor, read_archive, records_in, stored_tensors
 
@@ -50,7 +51,7 @@ COMMON_NAME = "common.pt"
 def read_config(path: str) -> dict[str, Any] | None:
     """The parsed ``metadata.json`` of a Megatron-Core checkpoint at ``path``, or None when
     there is none or it is not Megatron-Core's (no ``sharded_backend``)."""
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     if not storage.root.is_dir() or not (storage.root / CONFIG_NAME).is_file():
         return None
     try:
@@ -78,7 +79,7 @@ def read_megatron(path: str) -> Manifest:
             f"{path}: Megatron-Core dist_checkpointing backend {backend!r} is not supported "
             "(unickpt reads the torch_dist backend, Megatron-Core's default)"
         )
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     if not storage.exists(METADATA_NAME):
         raise ManifestError(f"{path}: a Megatron-Core torch_dist checkpoint without its DCP {METADATA_NAME}")
     md = read_metadata(path)

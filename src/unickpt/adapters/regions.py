@@ -29,11 +29,11 @@ from ..errors import UnickptError
 from ..format.ledger import Ledger, Region, build_ledger
 from ..format.manifest import Manifest
 from ..format.safetensors_header import read_header
-from ..storage.local import LocalStorage
-from .detect import open_manifest
+from ..storage.base import Storage
+from .checkpoint import Checkpoint, open_checkpoint
 
 
-def safetensors_regions(storage: LocalStorage, name: str) -> list[Region]:
+def safetensors_regions(storage: Storage, name: str) -> list[Region]:
     """The header of a safetensors file (structure) and each entry's bytes (owned by its key)."""
     header, start = read_header(storage.reader(name))
     if not isinstance(header, dict):
@@ -65,14 +65,14 @@ def _dcp_regions(path: str, manifest: Manifest) -> tuple[dict[str, list[Region]]
     return regions, ignored
 
 
-def source_ledger(path: str, manifest: Manifest | None = None) -> Ledger:
-    """The ledger of the checkpoint at ``path`` (``manifest``: its manifest when already
-    open). Files whose header cannot be read are left unchecked here: ``verify`` reports
-    them."""
-    if manifest is None:
-        manifest = open_manifest(str(path))
-    fmt = manifest.provenance.get("format", "unickpt")
-    storage = LocalStorage(path)
+def source_ledger(checkpoint: Checkpoint | str) -> Ledger:
+    """The ledger of an open checkpoint (or of the one at a path). Files whose header
+    cannot be read are left unchecked here: ``verify`` reports them."""
+    if not isinstance(checkpoint, Checkpoint):
+        with open_checkpoint(checkpoint) as opened:
+            return source_ledger(opened)
+    manifest, storage = checkpoint.manifest, checkpoint.storage
+    fmt = checkpoint.format
     declared: dict[str, list[Region]] = {}
     ignored: dict[str, str] = {}
     try:
@@ -83,12 +83,14 @@ def source_ledger(path: str, manifest: Manifest | None = None) -> Ledger:
                         declared[name] = safetensors_regions(storage, name)
                     except (UnickptError, OSError):
                         pass
+        elif fmt == "deepspeed" and checkpoint.regions is not None:  # declared while the manifest was read
+            declared = dict(checkpoint.regions)
         elif fmt == "deepspeed":
             from .deepspeed import read_deepspeed
 
-            read_deepspeed(str(path), declared)
+            read_deepspeed(str(storage.root), declared)
         elif fmt in ("dcp", "megatron"):  # Megatron-Core's torch_dist is DCP's layout
-            declared, ignored = _dcp_regions(str(path), manifest)
+            declared, ignored = _dcp_regions(str(storage.root), manifest)
     finally:
-        storage.close()
+        storage.close()  # its open readers: the storage stays usable
     return build_ledger(manifest, declared, ignored)

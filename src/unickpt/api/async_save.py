@@ -25,6 +25,7 @@ from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment
 from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
 from .save import (
@@ -300,7 +301,7 @@ def async_save(
         raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
     _SAVER.wait()
     group = checkpoint_group(resolve_group(process_group))
-    if LocalStorage(path).exists(MANIFEST_NAME) and not overwrite:
+    if open_storage(path).exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
     try:
         with gc_paused():

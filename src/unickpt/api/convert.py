@@ -30,31 +30,29 @@ from __future__ import annotations
 
 import datetime
 import platform
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
+from pathlib import Path
 
 import torch
 
-from .. import __version__
-from ..errors import CorruptionError, SaveError, UnickptError
-from ..adapters.detect import open_manifest
+from ..version import __version__
+from ..errors import SaveError, UnickptError
+from ..adapters.checkpoint import Checkpoint, using_checkpoint
 from ..adapters.regions import source_ledger
-from ..format.checksum import crc32c
-from ..format.dtypes import dtype_from_name, itemsize
+from ..format.dtypes import dtype_from_name
 from ..format.ledger import Ledger
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment, Manifest, TensorEntry
-from ..plan.box import Box
-from ..plan.piece import Piece, whole_piece
-from ..plan.read_plan import Span, plan_reads
-from ..storage.local import LocalStorage
+from ..plan.piece import whole_piece
+from ..storage.base import Storage
+from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
-from .load import direct_segments, source_fragments
-from ..engine.reads import Segment, SpanRead, checksum_error, read_group
+from ..engine.reads import Scratch
+from ..engine.tensor_reads import aligned, batches, read_tensors
 from ..storage.transaction import DirectoryWrite
 from .save import checkpoint_file, data_file_name
 from ..engine.writer import DataFileWriter, as_bytes
@@ -85,7 +83,7 @@ def total_bytes(manifest: Manifest) -> int:
 
 @gc_paused()
 def convert(
-    src: str,
+    src: str | Checkpoint,
     dst: str,
     *,
     consolidate: bool = True,
@@ -95,8 +93,11 @@ def convert(
     overwrite: bool = False,
     verify: bool = True,
     progress: Callable[[int], None] | None = None,
+    ledger: Ledger | None = None,
 ) -> ConvertReport:
-    """Write a consolidated copy of checkpoint ``src`` to ``dst``: one fragment per tensor.
+    """Write a consolidated copy of checkpoint ``src`` (a path, or a checkpoint the caller
+    opened with :func:`~unickpt.adapters.checkpoint.open_checkpoint`) to ``dst``: one
+    fragment per tensor.
 
     Any tensor state passes through (model weights, every optimizer's per-parameter
     state, whatever its key), as do plain values, per-rank state and the metadata (so
@@ -107,32 +108,33 @@ def convert(
     The report's ``ledger`` accounts for the source: what its reader skipped (left out of
     the copy, named in ``provenance["consolidated_from"]["skipped"]``) and any bytes it
     could not account for; check ``report.ledger.complete`` (the command line refuses an
-    incomplete source unless ``--allow-skip``).
+    incomplete source unless ``--allow-skip``). ``ledger``: the source's, when the caller
+    has already built it (it is then not built twice).
     """
     if not consolidate:
         raise UnickptError("convert: only consolidate=True is implemented (one fragment per tensor)")
     if threads < 1 or buffer_bytes < 1 or block_bytes <= 0 or block_bytes % 8:
         raise UnickptError("convert: threads and buffer_bytes must be >= 1, block_bytes a positive multiple of 8")
     t0 = time.perf_counter()
-    source = LocalStorage(src)
-    manifest = open_manifest(str(src))
-    ledger = source_ledger(str(src), manifest)
-    if LocalStorage(dst).root.resolve() == source.root.resolve():
-        raise SaveError("convert: the destination must differ from the source")
-    if LocalStorage(dst).exists(MANIFEST_NAME) and not overwrite:
-        raise SaveError(f"{dst} already holds a committed checkpoint; pass overwrite=True to replace it")
-    # written beside dst and swapped in at the end, like a save: a failure leaves dst as it was
-    claim = DirectoryWrite.begin(dst, MANIFEST_NAME, overwrite, checkpoint_file)
-    try:
-        result = _consolidate(manifest, source, LocalStorage(claim.staging), threads, buffer_bytes, block_bytes, verify, progress,
-                              ledger.skipped)
-        claim.commit({MANIFEST_NAME: result.manifest.to_json().encode()})
-    except BaseException:
-        claim.abort()
-        raise
-    finally:
-        source.close()
-    return ConvertReport(src, dst, len(result.manifest.tensors), result.bytes_written, result.bytes_read,
+    with using_checkpoint(src) as ckpt:
+        source, manifest = ckpt.storage, ckpt.manifest
+        if ledger is None:
+            ledger = source_ledger(ckpt)
+        out = open_storage(dst)
+        if Path(getattr(out, "root", dst)).resolve() == Path(getattr(source, "root", ckpt.location)).resolve():
+            raise SaveError("convert: the destination must differ from the source")
+        if out.exists(MANIFEST_NAME) and not overwrite:
+            raise SaveError(f"{dst} already holds a committed checkpoint; pass overwrite=True to replace it")
+        # written beside dst and swapped in at the end, like a save: a failure leaves dst as it was
+        claim = DirectoryWrite.begin(dst, MANIFEST_NAME, overwrite, checkpoint_file)
+        try:
+            result = _consolidate(manifest, source, open_storage(claim.staging), threads, buffer_bytes, block_bytes, verify,
+                                  progress, ledger.skipped)
+            claim.commit({MANIFEST_NAME: result.manifest.to_json().encode()})
+        except BaseException:
+            claim.abort()
+            raise
+    return ConvertReport(ckpt.location, str(dst), len(result.manifest.tensors), result.bytes_written, result.bytes_read,
                          len(result.manifest.files), time.perf_counter() - t0, ledger)
 
 
@@ -144,7 +146,7 @@ class _Consolidated:
 
 
 def _consolidate(
-    manifest: Manifest, source: LocalStorage, out: LocalStorage, threads: int, buffer_bytes: int, block_bytes: int,
+    manifest: Manifest, source: Storage, out: Storage, threads: int, buffer_bytes: int, block_bytes: int,
     verify: bool, progress: Callable[[int], None] | None, skipped: dict[str, str],
 ) -> _Consolidated:
     """Write every tensor of ``manifest`` whole into ``out``'s data files (durable);
@@ -180,7 +182,7 @@ def _consolidate(
     # on how many tensors there are or on the allocator returning freed memory
     largest = max((aligned(e.nbytes) for es in per_file.values() for e in es), default=0)
     arena = torch.empty(max(largest, min(aligned(buffer_bytes), sum(aligned(e.nbytes) for es in per_file.values() for e in es))), dtype=torch.uint8)
-    buffers = threading.local()
+    scratch = Scratch()
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for fname, entries in per_file.items():
             rank = int(fname[len("rank_") : -len(".safetensors")])
@@ -197,7 +199,8 @@ def _consolidate(
                     for _, e in batch:
                         tensors.append(arena[at : at + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape))
                         at += aligned(e.nbytes)
-                    bytes_read += read_whole(pool, buffers, source, [(e, t) for (_, e), t in zip(batch, tensors)], span_bytes, verify)
+                    bytes_read += read_tensors(source, [(e, t) for (_, e), t in zip(batch, tensors)], span_bytes, verify,
+                                               pool, scratch)
                     for (k, e), t in zip(batch, tensors):
                         writer.write([(k, 0, as_bytes(t))])
                         bytes_written += e.nbytes
@@ -226,97 +229,5 @@ def _consolidate(
     return _Consolidated(result, bytes_written, bytes_read)
 
 
-def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of 64 (arena slots)."""
-    return -(-n // 64) * 64
-
-
-def read_whole(
-    pool: ThreadPoolExecutor | None, buffers: threading.local, storage: LocalStorage,
-    jobs: list[tuple[TensorEntry, torch.Tensor]], span_bytes: int, verify: bool,
-) -> int:
-    """Fill each whole tensor ``out`` from its entry's fragments: spans of about
-    ``span_bytes`` (widened to checksum blocks) read by the pool's threads (in the calling
-    thread when ``pool`` is None), each block verified, then copied in place. A span whose
-    bytes are exactly a contiguous region of ``out`` is read straight into it; the others
-    go through a buffer per thread, reused. Returns the bytes read."""
-    tasks = []
-    for entry, out in jobs:
-        size = itemsize(entry.dtype)
-        plan = plan_reads([whole_piece(entry.shape)], source_fragments(entry), size, span_bytes)
-        if plan.covered[0] != out.numel():
-            raise CorruptionError(f"{entry.name!r}: the source's fragments hold {plan.covered[0]} of its {out.numel()} elements")
-        tasks += [(entry, out, sp) for sp in plan.spans]
-
-    def run(task: tuple[TensorEntry, torch.Tensor, Span]) -> int:
-        entry, out, sp = task
-        size = itemsize(entry.dtype)
-        frag = entry.fragments[sp.fragment]
-        n = sp.stop - sp.start
-        segments = direct_segments(entry, sp, out)
-        direct = segments is not None and len(segments) == 1 and (segments[0].start, segments[0].stop) == (0, n)
-        if direct:
-            buf = segments[0].target
-        else:
-            own = getattr(buffers, "buf", None)
-            if own is None or own.numel() < n:
-                own = buffers.buf = None  # drop the old buffer before making a larger one
-                own = buffers.buf = torch.empty(n, dtype=torch.uint8)
-            buf = own[:n]
-        read_group(storage, [SpanRead(frag.file, frag.offset + sp.start, n, [Segment(0, n, buf)], tensor=entry.name)])
-        mv = memoryview(buf.numpy())
-        if verify and frag.crc32c:
-            nbytes = prod(frag.shape) * size
-            for b in range(sp.first_block, sp.end_block):
-                lo, hi = b * frag.block_bytes, min(nbytes, (b + 1) * frag.block_bytes)
-                if crc32c(mv[lo - sp.start : hi - sp.start]) != frag.crc32c[b]:
-                    raise checksum_error(frag.file, entry.name, frag.offset + lo, frag.offset + hi)
-        if not direct:
-            data = buf.view(dtype_from_name(entry.dtype))
-            for c in sp.copies:
-                _target_region(out, c.box).copy_(_source_region(data, c.source, sp.start // size, c.box))
-        return n
-
-    return sum(map(run, tasks) if pool is None else pool.map(run, tasks))
-
-
-def _target_region(out: torch.Tensor, box: Box) -> torch.Tensor:
-    for d, (o, k) in enumerate(zip(box.offsets, box.lengths)):
-        out = out.narrow(d, o, k)
-    return out
-
-
-def _source_region(data: torch.Tensor, piece: Piece, first: int, box: Box) -> torch.Tensor:
-    """The part of a span's data (elements from ``first`` of the fragment on) holding
-    ``box`` (global coordinates, inside ``piece``)."""
-    local = piece.local_of(box)
-    if not piece.view:
-        at = piece.flat_offset - first
-        return data[at : at + 1].view(())
-    row = prod(piece.view[1:])
-    at = piece.flat_offset + local.offsets[0] * row - first
-    t = data[at : at + local.lengths[0] * row].view((local.lengths[0],) + tuple(piece.view[1:]))
-    for d in range(1, len(piece.view)):
-        t = t.narrow(d, local.offsets[d], local.lengths[d])
-    return t
-
-
 def _layout(saved: str) -> str:
     return f"consolidated (saved as: {saved})" if saved else "consolidated"
-
-
-def batches(jobs: list[tuple[int, TensorEntry]], budget: int) -> list[list[tuple[int, TensorEntry]]]:
-    """Consecutive tensors grouped to fit ``budget`` bytes (64-byte aligned) together."""
-    out: list[list[tuple[int, TensorEntry]]] = []
-    cur: list[tuple[int, TensorEntry]] = []
-    size = 0
-    for j in jobs:
-        n = aligned(j[1].nbytes)
-        if cur and size + n > budget:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(j)
-        size += n
-    if cur:
-        out.append(cur)
-    return out

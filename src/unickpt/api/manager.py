@@ -10,7 +10,8 @@ from typing import Any
 from ..dist import resolve_group
 from ..errors import UnickptError
 from ..format.manifest import MANIFEST_NAME
-from ..storage.local import LocalStorage, list_subdirs, remove_checkpoint
+from ..storage.local import list_subdirs, remove_checkpoint
+from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
 from .load import load, read_manifest
 from .save import save
@@ -41,7 +42,7 @@ class CheckpointManager:
         out = []
         for name in list_subdirs(self.root):
             m = _STEP.match(name)
-            if m and LocalStorage(os.path.join(self.root, name)).exists(MANIFEST_NAME):
+            if m and open_storage(os.path.join(self.root, name)).exists(MANIFEST_NAME):
                 out.append(int(m.group(1)))
         return sorted(out)
 
@@ -49,7 +50,7 @@ class CheckpointManager:
         """True when ``path`` is a committed checkpoint whose files are all there, whole."""
         try:
             manifest = read_manifest(path)
-            storage = LocalStorage(path)
+            storage = open_storage(path)
             if any(storage.size(f) != n for f, n in manifest.files.items()):
                 return False
             if verify:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, resolve_group
 from .. import errors
 from ..errors import InconsistentStateError, SaveError, UnickptError
@@ -33,6 +33,7 @@ from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.save_plan import replica_owner
 from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 from ..storage.transaction import DirectoryWrite
 from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
 from ..engine.items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
@@ -208,7 +209,7 @@ def stage(
     if block_bytes <= 0 or block_bytes % 8:
         raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
     group = resolve_group(process_group)
-    if LocalStorage(path).exists(MANIFEST_NAME) and not overwrite:
+    if open_storage(path).exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
     try:
         local, error = collect(state_dict, group), None
@@ -261,7 +262,7 @@ def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: 
     as the in-memory snapshots' fresh per-step directories in host memory) every rank
     writes straight into its own ``path``, created if needed: no claim, no staging."""
     if manifest_copy is not None:
-        storage, problem = LocalStorage(path), b""
+        storage, problem = open_storage(path), b""
         try:
             storage.prepare()
         except (OSError, UnickptError) as e:
@@ -282,7 +283,7 @@ def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: 
     kind, _, where = status.partition(b"\n")
     if kind != b"ok" or not where:
         raise SaveError(status.decode(errors="replace"))
-    return Target(LocalStorage(os.path.join(path, os.fsdecode(where))), write)
+    return Target(open_storage(os.path.join(path, os.fsdecode(where))), write)
 
 
 def _rank_payload(staged: StagedSave, storage: LocalStorage) -> dict[str, Any]:

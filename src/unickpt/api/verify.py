@@ -31,22 +31,20 @@ unreadable manifest) raises, as ``load`` does.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
 
-from ..adapters.detect import open_manifest
+from ..adapters.checkpoint import Checkpoint, using_checkpoint
 from ..adapters.regions import source_ledger
-from ..errors import UnickptError
-from ..format.checksum import crc32c
+from ..engine.reads import Segment, SpanRead, block_checks, execute
+from ..errors import CorruptionError, UnickptError
 from ..format.dtypes import itemsize
 from ..format.ledger import Ledger
 from ..format.manifest import Fragment, Manifest, TensorEntry
-from ..format.safetensors_header import parse_header
+from ..format.safetensors_header import read_header
 from ..plan.box import Box
-from ..storage.local import LocalStorage
+from ..storage.base import Storage
 from ..engine.gc_pause import gc_paused
 
 # Several checksum blocks are read at once when blocks are small, to keep syscalls few.
@@ -152,13 +150,12 @@ class _FileState:
     header: dict | None = None  # None: unreadable or missing
 
 
-def _check_files(storage: LocalStorage, manifest: Manifest, problems: list[Problem], headers: bool) -> dict[str, _FileState]:
+def _check_files(storage: Storage, manifest: Manifest, problems: list[Problem], headers: bool) -> dict[str, _FileState]:
     states: dict[str, _FileState] = {}
     for name, expected in sorted(manifest.files.items()):
-        path = storage.path(name)
         try:
-            actual = path.stat().st_size
-        except FileNotFoundError:
+            actual = storage.size(name)
+        except CorruptionError:
             problems.append(Problem("missing", f"data file is missing (manifest expects {expected} bytes)", name))
             states[name] = _FileState(expected, None)
             continue
@@ -181,19 +178,7 @@ def _check_files(storage: LocalStorage, manifest: Manifest, problems: list[Probl
         if not headers:
             continue
         try:
-            reader = storage.reader(name)
-            at = [8]
-
-            def read_more(n: int, reader=reader, at=at) -> bytes:
-                n = max(0, min(n, reader.size - at[0]))
-                buf = bytearray(n)
-                reader.pread_into(at[0], memoryview(buf))
-                at[0] += n
-                return bytes(buf)
-
-            first = bytearray(min(8, reader.size))
-            reader.pread_into(0, memoryview(first))
-            header, data_start = parse_header(bytes(first), read_more)
+            header, data_start = read_header(storage.reader(name))
             if not isinstance(header, dict):
                 raise UnickptError("safetensors header is not a JSON object")
             st.header = {"entries": header, "data_start": data_start}
@@ -241,30 +226,32 @@ def _check_coverage(entry: TensorEntry, problems: list[Problem]) -> None:
         ))
 
 
-@dataclass
-class _Task:
-    entry: TensorEntry
-    frag: Fragment
-    first_block: int
-    end_block: int
-    start: int  # byte offset inside the fragment
-    stop: int
-
-
-def _tasks(entry: TensorEntry, frag: Fragment) -> list[_Task]:
+def _span_reads(entry: TensorEntry, frag: Fragment) -> list[SpanRead]:
+    """The fragment's checksummed bytes as span reads of at most ``READ_CHUNK_BYTES``
+    (whole blocks), into scratch; none when the format stores no checksums."""
     nbytes = frag.nbytes(entry.dtype)
-    nblocks = len(frag.crc32c)  # none: the format stores no checksums
+    nblocks = len(frag.crc32c)
     per = max(1, READ_CHUNK_BYTES // frag.block_bytes)
     out = []
     for b0 in range(0, nblocks, per):
         b1 = min(nblocks, b0 + per)
-        out.append(_Task(entry, frag, b0, b1, min(nbytes, b0 * frag.block_bytes), min(nbytes, b1 * frag.block_bytes)))
+        start, stop = min(nbytes, b0 * frag.block_bytes), min(nbytes, b1 * frag.block_bytes)
+        out.append(SpanRead(frag.file, frag.offset + start, stop - start, [Segment(0, stop - start)], tensor=entry.name,
+                            checks=block_checks(frag.crc32c, frag.block_bytes, nbytes, start, b0, b1)))
     return out
 
 
+_MESSAGES = {
+    "checksum": "checksum mismatch (data corrupt)",
+    "truncated": "data lies past the end of the truncated file",
+    "missing": "data file is missing",
+}
+
+
 @gc_paused()
-def verify(path: str, *, progress: Callable[[int], None] | None = None, threads: int = 4) -> VerifyReport:
-    """Re-check every checksum of the checkpoint at ``path`` and report what is wrong.
+def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = None, threads: int = 4) -> VerifyReport:
+    """Re-check every checksum of the checkpoint at ``path`` (or of a checkpoint the caller
+    opened) and report what is wrong.
 
     ``progress``, if given, is called from the calling thread with the number of bytes
     just processed (for a progress bar over :func:`total_bytes`). Reads run on
@@ -272,9 +259,13 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
     holds no committed checkpoint and :class:`~unickpt.ManifestError` when its manifest
     is invalid; every other problem is reported, not raised.
     """
-    storage = LocalStorage(path)
-    manifest = open_manifest(str(path))
-    report = VerifyReport(str(path), format=manifest.provenance.get("format", "unickpt"), manifest_digest=manifest.digest)
+    with using_checkpoint(path) as ckpt:
+        return _verify(ckpt, progress, threads)
+
+
+def _verify(ckpt: Checkpoint, progress: Callable[[int], None] | None, threads: int) -> VerifyReport:
+    storage, manifest = ckpt.storage, ckpt.manifest
+    report = VerifyReport(ckpt.location, format=ckpt.format, manifest_digest=manifest.digest)
     problems: list[Problem] = []
     try:
         states = _check_files(storage, manifest, problems, headers=report.format == "unickpt")
@@ -282,75 +273,33 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
         report.tensors = len(manifest.tensors) + len(manifest.rank_tensors)  # per-rank: one per name
         report.files = len(manifest.files)
         report.bytes_total = total_bytes(manifest)
-        tasks: list[_Task] = []
+        reads: list[SpanRead] = []
+        ordered: list[SpanRead] = []
         for entry in entries:
             _check_coverage(entry, problems)
             for frag in entry.fragments:
                 report.fragments += 1
                 _check_header(entry, frag, states[frag.file], problems)
-                tasks.extend(_tasks(entry, frag))
                 if not frag.crc32c:
                     report.bytes_unverifiable += frag.nbytes(entry.dtype)
-        local = threading.local()
-
-        def run(task: _Task) -> tuple[int, int, list[Problem]]:
-            """Returns (bytes processed, bytes verified, problems)."""
-            frag, entry = task.frag, task.entry
-            st = states[frag.file]
-            n = task.stop - task.start
-            found: list[Problem] = []
-            if st.actual is None:
-                found.append(Problem(
-                    "missing", "data file is missing", frag.file, entry.name,
-                    frag.offset + task.start, frag.offset + task.stop,
-                ))
-                return n, 0, found
-            # Read what the file still holds of this range; blocks past its end are lost.
-            have = max(0, min(n, st.actual - (frag.offset + task.start)))
-            buf = getattr(local, "buf", None)
-            if buf is None or len(buf) < n:
-                buf = local.buf = bytearray(max(n, 1))
-            view = memoryview(buf)[:have]
-            checked = 0
-            try:
-                if have:
-                    storage.reader(frag.file).pread_into(frag.offset + task.start, view)
-            except (UnickptError, OSError) as e:
-                found.append(Problem(
-                    "unreadable", f"cannot read: {e}", frag.file, entry.name,
-                    frag.offset + task.start, frag.offset + task.stop,
-                ))
-                return n, 0, found
-            nbytes = frag.nbytes(entry.dtype)
-            for b in range(task.first_block, task.end_block):
-                lo = b * frag.block_bytes
-                hi = min(nbytes, lo + frag.block_bytes)
-                if hi - task.start > have:
-                    found.append(Problem(
-                        "truncated", "data lies past the end of the truncated file", frag.file, entry.name,
-                        frag.offset + lo, frag.offset + hi,
-                    ))
                     continue
-                if crc32c(view[lo - task.start : hi - task.start]) != frag.crc32c[b]:
-                    found.append(Problem(
-                        "checksum", "checksum mismatch (data corrupt)", frag.file, entry.name,
-                        frag.offset + lo, frag.offset + hi,
-                    ))
-                else:
-                    checked += hi - lo
-            return n, checked, found
-
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            # Results are consumed in submission order so the report is deterministic.
-            for fut in [pool.submit(run, t) for t in tasks]:
-                n, checked, found = fut.result()
-                report.bytes_checked += checked
-                problems.extend(found)
-                if progress is not None and n:
-                    progress(n)
+                for r in _span_reads(entry, frag):
+                    if states[frag.file].actual is None:  # reported per range below, nothing to read
+                        r.problems.append(("missing", r.offset, r.offset + r.nbytes, ""))
+                        if progress is not None and r.nbytes:
+                            progress(r.nbytes)
+                    else:
+                        reads.append(r)
+                    ordered.append(r)
+        execute(storage, [r for r in reads if r.nbytes], threads=threads, max_group=READ_CHUNK_BYTES, report=True,
+                progress=progress)
+        for r in ordered:  # in the manifest's order: the report is deterministic
+            report.bytes_checked += r.bytes_checked
+            problems.extend(Problem(kind, message or _MESSAGES[kind], r.file, r.tensor, lo, hi)
+                            for kind, lo, hi, message in sorted(r.problems, key=lambda q: q[1]))
     finally:
         storage.close()
-    report.ledger = source_ledger(str(path), manifest)
+    report.ledger = source_ledger(ckpt)
     for r in report.ledger.unaccounted:
         what = f"bytes of {r.owner!r}, which the reader neither read nor reported" if r.owner else \
             "bytes no tensor, header or item of the checkpoint accounts for"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +11,7 @@ from ..errors import LayoutError
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
 from .state import Sharded
-from ..dist import Group
+from ..dist import Group, is_dtensor
 from ..plan.placement import dtensor_pieces
 
 
@@ -33,14 +32,6 @@ class TensorItem:
     def shard_key(self) -> tuple[int, ...]:
         """Identifies the shard among all shards of the tensor (its first global offset)."""
         return self.pieces[0].global_box.offsets if self.pieces else ()
-
-
-def is_dtensor(t: Any) -> bool:
-    """True for a DTensor."""
-    # no DTensor can exist before its module is imported, and importing it costs ~1 s
-    # (sympy), which a command-line conversion never needs
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def _shard_order(dt: Any) -> list[tuple[int, tuple[int, ...]]] | None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..dist import is_dtensor
 from ..errors import MismatchError, UnickptError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
@@ -283,8 +284,6 @@ def _empty_for(manifest: Manifest, name: str, param: torch.Tensor) -> Any:
     """A target for the saved entry ``name`` of ``param``'s state: None for a value (load
     replaces it), else an empty tensor of the saved shape and dtype, laid out like
     ``param`` (a DTensor with its placements) when it has ``param``'s shape."""
-    from .items import is_dtensor  # items imports state, which imports this module
-
     entry = manifest.tensors.get(name)
     if entry is None:
         return None

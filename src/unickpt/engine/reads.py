@@ -1,27 +1,39 @@
-"""Executing reads: scatter reads straight into targets, checksums over scattered bytes,
-and coalescing of adjacent reads of a file.
+"""The one verified read: byte ranges of a checkpoint's files read through the storage
+interface into caller buffers, every checksum block checked, then handed to the caller.
 
-A span (a run of checksum blocks of one fragment) is read as a list of *segments* that
-tile it: pieces of target tensors where the bytes land unchanged (zero-copy: ``preadv``
-writes into the tensor's memory, and the checksums are computed there) and scratch
-buffers for the rest (bytes of the widened blocks that this rank does not need, or a
-whole span buffer when its bytes must be rearranged). Spans of one file that touch are
-merged into one ``preadv`` up to a size cap, so many small tensors cost few syscalls
-while large reads still run several at a time. Only touching spans are merged: no
-byte outside the planned spans is read.
+Every command that reads tensor bytes goes through :func:`execute` (``load``,
+``load_tensor``, ``convert``, ``verify``, ``export`` and the ``--to dcp/deepspeed``
+writers, through :mod:`unickpt.engine.tensor_reads` where the bytes land in tensors), so
+a change to how bytes are read is made here once.
+
+A *span read* is one byte range of one file (a run of whole checksum blocks of one
+fragment) read as a list of *segments* that tile it: caller memory where the bytes land
+unchanged (zero-copy: ``preadv`` writes into the target tensor and the checksums are
+computed there) and scratch for the rest. Span reads of one file that touch are merged
+into one ``preadv`` up to a size cap, so many small tensors cost few syscalls while large
+reads still run several at a time; no byte outside the planned spans is read. Scratch is
+per thread and reused from one read to the next (fresh pages cost about 3x a warm copy).
+
+Two ways to meet a bad byte: raise (``load``: a :class:`CorruptionError` naming the file,
+the tensor and the bytes) or, with ``report=True``, record it on the span read and go on
+(``verify``: one run tells everything that is wrong).
+
+Torch-free: ``verify`` of a native checkpoint runs without importing torch. Target memory
+is anything :func:`memoryview` takes, or a tensor (its ``numpy()`` view).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import crc32c as _crc
-import torch
 
-from ..errors import CorruptionError
-from ..storage.local import LocalStorage
+from ..errors import CorruptionError, UnickptError
+from ..storage.base import Storage
 
 COALESCE_GAP = 0
 COALESCE_MAX = 64 << 20
@@ -29,26 +41,36 @@ COALESCE_MAX = 64 << 20
 
 @dataclass
 class Segment:
-    """Bytes ``[start, stop)`` of a span, landing in ``target`` (a flat uint8 CPU tensor
-    of that length) or, when ``target`` is None, in scratch memory made at read time."""
+    """Bytes ``[start, stop)`` of a span, landing in ``target`` (caller memory of that
+    length: a flat uint8 CPU tensor or any writable buffer) or, when ``target`` is None,
+    in scratch memory given at read time (``buffer``)."""
 
     start: int
     stop: int
-    target: torch.Tensor | None = None
-    buffer: torch.Tensor | None = None
+    target: Any = None
+    buffer: memoryview | None = None
 
     def view(self) -> memoryview:
         """The memory the bytes are read into (allocating scratch on first use)."""
-        if self.target is None and self.buffer is None:
-            self.buffer = torch.empty(self.stop - self.start, dtype=torch.uint8)
-        t = self.target if self.target is not None else self.buffer
-        return memoryview(t.numpy()) if t.numel() else memoryview(bytearray())
+        if self.target is None:
+            if self.buffer is None:
+                self.buffer = memoryview(bytearray(self.stop - self.start))
+            return self.buffer
+        t = self.target
+        if hasattr(t, "numpy"):  # a tensor: its bytes, without importing torch here
+            return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(bytearray())
+        return memoryview(t).cast("B")
 
 
 @dataclass
 class SpanRead:
-    """One span to read at ``offset`` of ``file`` as ``segments``; ``finish`` verifies
-    and copies once the bytes are in."""
+    """One span to read at ``offset`` of ``file`` as ``segments``.
+
+    ``checks`` lists the checksum blocks inside the span: ``(lo, hi, crc)`` with ``lo``/``hi``
+    relative to ``offset``. ``finish`` runs once the bytes are in and verified (it copies
+    buffered bytes out). With ``report``, what is wrong is recorded in ``problems`` as
+    ``(kind, start, stop)`` (absolute offsets in the file; kinds ``"checksum"``,
+    ``"truncated"``, ``"missing"``, ``"unreadable"``, with ``message`` for the last ones)."""
 
     file: str
     offset: int
@@ -57,6 +79,9 @@ class SpanRead:
     finish: Callable[["SpanRead"], None] | None = None
     extra: dict = field(default_factory=dict)
     tensor: str = ""  # whose bytes these are (named in errors)
+    checks: list[tuple[int, int, int]] = field(default_factory=list)
+    problems: list[tuple[str, int, int, str]] = field(default_factory=list)
+    bytes_checked: int = 0
 
 
 def checksum_error(file: str, tensor: str, start: int, stop: int) -> CorruptionError:
@@ -80,19 +105,13 @@ def check_in_file(file: str, size: int, tensor: str, start: int, stop: int) -> N
         raise truncated_error(file, tensor, start, stop, size)
 
 
-def read_group(storage: LocalStorage, group: list[SpanRead]) -> None:
-    """Read the bytes of ``group`` (touching spans of one file, in order) with scatter
-    reads into their segments. Every read of load and convert goes through here, so a
-    span past the end of a truncated file, or in a missing one, is reported with its
-    tensor, file and bytes."""
-    first = group[0]
-    try:
-        reader = storage.reader(first.file)
-    except CorruptionError as e:  # the file is missing
-        raise CorruptionError(f"{e} (tensor {first.tensor!r} needs bytes {first.offset}-{first.offset + first.nbytes} of it)") from None
-    for r in group:
-        check_in_file(r.file, reader.size, r.tensor, r.offset, r.offset + r.nbytes)
-    reader.preadv_into(group[0].offset, group_views(group))
+def block_checks(crcs: list[int], block_bytes: int, nbytes: int, start: int, first_block: int, end_block: int) -> list[tuple[int, int, int]]:
+    """The ``checks`` of a span covering blocks ``[first_block, end_block)`` of a fragment
+    of ``nbytes`` whose checksums are ``crcs``, the span starting at byte ``start`` of the
+    fragment (empty when the fragment has no checksums)."""
+    if not crcs:
+        return []
+    return [(b * block_bytes - start, min(nbytes, (b + 1) * block_bytes) - start, crcs[b]) for b in range(first_block, end_block)]
 
 
 def fill_gaps(nbytes: int, direct: list[Segment]) -> list[Segment] | None:
@@ -134,16 +153,16 @@ def crc_blocks(segments: list[Segment], bounds: list[tuple[int, int]]) -> list[i
     return out
 
 
-def coalesce(reads: list[SpanRead]) -> list[list[SpanRead]]:
+def coalesce(reads: list[SpanRead], max_bytes: int = COALESCE_MAX) -> list[list[SpanRead]]:
     """Group reads of the same file whose byte ranges touch (or leave gaps of at most
-    ``COALESCE_GAP``, read into scratch), each group at most ``COALESCE_MAX`` bytes or one read."""
+    ``COALESCE_GAP``, read into scratch), each group at most ``max_bytes`` or one read."""
     groups: list[list[SpanRead]] = []
     for r in sorted(reads, key=lambda r: (r.file, r.offset)):
         if groups:
             g = groups[-1]
             last = g[-1]
             end = last.offset + last.nbytes
-            if last.file == r.file and 0 <= r.offset - end <= COALESCE_GAP and r.offset + r.nbytes - g[0].offset <= COALESCE_MAX:
+            if last.file == r.file and 0 <= r.offset - end <= COALESCE_GAP and r.offset + r.nbytes - g[0].offset <= max_bytes:
                 g.append(r)
                 continue
         groups.append([r])
@@ -152,9 +171,9 @@ def coalesce(reads: list[SpanRead]) -> list[list[SpanRead]]:
 
 class Scratch(threading.local):
     """Per-thread scratch memory reused from one read group to the next, so buffered
-    spans do not pay fresh page faults for every read (about 3x slower than a warm copy)."""
+    spans do not pay fresh page faults for every read."""
 
-    buf: torch.Tensor | None = None
+    buf: bytearray | None = None
 
     def assign(self, group: list[SpanRead]) -> None:
         """Give every scratch segment of ``group`` a slice of this thread's buffer."""
@@ -162,12 +181,13 @@ class Scratch(threading.local):
         need = sum(-(-(s.stop - s.start) // 64) * 64 for s in todo)
         if not need:
             return
-        if self.buf is None or self.buf.numel() < need:
+        if self.buf is None or len(self.buf) < need:
             self.buf = None
-            self.buf = torch.empty(need, dtype=torch.uint8)
+            self.buf = bytearray(need)
+        whole = memoryview(self.buf)
         at = 0
         for s in todo:
-            s.buffer = self.buf[at : at + (s.stop - s.start)]
+            s.buffer = whole[at : at + (s.stop - s.start)]
             at += -(-(s.stop - s.start) // 64) * 64
 
 
@@ -181,3 +201,115 @@ def group_views(group: list[SpanRead]) -> list[memoryview]:
         views.extend(s.view() for s in r.segments)
         end = r.offset + r.nbytes
     return views
+
+
+def _keep_inside(read: SpanRead, size: int) -> None:
+    """Report mode: record the blocks of ``read`` past the end of its file (``size`` bytes)
+    as truncated and shrink the read to the whole blocks still inside (scratch only)."""
+    inside = [c for c in read.checks if read.offset + c[1] <= size]
+    lost = [c for c in read.checks if read.offset + c[1] > size]
+    for lo, hi, _ in lost:
+        read.problems.append(("truncated", read.offset + lo, read.offset + hi, ""))
+    read.checks = inside
+    read.nbytes = inside[-1][1] if inside else 0
+    read.segments = [Segment(0, read.nbytes)] if read.nbytes else []
+
+
+def _check(read: SpanRead, report: bool) -> None:
+    """Compare every checksum block of ``read`` (raise, or record when ``report``)."""
+    if not read.checks:
+        return
+    got = crc_blocks(read.segments, [(lo, hi) for lo, hi, _ in read.checks])
+    for (lo, hi, expected), crc in zip(read.checks, got):
+        if crc == expected:
+            read.bytes_checked += hi - lo
+        elif report:
+            read.problems.append(("checksum", read.offset + lo, read.offset + hi, ""))
+        else:
+            raise checksum_error(read.file, read.tensor, read.offset + lo, read.offset + hi)
+
+
+def read_group(storage: Storage, group: list[SpanRead], report: bool = False, scratch: Scratch | None = None) -> None:
+    """Read the bytes of ``group`` (touching spans of one file, in order) with scatter
+    reads into their segments, check every block, then run each read's ``finish``. A span
+    past the end of a truncated file, or in a missing one, is reported with its tensor,
+    file and bytes (raised, or recorded on the reads when ``report``)."""
+    first = group[0]
+    try:
+        reader = storage.reader(first.file)
+    except CorruptionError as e:  # the file is missing
+        if not report:
+            raise CorruptionError(f"{e} (tensor {first.tensor!r} needs bytes {first.offset}-{first.offset + first.nbytes} of it)") from None
+        for r in group:
+            r.problems.append(("missing", r.offset, r.offset + r.nbytes, "data file is missing"))
+        return
+    for r in group:
+        if r.offset + r.nbytes > reader.size:
+            if not report:
+                raise truncated_error(r.file, r.tensor, r.offset, r.offset + r.nbytes, reader.size)
+            _keep_inside(r, reader.size)
+    live = [r for r in group if r.nbytes]
+    if not live:
+        return
+    if scratch is not None:
+        scratch.assign(live)
+    try:
+        reader.preadv_into(live[0].offset, group_views(live))
+    except (UnickptError, OSError) as e:
+        if not report:
+            raise
+        for r in live:
+            r.problems.append(("unreadable", r.offset, r.offset + r.nbytes, f"cannot read: {e}"))
+        return
+    for r in live:
+        _check(r, report)
+        if r.finish is not None:
+            r.finish(r)
+
+
+def execute(
+    storage: Storage, reads: list[SpanRead], *, threads: int = 4, pool: Executor | None = None,
+    max_group: int = COALESCE_MAX, report: bool = False, progress: Callable[[int], None] | None = None,
+    scratch: Scratch | None = None,
+) -> None:
+    """Read, verify and finish every span of ``reads``: touching spans coalesced (groups
+    of at most ``max_group`` bytes, which with the span size bounds the scratch memory per
+    thread), groups run on ``pool`` or on up to ``threads`` threads of a pool made here.
+    ``progress(n)`` is called from the calling thread with the bytes of each group done,
+    in order. ``scratch``: per-thread memory to reuse across calls (one made here otherwise)."""
+    if not reads:
+        return
+    groups = coalesce(reads, max_group)
+    scratch = scratch if scratch is not None else Scratch()
+    sizes = [sum(r.nbytes for r in g) for g in groups]
+
+    def run(g: list[SpanRead]) -> None:
+        read_group(storage, g, report, scratch)
+
+    for n in _run_all(run, groups, threads, pool):
+        if progress is not None:
+            progress(sizes[n])
+
+
+def _run_all(fn: Callable[[Any], None], items: list, threads: int, pool: Executor | None) -> Iterator[int]:
+    """Run ``fn`` on every item (in a pool when there is more than one and threads to
+    spare), yielding the index of each item done, in order; the first error is raised."""
+    if pool is None and (len(items) == 1 or threads <= 1):
+        for i, item in enumerate(items):
+            fn(item)
+            yield i
+        return
+    own = pool is None
+    pool = pool or ThreadPoolExecutor(max_workers=max(1, min(threads, len(items))))
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        try:
+            for i, f in enumerate(futures):
+                f.result()
+                yield i
+        finally:
+            for f in futures:
+                f.cancel()
+    finally:
+        if own:
+            pool.shutdown(wait=True)

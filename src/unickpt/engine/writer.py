@@ -46,7 +46,7 @@ class DataFileWriter:
         entries = [Entry(i.name, dtype_name(i.local.dtype), tuple(i.local.shape), i.local.numel() * i.local.element_size()) for i in items]
         prefix, self.offsets = build_header(entries, {"format": "unickpt", "rank": str(rank)})
         self.size = len(prefix) + sum(e.nbytes for e in entries)
-        self.path = storage.path(name)
+        self.path = storage.path(name) if hasattr(storage, "path") else name  # for error messages
         self._storage = storage
         self._crcs: list[dict[int, list[int]]] = [{} for _ in items]
         try:

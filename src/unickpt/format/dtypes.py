@@ -1,35 +1,51 @@
-"""Mapping between torch dtypes and the dtype names safetensors uses."""
+"""Mapping between torch dtypes and the dtype names safetensors uses.
+
+The names and their sizes are known without torch (``itemsize``: what parsing a manifest,
+``inspect`` and ``verify`` need); torch is imported only to map a name to a torch dtype or
+back, which only code holding tensors asks for."""
 
 from __future__ import annotations
 
-import torch
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LayoutError
 
-_TO_NAME: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
+if TYPE_CHECKING:
+    import torch
+
+# safetensors name -> (torch attribute, bytes per element)
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "U16": ("uint16", 2),
+    "U32": ("uint32", 4),
+    "U64": ("uint64", 8),
 }
-for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _TO_NAME[getattr(torch, _name)] = _st
-_FROM_NAME = {v: k for k, v in _TO_NAME.items()}
+
+
+@cache
+def _tables() -> tuple[dict[Any, str], dict[str, Any]]:
+    import torch
+
+    to_name = {getattr(torch, attr): name for name, (attr, _) in _DTYPES.items() if hasattr(torch, attr)}
+    return to_name, {v: k for k, v in to_name.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of a torch dtype (``torch.float32`` -> ``"F32"``)."""
     try:
-        return _TO_NAME[dtype]
+        return _tables()[0][dtype]
     except KeyError:
         raise LayoutError(f"dtype {dtype} cannot be stored in safetensors") from None
 
@@ -37,11 +53,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype name."""
     try:
-        return _FROM_NAME[name]
+        return _tables()[1][name]
     except KeyError:
         raise LayoutError(f"unknown dtype {name!r} in checkpoint") from None
 
 
 def itemsize(name: str) -> int:
-    """Bytes per element of a safetensors dtype name."""
-    return dtype_from_name(name).itemsize
+    """Bytes per element of a safetensors dtype name (no torch needed)."""
+    try:
+        return _DTYPES[name][1]
+    except KeyError:
+        raise LayoutError(f"unknown dtype {name!r} in checkpoint") from None

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestError
 from ..plan.box import Box
 from ..plan.piece import Piece
-from .dtypes import dtype_from_name, itemsize
+from .dtypes import itemsize
 from .values import check_text, decode_value
 
 FORMAT_NAME = "unickpt"
@@ -344,7 +344,7 @@ def _tensor_from_json(name: str, d: Any, files: dict[str, int], total_bytes: int
     d = _dict(d, f"tensor {name!r}")
     dtype = d["dtype"]
     try:
-        dtype_from_name(dtype)
+        itemsize(dtype)
     except (LayoutError, TypeError):
         raise ManifestError(f"tensor {name!r}: unknown dtype {_brief(dtype)}") from None
     layout = d.get("layout", "")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+from .dtypes import itemsize
 from ..errors import CorruptionError
 
 ALIGN = 8
@@ -90,8 +91,6 @@ def header_tensors(header: dict[str, Any], data_start: int, file_size: int, wher
                    error: type[Exception] = CorruptionError) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """``{tensor: (dtype, shape, absolute data offset)}`` of a parsed header, each entry
     checked against its shape and the file's size; ``error(...)`` naming ``where`` otherwise."""
-    from .dtypes import itemsize  # imports torch: only once a header is read
-
     out = {}
     for key, d in header.items():
         if key == "__metadata__":

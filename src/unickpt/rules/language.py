@@ -24,48 +24,21 @@ of the user's tensor, so ``unickpt.load`` fills the user's tensors in place.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..engine.state import Sharded
 from ..errors import LayoutError
 from ..plan.box import Box
 from ..plan.piece import box_piece
 from .coords import Coords, split_sizes
+from .replicas import reconcile
+from .ruled import RuledTensor
 from .schemes import Fused, Scheme, SchemeLayout, Target, scheme_from_json
 
 MODES = ("save", "load")
 STAGES = ("all", "first", "last", "first+last", "any")
-
-
-@dataclass
-class RuledTensor(Sharded):
-    """A :class:`unickpt.Sharded` built by rules.
-
-    ``reduce`` says how replicas are reconciled on save (``"check"``: must agree;
-    ``"mean"``: store their mean). ``local`` is a window (``window``: offset and length
-    per dim) of ``base``, the user's tensor or flat buffer: on save the window is cut to
-    the boxes this rank stores, so padding and rows another rank stores are not written.
-    ``base_pieces`` lists every box this rank holds, relative to ``base``.
-    """
-
-    reduce: str = "check"
-    base: torch.Tensor | None = None
-    base_pieces: list[Any] = field(default_factory=list)
-    window: tuple[tuple[int, int], ...] = ()
-
-    def base_tensor(self) -> torch.Tensor:
-        """The tensor ``local`` is a window of."""
-        return self.local if self.base is None else self.base
-
-    def rebase(self, new_base: torch.Tensor) -> None:
-        """Point this tensor at a replacement of ``base`` (same shape): ``local`` becomes its window."""
-        view = new_base
-        for d, (o, n) in enumerate(self.window):
-            view = view.narrow(d, o, n)
-        self.base, self.local = new_base, view
 
 
 @dataclass(frozen=True)
@@ -451,7 +424,6 @@ def apply_rules(
     if strict:
         rules.check_coverage(matched, unmatched, coords, "tensors")
     if mode == "save" and check_replicas:
-        from .replicas import reconcile
 
         reconcile(out, coords, process_group)
     return out
@@ -512,7 +484,6 @@ def optimizer_state(
     if strict:
         rules.check_coverage(matched, unmatched, coords, "optimizer states")
     if mode == "save" and check_replicas:
-        from .replicas import reconcile
 
         reconcile(out, coords, process_group)
     return out

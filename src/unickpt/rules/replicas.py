@@ -29,7 +29,7 @@ from ..format.dtypes import dtype_from_name, dtype_name
 from ..plan.box import Box
 from ..plan.piece import Piece
 from .coords import Coords
-from .language import RuledTensor
+from .ruled import RuledTensor
 
 
 def piece_region(local: torch.Tensor, piece: Piece) -> torch.Tensor:

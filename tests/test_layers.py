@@ -1,0 +1,121 @@
+"""The layers of docs/ARCHITECTURE.md, checked on the source: every import of every module
+(parsed, nothing imported) goes to its own layer or one below, and no modules import
+each other in a circle, even through imports made inside functions."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# outer to inner; a module may import its own layer and the layers below
+LAYERS: list[tuple[str, ...]] = [
+    ("unickpt", "unickpt.__main__", "unickpt.cli", "unickpt.demo", "unickpt.demo_fault", "unickpt.demo_resume",
+     "unickpt.examples", "unickpt.testing"),
+    ("unickpt.api", "unickpt.snapshot"),
+    ("unickpt.adapters", "unickpt.rules"),
+    ("unickpt.engine",),
+    ("unickpt.format", "unickpt.plan", "unickpt.storage"),
+    ("unickpt.errors", "unickpt.dist", "unickpt.version"),
+]
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the longest package prefix of ``module``."""
+    best, depth = None, -1
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and n.count(".") > depth:
+                best, depth = i, n.count(".")
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and docs/ARCHITECTURE.md"
+    return best
+
+
+@functools.cache
+def module_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """Each module of the package and the unickpt modules it imports (a ``from X import
+    name`` counts as an import of ``X.name`` when that is a module, else of ``X``)."""
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (root / "unickpt").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                for a in node.names:
+                    targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in files else base)
+        graph[mod] = {t for t in targets if t in files and t != mod}
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every import of a module into a higher layer."""
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if layer_of(b) < layer_of(a))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_runs_up_a_layer():
+    assert upward_imports(module_graph()) == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert cycles(module_graph()) == []
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path):
+    pkg = tmp_path / "unickpt"
+    for name, text in {
+        "__init__.py": "", "errors.py": "", "engine/__init__.py": "", "api/__init__.py": "",
+        "engine/a.py": "from ..api import b\n", "api/b.py": "def f():\n    from ..engine import a\n",
+    }.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    graph = module_graph(tmp_path)
+    assert upward_imports(graph) == ["unickpt.engine.a -> unickpt.api.b"]
+    assert cycles(graph) == [["unickpt.api.b", "unickpt.engine.a"]]

@@ -1,0 +1,110 @@
+"""The one verified read (unickpt.engine.reads.execute) on real files: bytes land in caller
+buffers, every checksum block is checked, a flipped byte and a truncated or missing file
+are caught and named (raised for load, recorded for verify), and the same primitive serves
+load, load_tensor, convert and verify."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import unickpt
+from unickpt.engine.reads import Segment, SpanRead, block_checks, execute
+from unickpt.errors import CorruptionError
+from unickpt.format.checksum import block_crcs
+from unickpt.storage.open import open_storage
+
+BLOCK = 256
+
+
+def _file(tmp_path, nbytes: int = 4096) -> tuple[bytes, list[int]]:
+    data = bytes((i * 7 + 3) % 251 for i in range(nbytes))
+    (tmp_path / "f.bin").write_bytes(data)
+    return data, block_crcs(memoryview(data), BLOCK)
+
+
+def _reads(data: bytes, crcs: list[int], spans: list[tuple[int, int]], target: bytearray | None = None) -> list[SpanRead]:
+    """Span reads of blocks [b0, b1) of f.bin, into ``target`` (at the same offsets) or scratch."""
+    out = []
+    for b0, b1 in spans:
+        start, stop = b0 * BLOCK, min(len(data), b1 * BLOCK)
+        seg = Segment(0, stop - start, memoryview(target)[start:stop] if target is not None else None)
+        out.append(SpanRead("f.bin", start, stop - start, [seg], tensor="t",
+                            checks=block_checks(crcs, BLOCK, len(data), start, b0, b1)))
+    return out
+
+
+def test_reads_land_in_caller_buffers_and_are_checked(tmp_path):
+    data, crcs = _file(tmp_path)
+    storage = open_storage(str(tmp_path))
+    target = bytearray(len(data))
+    reads = _reads(data, crcs, [(0, 3), (3, 7), (9, 16)], target)
+    seen = []
+    execute(storage, reads, threads=2, progress=seen.append)
+    assert target[: 7 * BLOCK] == data[: 7 * BLOCK] and target[9 * BLOCK :] == data[9 * BLOCK :]
+    assert target[7 * BLOCK : 9 * BLOCK] == bytes(2 * BLOCK)  # not planned: not read
+    assert sum(seen) == len(data) - 2 * BLOCK  # touching spans were read as one group
+    assert all(r.bytes_checked == r.nbytes for r in reads)
+
+
+def test_a_flipped_byte_is_raised_or_reported_with_file_tensor_and_bytes(tmp_path):
+    data, crcs = _file(tmp_path)
+    with open(tmp_path / "f.bin", "r+b") as f:
+        f.seek(5 * BLOCK + 17)
+        f.write(bytes([data[5 * BLOCK + 17] ^ 0x10]))
+    storage = open_storage(str(tmp_path))
+    with pytest.raises(CorruptionError, match=rf"checksum mismatch in f\.bin \(tensor 't', bytes {5 * BLOCK}-{6 * BLOCK} "):
+        execute(storage, _reads(data, crcs, [(0, 16)]))
+    reads = _reads(data, crcs, [(0, 4), (4, 16)])
+    execute(storage, reads, report=True)
+    assert reads[0].problems == [] and reads[1].problems == [("checksum", 5 * BLOCK, 6 * BLOCK, "")]
+    assert reads[1].bytes_checked == 11 * BLOCK
+
+
+def test_a_truncated_or_missing_file_names_the_tensor(tmp_path):
+    data, crcs = _file(tmp_path)
+    os.truncate(tmp_path / "f.bin", 10 * BLOCK + 5)
+    storage = open_storage(str(tmp_path))
+    with pytest.raises(CorruptionError, match=r"f\.bin is truncated \(tensor 't', bytes 2565-4096 .* has 2565 bytes"):
+        execute(storage, _reads(data, crcs, [(8, 16)]))
+    reads = _reads(data, crcs, [(8, 16)])
+    execute(storage, reads, report=True)  # the blocks still inside are checked, the rest reported
+    assert reads[0].bytes_checked == 2 * BLOCK
+    assert [p[:3] for p in reads[0].problems] == [("truncated", b * BLOCK, (b + 1) * BLOCK) for b in range(10, 16)]
+    os.unlink(tmp_path / "f.bin")
+    storage.close()
+    with pytest.raises(CorruptionError, match=r"f\.bin is missing.*tensor 't' needs bytes 0-"):
+        execute(storage, _reads(data, crcs, [(0, 1)]))
+
+
+def test_every_command_reads_through_it(tmp_path, monkeypatch):
+    """load, load_tensor, convert and verify all reach the one primitive (and a truncated
+    data file is named with its tensor by each)."""
+    from unickpt.engine import reads as reads_module
+
+    path = tmp_path / "c"
+    unickpt.save({"w": torch.arange(4000, dtype=torch.float32), "b": torch.ones(3)}, str(path), block_bytes=BLOCK)
+    calls = []
+    real = reads_module.execute
+    monkeypatch.setattr(reads_module, "execute", lambda *a, **k: calls.append(1) or real(*a, **k))
+    import unickpt.engine.tensor_reads as tensor_reads
+    import unickpt.api.verify as verify_module
+
+    monkeypatch.setattr(tensor_reads, "execute", reads_module.execute)
+    monkeypatch.setattr(verify_module, "execute", reads_module.execute)
+    out = {"w": torch.zeros(4000), "b": torch.zeros(3)}
+    unickpt.load(out, str(path))
+    assert torch.equal(out["w"], torch.arange(4000, dtype=torch.float32)) and len(calls) == 1
+    assert torch.equal(unickpt.load_tensor(str(path), "w"), out["w"]) and len(calls) == 2
+    unickpt.convert(str(path), str(tmp_path / "u"))
+    assert len(calls) >= 3
+    n = len(calls)
+    assert unickpt.verify(str(path)).ok and len(calls) == n + 1
+    frag = unickpt.read_manifest(str(path)).tensors["w"].fragments[0]
+    os.truncate(path / frag.file, frag.offset + 1000)
+    with pytest.raises(CorruptionError, match=r"truncated \(tensor 'w'"):
+        unickpt.load({"w": torch.zeros(4000)}, str(path))
+    report = unickpt.verify(str(path))
+    assert {(p.kind, p.tensor) for p in report.problems} >= {("truncated", "w")}
