@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Any
+
 from ..errors import ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage, is_inside
+from ..storage.open import is_remote, local_path, open_storage
 
 # (name, module, detector, reader); detectors are tried in this order (Megatron-Core's
 # torch_dist checkpoints are DCP checkpoints with more: it comes first)
@@ -27,9 +30,15 @@ FORMATS = [
 ]
 
 
-def checkpoint_format(path: str) -> str:
+def checkpoint_format(path: str, storage_options: dict[str, Any] | None = None) -> str:
     """``"unickpt"``, ``"megatron"``, ``"dcp"``, ``"deepspeed"``, ``"dcp-hf"`` or ``"hf"``;
-    NotACheckpointError otherwise."""
+    NotACheckpointError otherwise. At a URL (object store) only unickpt checkpoints are
+    read."""
+    if is_remote(path):
+        if open_storage(path, storage_options).exists(MANIFEST_NAME):
+            return "unickpt"
+        raise NotACheckpointError(_no_remote_manifest(path))
+    path = local_path(path)
     if not os.path.isdir(path):
         raise NotACheckpointError(f"{path}: " + ("not a directory" if os.path.exists(path) else "no such directory"))
     storage = LocalStorage(path)
@@ -46,8 +55,20 @@ def checkpoint_format(path: str) -> str:
     )
 
 
-def open_manifest(path: str) -> Manifest:
-    """The manifest of the checkpoint at ``path`` in any supported format (validated)."""
+def _no_remote_manifest(path: str) -> str:
+    return (f"{path}: not a committed unickpt checkpoint (no {MANIFEST_NAME}; other formats are read from "
+            "local paths only)")
+
+
+def open_manifest(path: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """The manifest of the checkpoint at ``path`` (a directory, or a URL with
+    ``storage_options``) in any supported format (validated)."""
+    if is_remote(path):
+        try:
+            return Manifest.from_json(open_storage(path, storage_options).read_small(MANIFEST_NAME))
+        except NotACheckpointError:
+            raise NotACheckpointError(_no_remote_manifest(path)) from None
+    path = local_path(path)
     fmt = checkpoint_format(path)
     if fmt == "unickpt":
         return Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))

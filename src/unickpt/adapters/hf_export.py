@@ -44,7 +44,8 @@ from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
-from ..storage.local import LocalStorage
+from ..storage.base import Storage
+from ..storage.open import open_storage, same_location
 from ..storage.files import cleans_up_output
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
 from .regions import source_ledger
@@ -246,7 +247,7 @@ def split_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return shards
 
 
-def _read(storage: LocalStorage, t: OutTensor, threads: int) -> torch.Tensor:
+def _read(storage: Storage, t: OutTensor, threads: int) -> torch.Tensor:
     """The whole tensor, assembled from its fragments (checksums verified), in HF form."""
     e = t.entry
     out = read_entry(storage, e, threads)
@@ -257,15 +258,15 @@ def _read(storage: LocalStorage, t: OutTensor, threads: int) -> torch.Tensor:
     return out.contiguous()
 
 
-def _prepare_dst(out: LocalStorage, src: LocalStorage, overwrite: bool) -> None:
-    if out.root.resolve() == src.root.resolve():
+def _prepare_dst(out: Storage, src: str, dst: str, overwrite: bool) -> None:
+    if same_location(src, dst):
         raise HfError("export: the destination must differ from the source")
     present = out.names()
     if MANIFEST_NAME in present:
-        raise HfError(f"{out.root} holds a unickpt checkpoint; export into another folder")
+        raise HfError(f"{dst} holds a unickpt checkpoint; export into another folder")
     old = [f for f in present if f == INDEX_NAME or _OLD_SHARD.fullmatch(f)]
     if old and not overwrite:
-        raise HfError(f"{out.root} already holds a Hugging Face export ({old[0]}); pass --overwrite to replace it")
+        raise HfError(f"{dst} already holds a Hugging Face export ({old[0]}); pass --overwrite to replace it")
     out.prepare()
     out.remove(INDEX_NAME)  # first: the folder is never a complete-looking mix of old and new shards
     for f in old:
@@ -285,21 +286,24 @@ def export_hf(
     threads: int = 4,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ExportReport:
     """Write the model of checkpoint ``src`` as a Hugging Face folder ``dst`` (see the
     module docstring and :func:`plan_hf_export` for ``names``, ``prefix``, ``dtype`` and
     ``config``). ``progress(n)`` gets the bytes of each tensor written. The report's
     ledger lists what was exported and every tensor of the source that was not (left out,
     dropped by the prefix, or skipped by the source's reader); the caller decides whether
-    that is acceptable (the command line refuses dropped or skipped tensors)."""
+    that is acceptable (the command line refuses dropped or skipped tensors). ``src`` and
+    ``dst`` may be URLs (``storage_options`` for their file system); on an object store
+    the index, written last, completes the export."""
     t0 = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
-    source = LocalStorage(src)
+    source = open_storage(src, storage_options)
     try:
-        manifest = read_manifest(src)
+        manifest = read_manifest(src, storage_options)
         plan = plan_hf_export(manifest, names=names, prefix=prefix, dtype=dtype, config=config)
-        out = LocalStorage(dst)
-        _prepare_dst(out, source, overwrite)
+        out = open_storage(dst, storage_options)
+        _prepare_dst(out, str(src), str(dst), overwrite)
         groups = split_shards([t.nbytes for t in plan.tensors], max_bytes)
         shard_names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         weight_map: dict[str, str] = {}
@@ -324,7 +328,8 @@ def export_hf(
                 out.remove(fname)
                 raise
             writer.close(durable=True)
-        out.sync_dir()
+        if hasattr(out, "sync_dir"):
+            out.sync_dir()
         if plan.config is not None:
             out.write_atomic(CONFIG_NAME, (json.dumps(plan.config, indent=2) + "\n").encode())
         index = {"metadata": {"total_size": written, "total_parameters": sum(prod(t.entry.shape) for t in plan.tensors)},
@@ -333,13 +338,13 @@ def export_hf(
     finally:
         source.close()
     return ExportReport(str(dst), len(plan.tensors), shard_names, written, plan.names, plan.config is not None,
-                        time.perf_counter() - t0, weight_map, export_ledger(src, manifest, plan))
+                        time.perf_counter() - t0, weight_map, export_ledger(src, manifest, plan, storage_options))
 
 
-def export_ledger(src: str, manifest: Manifest, plan: ExportPlan) -> Ledger:
+def export_ledger(src: str, manifest: Manifest, plan: ExportPlan, storage_options: dict[str, Any] | None = None) -> Ledger:
     """The source's ledger as an export sees it: the exported tensors read; the others
     left out, or skipped (dropped by the prefix, or skipped by the source's reader)."""
-    ledger = source_ledger(src, manifest)
+    ledger = source_ledger(src, manifest, storage_options)
     ledger.tensors = len(plan.tensors)
     ledger.bytes_read = sum(t.entry.nbytes for t in plan.tensors)
     ledger.left_out = dict(plan.left_out)

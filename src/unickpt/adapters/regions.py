@@ -24,16 +24,18 @@ whose format it knows:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..errors import UnickptError
 from ..format.ledger import Ledger, Region, build_ledger
 from ..format.manifest import Manifest
 from ..format.safetensors_header import read_header
-from ..storage.local import LocalStorage
+from ..storage.base import Storage
+from ..storage.open import open_storage
 from .detect import open_manifest
 
 
-def safetensors_regions(storage: LocalStorage, name: str) -> list[Region]:
+def safetensors_regions(storage: Storage, name: str) -> list[Region]:
     """The header of a safetensors file (structure) and each entry's bytes (owned by its key)."""
     header, start = read_header(storage.reader(name))
     if not isinstance(header, dict):
@@ -65,14 +67,14 @@ def _dcp_regions(path: str, manifest: Manifest) -> tuple[dict[str, list[Region]]
     return regions, ignored
 
 
-def source_ledger(path: str, manifest: Manifest | None = None) -> Ledger:
+def source_ledger(path: str, manifest: Manifest | None = None, storage_options: dict[str, Any] | None = None) -> Ledger:
     """The ledger of the checkpoint at ``path`` (``manifest``: its manifest when already
     open). Files whose header cannot be read are left unchecked here: ``verify`` reports
     them."""
     if manifest is None:
-        manifest = open_manifest(str(path))
+        manifest = open_manifest(str(path), storage_options)
     fmt = manifest.provenance.get("format", "unickpt")
-    storage = LocalStorage(path)
+    storage = open_storage(path, storage_options)
     declared: dict[str, list[Region]] = {}
     ignored: dict[str, str] = {}
     try:

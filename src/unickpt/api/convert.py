@@ -36,6 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import torch
 
@@ -50,13 +51,13 @@ from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment, Mani
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Span, plan_reads
-from ..storage.local import LocalStorage
+from ..storage.base import Storage
+from ..storage.open import same_location, open_storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
 from .load import direct_segments, source_fragments
 from ..engine.reads import Segment, SpanRead, checksum_error, read_group
-from ..storage.transaction import DirectoryWrite
-from .save import checkpoint_file, data_file_name
+from .save import check_not_committed, claim, data_file_name
 from ..engine.writer import DataFileWriter, as_bytes
 
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -95,6 +96,7 @@ def convert(
     overwrite: bool = False,
     verify: bool = True,
     progress: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConvertReport:
     """Write a consolidated copy of checkpoint ``src`` to ``dst``: one fragment per tensor.
 
@@ -114,21 +116,20 @@ def convert(
     if threads < 1 or buffer_bytes < 1 or block_bytes <= 0 or block_bytes % 8:
         raise UnickptError("convert: threads and buffer_bytes must be >= 1, block_bytes a positive multiple of 8")
     t0 = time.perf_counter()
-    source = LocalStorage(src)
-    manifest = open_manifest(str(src))
-    ledger = source_ledger(str(src), manifest)
-    if LocalStorage(dst).root.resolve() == source.root.resolve():
+    source = open_storage(src, storage_options)
+    manifest = open_manifest(str(src), storage_options)
+    ledger = source_ledger(str(src), manifest, storage_options)
+    if same_location(src, dst):
         raise SaveError("convert: the destination must differ from the source")
-    if LocalStorage(dst).exists(MANIFEST_NAME) and not overwrite:
-        raise SaveError(f"{dst} already holds a committed checkpoint; pass overwrite=True to replace it")
-    # written beside dst and swapped in at the end, like a save: a failure leaves dst as it was
-    claim = DirectoryWrite.begin(dst, MANIFEST_NAME, overwrite, checkpoint_file)
+    check_not_committed(dst, overwrite, storage_options)
+    # written beside dst and swapped in at the end, like a save: a failure leaves dst as it
+    # was (on an object store, written in place: the manifest uploaded last commits)
+    write, out = claim(dst, overwrite, storage_options)
     try:
-        result = _consolidate(manifest, source, LocalStorage(claim.staging), threads, buffer_bytes, block_bytes, verify, progress,
-                              ledger.skipped)
-        claim.commit({MANIFEST_NAME: result.manifest.to_json().encode()})
+        result = _consolidate(manifest, source, out, threads, buffer_bytes, block_bytes, verify, progress, ledger.skipped)
+        write.commit({MANIFEST_NAME: result.manifest.to_json().encode()})
     except BaseException:
-        claim.abort()
+        write.abort()
         raise
     finally:
         source.close()
@@ -144,7 +145,7 @@ class _Consolidated:
 
 
 def _consolidate(
-    manifest: Manifest, source: LocalStorage, out: LocalStorage, threads: int, buffer_bytes: int, block_bytes: int,
+    manifest: Manifest, source: Storage, out: Storage, threads: int, buffer_bytes: int, block_bytes: int,
     verify: bool, progress: Callable[[int], None] | None, skipped: dict[str, str],
 ) -> _Consolidated:
     """Write every tensor of ``manifest`` whole into ``out``'s data files (durable);
@@ -232,7 +233,7 @@ def aligned(n: int) -> int:
 
 
 def read_whole(
-    pool: ThreadPoolExecutor | None, buffers: threading.local, storage: LocalStorage,
+    pool: ThreadPoolExecutor | None, buffers: threading.local, storage: Storage,
     jobs: list[tuple[TensorEntry, torch.Tensor]], span_bytes: int, verify: bool,
 ) -> int:
     """Fill each whole tensor ``out`` from its entry's fragments: spans of about

@@ -22,7 +22,8 @@ from ..format.values import decode_value
 from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
-from ..storage.local import LocalStorage
+from ..storage.base import Storage
+from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import is_dtensor, sharded_item, tensor_item
 from ..engine.replicated import ReplicatedReads
@@ -31,10 +32,10 @@ from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
 
 
-def read_manifest(path: str) -> Manifest:
+def read_manifest(path: str, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``: unickpt's own, or the
     one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face)."""
-    return open_manifest(str(path))
+    return open_manifest(str(path), storage_options)
 
 
 def _region(data: torch.Tensor, piece: Piece, first_element: int, part_local_rows: tuple[int, int]) -> torch.Tensor:
@@ -91,7 +92,7 @@ def direct_segments(entry: TensorEntry, sp: Span, local: torch.Tensor) -> list[S
 class _Reader:
     """Executes read plans: reads spans, verifies their blocks, copies into targets."""
 
-    def __init__(self, storage: LocalStorage, threads: int, verify: bool) -> None:
+    def __init__(self, storage: Storage, threads: int, verify: bool) -> None:
         self.storage = storage
         self.threads = threads
         self.verify = verify
@@ -209,7 +210,8 @@ def load(
     verify: bool = True,
     stats: dict[str, Any] | None = None,
     broadcast_replicated: bool = False,
-    storage: LocalStorage | None = None,
+    storage: Storage | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -231,11 +233,13 @@ def load(
     and broadcasts it over ``process_group`` instead of reading it on every rank; the
     load is then collective (see docs/PERFORMANCE.md for when it pays).
     ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
-    any object with ``LocalStorage``'s ``reader``/``close``, such as the snapshot tier's
-    view of files spread over several machines.
+    any object with the Storage interface's ``reader``/``close``, such as the snapshot
+    tier's view of files spread over several machines. ``path`` may be a URL
+    (``s3://...``, any fsspec file system; ``storage_options`` for it): each rank then
+    fetches only the byte ranges it needs, with ranged GETs.
     """
-    storage = storage if storage is not None else LocalStorage(path)
-    manifest = open_manifest(str(path))
+    storage = storage if storage is not None else open_storage(path, storage_options)
+    manifest = open_manifest(str(path), storage_options)
     group = resolve_group(process_group)
     statefuls: list[tuple[Any, dict[str, Any]]] = []
 
@@ -321,7 +325,7 @@ def _missing(name: str, manifest: Manifest) -> str:
 
 
 def _load_per_rank(
-    storage: LocalStorage, manifest: Manifest, name: str, target: PerRank, rank: int, world: int,
+    storage: Storage, manifest: Manifest, name: str, target: PerRank, rank: int, world: int,
     strict: bool, threads: int, verify: bool,
 ) -> None:
     if name not in manifest.rank_values and name not in manifest.rank_tensors:
@@ -336,7 +340,7 @@ def _load_per_rank(
     target.value = _rank_value(storage, manifest, name, rank, threads, verify, target.value)
 
 
-def _rank_value(storage: LocalStorage, manifest: Manifest, name: str, rank: int, threads: int, verify: bool, into: Any = None) -> Any:
+def _rank_value(storage: Storage, manifest: Manifest, name: str, rank: int, threads: int, verify: bool, into: Any = None) -> Any:
     if name in manifest.rank_values:
         return decode_value(manifest.rank_values[name][rank])
     entry = manifest.rank_tensors[name][rank]
@@ -345,10 +349,11 @@ def _rank_value(storage: LocalStorage, manifest: Manifest, name: str, rank: int,
     return read_entry(storage, entry, threads, verify, into if isinstance(into, torch.Tensor) else None)
 
 
-def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True) -> list[Any]:
+def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True,
+                     storage_options: dict[str, Any] | None = None) -> list[Any]:
     """Every rank's saved value of the per-rank entry ``name`` (index = saving rank)."""
-    storage = LocalStorage(path)
-    manifest = open_manifest(str(path))
+    storage = open_storage(path, storage_options)
+    manifest = open_manifest(str(path), storage_options)
     if name not in manifest.rank_values and name not in manifest.rank_tensors:
         raise MismatchError(f"{name!r} is not per-rank state in {path}")
     row = manifest.rank_values.get(name, manifest.rank_tensors.get(name))
@@ -360,7 +365,8 @@ def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = T
         storage.close()
 
 
-def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, mmap: bool = False) -> torch.Tensor:
+def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, mmap: bool = False,
+                storage_options: dict[str, Any] | None = None) -> torch.Tensor:
     """The whole global tensor ``name`` from a checkpoint, as one CPU tensor.
 
     With ``mmap=True`` a tensor stored whole in one file (saved by one rank, or consolidated,
@@ -368,9 +374,9 @@ def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, 
     memory: private copy-on-write pages, so nothing is allocated or copied up front and
     writes to the tensor stay in this process. Checksums are still verified, which reads
     every page once; with ``verify=False`` pages are read only when first used. A tensor
-    stored in several pieces is read as usual."""
-    storage = LocalStorage(path)
-    manifest = open_manifest(str(path))
+    stored in several pieces is read as usual (and every tensor of a checkpoint at a URL)."""
+    storage = open_storage(path, storage_options)
+    manifest = open_manifest(str(path), storage_options)
     entry = manifest.tensors.get(name)
     if entry is None:
         raise MismatchError(_missing(name, manifest))
@@ -381,10 +387,10 @@ def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, 
         storage.close()
 
 
-def mapped_entry(storage: LocalStorage, entry: TensorEntry, verify: bool = True) -> torch.Tensor | None:
+def mapped_entry(storage: Storage, entry: TensorEntry, verify: bool = True) -> torch.Tensor | None:
     """The tensor of ``entry`` mapped from its file when one fragment holds it whole, in
     order (checksums verified over the mapping unless ``verify=False``); else None."""
-    if len(entry.fragments) != 1 or not prod(entry.shape):
+    if len(entry.fragments) != 1 or not prod(entry.shape) or not hasattr(storage, "map_range"):
         return None
     frag = entry.fragments[0]
     if tuple(frag.shape) != tuple(entry.shape) or list(frag.pieces) != [whole_piece(entry.shape)]:
@@ -401,7 +407,7 @@ def mapped_entry(storage: LocalStorage, entry: TensorEntry, verify: bool = True)
     return torch.frombuffer(mapping, dtype=dtype_from_name(entry.dtype), count=prod(entry.shape), offset=at).view(entry.shape)
 
 
-def read_entry(storage: LocalStorage, entry: TensorEntry, threads: int = 4, verify: bool = True,
+def read_entry(storage: Storage, entry: TensorEntry, threads: int = 4, verify: bool = True,
                into: torch.Tensor | None = None) -> torch.Tensor:
     """The whole tensor of ``entry`` assembled from its fragments in ``storage`` (checksums
     verified unless ``verify=False``), written into ``into`` when it has the entry's shape."""

@@ -36,17 +36,19 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
 from ..adapters.detect import open_manifest
 from ..adapters.regions import source_ledger
-from ..errors import UnickptError
+from ..errors import CorruptionError, StorageError, UnickptError
 from ..format.checksum import crc32c
 from ..format.dtypes import itemsize
 from ..format.ledger import Ledger
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.safetensors_header import parse_header
 from ..plan.box import Box
-from ..storage.local import LocalStorage
+from ..storage.base import Storage
+from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
 
 # Several checksum blocks are read at once when blocks are small, to keep syscalls few.
@@ -152,17 +154,16 @@ class _FileState:
     header: dict | None = None  # None: unreadable or missing
 
 
-def _check_files(storage: LocalStorage, manifest: Manifest, problems: list[Problem], headers: bool) -> dict[str, _FileState]:
+def _check_files(storage: Storage, manifest: Manifest, problems: list[Problem], headers: bool) -> dict[str, _FileState]:
     states: dict[str, _FileState] = {}
     for name, expected in sorted(manifest.files.items()):
-        path = storage.path(name)
         try:
-            actual = path.stat().st_size
-        except FileNotFoundError:
+            actual = storage.size(name)
+        except CorruptionError:  # the file is missing
             problems.append(Problem("missing", f"data file is missing (manifest expects {expected} bytes)", name))
             states[name] = _FileState(expected, None)
             continue
-        except OSError as e:
+        except (OSError, StorageError) as e:
             problems.append(Problem("unreadable", f"cannot stat data file: {e}", name))
             states[name] = _FileState(expected, None)
             continue
@@ -263,17 +264,20 @@ def _tasks(entry: TensorEntry, frag: Fragment) -> list[_Task]:
 
 
 @gc_paused()
-def verify(path: str, *, progress: Callable[[int], None] | None = None, threads: int = 4) -> VerifyReport:
+def verify(path: str, *, progress: Callable[[int], None] | None = None, threads: int = 4,
+           storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Re-check every checksum of the checkpoint at ``path`` and report what is wrong.
 
     ``progress``, if given, is called from the calling thread with the number of bytes
     just processed (for a progress bar over :func:`total_bytes`). Reads run on
     ``threads`` threads. Raises :class:`~unickpt.NotACheckpointError` when ``path``
     holds no committed checkpoint and :class:`~unickpt.ManifestError` when its manifest
-    is invalid; every other problem is reported, not raised.
+    is invalid; every other problem is reported, not raised. ``path`` may be a URL
+    (``storage_options`` for its file system); a store that cannot be reached is a
+    :class:`~unickpt.StorageError`.
     """
-    storage = LocalStorage(path)
-    manifest = open_manifest(str(path))
+    storage = open_storage(path, storage_options)
+    manifest = open_manifest(str(path), storage_options)
     report = VerifyReport(str(path), format=manifest.provenance.get("format", "unickpt"), manifest_digest=manifest.digest)
     problems: list[Problem] = []
     try:
@@ -350,7 +354,7 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
                     progress(n)
     finally:
         storage.close()
-    report.ledger = source_ledger(str(path), manifest)
+    report.ledger = source_ledger(str(path), manifest, storage_options)
     for r in report.ledger.unaccounted:
         what = f"bytes of {r.owner!r}, which the reader neither read nor reported" if r.owner else \
             "bytes no tensor, header or item of the checkpoint accounts for"

@@ -41,8 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="total steps (horizon of the learning-rate schedule)")
     p.add_argument("--stop-after", type=int, default=None, help="end the process after this step, as a failure would")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    p.add_argument("--ckpt-dir", default=None, help="directory of numbered checkpoints")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="directory (or URL: s3://bucket/run, options from the environment) of numbered checkpoints")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest N checkpoints")
+    p.add_argument("--durable-dir", default=None,
+                   help="second tier (a URL such as s3://bucket/run): every --durable-every-th checkpoint of --ckpt-dir is "
+                   "copied there in the background; resuming falls back to it when the local copy is missing or corrupt")
+    p.add_argument("--durable-every", type=int, default=1, help="copy every Mth checkpoint to --durable-dir")
+    p.add_argument("--durable-keep", type=int, default=None, help="keep only the newest N checkpoints in --durable-dir")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint path")
     p.add_argument("--async-save", action="store_true", help="save in the background (unickpt.async_save)")
     p.add_argument("--snapshot-every", type=int, default=0,
@@ -232,7 +238,10 @@ def resume(job: Job, manager: unickpt.CheckpointManager | None, where: str, stor
     del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
     if unickpt.read_manifest(path).world_size != job.world:
         del state["rng"]  # per-rank RNG only carries over to the same world size
-    unickpt.load(state, path, storage=storage)
+    if manager is not None and storage is None:
+        path = manager.load(state, path)  # the durable tier's copy when the local one is missing or corrupt
+    else:
+        unickpt.load(state, path, storage=storage)
     set_state_dict(job.model, job.optimizer, model_state_dict=msd, optim_state_dict=osd)
     job.loader.load_state_dict(state["train"]["loader"])
     if "rng" in state:
@@ -256,7 +265,11 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     if args.flush_every and not (args.snapshot_every and args.ckpt_dir):
         raise SystemExit("--flush-every needs --snapshot-every and --ckpt-dir (where the keepers write the checkpoints)")
     job = build(args)
-    manager = unickpt.CheckpointManager(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+    if args.durable_dir and not args.ckpt_dir:
+        raise SystemExit("--durable-dir needs --ckpt-dir (the fast tier its copies are made from)")
+    manager = unickpt.CheckpointManager(
+        args.ckpt_dir, keep=args.keep, durable=args.durable_dir, durable_every=args.durable_every, durable_keep=args.durable_keep,
+    ) if args.ckpt_dir else None
     start = resume(job, manager, args.resume) if args.resume and manager else 0
     if args.resume and not manager and args.resume != "latest":
         start = resume(job, unickpt.CheckpointManager(os.path.dirname(args.resume)), args.resume)
@@ -293,6 +306,8 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
             snap.snapshot(state, step, flush=not saved)  # the trainer's own save of the step wins
     if pending is not None:
         pending.result()
+    if manager is not None:
+        manager.wait()  # the copy to the durable tier in flight
     if snap is not None:
         snap.close(clean=last == args.steps)
     return records
