@@ -110,12 +110,16 @@ def tiered_training(rank: int, world: int, env: dict[str, str], local: str, dura
             json.dump(runs, f)
 
 
-SAVE_THEN_HANG = """
-import sys, torch, unickpt
-manager = unickpt.CheckpointManager(sys.argv[1])
-manager.save({"w": torch.arange(10.0)}, 1)
-print("committed", flush=True)
-big = torch.randn(40 << 20)  # 160 MiB: ten 16 MiB parts, uploaded while the test kills us
-manager.save({"w": torch.arange(10.0), "big": big}, 5, threads=2)
-print("finished", flush=True)
-"""
+def save_then_die(rank: int, world: int, env: dict[str, str], root: str, piddir: str) -> None:
+    """2 ranks: commit step 1, then save step 5, where rank 1's file is small (it is
+    complete at once) and rank 0's is 160 MiB (uploaded in parts while the test SIGKILLs
+    both ranks)."""
+    import torch
+
+    os.environ.update(env)
+    with open(os.path.join(piddir, f"{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    manager = unickpt.CheckpointManager(root)
+    manager.save({"w": torch.arange(10.0)}, 1)
+    big = torch.randn((40 << 20) if rank == 0 else 10)
+    manager.save({"w": torch.arange(10.0), "mine": unickpt.PerRank(big)}, 5, threads=2)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -19,7 +20,7 @@ from unickpt.api.manager import TierFallbackWarning
 from unickpt.storage.fsspec_store import FsspecStorage
 from unickpt.testing import run_ranks
 
-from objstore_cases import BUCKET, PRELOAD, SAVE_THEN_HANG, S3Server, load_d2_counting, save_a4, tiered_training
+from objstore_cases import BUCKET, PRELOAD, S3Server, load_d2_counting, save_a4, save_then_die, tiered_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,26 +100,38 @@ def test_four_rank_save_two_rank_resharded_load_fetches_only_its_bytes(s3, tmp_p
         assert sum(stop - start for _, start, stop in data) < sum(n for f, n in files.items() if f != "manifest.json") / 2
 
 
-def test_killed_save_leaves_no_checkpoint_and_the_manager_cleans(s3):
+def test_killed_save_leaves_no_checkpoint_and_the_manager_cleans(s3, tmp_path):
     root = f"s3://{BUCKET}/killed"
-    proc = subprocess.Popen([sys.executable, "-c", SAVE_THEN_HANG, root], stdout=subprocess.PIPE, text=True)
+    failure: list[BaseException] = []
+
+    def ranks() -> None:
+        try:
+            run_ranks(save_then_die, 2, s3.env(), root, str(tmp_path), preload=PRELOAD, timeout=120)
+        except BaseException as e:  # noqa: BLE001  (the ranks are killed: expected)
+            failure.append(e)
+
+    thread = threading.Thread(target=ranks)
+    thread.start()
     try:
-        assert proc.stdout.readline().strip() == "committed"
-        deadline = time.monotonic() + 60
-        while not _uploads(s3, "killed/step_00000005/"):  # mid-upload: a multipart upload is open
-            assert time.monotonic() < deadline and proc.poll() is None, "the save never started uploading"
+        deadline = time.monotonic() + 120
+        # mid-upload: rank 1's file is complete, rank 0's multipart upload is open
+        while not (_uploads(s3, "killed/step_00000005/") and "killed/step_00000005/rank_00001.safetensors" in _keys(s3, "killed/")):
+            assert time.monotonic() < deadline and thread.is_alive(), f"the save never started uploading: {failure}"
             time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
     finally:
-        proc.kill()
-        proc.wait()
-    assert f"killed/step_00000005/manifest.json" not in _keys(s3, "killed/")
+        for rank in range(2):
+            try:
+                os.kill(int((tmp_path / f"{rank}.pid").read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        thread.join()
+    assert failure, "the ranks were killed: run_ranks must report it"
+    assert "killed/step_00000005/manifest.json" not in _keys(s3, "killed/")
     manager = unickpt.CheckpointManager(root)
     assert manager.steps() == [1]
     assert manager.latest() == f"{root}/step_00000001"
     with pytest.raises(unickpt.NotACheckpointError):
         unickpt.load({"w": torch.zeros(10)}, f"{root}/step_00000005")
-    assert _uploads(s3, "killed/step_00000005/"), "the dead save's upload should still be open"
     manager.save({"w": torch.ones(10)}, 6)
     assert not _uploads(s3, "killed/") and not _keys(s3, "killed/step_00000005/")
     assert manager.steps() == [1, 6]
