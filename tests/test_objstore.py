@@ -178,6 +178,11 @@ def test_cli_inspect_and_verify_on_s3(s3):
     r = CliRunner().invoke(app, ["inspect", url, "--json"])
     assert r.exit_code == 0, r.output
     assert [t["name"] for t in json.loads(r.output)["tensors"]] == ["w"]
+    r = CliRunner().invoke(app, ["convert", url, f"s3://{BUCKET}/cli/universal", "--consolidate"])
+    assert r.exit_code == 0 and unickpt.verify(f"s3://{BUCKET}/cli/universal").ok, r.output
+    unickpt.save({"model.layers.0.w": torch.randn(4, 4)}, f"s3://{BUCKET}/cli/model")
+    r = CliRunner().invoke(app, ["export", f"s3://{BUCKET}/cli/model", f"s3://{BUCKET}/cli/hf", "--names", "keep"])
+    assert r.exit_code == 0 and "cli/hf/model-00001-of-00001.safetensors" in _keys(s3, "cli/hf/"), r.output
     r = CliRunner().invoke(app, ["verify", f"s3://{BUCKET}/cli/missing"])
     assert r.exit_code == 2 and "error:" in r.output and "not a committed unickpt checkpoint" in r.output, r.output
     # a newcomer's command line: a fresh process, the server found through the environment

@@ -264,9 +264,13 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         raise SystemExit("--resume latest needs --ckpt-dir (the directory of numbered checkpoints)")
     if args.flush_every and not (args.snapshot_every and args.ckpt_dir):
         raise SystemExit("--flush-every needs --snapshot-every and --ckpt-dir (where the keepers write the checkpoints)")
-    job = build(args)
+    if args.flush_every and "://" in args.ckpt_dir:
+        raise SystemExit("--flush-every needs a local --ckpt-dir (the keepers write files; use --durable-dir for an object store)")
+    if args.durable_dir and args.async_save:
+        raise SystemExit("--durable-dir copies what CheckpointManager.save commits: drop --async-save")
     if args.durable_dir and not args.ckpt_dir:
         raise SystemExit("--durable-dir needs --ckpt-dir (the fast tier its copies are made from)")
+    job = build(args)
     manager = unickpt.CheckpointManager(
         args.ckpt_dir, keep=args.keep, durable=args.durable_dir, durable_every=args.durable_every, durable_keep=args.durable_keep,
     ) if args.ckpt_dir else None
