@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.api.manager import TierFallbackWarning
+from unickpt import TierFallbackWarning
 from unickpt.storage.fsspec_store import FsspecStorage
 from unickpt.testing import run_ranks
 
@@ -78,6 +78,9 @@ def test_save_load_and_every_entry_point_take_urls(s3, tmp_path, monkeypatch):
     export_hf(f"s3://{BUCKET}/single/model", f"s3://{BUCKET}/single/hf", names="keep")
     assert "single/hf/model.safetensors.index.json" in _keys(s3, "single/hf/")
 
+    unickpt.save(state, "memory://unickpt-test/step_5")  # any fsspec file system: one PUT per file
+    unickpt.load(out, "memory://unickpt-test/step_5")
+    assert torch.equal(out["w"], state["w"])
     with pytest.raises(unickpt.StorageError, match="unsupported storage URL scheme 'nosuchscheme'"):
         unickpt.save(state, "nosuchscheme://bucket/x")
     assert os.listdir(".") == []

@@ -52,12 +52,14 @@ class Transfer:
             self.get_ranges: list[tuple[str, int, int]] = []
 
     def got(self, path: str, start: int, data_len: int) -> None:
+        """Count one GET of ``data_len`` bytes of ``path`` from byte ``start``."""
         with self._lock:
             self.gets += 1
             self.get_bytes += data_len
             self.get_ranges.append((path, start, start + data_len))
 
     def put(self, nbytes: int) -> None:
+        """Count one PUT (or uploaded part) of ``nbytes`` bytes."""
         with self._lock:
             self.puts += 1
             self.put_bytes += nbytes
