@@ -94,8 +94,6 @@ def tiered_training(rank: int, world: int, env: dict[str, str], local: str, dura
     small = ["--steps", "8", "--seed", "3", "--print-every", "0"]
     runs = {
         "s3_full": run(small + ["--save-every", "4", "--ckpt-dir", f"{durable}/s3only"]),
-        "s3_resumed": run(small + ["--resume", f"{durable}/s3only/step_00000004", "--save-every", "4",
-                                   "--ckpt-dir", f"{durable}/s3resumed"]),
     }
     dist.barrier()
     runs["tiers_first"] = run(small + ["--save-every", "2", "--stop-after", "4", "--ckpt-dir", local,
