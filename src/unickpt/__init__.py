@@ -23,6 +23,7 @@ _LAZY = {
     "save": "api.save", "async_save": "api.async_save", "AsyncSaveHandle": "api.async_save",
     "load": "api.load", "load_rank_values": "api.load", "load_tensor": "api.load", "read_manifest": "api.load",
     "convert": "api.convert", "verify": "api.verify", "CheckpointManager": "api.manager",
+    "TierFallbackWarning": "api.manager",
     "PerRank": "engine.state", "Sharded": "engine.state",
 }
 
@@ -46,4 +47,5 @@ __all__ = [
     "save", "load", "CheckpointManager", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "verify",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
     "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "StorageError", "UnsafePickleError",
+    "TierFallbackWarning",
 ]

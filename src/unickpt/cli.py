@@ -283,10 +283,16 @@ def _cli_flag_names(fn: F) -> F:
 # ---------------------------------------------------------------- inspect
 
 
+# Locations may be URLs (s3://bucket/run/step_5, any fsspec file system); the command line
+# takes their options from the environment, as the file systems read it (AWS_ENDPOINT_URL,
+# AWS_ACCESS_KEY_ID, ...; docs: README "Object stores").
+_LOCATION_HELP = "Checkpoint directory, or URL (s3://..., gs://..., any fsspec file system; options from the environment)."
+
+
 @app.command("inspect")
 @_errors
 def inspect_cmd(
-    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
+    path: Annotated[str, typer.Argument(metavar="PATH", help=_LOCATION_HELP, show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
     """Show tensors, values, per-rank state, totals, provenance and the ledger (what the
@@ -373,7 +379,7 @@ def _with_byte_progress(label: str, total: int, work: Callable[[Callable[[int], 
 @app.command("verify")
 @_errors
 def verify_cmd(
-    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory.", show_default=False)],
+    path: Annotated[str, typer.Argument(metavar="PATH", help=_LOCATION_HELP, show_default=False)],
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
     limit: Annotated[int, typer.Option(min=0, help="Problems to list at most (0: all).")] = 50,
     allow_skip: Annotated[bool, typer.Option("--allow-skip", help="Accept a source holding items unickpt does not read (listed).")] = False,
@@ -432,8 +438,8 @@ def verify_cmd(
 @_errors
 @_cli_flag_names
 def convert_cmd(
-    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read (unickpt, PyTorch DCP, DeepSpeed, Hugging Face).", show_default=False)],
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Directory of the new checkpoint.", show_default=False)],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint to read (unickpt, PyTorch DCP, DeepSpeed, Hugging Face; a URL: unickpt).", show_default=False)],
+    dst: Annotated[str, typer.Argument(metavar="DST", help="Directory or URL of the new checkpoint.", show_default=False)],
     to: Annotated[
         str, typer.Option("--to", help="Output format: unickpt, dcp (PyTorch DCP), deepspeed (DeepSpeed universal checkpoint).")
     ] = "unickpt",
@@ -459,6 +465,8 @@ def convert_cmd(
 
     if to not in ("unickpt", "dcp", "deepspeed"):
         raise _fail(f"unknown output format {to!r}: choose unickpt, dcp or deepspeed")
+    if to != "unickpt" and _is_remote(dst):
+        raise _fail(f"--to {to} writes a local directory; {dst} is a URL (convert to unickpt's format there, or to a local path)")
     with open_checkpoint(str(src)) as ckpt:
         _convert(ckpt, dst, to, consolidate, threads, buffer_mib, overwrite, allow_skip)
 
@@ -521,8 +529,8 @@ def _convert(ckpt: Any, dst: Path, to: str, consolidate: bool, threads: int, buf
 @_errors
 @_cli_flag_names
 def export_cmd(
-    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint to read.", show_default=False)],
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Folder to write.", show_default=False)],
+    src: Annotated[str, typer.Argument(metavar="SRC", help=_LOCATION_HELP, show_default=False)],
+    dst: Annotated[str, typer.Argument(metavar="DST", help="Folder or URL to write.", show_default=False)],
     fmt: Annotated[str, typer.Option("--format", help="Output format: hf (Hugging Face safetensors).")] = "hf",
     max_shard_size: Annotated[str, typer.Option(help="Largest shard: bytes, or e.g. 500MB, 5GB, 2GiB.")] = "5GB",
     dtype: Annotated[
@@ -625,6 +633,12 @@ def demo_cmd(
     if not resumed.ok:
         _err().print(Text("demo FAILED: the resumed loss curve departs from the unbroken one", style="bold red"))
         raise typer.Exit(EXIT_FAILED)
+
+
+def _is_remote(location: str) -> bool:
+    from .storage.open import is_remote
+
+    return is_remote(location)
 
 
 def main() -> None:

@@ -62,11 +62,11 @@ def open_checkpoint(location: str | os.PathLike | Storage, storage_options: dict
 
 
 @contextmanager
-def using_checkpoint(src: "str | os.PathLike | Checkpoint") -> Iterator[Checkpoint]:
+def using_checkpoint(src: "str | os.PathLike | Checkpoint", storage_options: dict[str, Any] | None = None) -> Iterator[Checkpoint]:
     """``src`` as an open checkpoint: used as it is when the caller opened it (and left
-    open), else opened here and closed at the end."""
+    open), else opened here (with ``storage_options``) and closed at the end."""
     if isinstance(src, Checkpoint):
         yield src
         return
-    with open_checkpoint(src) as ckpt:
+    with open_checkpoint(src, storage_options) as ckpt:
         yield ckpt

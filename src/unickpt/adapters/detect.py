@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Any
+
 from ..errors import ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.base import Storage
 from ..storage.local import is_inside
-from ..storage.open import open_storage
+from ..storage.open import is_remote, open_storage
 
 # (name, module, detector, reader); detectors are tried in this order (Megatron-Core's
 # torch_dist checkpoints are DCP checkpoints with more: it comes first)
@@ -29,16 +31,16 @@ FORMATS = [
 ]
 
 
-def checkpoint_format(path: str, storage: Storage | None = None) -> str:
+def checkpoint_format(path: str, storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> str:
     """``"unickpt"``, ``"megatron"``, ``"dcp"``, ``"deepspeed"``, ``"dcp-hf"`` or ``"hf"``;
     NotACheckpointError otherwise. ``storage``: the location already opened (a native
-    checkpoint is recognised through it, on any backend; foreign formats are read from a
-    local directory)."""
-    storage = storage if storage is not None else open_storage(path)
-    if not hasattr(storage, "names"):  # not local files: only unickpt's own format
+    checkpoint is recognised through it, on any backend); at a URL (object store) only
+    unickpt checkpoints are read, foreign formats from a local directory."""
+    storage = storage if storage is not None else open_storage(path, storage_options)
+    if is_remote(storage):
         if storage.exists(MANIFEST_NAME):
             return "unickpt"
-        raise NotACheckpointError(f"{path}: not a committed checkpoint (no {MANIFEST_NAME})")
+        raise NotACheckpointError(_no_remote_manifest(path))
     if not os.path.isdir(storage.root):
         raise NotACheckpointError(f"{path}: " + ("not a directory" if os.path.exists(storage.root) else "no such directory"))
     if storage.exists(MANIFEST_NAME):
@@ -54,12 +56,18 @@ def checkpoint_format(path: str, storage: Storage | None = None) -> str:
     )
 
 
-def open_manifest(path: str, storage: Storage | None = None, regions: dict | None = None) -> Manifest:
+def _no_remote_manifest(path: str) -> str:
+    return (f"{path}: not a committed unickpt checkpoint (no {MANIFEST_NAME}; other formats are read from "
+            "local paths only)")
+
+
+def open_manifest(path: str, storage: Storage | None = None, regions: dict | None = None,
+                  storage_options: dict[str, Any] | None = None) -> Manifest:
     """The manifest of the checkpoint at ``path`` (``storage``: the location already
-    opened) in any supported format (validated). ``regions``, when given, receives the
-    byte regions a foreign reader declares while it reads (DeepSpeed's: the ledger then
-    needs no second pass)."""
-    storage = storage if storage is not None else open_storage(path)
+    opened, else opened with ``storage_options``) in any supported format (validated).
+    ``regions``, when given, receives the byte regions a foreign reader declares while it
+    reads (DeepSpeed's: the ledger then needs no second pass)."""
+    storage = storage if storage is not None else open_storage(path, storage_options)
     fmt = checkpoint_format(path, storage)
     if fmt == "unickpt":
         return Manifest.from_json(storage.read_small(MANIFEST_NAME))

@@ -45,7 +45,7 @@ from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
 from ..storage.base import Storage
-from ..storage.open import open_storage
+from ..storage.open import open_storage, same_location
 from ..storage.files import cleans_up_output
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
 from .checkpoint import Checkpoint, open_checkpoint
@@ -259,15 +259,15 @@ def _read(storage: Storage, t: OutTensor, threads: int) -> torch.Tensor:
     return out.contiguous()
 
 
-def _prepare_dst(out: Storage, src: Storage, overwrite: bool) -> None:
-    if out.root.resolve() == src.root.resolve():
+def _prepare_dst(out: Storage, src: str, dst: str, overwrite: bool) -> None:
+    if same_location(src, dst):
         raise HfError("export: the destination must differ from the source")
     present = out.names()
     if MANIFEST_NAME in present:
-        raise HfError(f"{out.root} holds a unickpt checkpoint; export into another folder")
+        raise HfError(f"{dst} holds a unickpt checkpoint; export into another folder")
     old = [f for f in present if f == INDEX_NAME or _OLD_SHARD.fullmatch(f)]
     if old and not overwrite:
-        raise HfError(f"{out.root} already holds a Hugging Face export ({old[0]}); pass --overwrite to replace it")
+        raise HfError(f"{dst} already holds a Hugging Face export ({old[0]}); pass --overwrite to replace it")
     out.prepare()
     out.remove(INDEX_NAME)  # first: the folder is never a complete-looking mix of old and new shards
     for f in old:
@@ -287,22 +287,25 @@ def export_hf(
     threads: int = 4,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ExportReport:
     """Write the model of checkpoint ``src`` as a Hugging Face folder ``dst`` (see the
     module docstring and :func:`plan_hf_export` for ``names``, ``prefix``, ``dtype`` and
     ``config``). ``progress(n)`` gets the bytes of each tensor written. The report's
     ledger lists what was exported and every tensor of the source that was not (left out,
     dropped by the prefix, or skipped by the source's reader); the caller decides whether
-    that is acceptable (the command line refuses dropped or skipped tensors)."""
+    that is acceptable (the command line refuses dropped or skipped tensors). ``src`` and
+    ``dst`` may be URLs (``storage_options`` for their file system); on an object store
+    the index, written last, completes the export."""
     t0 = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
-    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options)
     source = ckpt.storage
     try:
         manifest = ckpt.manifest
         plan = plan_hf_export(manifest, names=names, prefix=prefix, dtype=dtype, config=config)
-        out = open_storage(dst)
-        _prepare_dst(out, source, overwrite)
+        out = open_storage(dst, storage_options)
+        _prepare_dst(out, ckpt.location, str(dst), overwrite)
         groups = split_shards([t.nbytes for t in plan.tensors], max_bytes)
         shard_names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         weight_map: dict[str, str] = {}
@@ -327,7 +330,8 @@ def export_hf(
                 out.remove(fname)
                 raise
             writer.close(durable=True)
-        out.sync_dir()
+        if hasattr(out, "sync_dir"):
+            out.sync_dir()
         if plan.config is not None:
             out.write_atomic(CONFIG_NAME, (json.dumps(plan.config, indent=2) + "\n").encode())
         index = {"metadata": {"total_size": written, "total_parameters": sum(prod(t.entry.shape) for t in plan.tensors)},

@@ -24,6 +24,7 @@ whose format it knows:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..errors import UnickptError
 from ..format.ledger import Ledger, Region, build_ledger
@@ -65,11 +66,12 @@ def _dcp_regions(path: str, manifest: Manifest) -> tuple[dict[str, list[Region]]
     return regions, ignored
 
 
-def source_ledger(checkpoint: Checkpoint | str) -> Ledger:
-    """The ledger of an open checkpoint (or of the one at a path). Files whose header
+def source_ledger(checkpoint: Checkpoint | str, storage_options: dict[str, Any] | None = None) -> Ledger:
+    """The ledger of an open checkpoint (or of the one at a path or URL, opened with
+    ``storage_options``). Files whose header
     cannot be read are left unchecked here: ``verify`` reports them."""
     if not isinstance(checkpoint, Checkpoint):
-        with open_checkpoint(checkpoint) as opened:
+        with open_checkpoint(checkpoint, storage_options) as opened:
             return source_ledger(opened)
     manifest, storage = checkpoint.manifest, checkpoint.storage
     fmt = checkpoint.format

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from ..dist import Group, all_gather_fixed, resolve_group
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
-from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment
-from ..storage.local import LocalStorage
-from ..storage.open import open_storage
+from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
+from ..storage.base import Storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
 from .save import (
-    LocalState, _describe, collect, commit, data_file_name, prepare_collective, rank_payload, tensor_digest,
+    LocalState, _describe, check_not_committed, collect, commit, data_file_name, prepare_collective, rank_payload,
+    tensor_digest,
 )
 from ..engine.staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
 from ..engine.writer import DataFileWriter
@@ -116,6 +116,7 @@ class _Job:
     lazy: bool
     limit: int | None
     manifest_copy: bool | None = None
+    storage_options: dict[str, Any] | None = None
 
 
 class _Saver:
@@ -183,7 +184,7 @@ class _Saver:
         # Start writing only once every rank has staged: a rank that writes while others
         # still copy takes CPU and memory bandwidth from their (blocking) staging.
         all_gather_fixed(job.group, b"\x01")
-        target = prepare_collective(job.group, job.path, job.overwrite, job.manifest_copy)
+        target = prepare_collective(job.group, job.path, job.overwrite, job.manifest_copy, job.storage_options)
         if job.error is None:
             payload = self._write(job, handle, buf, crcs, target.storage)
         else:
@@ -191,7 +192,7 @@ class _Saver:
         handle._staged.set()
         commit(job.group, payload, target, job.metadata, job.manifest_copy)
 
-    def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: LocalStorage) -> dict[str, Any]:
+    def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: Storage) -> dict[str, Any]:
         group, local = job.group, job.local
         assert local is not None
         writer = None
@@ -266,6 +267,7 @@ def async_save(
     max_staging_bytes: int | None = None,
     lazy: bool = False,
     manifest_copy: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
@@ -291,6 +293,8 @@ def async_save(
     True also writes the committed manifest into its own ``path``, and every rank
     creates its ``path`` if needed (all ranks must pass None, or all a bool).
 
+    ``path`` may be a URL with ``storage_options``, as for :func:`unickpt.save`.
+
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
     without ``overwrite``) are raised here.
@@ -301,8 +305,7 @@ def async_save(
         raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
     _SAVER.wait()
     group = checkpoint_group(resolve_group(process_group))
-    if open_storage(path).exists(MANIFEST_NAME) and not overwrite:
-        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+    check_not_committed(path, overwrite, storage_options)
     try:
         with gc_paused():
             local, error = collect(state_dict, group, defer=True), None
@@ -314,6 +317,7 @@ def async_save(
     job = _Job(
         group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
         items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
+        storage_options,
     )
     handle = AsyncSaveHandle(str(path), group.rank)
     _SAVER.start(job, handle)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,13 +48,12 @@ from ..format.ledger import Ledger
 from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment, Manifest, TensorEntry
 from ..plan.piece import whole_piece
 from ..storage.base import Storage
-from ..storage.open import open_storage
+from ..storage.open import same_location
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
 from ..engine.reads import Scratch
 from ..engine.tensor_reads import aligned, batches, read_tensors
-from ..storage.transaction import DirectoryWrite
-from .save import checkpoint_file, data_file_name
+from .save import check_not_committed, claim, data_file_name
 from ..engine.writer import DataFileWriter, as_bytes
 
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -94,6 +93,7 @@ def convert(
     verify: bool = True,
     progress: Callable[[int], None] | None = None,
     ledger: Ledger | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConvertReport:
     """Write a consolidated copy of checkpoint ``src`` (a path, or a checkpoint the caller
     opened with :func:`~unickpt.adapters.checkpoint.open_checkpoint`) to ``dst``: one
@@ -116,23 +116,21 @@ def convert(
     if threads < 1 or buffer_bytes < 1 or block_bytes <= 0 or block_bytes % 8:
         raise UnickptError("convert: threads and buffer_bytes must be >= 1, block_bytes a positive multiple of 8")
     t0 = time.perf_counter()
-    with using_checkpoint(src) as ckpt:
+    with using_checkpoint(src, storage_options) as ckpt:
         source, manifest = ckpt.storage, ckpt.manifest
         if ledger is None:
             ledger = source_ledger(ckpt)
-        out = open_storage(dst)
-        if Path(getattr(out, "root", dst)).resolve() == Path(getattr(source, "root", ckpt.location)).resolve():
+        if same_location(ckpt.location, dst):
             raise SaveError("convert: the destination must differ from the source")
-        if out.exists(MANIFEST_NAME) and not overwrite:
-            raise SaveError(f"{dst} already holds a committed checkpoint; pass overwrite=True to replace it")
-        # written beside dst and swapped in at the end, like a save: a failure leaves dst as it was
-        claim = DirectoryWrite.begin(dst, MANIFEST_NAME, overwrite, checkpoint_file)
+        check_not_committed(dst, overwrite, storage_options)
+        # written beside dst and swapped in at the end, like a save: a failure leaves dst as it
+        # was (on an object store, written in place: the manifest uploaded last commits)
+        write, out = claim(dst, overwrite, storage_options)
         try:
-            result = _consolidate(manifest, source, open_storage(claim.staging), threads, buffer_bytes, block_bytes, verify,
-                                  progress, ledger.skipped)
-            claim.commit({MANIFEST_NAME: result.manifest.to_json().encode()})
+            result = _consolidate(manifest, source, out, threads, buffer_bytes, block_bytes, verify, progress, ledger.skipped)
+            write.commit({MANIFEST_NAME: result.manifest.to_json().encode()})
         except BaseException:
-            claim.abort()
+            write.abort()
             raise
     return ConvertReport(ckpt.location, str(dst), len(result.manifest.tensors), result.bytes_written, result.bytes_read,
                          len(result.manifest.files), time.perf_counter() - t0, ledger)

@@ -26,10 +26,10 @@ from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
 
 
-def read_manifest(path: str) -> Manifest:
+def read_manifest(path: str, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``: unickpt's own, or the
     one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face)."""
-    with open_checkpoint(path) as ckpt:
+    with open_checkpoint(path, storage_options) as ckpt:
         return ckpt.manifest
 
 
@@ -60,6 +60,7 @@ def load(
     stats: dict[str, Any] | None = None,
     broadcast_replicated: bool = False,
     storage: Storage | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -82,9 +83,11 @@ def load(
     load is then collective (see docs/PERFORMANCE.md for when it pays).
     ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
     any :class:`~unickpt.storage.base.Storage` (only ``reader`` and ``close`` are used),
-    such as the snapshot tier's view of files spread over several machines.
+    such as the snapshot tier's view of files spread over several machines. ``path`` may
+    be a URL (``s3://...``, any fsspec file system; ``storage_options`` for it): each rank
+    then fetches only the byte ranges it needs, with ranged GETs.
     """
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, storage_options)
     if storage is not None:
         ckpt.close()
     else:
@@ -199,9 +202,10 @@ def _rank_value(storage: Storage, manifest: Manifest, name: str, rank: int, thre
     return read_entry(storage, entry, threads, verify, into if isinstance(into, torch.Tensor) else None)
 
 
-def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True) -> list[Any]:
+def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True,
+                     storage_options: dict[str, Any] | None = None) -> list[Any]:
     """Every rank's saved value of the per-rank entry ``name`` (index = saving rank)."""
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, storage_options)
     storage, manifest = ckpt.storage, ckpt.manifest
     if name not in manifest.rank_values and name not in manifest.rank_tensors:
         raise MismatchError(f"{name!r} is not per-rank state in {path}")
@@ -214,7 +218,8 @@ def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = T
         storage.close()
 
 
-def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, mmap: bool = False) -> torch.Tensor:
+def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, mmap: bool = False,
+                storage_options: dict[str, Any] | None = None) -> torch.Tensor:
     """The whole global tensor ``name`` from a checkpoint, as one CPU tensor.
 
     With ``mmap=True`` a tensor stored whole in one file (saved by one rank, or consolidated,
@@ -222,8 +227,8 @@ def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, 
     memory: private copy-on-write pages, so nothing is allocated or copied up front and
     writes to the tensor stay in this process. Checksums are still verified, which reads
     every page once; with ``verify=False`` pages are read only when first used. A tensor
-    stored in several pieces is read as usual."""
-    ckpt = open_checkpoint(path)
+    stored in several pieces is read as usual (and every tensor of a checkpoint at a URL)."""
+    ckpt = open_checkpoint(path, storage_options)
     storage, manifest = ckpt.storage, ckpt.manifest
     try:
         entry = manifest.tensors.get(name)

@@ -32,8 +32,9 @@ from ..format.manifest import (
 from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.save_plan import replica_owner
+from ..storage.base import Storage
 from ..storage.local import LocalStorage
-from ..storage.open import open_storage
+from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import DirectoryWrite
 from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
 from ..engine.items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
@@ -157,7 +158,7 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
 
 
 def write_data_file(
-    storage: LocalStorage, name: str, rank: int, items: list[TensorItem], block_bytes: int, threads: int
+    storage: Storage, name: str, rank: int, items: list[TensorItem], block_bytes: int, threads: int
 ) -> tuple[int, list[Fragment]]:
     """Write ``items`` (staged, contiguous CPU tensors) as one safetensors file, in chunks
     from ``threads`` threads, checksumming each chunk as it goes; fsync once at the end.
@@ -184,6 +185,7 @@ class StagedSave:
     metadata: dict[str, Any]
     block_bytes: int
     threads: int
+    storage_options: dict[str, Any] | None = None
 
 
 def _describe(e: Exception) -> str:
@@ -199,6 +201,7 @@ def stage(
     overwrite: bool = False,
     threads: int = 4,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    storage_options: dict[str, Any] | None = None,
 ) -> StagedSave:
     """Phase 1 of a save (collective): check the arguments and capture this rank's state.
     Nothing is written yet.
@@ -209,13 +212,19 @@ def stage(
     if block_bytes <= 0 or block_bytes % 8:
         raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
     group = resolve_group(process_group)
-    if open_storage(path).exists(MANIFEST_NAME) and not overwrite:
-        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+    check_not_committed(path, overwrite, storage_options)
     try:
         local, error = collect(state_dict, group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
         local, error = None, _describe(e)
-    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads)
+    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads, storage_options)
+
+
+def check_not_committed(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None) -> None:
+    """SaveError when ``path`` (a directory or URL) already holds a committed checkpoint
+    and not ``overwrite``; StorageError for a URL no backend knows."""
+    if not overwrite and open_storage(path, storage_options).exists(MANIFEST_NAME):
+        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
 
 
 def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int]) -> dict[str, Any]:
@@ -249,18 +258,26 @@ class Target:
     """Where a save writes: the staging directory every rank writes its file to, and
     (on rank 0) the claim on the checkpoint directory that commits or discards it."""
 
-    storage: LocalStorage
-    write: DirectoryWrite | None
+    storage: Storage
+    write: Any  # DirectoryWrite, PrefixWrite (object stores) or None
 
 
-def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: bool | None = None) -> Target:
+def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: bool | None = None,
+                       storage_options: dict[str, Any] | None = None) -> Target:
     """Collective: rank 0 claims the checkpoint directory (an exclusive lock, then the
     overwrite check) and makes the staging directory every rank writes to. Raises the same
     :class:`SaveError` on every rank when it cannot.
 
     With ``manifest_copy`` not None (each rank's ``path`` a directory of its own machine,
     as the in-memory snapshots' fresh per-step directories in host memory) every rank
-    writes straight into its own ``path``, created if needed: no claim, no staging."""
+    writes straight into its own ``path``, created if needed: no claim, no staging.
+
+    On an object store (a URL other than ``file://``) there is no staging: every rank
+    writes into the prefix itself and the manifest, written last, commits
+    (:class:`~unickpt.storage.fsspec_store.PrefixWrite`)."""
+    if is_remote(path):
+        return _prepare_remote(group, path, overwrite, storage_options)
+    path = local_path(path)
     if manifest_copy is not None:
         storage, problem = open_storage(path), b""
         try:
@@ -286,7 +303,37 @@ def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: 
     return Target(open_storage(os.path.join(path, os.fsdecode(where))), write)
 
 
-def _rank_payload(staged: StagedSave, storage: LocalStorage) -> dict[str, Any]:
+def claim(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None) -> tuple[Any, Storage]:
+    """One process's claim on a checkpoint location it writes alone (convert, export, a
+    tier copy) and the storage its files go to: a locked directory and its staging
+    directory, or an object-store prefix (written in place, the manifest commits).
+    The claim's ``commit(documents)`` commits, ``abort()`` removes what was written."""
+    if is_remote(path):
+        from ..storage.fsspec_store import PrefixWrite
+
+        storage = open_storage(path, storage_options)
+        return PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file), storage
+    write = DirectoryWrite.begin(local_path(path), MANIFEST_NAME, overwrite, checkpoint_file)
+    return write, LocalStorage(write.staging)
+
+
+def _prepare_remote(group: Group, path: str, overwrite: bool, storage_options: dict[str, Any] | None) -> Target:
+    from ..storage.fsspec_store import PrefixWrite
+
+    storage, write, status = None, None, b"ok"
+    try:
+        storage = open_storage(path, storage_options)
+        if group.rank == 0:
+            write = PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file)
+    except UnickptError as e:
+        status = str(e).encode()
+    status = broadcast_bytes(group, status if group.rank == 0 else b"", 0)
+    if status != b"ok" or storage is None:
+        raise SaveError(status.decode(errors="replace") if status != b"ok" else f"cannot open {path}")
+    return Target(storage, write)
+
+
+def _rank_payload(staged: StagedSave, storage: Storage) -> dict[str, Any]:
     group, local = staged.group, staged.local
     if staged.error is not None or local is None:
         return {"rank": group.rank, "error": staged.error}
@@ -388,7 +435,7 @@ def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
     every rank if any rank failed. ``group`` overrides the group used to talk (async saves
     use their own)."""
     group = group or staged.group
-    target = prepare_collective(group, staged.path, staged.overwrite)
+    target = prepare_collective(group, staged.path, staged.overwrite, storage_options=staged.storage_options)
     commit(group, _rank_payload(staged, target.storage), target, staged.metadata)
 
 
@@ -444,6 +491,7 @@ def save(
     overwrite: bool = False,
     threads: int = 4,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Save ``state_dict`` to the checkpoint directory ``path``.
 
@@ -455,9 +503,14 @@ def save(
     Raises :class:`SaveError` on every rank if any rank failed; then nothing is
     committed, what the save wrote is removed, and an old checkpoint stays as it was.
     A second save to the same ``path`` while one runs fails at once.
+
+    ``path`` may be a URL (``s3://bucket/run/step_5``, any fsspec file system) with
+    ``storage_options`` for its file system: each rank uploads its file (multipart on S3)
+    and the manifest, uploaded last, commits (docs/FORMAT.md); there an overwrite
+    uncommits the old checkpoint first, and concurrent saves to one URL are not detected.
     """
     staged = stage(
         state_dict, path, process_group=process_group, metadata=metadata,
-        overwrite=overwrite, threads=threads, block_bytes=block_bytes,
+        overwrite=overwrite, threads=threads, block_bytes=block_bytes, storage_options=storage_options,
     )
     write_and_commit(staged)

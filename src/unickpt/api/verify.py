@@ -34,11 +34,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
 from ..adapters.checkpoint import Checkpoint, using_checkpoint
 from ..adapters.regions import source_ledger
 from ..engine.reads import Segment, SpanRead, block_checks, execute
-from ..errors import CorruptionError, UnickptError
+from ..errors import CorruptionError, StorageError, UnickptError
 from ..format.dtypes import itemsize
 from ..format.ledger import Ledger
 from ..format.manifest import Fragment, Manifest, TensorEntry
@@ -159,7 +160,7 @@ def _check_files(storage: Storage, manifest: Manifest, problems: list[Problem], 
             problems.append(Problem("missing", f"data file is missing (manifest expects {expected} bytes)", name))
             states[name] = _FileState(expected, None)
             continue
-        except OSError as e:
+        except (OSError, StorageError) as e:
             problems.append(Problem("unreadable", f"cannot stat data file: {e}", name))
             states[name] = _FileState(expected, None)
             continue
@@ -249,7 +250,8 @@ _MESSAGES = {
 
 
 @gc_paused()
-def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = None, threads: int = 4) -> VerifyReport:
+def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = None, threads: int = 4,
+           storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Re-check every checksum of the checkpoint at ``path`` (or of a checkpoint the caller
     opened) and report what is wrong.
 
@@ -257,9 +259,11 @@ def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = N
     just processed (for a progress bar over :func:`total_bytes`). Reads run on
     ``threads`` threads. Raises :class:`~unickpt.NotACheckpointError` when ``path``
     holds no committed checkpoint and :class:`~unickpt.ManifestError` when its manifest
-    is invalid; every other problem is reported, not raised.
+    is invalid; every other problem is reported, not raised. ``path`` may be a URL
+    (``storage_options`` for its file system); a store that cannot be reached is a
+    :class:`~unickpt.StorageError`.
     """
-    with using_checkpoint(path) as ckpt:
+    with using_checkpoint(path, storage_options) as ckpt:
         return _verify(ckpt, progress, threads)
 
 

@@ -41,8 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="total steps (horizon of the learning-rate schedule)")
     p.add_argument("--stop-after", type=int, default=None, help="end the process after this step, as a failure would")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    p.add_argument("--ckpt-dir", default=None, help="directory of numbered checkpoints")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="directory (or URL: s3://bucket/run, options from the environment) of numbered checkpoints")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest N checkpoints")
+    p.add_argument("--durable-dir", default=None,
+                   help="second tier (a URL such as s3://bucket/run): every --durable-every-th checkpoint of --ckpt-dir is "
+                   "copied there in the background; resuming falls back to it when the local copy is missing or corrupt")
+    p.add_argument("--durable-every", type=int, default=1, help="copy every Mth checkpoint to --durable-dir")
+    p.add_argument("--durable-keep", type=int, default=None, help="keep only the newest N checkpoints in --durable-dir")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint path")
     p.add_argument("--async-save", action="store_true", help="save in the background (unickpt.async_save)")
     p.add_argument("--snapshot-every", type=int, default=0,
@@ -238,7 +244,10 @@ def resume(job: Job, manager: unickpt.CheckpointManager | None, where: str, stor
     del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
     if unickpt.read_manifest(path).world_size != job.world:
         del state["rng"]  # per-rank RNG only carries over to the same world size
-    unickpt.load(state, path, storage=storage)
+    if manager is not None and storage is None:
+        path = manager.load(state, path)  # the durable tier's copy when the local one is missing or corrupt
+    else:
+        unickpt.load(state, path, storage=storage)
     set_state_dict(job.model, job.optimizer, model_state_dict=msd, optim_state_dict=osd)
     job.loader.load_state_dict(state["train"]["loader"])
     if "rng" in state:
@@ -261,8 +270,16 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         raise SystemExit("--resume latest needs --ckpt-dir (the directory of numbered checkpoints)")
     if args.flush_every and not (args.snapshot_every and args.ckpt_dir):
         raise SystemExit("--flush-every needs --snapshot-every and --ckpt-dir (where the keepers write the checkpoints)")
+    if args.flush_every and "://" in args.ckpt_dir:
+        raise SystemExit("--flush-every needs a local --ckpt-dir (the keepers write files; use --durable-dir for an object store)")
+    if args.durable_dir and args.async_save:
+        raise SystemExit("--durable-dir copies what CheckpointManager.save commits: drop --async-save")
+    if args.durable_dir and not args.ckpt_dir:
+        raise SystemExit("--durable-dir needs --ckpt-dir (the fast tier its copies are made from)")
     job = build(args)
-    manager = unickpt.CheckpointManager(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+    manager = unickpt.CheckpointManager(
+        args.ckpt_dir, keep=args.keep, durable=args.durable_dir, durable_every=args.durable_every, durable_keep=args.durable_keep,
+    ) if args.ckpt_dir else None
     replays = args.log_deltas and args.resume == "latest"  # the delta log's recovery below is "latest" and more
     start = resume(job, manager, args.resume) if args.resume and manager and not replays else 0
     if args.resume and not manager and args.resume != "latest":
@@ -310,6 +327,8 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         pending.result()
     if deltas is not None:
         deltas.close()
+    if manager is not None:
+        manager.wait()  # the copy to the durable tier in flight
     if snap is not None:
         snap.close(clean=last == args.steps)
     return records

@@ -15,14 +15,16 @@ import ctypes
 import io
 import mmap
 import os
+import re
 import secrets
 import sys
 import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import CorruptionError, NotACheckpointError
+from ..errors import CorruptionError, NotACheckpointError, StorageError
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 IOV_MAX = 1024
 EARLY_WRITEBACK_MIN = 1 << 20
 _SYNC_FILE_RANGE_WRITE = 2
@@ -198,6 +200,8 @@ class LocalStorage:
     """A checkpoint directory on a local or mounted file system."""
 
     def __init__(self, root: str | os.PathLike) -> None:
+        if isinstance(root, str) and _URL.match(root):
+            raise StorageError(f"{root}: a URL is not a local path (open it with unickpt.storage.open.open_storage)")
         self.root = Path(root)
         self._readers: dict[str, FileReader] = {}
         self._lock = threading.Lock()

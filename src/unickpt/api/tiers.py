@@ -1,0 +1,167 @@
+"""One tier of a :class:`~unickpt.CheckpointManager`: numbered checkpoints
+(``step_00000100``) under a root that is a local directory or an object-store URL, with
+what the manager needs of it: list the committed steps, check one, remove one, clean what
+dead saves left, and copy a committed checkpoint into it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import UnickptError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..storage.local import LocalStorage, list_subdirs, remove_checkpoint
+from ..storage.open import is_remote, local_path, open_storage
+from ..storage.transaction import remove_abandoned
+from .save import checkpoint_file, claim
+
+STEP = re.compile(r"^step_(\d+)$")
+
+
+def step_name(step: int) -> str:
+    """The name of the checkpoint of ``step`` under a tier's root."""
+    return f"step_{step:08d}"
+
+
+class Tier:
+    """Numbered checkpoints under ``root`` (a directory or a URL), keeping the newest
+    ``keep`` (all when None)."""
+
+    def __init__(self, root: str | os.PathLike, keep: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
+        if keep is not None and keep < 1:
+            raise UnickptError(f"keep must be at least 1, not {keep}")
+        self.remote = is_remote(root)
+        self.root = str(root).rstrip("/") if self.remote else local_path(root)
+        self.keep = keep
+        self.storage_options = storage_options
+
+    def __repr__(self) -> str:
+        return f"Tier({self.root!r}, keep={self.keep})"
+
+    def path_for(self, step: int) -> str:
+        """Location of the checkpoint of ``step``."""
+        return f"{self.root}/{step_name(step)}" if self.remote else os.path.join(self.root, step_name(step))
+
+    def _listing(self) -> tuple[list[int], list[str]]:
+        """(committed steps sorted, names of uncommitted step prefixes); one listing of the
+        store for a remote tier."""
+        if not self.remote:
+            committed, other = [], []
+            for name in list_subdirs(self.root):
+                m = STEP.match(name)
+                if m:
+                    if LocalStorage(os.path.join(self.root, name)).exists(MANIFEST_NAME):
+                        committed.append(int(m.group(1)))
+                    else:
+                        other.append(name)
+            return sorted(committed), other
+        names = open_storage(self.root, self.storage_options).list_files()
+        prefixes = {n.split("/", 1)[0] for n in names if "/" in n and STEP.match(n.split("/", 1)[0])}
+        committed = {p for p in prefixes if f"{p}/{MANIFEST_NAME}" in names}
+        return sorted(int(STEP.match(p).group(1)) for p in committed), sorted(prefixes - committed)
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, oldest first."""
+        return self._listing()[0]
+
+    def is_valid(self, path: str, verify: bool = False) -> bool:
+        """True when ``path`` is a committed checkpoint whose files are all there, whole
+        (sizes; every checksum too with ``verify``)."""
+        from .load import read_manifest
+
+        try:
+            manifest = read_manifest(path, self.storage_options)
+            storage = open_storage(path, self.storage_options)
+            if any(storage.size(f) != n for f, n in manifest.files.items()):
+                return False
+            if verify:
+                from .verify import verify as verify_checkpoint
+
+                return verify_checkpoint(path, storage_options=self.storage_options).ok
+            return True
+        except UnickptError:
+            return False
+
+    def remove(self, step: int) -> None:
+        """Delete the checkpoint of ``step``: its manifest first (a crash midway leaves an
+        uncommitted prefix, never a committed checkpoint with missing files)."""
+        path = self.path_for(step)
+        if not self.remote:
+            remove_checkpoint(path, MANIFEST_NAME)
+            return
+        storage = open_storage(path, self.storage_options)
+        storage.remove(MANIFEST_NAME)
+        storage.remove_many(storage.list_files())
+
+    def apply_retention(self, pinned: set[int] = frozenset()) -> None:
+        """Remove the oldest committed checkpoints beyond ``keep`` (not those ``pinned``)."""
+        if self.keep is None:
+            return
+        for old in self.steps()[: -self.keep]:
+            if old not in pinned:
+                self.remove(old)
+
+    def clean_leftovers(self, busy: set[int] = frozenset()) -> None:
+        """Remove what saves that died left (their space comes back): local staging
+        directories of saves no process holds; on an object store the files and unfinished
+        uploads of uncommitted step prefixes, except those of steps in ``busy`` (being
+        written now)."""
+        if not self.remote:
+            if os.path.isdir(self.root):
+                remove_abandoned(self.root)
+            return
+        root = open_storage(self.root, self.storage_options)
+        keep = {step_name(s) for s in busy}
+        for name in self._listing()[1]:
+            if name not in keep:
+                prefix = root.child(name)
+                prefix.remove_many(prefix.list_files())
+        root.abort_uploads(skip=lambda key: key.split("/", 1)[0] in keep)
+
+    def copy_in(self, src: str, step: int, threads: int = 4, src_options: dict[str, Any] | None = None) -> str:
+        """Copy the committed checkpoint at ``src`` (any location) as this tier's checkpoint
+        of ``step``: the data files (several at once; large ones uploaded in parts), then
+        the manifest, the commit. Returns the new location."""
+        dst = self.path_for(step)
+        source = open_storage(src, src_options)
+        doc = source.read_small(MANIFEST_NAME)
+        manifest = Manifest.from_json(doc)
+        write, out = claim(dst, overwrite=True, storage_options=self.storage_options)
+        try:
+            files = sorted(n for n in manifest.files if checkpoint_file(n))
+            if isinstance(source, LocalStorage) and hasattr(out, "fs"):
+                # the file system's own upload: multipart, several parts in flight
+                def one(name: str) -> None:
+                    out._call(name, "upload", lambda: out.fs.put_file(str(source.path(name)), out.full(name)))
+            else:
+                def one(name: str) -> None:
+                    copy_file(source, out, name, source.size(name))
+            with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files) or 1))) as pool:
+                list(pool.map(one, files))
+            write.commit({MANIFEST_NAME: doc})
+        except BaseException:
+            write.abort()
+            raise
+        finally:
+            source.close()
+        return dst
+
+
+def copy_file(source: Any, out: Any, name: str, size: int, chunk: int = 16 << 20) -> None:
+    """Copy one file between two storages, chunk by chunk."""
+    writer = out.open_writer(name, size)
+    try:
+        reader = source.reader(name)
+        buf = bytearray(min(chunk, max(size, 1)))
+        for at in range(0, size, chunk):
+            n = min(chunk, size - at)
+            view = memoryview(buf)[:n]
+            reader.pread_into(at, view)
+            writer.pwrite(at, bytes(view))
+    except BaseException:
+        writer.close(durable=False)
+        raise
+    writer.close(durable=True)

@@ -1,0 +1,123 @@
+"""A real S3-compatible server for the object-store tests (moto's server, as a subprocess
+on 127.0.0.1), and the rank functions those tests spawn (module level so spawn can import
+them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import unickpt
+from unickpt.testing import free_port
+
+from dist_cases import build_state, check_state
+
+BUCKET = "ckpt"
+
+
+class S3Server:
+    """``moto_server`` on a free port of 127.0.0.1, in its own process (so that it can
+    really go away: ``kill``)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto server did not start")
+                time.sleep(0.05)
+
+    def env(self) -> dict[str, str]:
+        """The standard environment that points S3 clients (botocore, s3fs) at this server."""
+        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id="testing", aws_secret_access_key="testing",
+                            region_name="us-east-1")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+PRELOAD = ["torch", "torch.distributed", "unickpt", "unickpt.testing"]
+
+
+def save_a4(rank: int, world: int, env: dict[str, str], url: str) -> None:
+    """4 ranks save layout a4 to ``url``."""
+    os.environ.update(env)  # forked from a fork server started before the test set it
+    unickpt.save(build_state("a4", fill=True), url)
+
+
+def load_d2_counting(rank: int, world: int, env: dict[str, str], url: str, out: str) -> None:
+    """2 ranks load layout d2 from ``url`` (bitwise checked); each writes what it fetched:
+    its GETs at the storage boundary and the bytes its read plan needed."""
+    os.environ.update(env)
+    from unickpt.storage.fsspec_store import TRANSFER
+
+    sd = build_state("d2", fill=False)
+    stats: dict = {}
+    TRANSFER.reset()
+    unickpt.load(sd, url, stats=stats)
+    check_state(sd, f"rank {rank}/{world} d2 from {url}")
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({"get_bytes": TRANSFER.get_bytes, "gets": TRANSFER.gets, "ranges": TRANSFER.get_ranges,
+                   "planned": stats["bytes_read"]}, f)
+
+
+def tiered_training(rank: int, world: int, env: dict[str, str], local: str, durable: str, out: str) -> None:
+    """The example trainer with --ckpt-dir on S3, then with two tiers: resume from the
+    object store after the local copy is deleted. Rank 0 writes each run's records."""
+    os.environ.update(env)
+    import shutil
+
+    import torch.distributed as dist
+
+    from unickpt.examples.train import run
+
+    small = ["--steps", "8", "--seed", "3", "--print-every", "0"]
+    runs = {
+        "s3_full": run(small + ["--save-every", "4", "--ckpt-dir", f"{durable}/s3only"]),
+    }
+    dist.barrier()
+    runs["tiers_first"] = run(small + ["--save-every", "2", "--stop-after", "4", "--ckpt-dir", local,
+                                       "--durable-dir", f"{durable}/tiers", "--durable-every", "2"])
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(local)  # the node's disk is gone
+    dist.barrier()
+    runs["tiers_resumed"] = run(small + ["--resume", "latest", "--ckpt-dir", local, "--durable-dir", f"{durable}/tiers"])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(runs, f)
+
+
+def save_then_die(rank: int, world: int, env: dict[str, str], root: str, piddir: str) -> None:
+    """2 ranks: commit step 1, then save step 5, where rank 1's file is small (it is
+    complete at once) and rank 0's is 160 MiB (uploaded in parts while the test SIGKILLs
+    both ranks)."""
+    import torch
+
+    os.environ.update(env)
+    with open(os.path.join(piddir, f"{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    manager = unickpt.CheckpointManager(root)
+    manager.save({"w": torch.arange(10.0)}, 1)
+    big = torch.randn((40 << 20) if rank == 0 else 10)
+    manager.save({"w": torch.arange(10.0), "mine": unickpt.PerRank(big)}, 5, threads=2)
