@@ -48,8 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="snapshot the state into host memory every N steps (0: never); the run then "
                    "recovers by itself at start from memory, else from --ckpt-dir (docs/SNAPSHOT.md)")
-    p.add_argument("--parity", type=int, default=1,
-                   help="parity shards across nodes for the snapshots (1: XOR, survives one lost node; 0: local only)")
+    p.add_argument("--parity", type=int, default=None,
+                   help="parity shards across nodes for the snapshots (default 1: XOR, survives one lost node; "
+                   "M >= 2: Reed-Solomon, survives M lost nodes; 0: local only)")
+    p.add_argument("--snapshot-replicas", type=int, default=1,
+                   help="instead of parity, keep a full copy of each node's snapshot on the next R-1 nodes "
+                   "(2: one neighbour, 2x memory); excludes --parity M > 0")
     p.add_argument("--flush-every", type=int, default=0,
                    help="the snapshot keepers write every Mth snapshot as an ordinary checkpoint into --ckpt-dir, "
                    "in the background (0: never; docs/SNAPSHOT.md)")
@@ -255,6 +259,11 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         raise SystemExit("--resume latest needs --ckpt-dir (the directory of numbered checkpoints)")
     if args.flush_every and not (args.snapshot_every and args.ckpt_dir):
         raise SystemExit("--flush-every needs --snapshot-every and --ckpt-dir (where the keepers write the checkpoints)")
+    if args.snapshot_replicas > 1 and args.parity:
+        raise SystemExit(f"--snapshot-replicas {args.snapshot_replicas} and --parity {args.parity} exclude each other: "
+                         "a node's snapshot is protected by copies on neighbours or by parity, not both")
+    if args.parity is None:
+        args.parity = 0 if args.snapshot_replicas > 1 else 1
     job = build(args)
     manager = unickpt.CheckpointManager(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
     start = resume(job, manager, args.resume) if args.resume and manager else 0
@@ -306,7 +315,7 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
     from ..snapshot.recover import recover
 
     snap = Snapshotter(job_id(args.ckpt_dir), args.snapshot_every, args.parity, max_bytes=args.snapshot_max_bytes,
-                       flush_every=args.flush_every, flush_dir=args.ckpt_dir)
+                       flush_every=args.flush_every, flush_dir=args.ckpt_dir, replicas=args.snapshot_replicas)
     if args.resume:
         return job, snap, start
 

@@ -30,7 +30,7 @@ from ..dist import all_gather_fixed, resolve_group
 from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from . import paths, wire
-from .parity import check_parity
+from .parity import layout
 
 KEEPER_START_S = 60.0
 _INFO = struct.Struct("<iiiiiqqq4s")  # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4
@@ -169,7 +169,7 @@ class Snapshotter:
 
     def __init__(self, job: str, every: int, parity: int = 1, *, root: str | None = None,
                  max_bytes: int | None = None, process_group: Any = None, host: str | None = None,
-                 flush_every: int = 0, flush_dir: str | None = None) -> None:
+                 flush_every: int = 0, flush_dir: str | None = None, replicas: int = 1) -> None:
         if every < 1:
             raise SnapshotError(f"snapshot interval must be at least 1 step, not {every}")
         if flush_every < 0 or (flush_every and not flush_dir):
@@ -180,7 +180,7 @@ class Snapshotter:
         self.host = host or os.environ.get("UNICKPT_KEEPER_HOST") or "127.0.0.1"
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
-        check_parity(parity, 2)
+        layout(1 << 30, parity, replicas)  # a bad combination fails before any process starts
         self.group = checkpoint_group(resolve_group(process_group))
         self.node, self.local_rank = node_position()
         self.keeper: dict[str, Any] | None = None
@@ -188,9 +188,13 @@ class Snapshotter:
             os.makedirs(self.root, exist_ok=True)
             self.keeper = ensure_keeper(self.root, job, self.host)
         self.max_bytes = max_bytes
-        self.requested_parity = parity
+        self.requested_parity, self.replicas = parity, replicas
         self.table = self._exchange(0)[0]
-        self.parity = check_parity(parity, len(self.table))
+        self.k, self.parity = layout(len(self.table), parity, replicas)
+        asked = replicas - 1 if replicas > 1 else parity
+        if self.parity < asked and self.nodes > 1 and self.group.rank == 0:
+            print(f"unickpt: {self.nodes} nodes hold at most {self.parity} parity block(s) per group: "
+                  f"snapshots protected against {self.parity} lost node(s), not {asked}", file=sys.stderr, flush=True)
         self.handle: AsyncSaveHandle | None = None
         self.skipped = 0
         self.failures: list[str] = []
@@ -238,7 +242,7 @@ class Snapshotter:
         if any(r[4] >= 2 for r in rows if r[1]):
             self.skipped += 1
             return None
-        k = max(1, self.nodes - 1)
+        k = self.k
         for n in range(self.nodes):
             node_bytes = sum(r[6] for r in rows if r[0] == n)
             used, cap = next((r[5], r[7]) for r in rows if r[0] == n and r[1])
@@ -249,7 +253,8 @@ class Snapshotter:
                     f"({used / 2**20:.1f} MiB held now + {node_bytes / 2**20:.1f} MiB of state, parity {self.parity}), "
                     f"above the cap of {cap / 2**20:.1f} MiB; raise max_bytes or snapshot less state"
                 )
-        meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "nodes": self.table}}
+        meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "k": self.k,
+                             "replicas": self.replicas, "nodes": self.table}}
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
