@@ -114,7 +114,8 @@ def _take(rank: int, world: int, total: int, roots: list[str], disk: str, snaps:
     if rank == 0:
         data = sum(os.path.getsize(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}", f)) for r in roots
                    for f in os.listdir(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}")) if f.startswith("rank_"))
-        parity = sum(os.path.getsize(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}", "parity.bin")) for r in roots)
+        parity = sum(os.path.getsize(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}", f)) for r in roots
+                     for f in os.listdir(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}")) if f.startswith("parity_") and f.endswith(".bin"))
         json.dump({"bytes": nbytes * world, "memcpy": min(memcpy), "stall": statistics.median(stalls[1:] or stalls),
                    "stall_first": stalls[0], "background": statistics.median(background), "whole": statistics.median(whole),
                    "async_disk": min(async_stalls), "data": data, "parity": parity}, open(out, "w"))
@@ -165,8 +166,8 @@ def _recover(rank: int, world: int, total: int, roots: list[str], disk: str | No
         if snap is not None:
 
             def load(path, storage):
-                unickpt.load(sd, path, storage=storage)
-                return int(unickpt.read_manifest(path).metadata["snapshot"]["step"])
+                unickpt.load(sd, path, storage=storage, manifest=storage.manifest)
+                return int(storage.manifest.metadata["snapshot"]["step"])
 
             outcome = recover(snap, load)
             line = outcome.line

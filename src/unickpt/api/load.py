@@ -210,6 +210,7 @@ def load(
     stats: dict[str, Any] | None = None,
     broadcast_replicated: bool = False,
     storage: LocalStorage | None = None,
+    manifest: Manifest | None = None,
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -232,10 +233,11 @@ def load(
     load is then collective (see docs/PERFORMANCE.md for when it pays).
     ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
     any object with ``LocalStorage``'s ``reader``/``close``, such as the snapshot tier's
-    view of files spread over several machines.
+    view of files spread over several machines. ``manifest``, when given, is the
+    checkpoint's manifest already read (and validated) by the caller: it is not parsed again.
     """
     storage = storage if storage is not None else LocalStorage(path)
-    manifest = open_manifest(str(path))
+    manifest = manifest if manifest is not None else open_manifest(str(path))
     group = resolve_group(process_group)
     statefuls: list[tuple[Any, dict[str, Any]]] = []
 

@@ -234,9 +234,10 @@ def resume(job: Job, manager: unickpt.CheckpointManager | None, where: str, stor
         return 0
     state, msd, osd = checkpoint_state(job, 0)
     del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
-    if unickpt.read_manifest(path).world_size != job.world:
+    manifest = getattr(storage, "manifest", None) or unickpt.read_manifest(path)  # a snapshot's: parsed once
+    if manifest.world_size != job.world:
         del state["rng"]  # per-rank RNG only carries over to the same world size
-    unickpt.load(state, path, storage=storage)
+    unickpt.load(state, path, storage=storage, manifest=manifest)
     set_state_dict(job.model, job.optimizer, model_state_dict=msd, optim_state_dict=osd)
     job.loader.load_state_dict(state["train"]["loader"])
     if "rng" in state:

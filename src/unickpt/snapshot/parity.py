@@ -129,8 +129,9 @@ def encode(blocks: dict[int, memoryview | bytes | np.ndarray], k: int, m: int, r
 
 def decode(blocks: dict[int, np.ndarray], k: int, m: int, want: list[int]) -> dict[int, np.ndarray]:
     """The data stripes ``want`` (block indices < k) of a group from ``k`` of its blocks
-    (block index -> bytes: data stripes 0..k-1, parity blocks k..k+m-1), each padded to
-    the group's block size (a parity's size)."""
+    (block index -> bytes: data stripes 0..k-1, parity blocks k..k+m-1; data stripes may
+    be shorter than the parity, the zero padding is implied). With XOR the parity block
+    is overwritten with the result."""
     if len(blocks) < k:
         raise SnapshotError(f"a group needs {k} of its blocks to be rebuilt, {len(blocks)} are left")
     if all(w in blocks for w in want):
@@ -139,7 +140,7 @@ def decode(blocks: dict[int, np.ndarray], k: int, m: int, want: list[int]) -> di
     if k == 1:
         return {0: next(b for b in blocks.values())}
     if m == 1:
-        acc = np.array(blocks[k], copy=True)
+        acc = blocks[k]  # XORed in place: the caller's parity buffer becomes the rebuilt stripe
         for s, b in blocks.items():
             if s != k:
                 xor_into(acc, b)

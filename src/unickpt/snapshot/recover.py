@@ -36,11 +36,11 @@ import numpy as np
 
 from ..dist import broadcast_bytes, gather_bytes
 from ..errors import CorruptionError, UnickptError
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import FileReader
 from . import paths, wire
 from .client import Snapshotter
-from .parity import code_name, decode, group_of, members, stripe_range
+from .parity import code_name, decode, group_of, members, read_blob, stripe_range
 
 LoadFn = Callable[[str, Any], int]
 
@@ -186,38 +186,58 @@ class Peers:
         self.conns.clear()
 
 
-def _rebuild_group(step: int, g: int, spec: dict[str, Any], k: int, m: int, n: int,
-                   table: list[dict[str, Any]]) -> list[tuple[int, int, np.ndarray]]:
+def _fetch(peers: Peers, me: int, jdir: str, node: int, header: dict[str, Any], out: np.ndarray) -> None:
+    """Fill ``out`` with a ``read`` (file range) or ``blob`` (range of a node's blob) from
+    node ``node``: from this node's own shm root directly, else from that node's keeper."""
+    if node != me:
+        peers.get(node).read_views(header, [memoryview(out)])
+        return
+    if header["op"] == "read":
+        reader = FileReader(Path(jdir) / header["path"])
+        try:
+            reader.pread_into(int(header["offset"]), memoryview(out))
+        finally:
+            reader.close()
+        return
+    sdir = os.path.join(jdir, paths.step_name(int(header["step"])))
+    read_blob(sdir, [(n, os.path.getsize(os.path.join(sdir, n))) for n in paths.data_files(sdir)],
+              int(header["offset"]), memoryview(out))
+
+
+def _rebuild_group(step: int, g: int, spec: dict[str, Any], k: int, m: int, snap: Snapshotter) -> list[tuple[int, int, np.ndarray]]:
     """The lost stripes of group ``g``: its surviving data stripes and as many parity
-    blocks as needed, fetched from their keepers and each checked against its crc32c,
-    decoded; each rebuilt stripe checked against the crc32c its node recorded. Returns
-    (lost node, stripe index, bytes) for each."""
-    peers = Peers(table)
+    blocks as needed, fetched (from this node's memory or the holders' keepers) and
+    decoded; each rebuilt stripe is checked against the crc32c its node recorded. A
+    mismatch is then traced to its cause: every input block is checked against its own
+    crc32c (a corrupt parity or data block is named). Returns (lost node, stripe, bytes)."""
+    peers = Peers(snap.table)
     got: dict[int, np.ndarray] = {}
+    crcs: dict[int, tuple[int, str]] = {}
     try:
         for node, meta in spec["parity"]:
-            buf = np.empty(int(meta["nbytes"]), np.uint8)
-            peers.get(node).read(f"{paths.step_name(step)}/{paths.parity_name(g, int(meta['r']), 'bin')}", 0,
-                                 memoryview(buf))
-            if _crc.crc32c(buf) != int(meta["crc"]):
-                raise CorruptionError(f"the parity of step {step} held by node {meta['holder']} "
-                                      f"(group {g}, block {meta['r']}) fails its crc32c")
-            got[k + int(meta["r"])] = buf
+            b = k + int(meta["r"])
+            got[b] = np.empty(int(meta["nbytes"]), np.uint8)
+            rel = f"{paths.step_name(step)}/{paths.parity_name(g, int(meta['r']), 'bin')}"
+            _fetch(peers, snap.node, snap.jdir, node, {"op": "read", "path": rel, "offset": 0}, got[b])
+            crcs[b] = (int(meta["crc"]), f"the parity of step {step} held by node {meta['holder']} "
+                                         f"(group {g}, block {meta['r']}) fails its crc32c")
         for i, s, node, rec in spec["data"]:
             lo, hi = stripe_range(int(rec["blob"]), s, k)
-            buf = np.empty(hi - lo, np.uint8)
-            peers.get(node).read_views({"op": "blob", "step": step, "offset": lo}, [memoryview(buf)])
-            if _crc.crc32c(buf) != int(rec["crc"]):
-                raise CorruptionError(f"data stripe {s} of node {i} (step {step}) fails its crc32c")
-            got[s] = buf
+            got[s] = np.empty(hi - lo, np.uint8)
+            _fetch(peers, snap.node, snap.jdir, node, {"op": "blob", "step": step, "offset": lo}, got[s])
+            crcs[s] = (int(rec["crc"]), f"data stripe {s} of node {i} (step {step}) fails its crc32c")
     finally:
         peers.close()
+    before = {k: _crc.crc32c(got[k])} if m == 1 and k > 1 else {}  # XOR decodes into the parity's buffer
     want = spec["want"]
     out = decode(got, k, m, [s for _, s, _ in want])
     result = []
     for x, s, rec in want:
         stripe = out[s][: int(rec["len"])]
         if _crc.crc32c(stripe) != int(rec["crc"]) or int(rec["stripe"]) != s:
+            for b, (crc, why) in sorted(crcs.items()):
+                if (before[b] if b in before else _crc.crc32c(got[b])) != crc:
+                    raise CorruptionError(why)
             raise CorruptionError(f"stripe {s} of node {x} rebuilt in group {g} fails its crc32c")
         result.append((x, s, stripe))
     return result
@@ -225,32 +245,43 @@ def _rebuild_group(step: int, g: int, spec: dict[str, Any], k: int, m: int, n: i
 
 def rebuild(plan: dict[str, Any], snap: Snapshotter) -> dict[str, list[Any]]:
     """Rebuild the lost nodes' files of ``plan`` into this node's shm root (the groups in
-    parallel, one thread each); returns where each rebuilt file now is. Raises
-    CorruptionError when a parity block, a data stripe or a rebuilt stripe does not match
-    its crc32c."""
+    parallel, one thread each, every rebuilt stripe written straight into its files);
+    returns where each rebuilt file now is. Raises CorruptionError when a rebuilt stripe
+    does not match its crc32c (naming the parity or data block at fault)."""
     step, rb = plan["step"], plan["rebuild"]
-    k, m, n = int(rb["k"]), int(rb["m"]), int(rb["nodes"])
+    k, m = int(rb["k"]), int(rb["m"])
     info = {int(x): rec for x, rec in rb["info"].items()}
-    outs = {x: np.zeros(int(rec["blob"]), np.uint8) for x, rec in info.items()}
-    groups = rb["groups"]
-    with ThreadPoolExecutor(max(1, len(groups))) as pool:
-        futures = [pool.submit(_rebuild_group, step, int(g), spec, k, m, n, snap.table) for g, spec in groups.items()]
-        for f in futures:
-            for x, s, got in f.result():
-                lo, hi = stripe_range(outs[x].size, s, k)
-                outs[x][lo:hi] = got
-    rdir = os.path.join(snap.jdir, f"rebuilt_{step:08d}")
+    rname = f"rebuilt_{step:08d}"
+    rdir = os.path.join(snap.jdir, rname)
     paths.remove_tree(rdir)
     os.makedirs(rdir)
-    where = {}
-    for x, rec in info.items():
-        at = 0
-        for name, size in rec["files"]:
-            with open(os.path.join(rdir, name), "wb") as f:
-                f.write(outs[x][at : at + size].data)
-            where[name] = [snap.node, f"rebuilt_{step:08d}/{name}"]
-            at += size
-    return where
+    fds: dict[str, int] = {}
+    try:
+        for rec in info.values():
+            for name, size in rec["files"]:
+                fds[name] = os.open(os.path.join(rdir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fds[name], int(size))
+
+        def one(g: int, spec: dict[str, Any]) -> None:
+            for x, s, data in _rebuild_group(step, g, spec, k, m, snap):
+                lo, _ = stripe_range(int(info[x]["blob"]), s, k)
+                at, view = 0, memoryview(data)
+                for name, size in info[x]["files"]:  # the stripe's bytes land in the files they belong to
+                    a, b = max(lo, at), min(lo + view.nbytes, at + int(size))
+                    if a < b:
+                        part = view[a - lo : b - lo]
+                        while part.nbytes:
+                            part = part[os.pwrite(fds[name], part, a - at) :]
+                            a = b - part.nbytes
+                    at += int(size)
+
+        with ThreadPoolExecutor(max(1, len(rb["groups"]))) as pool:
+            for f in [pool.submit(one, int(g), spec) for g, spec in rb["groups"].items()]:
+                f.result()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {name: [snap.node, f"{rname}/{name}"] for rec in info.values() for name, _ in rec["files"]}
 
 
 # -- reading a snapshot spread over nodes ---------------------------------------------
@@ -276,8 +307,9 @@ class SnapshotStorage:
     """The files of one snapshot as ``load`` reads them: this node's from its shm root,
     the others' from their keepers."""
 
-    def __init__(self, snap: Snapshotter, where: dict[str, list[Any]], sizes: dict[str, int]) -> None:
-        self.snap, self.where, self.sizes = snap, where, sizes
+    def __init__(self, snap: Snapshotter, where: dict[str, list[Any]], manifest: Manifest) -> None:
+        self.snap, self.where, self.manifest = snap, where, manifest  # the manifest, parsed once for the load
+        self.sizes = {name: int(size) for name, size in manifest.files.items()}
         self.peers = Peers(snap.table)
         self._readers: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -357,10 +389,9 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
             f.write(plan["manifest"])
     _agree(snap, None)  # the manifest is in place on every node
     t1 = time.perf_counter()
-    sizes = json.loads(plan["manifest"])["files"]
-    storage = SnapshotStorage(snap, where, sizes)
-    error = None
+    error, storage = None, None
     try:
+        storage = SnapshotStorage(snap, where, Manifest.from_json(plan["manifest"]))
         got = load(rdir, storage)
         if got != step:
             error = f"the snapshot says step {got}, its directory step {step}"
@@ -369,7 +400,8 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     finally:
-        storage.close()
+        if storage is not None:
+            storage.close()
     error = _agree(snap, error)
     timings.update(rebuild=t1 - t0, load=time.perf_counter() - t1)
     if snap.local_rank == 0:
@@ -392,7 +424,8 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     """Resume from the newest whole, verified state (collective); see the module docstring.
 
     ``load(path, storage)`` loads the checkpoint at ``path`` (its files through
-    ``storage``) into the job and returns the step it holds. ``disk()`` resumes from the
+    ``storage``, its manifest already parsed: ``storage.manifest``, to pass to
+    :func:`unickpt.load`) into the job and returns the step it holds. ``disk()`` resumes from the
     durable tier and returns (step, path), or None when it holds nothing; ``disk_step``,
     the step of the durable tier's newest checkpoint, makes older snapshots lose to it."""
     t0 = time.perf_counter()
