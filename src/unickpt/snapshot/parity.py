@@ -114,7 +114,7 @@ def encode(blocks: dict[int, memoryview | bytes | np.ndarray], k: int, m: int, r
         raise SnapshotError(f"a parity needs stripes 0..{k - 1}, got {sorted(blocks)}")
     size = max(memoryview(b).nbytes for b in blocks.values())
     if k == 1:
-        return np.frombuffer(blocks[0], dtype=np.uint8).copy()
+        return np.frombuffer(blocks[0], dtype=np.uint8)  # a copy of the member's stripe: its received buffer
     if m == 1:
         acc = np.zeros(size, np.uint8)
         for b in blocks.values():
