@@ -369,7 +369,10 @@ def frequency(workdir: str, every: list[int], steps: int, sleep: float, model: l
     from unickpt.testing import free_port
 
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    import re
+
     out: dict[int, list[float]] = {}
+    stalls: dict[int, list[float]] = {}
     for rep in range(repeats):
         for n in [0, *every]:
             roots = [f"/dev/shm/unickpt-freq-{i}" for i in range(2)]
@@ -390,20 +393,30 @@ def frequency(workdir: str, every: list[int], steps: int, sleep: float, model: l
                 raise RuntimeError(f"trainer failed:\n{texts[0][-3000:]}")
             times = _step_times(texts[0])[2:]
             out.setdefault(n, []).append(statistics.mean(times))
-            print(json.dumps({"every": n, "rep": rep, "mean_step_s": out[n][-1]}), flush=True)
+            stall = re.search(r"training loop stalled ([0-9.]+) s \(([0-9.]+) ms per snapshot", texts[0])
+            if stall:
+                stalls.setdefault(n, []).append(float(stall.group(2)) / 1000)
+            print(json.dumps({"every": n, "rep": rep, "mean_step_s": out[n][-1],
+                              "stall_per_snapshot_s": stalls.get(n, [None])[-1]}), flush=True)
+    out["stall"] = stalls  # type: ignore[assignment]
     return out
 
 
-def frequency_table(fig: dict[int, list[float]], sleep: float) -> str:
-    """The markdown table of the frequency sweep."""
+def frequency_table(fig: dict, sleep: float) -> str:
+    """The markdown table of the frequency sweep: step time against no snapshots, and the
+    training loop's own stall per snapshot (snapshot() + before_update(), rank 0) over
+    the step time, which is what one snapshot every N steps costs: stall / (N x step)."""
     base = statistics.mean(fig[0])
-    rows = ["| snapshot every | mean step time | overhead vs no snapshots |", "|---|---|---|",
-            f"| never | {base:.3f} s ({', '.join(f'{t:.3f}' for t in fig[0])}) | - |"]
+    stalls = fig.get("stall", {})
+    rows = ["| snapshot every | mean step time (runs) | step time vs no snapshots | loop stall per snapshot | stall / (N x step time) |",
+            "|---|---|---|---|---|", f"| never | {base:.3f} s ({', '.join(f'{t:.3f}' for t in fig[0])}) | - | - | - |"]
     for n, ts in fig.items():
-        if n:
-            t = statistics.mean(ts)
-            rows.append(f"| {n} step{'s' if n > 1 else ''} | {t:.3f} s ({', '.join(f'{x:.3f}' for x in ts)}) | "
-                        f"{(t / base - 1) * 100:+.1f}% |")
+        if n in (0, "stall"):
+            continue
+        t = statistics.mean(ts)
+        st = statistics.mean(stalls[n]) if stalls.get(n) else float("nan")
+        rows.append(f"| {n} step{'s' if n > 1 else ''} | {t:.3f} s ({', '.join(f'{x:.3f}' for x in ts)}) | "
+                    f"{(t / base - 1) * 100:+.1f}% | {st * 1000:.1f} ms | {st / (n * base) * 100:.2f}% |")
     return "\n".join(rows) + f"\n\n(compute stand-in: {sleep} s of sleep per step)"
 
 

@@ -304,6 +304,9 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     if pending is not None:
         pending.result()
     if snap is not None:
+        if args.print_every and snap.taken:
+            _say(job, f"snapshots: {snap.taken} taken, {snap.skipped} skipped, training loop stalled "
+                      f"{snap.stall_s:.3f} s ({snap.stall_s / snap.taken * 1000:.1f} ms per snapshot, rank 0)")
         snap.close(clean=last == args.steps)
     return records
 

@@ -196,6 +196,8 @@ class Snapshotter:
             print(f"unickpt: {self.nodes} nodes hold at most {self.parity} parity block(s) per group: "
                   f"snapshots protected against {self.parity} lost node(s), not {asked}", file=sys.stderr, flush=True)
         self.handle: AsyncSaveHandle | None = None
+        self.stall_s = 0.0  # seconds the training loop spent in snapshot() and before_update()
+        self.taken = 0
         self.skipped = 0
         self.failures: list[str] = []
 
@@ -237,6 +239,13 @@ class Snapshotter:
         When the step is due for a flush (and ``flush``: pass False when the trainer writes
         this step's durable checkpoint itself), the keepers write it, once whole, as an
         ordinary checkpoint ``<flush_dir>/step_XXXXXXXX`` in the background."""
+        t0 = time.perf_counter()
+        try:
+            return self._snapshot(state, step, flush)
+        finally:
+            self.stall_s += time.perf_counter() - t0
+
+    def _snapshot(self, state: dict[str, Any], step: int, flush: bool) -> AsyncSaveHandle | None:
         self.settle()
         self.table, rows = self._exchange(state_bytes(state))
         if any(r[4] >= 2 for r in rows if r[1]):
@@ -259,13 +268,16 @@ class Snapshotter:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
         self.handle = async_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0)
+        self.taken += 1
         return self.handle
 
     def before_update(self) -> None:
         """Block until the snapshot in flight has copied the state (call before the
         optimizer or anything else changes saved tensors in place)."""
         if self.handle is not None:
+            t0 = time.perf_counter()
             self.handle.wait_staged()
+            self.stall_s += time.perf_counter() - t0
 
     def settle(self) -> None:
         """Wait for the snapshot in flight; its failure is recorded, never raised (a failed
