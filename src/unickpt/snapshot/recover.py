@@ -6,9 +6,10 @@ rank 0 plans, newest step first:
 
 * every file of the step is held by a surviving node (a process crash; or a relaunch on
   any layout): load it as it is;
-* the files of one lost node are missing and the step has parity 1: rank 0 rebuilds them
-  from the survivors' parity and data stripes, fetched from their keepers over TCP; the
-  parity, every stripe and every rebuilt stripe are checked against their crc32c;
+* the files of at most ``m`` lost nodes are missing (``m`` the parity: XOR, Reed-Solomon
+  or copies on neighbours): rank 0 rebuilds them from the survivors' parity blocks and
+  data stripes, read from its own shm root or fetched from their keepers over TCP; every
+  rebuilt stripe is checked against its crc32c (a failure names the corrupt input block);
 * otherwise the step is skipped, and the reason kept.
 
 The chosen step is loaded by every rank through the ordinary read plan
