@@ -165,9 +165,14 @@ def default_max_bytes(root: str) -> int:
 
 
 class Snapshotter:
-    """One rank's handle on the snapshot tier (collective methods: every rank calls them)."""
+    """One rank's handle on the snapshot tier (collective methods: every rank calls them).
 
-    def __init__(self, job: str, every: int, parity: int = 1, *, root: str | None = None,
+    ``parity`` M: parity blocks per group across nodes (1: XOR, M >= 2: Reed-Solomon,
+    0: local memory only; default 1, or 0 with ``replicas``); ``replicas`` R >= 2: a full
+    copy of each node's snapshot on the next R - 1 nodes instead (excludes M > 0). See
+    :mod:`unickpt.snapshot.parity`."""
+
+    def __init__(self, job: str, every: int, parity: int | None = None, *, root: str | None = None,
                  max_bytes: int | None = None, process_group: Any = None, host: str | None = None,
                  flush_every: int = 0, flush_dir: str | None = None, replicas: int = 1) -> None:
         if every < 1:
@@ -180,6 +185,8 @@ class Snapshotter:
         self.host = host or os.environ.get("UNICKPT_KEEPER_HOST") or "127.0.0.1"
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
+        if parity is None:  # XOR by default; none with copies on neighbours
+            parity = 0 if replicas > 1 else 1
         layout(1 << 30, parity, replicas)  # a bad combination fails before any process starts
         self.group = checkpoint_group(resolve_group(process_group))
         self.node, self.local_rank = node_position()
