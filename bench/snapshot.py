@@ -8,7 +8,10 @@ best of 2 in the same processes: the first also pays one-time imports).
     python -m bench.snapshot --quick    # 256 MiB
     python -m bench.snapshot --sizes 1  # GiB, any list
 
-Run as root for cold disk reads (the page cache is dropped before the disk load). The
+Cold disk reads: the durable checkpoint is fsynced and its files evicted from the page
+cache (``POSIX_FADV_DONTNEED``) before each load from disk; ``fincore`` reports what
+stayed resident. ``--frequency 1,2,5,10`` adds the step-time sweep of the example
+trainer (2 simulated nodes, a sleep standing in for accelerator compute). The
 shm roots are /dev/shm/unickpt-bench-<i> and the disk checkpoints under ``--dir``; both
 are removed at the end. Prints a markdown table (docs/PERFORMANCE.md, "In-memory snapshots").
 """
@@ -21,16 +24,18 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
+import crc32c as _crc
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import unickpt
 
-from .machine import drop_caches
 from .state import GiB, MiB, _reference_into, build, dims, local_bytes, max_over_ranks
 
 NODES = 4
@@ -63,9 +68,10 @@ def _encode_seconds(roots: list[str], step: int) -> float:
     return out
 
 
-def _take(rank: int, world: int, total: int, roots: list[str], disk: str, snaps: int, out: str) -> None:
-    """Phase 1: snapshots (stall, time to whole), memcpy floor, async_save to disk, and the
-    durable checkpoint the cold load reads."""
+def _take(rank: int, world: int, total: int, roots: list[str], disk: str | None, snaps: int, out: str,
+          parity: int = 1, replicas: int = 1) -> None:
+    """Phase 1: snapshots (stall, time to whole), memcpy floor, and (``disk`` given)
+    async_save to disk and the durable checkpoint the cold load reads."""
     from unickpt.snapshot import Snapshotter
 
     _as_node(rank, roots)
@@ -83,8 +89,19 @@ def _take(rank: int, world: int, total: int, roots: list[str], disk: str, snaps:
             dst[at : at + b.numel()].copy_(b)
             at += b.numel()
         memcpy.append(max_over_ranks(time.perf_counter() - t0))
+    floor = []  # what any verified load from memory must do: copy every byte and crc32c it
+    for _ in range(2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        at = 0
+        for v in sd.values():
+            b = v.to_local().reshape(-1).view(torch.uint8)
+            dst[at : at + b.numel()].copy_(b)
+            _crc.crc32c(dst[at : at + b.numel()].numpy())
+            at += b.numel()
+        floor.append(max_over_ranks(time.perf_counter() - t0))
     del dst
-    snap = Snapshotter("bench", 1, 1)
+    snap = Snapshotter("bench", 1, parity, replicas=replicas)
     stalls, background, whole = [], [], []
     for step in range(1, snaps + 1):
         dist.barrier()
@@ -103,21 +120,25 @@ def _take(rank: int, world: int, total: int, roots: list[str], disk: str, snaps:
         dist.barrier()
         whole.append(_encode_seconds(roots, step) if rank == 0 else 0.0)
     snap.close(clean=False)  # the keepers keep the snapshots: the next phases recover them
-    async_stalls = []
-    for i in range(2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        h = unickpt.async_save(sd, os.path.join(disk, f"async_{i}"))
-        async_stalls.append(max_over_ranks(time.perf_counter() - t0))
-        h.result()
-    unickpt.save(sd, os.path.join(disk, "durable"))
+    async_stalls = [0.0]
+    if disk is not None:
+        async_stalls = []
+        for i in range(2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = unickpt.async_save(sd, os.path.join(disk, f"async_{i}"))
+            async_stalls.append(max_over_ranks(time.perf_counter() - t0))
+            h.result()
+        unickpt.save(sd, os.path.join(disk, "durable"))  # fsynced: the cold load evicts its pages
     if rank == 0:
         data = sum(os.path.getsize(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}", f)) for r in roots
                    for f in os.listdir(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}")) if f.startswith("rank_"))
-        parity = sum(os.path.getsize(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}", "parity.bin")) for r in roots)
-        json.dump({"bytes": nbytes * world, "memcpy": min(memcpy), "stall": statistics.median(stalls[1:] or stalls),
+        parity = sum(os.path.getsize(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}", f)) for r in roots
+                     for f in os.listdir(os.path.join(r, "unickpt", "bench", f"step_{snaps:08d}")) if f.startswith("parity_") and f.endswith(".bin"))
+        json.dump({"bytes": nbytes * world, "memcpy": min(memcpy), "copy_crc": min(floor), "stall": statistics.median(stalls[1:] or stalls),
                    "stall_first": stalls[0], "background": statistics.median(background), "whole": statistics.median(whole),
-                   "async_disk": min(async_stalls), "data": data, "parity": parity}, open(out, "w"))
+                   "async_disk": min(async_stalls), "data": data, "parity": parity,
+                   "encode_s": _encode_times(roots, snaps)}, open(out, "w"))
 
 
 def _target(total: int) -> dict[str, torch.Tensor]:
@@ -146,27 +167,28 @@ def _check(sd: dict[str, torch.Tensor]) -> None:
             raise AssertionError(f"rank {rank}: {name} recovered wrong")
 
 
-def _recover(rank: int, world: int, total: int, roots: list[str], disk: str | None, out: str) -> None:
+def _recover(rank: int, world: int, total: int, roots: list[str], disk: str | None, out: str,
+             parity: int = 1, replicas: int = 1) -> None:
     """Phase 2/3: recovery from memory (``disk`` None) or a cold load from disk, timed."""
     from unickpt.snapshot import Snapshotter, recover
 
     _as_node(rank, roots)
     sd = _target(total)
-    best, line, timings = float("inf"), "disk", {}
-    snap = Snapshotter("bench", 1, 1) if disk is None else None
+    best, line, timings, resident = float("inf"), "disk", {}, None
+    snap = Snapshotter("bench", 1, parity, replicas=replicas) if disk is None else None
     for _ in range(2):  # best of 2: the first in a fresh process also pays one-time imports (DTensor)
         for v in sd.values():
             v.to_local().zero_()
         dist.barrier()
         if disk is not None and rank == 0:
-            drop_caches()
+            resident = evict(disk)
         dist.barrier()
         t0 = time.perf_counter()
         if snap is not None:
 
             def load(path, storage):
-                unickpt.load(sd, path, storage=storage)
-                return int(unickpt.read_manifest(path).metadata["snapshot"]["step"])
+                unickpt.load(sd, path, storage=storage, manifest=storage.manifest)
+                return int(storage.manifest.metadata["snapshot"]["step"])
 
             outcome = recover(snap, load)
             line = outcome.line
@@ -180,7 +202,36 @@ def _recover(rank: int, world: int, total: int, roots: list[str], disk: str | No
     seconds = best
     _check(sd)
     if rank == 0:
-        json.dump({"seconds": seconds, "line": line, "timings": timings}, open(out, "w"))
+        json.dump({"seconds": seconds, "line": line, "timings": timings, "resident_after_evict": resident}, open(out, "w"))
+
+
+def _encode_times(roots: list[str], step: int) -> float:
+    """The slowest parity block's encoding time of ``step`` (seconds, from the keepers' records)."""
+    out = 0.0
+    for r in roots:
+        sdir = os.path.join(r, "unickpt", "bench", f"step_{step:08d}")
+        for f in os.listdir(sdir):
+            if f.startswith("parity_") and f.endswith(".json"):
+                out = max(out, json.load(open(os.path.join(sdir, f))).get("encode_s", 0.0))
+    return out
+
+
+def evict(ckpt: str) -> int | None:
+    """Evict a (fsynced) checkpoint's files from the page cache (``POSIX_FADV_DONTNEED`` on
+    each, after an fsync), so the next load reads the disk; returns the bytes still
+    resident according to ``fincore`` (None when it is not installed)."""
+    files = [os.path.join(ckpt, f) for f in os.listdir(ckpt)]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files], capture_output=True, text=True)
+    return sum(int(x) for x in out.stdout.split()) if out.returncode == 0 else None
 
 
 def _kill_keeper(root: str) -> None:
@@ -192,26 +243,54 @@ def _kill_keeper(root: str) -> None:
         pass
 
 
-def xor_speed(total: int) -> float:
-    """GB/s of numpy XOR folding 3 stripes of a quarter of ``total`` each (one core)."""
-    k = NODES - 1
-    stripe = total // NODES // k
-    bufs = [np.random.default_rng(i).integers(0, 255, stripe, dtype=np.uint8) for i in range(k)]
-    acc = np.zeros(stripe, np.uint8)
-    t0 = time.perf_counter()
-    for b in bufs:
-        np.bitwise_xor(acc, b, out=acc)
-    return stripe * k / (time.perf_counter() - t0) / 1e9
+def code_speeds(total: int) -> dict[str, float]:
+    """GB/s (data bytes in per second, one core, best of 3) of the encoders on the
+    stripes of a ``total``-byte state over 4 nodes: numpy XOR (k=3, m=1: one parity
+    block) and zfec Reed-Solomon (k=3, m=1 and k=2, m=2: each holder computes its block,
+    timed for one block), and zfec decoding two lost stripes (k=2, m=2)."""
+    import zfec
+
+    out = {}
+    for name, k, m in (("xor_k3_m1", 3, 1), ("rs_k3_m1", 3, 1), ("rs_k2_m2", 2, 2)):
+        stripe = total // NODES // k
+        bufs = [np.random.default_rng(i).integers(0, 255, stripe, dtype=np.uint8) for i in range(k)]
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            if name.startswith("xor"):
+                acc = np.zeros(stripe, np.uint8)
+                for b in bufs:
+                    np.bitwise_xor(acc, b, out=acc)
+            else:
+                parity = zfec.Encoder(k, k + m).encode(tuple(bufs), (k,))
+            best = min(best, time.perf_counter() - t0)
+        out[name] = stripe * k / best / 1e9
+        if name == "rs_k2_m2":
+            blocks = zfec.Encoder(k, k + m).encode(tuple(bufs), (2, 3))
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                zfec.Decoder(k, k + m).decode(tuple(blocks), (2, 3))
+                best = min(best, time.perf_counter() - t0)
+            out["rs_k2_m2_decode"] = stripe * k / best / 1e9
+    del parity
+    return out
 
 
-def one_size(total: int, workdir: str, snaps: int) -> dict:
-    """Every figure for one state size."""
-    from unickpt.testing import run_ranks
-
-    roots = [f"/dev/shm/unickpt-bench-{i}" for i in range(NODES)]
+def _fresh(roots: list[str]) -> None:
     for r in roots:
         _kill_keeper(r)
         shutil.rmtree(r, ignore_errors=True)
+
+
+def one_size(total: int, workdir: str, snaps: int, protections: bool = True) -> dict:
+    """Every figure for one state size: XOR parity (snapshots, recovery after a crash and
+    after a node loss, against a cold load from disk), then Reed-Solomon m = 2 and copies
+    on a neighbour (snapshots, memory, recovery after node losses)."""
+    from unickpt.testing import run_ranks
+
+    roots = [f"/dev/shm/unickpt-bench-{i}" for i in range(NODES)]
+    _fresh(roots)
     disk = os.path.join(workdir, "disk")
     os.makedirs(disk, exist_ok=True)
     res = os.path.join(workdir, "res.json")
@@ -226,49 +305,150 @@ def one_size(total: int, workdir: str, snaps: int) -> dict:
         fig["node_loss"] = json.load(open(res))
         run_ranks(_recover, NODES - 1, total, roots[:-1], os.path.join(disk, "durable"), res, timeout=1800)
         fig["disk"] = json.load(open(res))
-        fig["xor_gbs"] = xor_speed(total)
-        fig["cold"] = drop_caches()
+        fig["codes"] = code_speeds(total)
+        if protections:
+            for name, parity, replicas, lost in (("rs2", 2, 1, 2), ("copy", 0, 2, 1)):
+                _fresh(roots)
+                run_ranks(_take, NODES, total, roots, None, 2, res, parity, replicas, timeout=1800)
+                fig[name] = json.load(open(res))
+                for r in roots[NODES - lost:]:
+                    _kill_keeper(r)
+                    shutil.rmtree(r)
+                run_ranks(_recover, NODES - lost, total, roots[: NODES - lost], None, res, parity, replicas, timeout=1800)
+                fig[name]["node_loss"] = json.load(open(res))
         return fig
     finally:
-        for r in roots:
-            _kill_keeper(r)
-            shutil.rmtree(r, ignore_errors=True)
+        _fresh(roots)
         shutil.rmtree(disk, ignore_errors=True)
 
 
 def table(rows: dict[int, dict]) -> str:
-    """The markdown table of the figures."""
-    out = ["| state | memcpy (floor) | snapshot stall | async_save to disk stall | commit left after compute | commit to whole (parity) | memory (data + parity) | XOR one core | recovery, process crash | recovery, node loss (4 -> 3) | load from disk, cold (4 -> 3) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The markdown tables of the figures."""
+    out = ["| state | memcpy (floor) | snapshot stall | async_save to disk stall | commit left after compute | commit to whole (parity) | memory (data + parity) | copy + crc32c of every byte (recovery floor) | recovery, process crash | recovery, node loss (4 -> 3) | load from disk, cold (4 -> 3) | speed-up crash / node loss |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for total, f in rows.items():
         gb = f["bytes"] / 1e9
+        disk = f["disk"]["seconds"]
+        res = f["disk"].get("resident_after_evict")
         out.append(
             f"| {total / GiB:g} GiB | {f['memcpy']:.3f} s ({gb / f['memcpy']:.1f} GB/s) | {f['stall']:.3f} s "
             f"({f['stall'] / f['memcpy']:.2f}x memcpy; first {f['stall_first']:.3f} s) | {f['async_disk']:.3f} s | "
-            f"{f['background']:.2f} s | {f['whole']:.2f} s | {(f['data'] + f['parity']) / f['data']:.3f}x | {f['xor_gbs']:.1f} GB/s | "
-            f"{f['crash']['seconds']:.2f} s | {f['node_loss']['seconds']:.2f} s (rebuild {f['node_loss']['timings'].get('rebuild', 0):.2f} s) "
-            f"| {f['disk']['seconds']:.2f} s"
-            f"{'' if f['cold'] else ' (warm: not root)'} |"
+            f"{f['background']:.2f} s | {f['whole']:.2f} s | {(f['data'] + f['parity']) / f['data']:.3f}x | "
+            f"{f['copy_crc']:.3f} s | {f['crash']['seconds']:.2f} s | {f['node_loss']['seconds']:.2f} s (rebuild {f['node_loss']['timings'].get('rebuild', 0):.2f} s) "
+            f"| {disk:.2f} s ({'page cache evicted' if res is None else f'{res / 2**20:.0f} MiB resident after eviction'}) "
+            f"| {disk / f['crash']['seconds']:.1f}x / {disk / f['node_loss']['seconds']:.1f}x |"
         )
+    out += ["", "| state | protection | memory (data + parity) | commit to whole | slowest block's encode | snapshot stall | recovery after node loss |",
+            "|---|---|---|---|---|---|---|"]
+    for total, f in rows.items():
+        kinds = [("XOR, m = 1 (k = 3)", f, "1 node lost, 4 -> 3")]
+        kinds += [(label, f[key], lost) for key, label, lost in (("rs2", "Reed-Solomon, m = 2 (k = 2)", "2 nodes lost, 4 -> 2"),
+                                                                   ("copy", "copy on the next node (2 replicas)", "1 node lost, 4 -> 3"))
+                  if key in f]
+        for label, g, lost in kinds:
+            out.append(f"| {total / GiB:g} GiB | {label} | {(g['data'] + g['parity']) / g['data']:.3f}x | {g['whole']:.2f} s | "
+                       f"{g['encode_s']:.2f} s | {g['stall']:.3f} s | {g['node_loss']['seconds']:.2f} s "
+                       f"(rebuild {g['node_loss']['timings'].get('rebuild', 0):.2f} s; {lost}) |")
+    codes = next(iter(rows.values()))["codes"]
+    out += ["", "Encoders, one core, GB/s of data in: " + ", ".join(f"{k} {v:.2f}" for k, v in codes.items())]
     return "\n".join(out)
 
 
+def _step_times(text: str) -> list[float]:
+    """Per-step seconds from the example trainer's progress lines (``--print-every 1``)."""
+    import re
+
+    return [float(m.group(1)) for m in re.finditer(r"^step \d+/\d+ .* ([0-9.]+) s/step$", text, re.M)]
+
+
+def frequency(workdir: str, every: list[int], steps: int, sleep: float, model: list[str], repeats: int = 2) -> dict:
+    """Step time of the example trainer on 2 simulated nodes (one rank each, FSDP, XOR
+    parity between them) with a sleep standing in for accelerator compute, without
+    snapshots and with a snapshot every N steps; runs interleaved, ``repeats`` times.
+    Returns {N (0: none): [mean step seconds of each run, steps 3..]}."""
+    from unickpt.testing import free_port
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    import re
+
+    out: dict[int, list[float]] = {}
+    stalls: dict[int, list[float]] = {}
+    for rep in range(repeats):
+        for n in [0, *every]:
+            roots = [f"/dev/shm/unickpt-freq-{i}" for i in range(2)]
+            _fresh(roots)
+            port = free_port()
+            flags = ["--fsdp", "--steps", str(steps), "--print-every", "1", "--compute-sleep", str(sleep), *model]
+            if n:
+                flags += ["--snapshot-every", str(n), "--ckpt-dir", os.path.join(workdir, f"freq_{n}_{rep}")]
+            procs = []
+            for i, root in enumerate(roots):
+                cmd = [torchrun, "--nnodes=2", f"--node-rank={i}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "unickpt.examples.train", *flags]
+                env = dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=root)
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            texts = [p.communicate(timeout=1800)[0] for p in procs]
+            _fresh(roots)
+            if any(p.returncode for p in procs):
+                raise RuntimeError(f"trainer failed:\n{texts[0][-3000:]}")
+            times = _step_times(texts[0])[2:]
+            out.setdefault(n, []).append(statistics.mean(times))
+            stall = re.search(r"training loop stalled ([0-9.]+) s \(([0-9.]+) ms per snapshot", texts[0])
+            if stall:
+                stalls.setdefault(n, []).append(float(stall.group(2)) / 1000)
+            print(json.dumps({"every": n, "rep": rep, "mean_step_s": out[n][-1],
+                              "stall_per_snapshot_s": stalls.get(n, [None])[-1]}), flush=True)
+    out["stall"] = stalls  # type: ignore[assignment]
+    return out
+
+
+def frequency_table(fig: dict, sleep: float) -> str:
+    """The markdown table of the frequency sweep: step time against no snapshots, and the
+    training loop's own stall per snapshot (snapshot() + before_update(), rank 0) over
+    the step time, which is what one snapshot every N steps costs: stall / (N x step)."""
+    base = statistics.mean(fig[0])
+    stalls = fig.get("stall", {})
+    rows = ["| snapshot every | mean step time (runs) | step time vs no snapshots | loop stall per snapshot | stall / (N x step time) |",
+            "|---|---|---|---|---|", f"| never | {base:.3f} s ({', '.join(f'{t:.3f}' for t in fig[0])}) | - | - | - |"]
+    for n, ts in fig.items():
+        if n in (0, "stall"):
+            continue
+        t = statistics.mean(ts)
+        st = statistics.mean(stalls[n]) if stalls.get(n) else float("nan")
+        rows.append(f"| {n} step{'s' if n > 1 else ''} | {t:.3f} s ({', '.join(f'{x:.3f}' for x in ts)}) | "
+                    f"{(t / base - 1) * 100:+.1f}% | {st * 1000:.1f} ms | {st / (n * base) * 100:.2f}% |")
+    return "\n".join(rows) + f"\n\n(compute stand-in: {sleep} s of sleep per step)"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print its table."""
+    """Run the benchmark and print its tables."""
     p = argparse.ArgumentParser(prog="bench.snapshot", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="256 MiB only")
-    p.add_argument("--sizes", default=None, help="comma-separated state sizes in GiB (default 1,4)")
+    p.add_argument("--sizes", default=None, help="comma-separated state sizes in GiB (default 1,4; 0: none)")
     p.add_argument("--snaps", type=int, default=3, help="snapshots per size (the first is reported apart)")
+    p.add_argument("--no-protections", action="store_true", help="XOR only (no Reed-Solomon m = 2 and copies)")
+    p.add_argument("--frequency", default=None,
+                   help="comma-separated snapshot intervals for the step-time sweep of the example trainer (e.g. 1,2,5,10)")
+    p.add_argument("--freq-steps", type=int, default=24, help="steps per run of the sweep")
+    p.add_argument("--freq-sleep", type=float, default=0.5, help="seconds of sleep per step standing in for compute")
+    p.add_argument("--freq-model", default="--dim 512 --layers 4 --vocab 4096 --seq 64",
+                   help="the example trainer's model flags for the sweep")
     p.add_argument("--dir", default=".bench_tmp", help="scratch directory for the disk checkpoints")
     args = p.parse_args(argv)
-    sizes = [256 * MiB] if args.quick else [int(float(s) * GiB) for s in (args.sizes or "1,4").split(",")]
+    sizes = [256 * MiB] if args.quick else [int(float(s) * GiB) for s in (args.sizes or "1,4").split(",") if float(s)]
     os.makedirs(args.dir, exist_ok=True)
     rows = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         for total in sizes:  # 4 GiB and more: one snapshot (two would hold 2 x 1.33 x the state in tmpfs)
-            rows[total] = one_size(total, work, args.snaps if total < 4 * GiB else 1)
+            big = total >= 4 * GiB
+            rows[total] = one_size(total, work, args.snaps if not big else 1, not (big or args.no_protections))
             print(json.dumps({str(total): rows[total]}), flush=True)
-    print(table(rows))
+        if rows:
+            print(table(rows))
+        if args.frequency:
+            every = [int(x) for x in args.frequency.split(",")]
+            fig = frequency(work, every, args.freq_steps, args.freq_sleep, args.freq_model.split())
+            print(frequency_table(fig, args.freq_sleep))
 
 
 if __name__ == "__main__":

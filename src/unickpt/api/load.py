@@ -18,6 +18,7 @@ from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..plan.piece import Piece
 from ..storage.base import Storage
+from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import is_dtensor, sharded_item, tensor_item
 from ..engine.replicated import ReplicatedReads
@@ -61,6 +62,7 @@ def load(
     broadcast_replicated: bool = False,
     storage: Storage | None = None,
     storage_options: dict[str, Any] | None = None,
+    manifest: Manifest | None = None,
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -85,14 +87,19 @@ def load(
     any :class:`~unickpt.storage.base.Storage` (only ``reader`` and ``close`` are used),
     such as the snapshot tier's view of files spread over several machines. ``path`` may
     be a URL (``s3://...``, any fsspec file system; ``storage_options`` for it): each rank
-    then fetches only the byte ranges it needs, with ranged GETs.
+    then fetches only the byte ranges it needs, with ranged GETs. ``manifest``, when given,
+    is the checkpoint's manifest already read (and validated) by the caller: it is not
+    parsed again.
     """
-    ckpt = open_checkpoint(path, storage_options)
-    if storage is not None:
-        ckpt.close()
-    else:
-        storage = ckpt.storage
-    manifest = ckpt.manifest
+    if manifest is None:
+        ckpt = open_checkpoint(path, storage_options)
+        manifest = ckpt.manifest
+        if storage is not None:
+            ckpt.close()
+        else:
+            storage = ckpt.storage
+    elif storage is None:
+        storage = open_storage(path, storage_options)
     group = resolve_group(process_group)
     statefuls: list[tuple[Any, dict[str, Any]]] = []
 

@@ -54,8 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="snapshot the state into host memory every N steps (0: never); the run then "
                    "recovers by itself at start from memory, else from --ckpt-dir (docs/SNAPSHOT.md)")
-    p.add_argument("--parity", type=int, default=1,
-                   help="parity shards across nodes for the snapshots (1: XOR, survives one lost node; 0: local only)")
+    p.add_argument("--parity", type=int, default=None,
+                   help="parity shards across nodes for the snapshots (default 1: XOR, survives one lost node; "
+                   "M >= 2: Reed-Solomon, survives M lost nodes; 0: local only)")
+    p.add_argument("--snapshot-replicas", type=int, default=1,
+                   help="instead of parity, keep a full copy of each node's snapshot on the next R-1 nodes "
+                   "(2: one neighbour, 2x memory); excludes --parity M > 0")
     p.add_argument("--flush-every", type=int, default=0,
                    help="the snapshot keepers write every Mth snapshot as an ordinary checkpoint into --ckpt-dir, "
                    "in the background (0: never; docs/SNAPSHOT.md)")
@@ -242,12 +246,13 @@ def resume(job: Job, manager: unickpt.CheckpointManager | None, where: str, stor
         return 0
     state, msd, osd = checkpoint_state(job, 0)
     del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
-    if unickpt.read_manifest(path).world_size != job.world:
+    manifest = getattr(storage, "manifest", None) or unickpt.read_manifest(path)  # a snapshot's: parsed once
+    if manifest.world_size != job.world:
         del state["rng"]  # per-rank RNG only carries over to the same world size
     if manager is not None and storage is None:
         path = manager.load(state, path)  # the durable tier's copy when the local one is missing or corrupt
     else:
-        unickpt.load(state, path, storage=storage)
+        unickpt.load(state, path, storage=storage, manifest=manifest)
     set_state_dict(job.model, job.optimizer, model_state_dict=msd, optim_state_dict=osd)
     job.loader.load_state_dict(state["train"]["loader"])
     if "rng" in state:
@@ -276,6 +281,11 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         raise SystemExit("--durable-dir copies what CheckpointManager.save commits: drop --async-save")
     if args.durable_dir and not args.ckpt_dir:
         raise SystemExit("--durable-dir needs --ckpt-dir (the fast tier its copies are made from)")
+    if args.snapshot_replicas > 1 and args.parity:
+        raise SystemExit(f"--snapshot-replicas {args.snapshot_replicas} and --parity {args.parity} exclude each other: "
+                         "a node's snapshot is protected by copies on neighbours or by parity, not both")
+    if args.parity is None:
+        args.parity = 0 if args.snapshot_replicas > 1 else 1
     job = build(args)
     manager = unickpt.CheckpointManager(
         args.ckpt_dir, keep=args.keep, durable=args.durable_dir, durable_every=args.durable_every, durable_keep=args.durable_keep,
@@ -330,6 +340,9 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
     if manager is not None:
         manager.wait()  # the copy to the durable tier in flight
     if snap is not None:
+        if args.print_every and snap.taken:
+            _say(job, f"snapshots: {snap.taken} taken, {snap.skipped} skipped, training loop stalled "
+                      f"{snap.stall_s:.3f} s ({snap.stall_s / snap.taken * 1000:.1f} ms per snapshot, rank 0)")
         snap.close(clean=last == args.steps)
     return records
 
@@ -355,7 +368,7 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
     from ..snapshot.recover import recover
 
     snap = Snapshotter(job_id(args.ckpt_dir), args.snapshot_every, args.parity, max_bytes=args.snapshot_max_bytes,
-                       flush_every=args.flush_every, flush_dir=args.ckpt_dir)
+                       flush_every=args.flush_every, flush_dir=args.ckpt_dir, replicas=args.snapshot_replicas)
     if args.resume:
         return job, snap, start
 

@@ -1,5 +1,6 @@
 """The in-memory snapshot tier (docs/SNAPSHOT.md): per-node keeper processes hold each
-rank's snapshot in host shared memory, XOR parity across nodes rebuilds a lost node, and
+rank's snapshot in host shared memory, erasure coding across nodes (XOR, Reed-Solomon) or
+copies on neighbours rebuild lost nodes, and
 recovery loads the newest whole, verified state onto any layout.
 
 Exports are imported on first use: the keeper process imports this package without torch.

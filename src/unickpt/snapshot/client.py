@@ -30,7 +30,7 @@ from ..dist import all_gather_fixed, resolve_group
 from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from . import paths, wire
-from .parity import check_parity
+from .parity import layout
 
 KEEPER_START_S = 60.0
 _INFO = struct.Struct("<iiiiiqqq4s")  # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4
@@ -165,11 +165,16 @@ def default_max_bytes(root: str) -> int:
 
 
 class Snapshotter:
-    """One rank's handle on the snapshot tier (collective methods: every rank calls them)."""
+    """One rank's handle on the snapshot tier (collective methods: every rank calls them).
 
-    def __init__(self, job: str, every: int, parity: int = 1, *, root: str | None = None,
+    ``parity`` M: parity blocks per group across nodes (1: XOR, M >= 2: Reed-Solomon,
+    0: local memory only; default 1, or 0 with ``replicas``); ``replicas`` R >= 2: a full
+    copy of each node's snapshot on the next R - 1 nodes instead (excludes M > 0). See
+    :mod:`unickpt.snapshot.parity`."""
+
+    def __init__(self, job: str, every: int, parity: int | None = None, *, root: str | None = None,
                  max_bytes: int | None = None, process_group: Any = None, host: str | None = None,
-                 flush_every: int = 0, flush_dir: str | None = None) -> None:
+                 flush_every: int = 0, flush_dir: str | None = None, replicas: int = 1) -> None:
         if every < 1:
             raise SnapshotError(f"snapshot interval must be at least 1 step, not {every}")
         if flush_every < 0 or (flush_every and not flush_dir):
@@ -180,7 +185,9 @@ class Snapshotter:
         self.host = host or os.environ.get("UNICKPT_KEEPER_HOST") or "127.0.0.1"
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
-        check_parity(parity, 2)
+        if parity is None:  # XOR by default; none with copies on neighbours
+            parity = 0 if replicas > 1 else 1
+        layout(1 << 30, parity, replicas)  # a bad combination fails before any process starts
         self.group = checkpoint_group(resolve_group(process_group))
         self.node, self.local_rank = node_position()
         self.keeper: dict[str, Any] | None = None
@@ -188,10 +195,16 @@ class Snapshotter:
             os.makedirs(self.root, exist_ok=True)
             self.keeper = ensure_keeper(self.root, job, self.host)
         self.max_bytes = max_bytes
-        self.requested_parity = parity
+        self.requested_parity, self.replicas = parity, replicas
         self.table = self._exchange(0)[0]
-        self.parity = check_parity(parity, len(self.table))
+        self.k, self.parity = layout(len(self.table), parity, replicas)
+        asked = replicas - 1 if replicas > 1 else parity
+        if self.parity < asked and self.nodes > 1 and self.group.rank == 0:
+            print(f"unickpt: {self.nodes} nodes hold at most {self.parity} parity block(s) per group: "
+                  f"snapshots protected against {self.parity} lost node(s), not {asked}", file=sys.stderr, flush=True)
         self.handle: AsyncSaveHandle | None = None
+        self.stall_s = 0.0  # seconds the training loop spent in snapshot() and before_update()
+        self.taken = 0
         self.skipped = 0
         self.failures: list[str] = []
 
@@ -233,12 +246,19 @@ class Snapshotter:
         When the step is due for a flush (and ``flush``: pass False when the trainer writes
         this step's durable checkpoint itself), the keepers write it, once whole, as an
         ordinary checkpoint ``<flush_dir>/step_XXXXXXXX`` in the background."""
+        t0 = time.perf_counter()
+        try:
+            return self._snapshot(state, step, flush)
+        finally:
+            self.stall_s += time.perf_counter() - t0
+
+    def _snapshot(self, state: dict[str, Any], step: int, flush: bool) -> AsyncSaveHandle | None:
         self.settle()
         self.table, rows = self._exchange(state_bytes(state))
         if any(r[4] >= 2 for r in rows if r[1]):
             self.skipped += 1
             return None
-        k = max(1, self.nodes - 1)
+        k = self.k
         for n in range(self.nodes):
             node_bytes = sum(r[6] for r in rows if r[0] == n)
             used, cap = next((r[5], r[7]) for r in rows if r[0] == n and r[1])
@@ -249,18 +269,22 @@ class Snapshotter:
                     f"({used / 2**20:.1f} MiB held now + {node_bytes / 2**20:.1f} MiB of state, parity {self.parity}), "
                     f"above the cap of {cap / 2**20:.1f} MiB; raise max_bytes or snapshot less state"
                 )
-        meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "nodes": self.table}}
+        meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "k": self.k,
+                             "replicas": self.replicas, "nodes": self.table}}
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
         self.handle = async_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0)
+        self.taken += 1
         return self.handle
 
     def before_update(self) -> None:
         """Block until the snapshot in flight has copied the state (call before the
         optimizer or anything else changes saved tensors in place)."""
         if self.handle is not None:
+            t0 = time.perf_counter()
             self.handle.wait_staged()
+            self.stall_s += time.perf_counter() - t0
 
     def settle(self) -> None:
         """Wait for the snapshot in flight; its failure is recorded, never raised (a failed

@@ -6,9 +6,10 @@ in its own session, so it outlives a crashed trainer. It
 * reaps the snapshot directories of other (dead) jobs under its shm root at start;
 * watches its job directory: when a step's manifest appears (the step is committed on
   this node), it sends the stripes of its node's blob to the keepers that hold their
-  parity (:mod:`.parity`), over TCP;
-* XORs the stripes other keepers send it into its parity of the step, stored beside the
-  data with its crc32c and every stripe's crc32c (``parity.bin``, ``parity.json``);
+  group's parity (:mod:`.parity`: XOR, Reed-Solomon or plain copies), over TCP;
+* encodes the stripes other keepers send it into the parity blocks it holds for the
+  step, stored beside the data with their crc32c and every stripe's crc32c
+  (``parity_g<group>_r<block>.bin`` / ``.json``);
 * runs the per-step commit: once it holds its data and its parity it tells every keeper
   (``have``); a step is *whole* when all keepers said so, then older steps are deleted
   (retention: the newest whole step plus the steps in progress);
@@ -38,7 +39,7 @@ import numpy as np
 
 from ..storage.local import is_inside
 from . import flush, paths, wire
-from .parity import blob_parts, read_blob, stripe_of, stripe_range, xor_into
+from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
 POLL_S = 0.02
 
@@ -69,7 +70,8 @@ class Keeper:
         # held while files are added to the job's directory, and by the clean end while it
         # deletes it: a peer's late stripe must not recreate what the end removed
         self.tree_lock = threading.Lock()
-        self.partial: dict[int, dict[str, Any]] = {}
+        self.partial: dict[tuple[int, int, int], dict[str, Any]] = {}  # (step, group, r) -> stripes so far
+        self.groups_stored: dict[int, set[tuple[int, int]]] = {}  # step -> (group, r) of the blocks stored
         self.haves: dict[int, set[int]] = {}
         self.sent: set[int] = set()
         self.stored: set[int] = set()
@@ -160,41 +162,41 @@ class Keeper:
                 return
 
     def process(self, step: int, sdir: str) -> None:
-        """Send this node's stripes of a committed step to the parity holders."""
+        """Send this node's stripes of a committed step to the holders of their groups' parity."""
         with open(os.path.join(sdir, "manifest.json"), "rb") as f:
             snap = (json.load(f).get("metadata") or {}).get("snapshot")
         if not snap:
             return
-        nodes, parity = snap["nodes"], int(snap["parity"])
+        nodes, m = snap["nodes"], int(snap["parity"])
         me = self.my_index(nodes)
         if me is None:
             _log(f"step {step}: not among the step's keepers, left alone")
             return
         n = len(nodes)
-        if parity == 0 or n == 1:
+        if m == 0 or n == 1:
             self.mark_whole(step)
             return
+        k = int(snap.get("k", n - m))
         with self.lock:
             self.peers[step] = nodes
         files = node_files(sdir)
         blob = sum(s for _, s in files)
-        k = n - 1
         t0 = time.perf_counter()
-        for j in range(n):
-            if j == me:
-                continue
-            s = stripe_of(me, j, n)
+        for s in range(k):
+            g = group_of(me, s, n)
             lo, hi = stripe_range(blob, s, k)
             buf = memoryview(bytearray(hi - lo))
             read_blob(sdir, files, lo, buf)
-            header = {"op": "stripe", "step": step, "from": me, "to": j, "nodes": n, "stripe": s,
+            header = {"op": "stripe", "step": step, "from": me, "nodes": n, "group": g, "k": k, "m": m, "stripe": s,
                       "len": hi - lo, "crc": _crc.crc32c(buf), "files": files, "blob": blob, "peers": nodes}
-            try:
-                self.call(nodes[j], header, buf)
-            except Exception as e:
-                _log(f"step {step}: cannot send stripe {s} to node {j}: {e}; the step will not be whole")
-                return
-        _log(f"step {step}: sent {blob} bytes in {k} stripes in {time.perf_counter() - t0:.3f} s")
+            for r, j in enumerate(holders(g, m, n)):
+                try:
+                    self.call(nodes[j], dict(header, r=r, to=j), buf)
+                except Exception as e:
+                    _log(f"step {step}: cannot send stripe {s} to node {j}: {e}; the step will not be whole")
+                    return
+        _log(f"step {step}: sent {blob} bytes in {k} stripes to {m} holder(s) each ({code_name(k, m)}) "
+             f"in {time.perf_counter() - t0:.3f} s")
         with self.lock:
             self.sent.add(step)
         self.maybe_announce(step)
@@ -302,33 +304,46 @@ class Keeper:
         raise ValueError(f"unknown request {op!r}")
 
     def on_stripe(self, h: dict[str, Any], payload: memoryview) -> None:
-        """Fold a received stripe into this node's parity of the step; store it when complete."""
-        step, n = int(h["step"]), int(h["nodes"])
+        """Fold a received stripe into this node's parity block of its group (XOR: on
+        arrival; Reed-Solomon and copies: once the group's k stripes are in); store the
+        block with its record when complete."""
+        step, n, g, r = int(h["step"]), int(h["nodes"]), int(h["group"]), int(h["r"])
+        k, m = int(h["k"]), int(h["m"])
         if step <= self.whole_step or self.stopping.is_set():
             return
         with self.lock:
-            part = self.partial.setdefault(step, {"acc": np.zeros(0, np.uint8), "members": {}})
-            if part["acc"].size < payload.nbytes:
-                acc = np.zeros(payload.nbytes, np.uint8)
-                acc[: part["acc"].size] = part["acc"]
-                part["acc"] = acc
-            xor_into(part["acc"], payload)
-            part["members"][int(h["from"])] = {k: h[k] for k in ("stripe", "len", "crc", "files", "blob")}
+            part = self.partial.setdefault((step, g, r), {"acc": np.zeros(0, np.uint8), "blocks": {}, "members": {}})
+            if m == 1 and k > 1:
+                if part["acc"].size < payload.nbytes:
+                    acc = np.zeros(payload.nbytes, np.uint8)
+                    acc[: part["acc"].size] = part["acc"]
+                    part["acc"] = acc
+                xor_into(part["acc"], payload)
+            else:
+                part["blocks"][int(h["stripe"])] = payload
+            part["members"][int(h["from"])] = {x: h[x] for x in ("stripe", "len", "crc", "files", "blob")}
             self.peers.setdefault(step, h["peers"])
-            if len(part["members"]) < n - 1:
+            if len(part["members"]) < k:
                 return
-            del self.partial[step]
+            del self.partial[(step, g, r)]
+        t0 = time.perf_counter()
+        data = part["acc"] if part["blocks"] == {} else encode(part["blocks"], k, m, r)
+        part["blocks"].clear()
+        meta = {"step": step, "group": g, "r": r, "k": k, "m": m, "holder": int(h["to"]), "nodes": n,
+                "nbytes": int(data.nbytes), "crc": _crc.crc32c(data), "encode_s": time.perf_counter() - t0,
+                "members": {str(i): x for i, x in part["members"].items()}, "peers": h["peers"]}
         sdir = paths.step_dir(self.root, self.job, step)
-        data = part["acc"].data
-        meta = {"step": step, "node": int(h["to"]), "nodes": n, "nbytes": data.nbytes, "crc": _crc.crc32c(data),
-                "members": {str(i): m for i, m in part["members"].items()}, "peers": h["peers"]}
         with self.tree_lock:
             if self.stopping.is_set():
                 return
             os.makedirs(sdir, exist_ok=True)
-            _write_atomic(os.path.join(sdir, paths.PARITY_BIN), data)
-            _write_atomic(os.path.join(sdir, paths.PARITY_META), json.dumps(meta).encode())
+            _write_atomic(os.path.join(sdir, paths.parity_name(g, r, "bin")), data.data)
+            _write_atomic(os.path.join(sdir, paths.parity_name(g, r, "json")), json.dumps(meta).encode())
         with self.lock:
+            got = self.groups_stored.setdefault(step, set())
+            got.add((g, r))
+            if len(got) < m:
+                return
             self.stored.add(step)
         self.maybe_announce(step)
 
@@ -342,14 +357,18 @@ class Keeper:
         if whole:
             self.mark_whole(step)
 
+    def _forget(self, drop) -> None:
+        """Forget the in-progress records of the steps ``drop(step)`` selects (lock held)."""
+        for d in (self.partial, self.haves, self.peers, self.groups_stored):
+            for key in [key for key in d if drop(key[0] if isinstance(key, tuple) else key)]:
+                del d[key]
+
     def reset(self, keep_upto: int) -> None:
         """Forget and delete the snapshots newer than ``keep_upto`` (a recovery resumed
         from that step: newer ones belong to an abandoned timeline)."""
         with self.lock:
             self.whole_step = min(self.whole_step, keep_upto)
-            for d in (self.partial, self.haves, self.peers):
-                for s in [s for s in d if s > keep_upto]:
-                    del d[s]
+            self._forget(lambda s: s > keep_upto)
             for st in (self.sent, self.stored, self.announced, self.seen):
                 st.difference_update({s for s in st if s > keep_upto})
             if self.pinned is not None and self.pinned > keep_upto:
@@ -372,9 +391,7 @@ class Keeper:
         due = bool(snap.get("flush"))
         with self.lock:
             self.whole_step = max(self.whole_step, step)
-            for d in (self.partial, self.haves, self.peers):
-                for s in [s for s in d if s < step]:
-                    del d[s]
+            self._forget(lambda s: s < step)
             for st in (self.sent, self.stored, self.announced, self.seen):
                 st.difference_update({s for s in st if s < step})
             if due:

@@ -4,7 +4,8 @@
     <shm root>/unickpt/keeper.json             its address and job: {"pid", "host", "port", "job"}
     <shm root>/unickpt/<job>/step_00000012/    a snapshot: an ordinary unickpt checkpoint
         manifest.json                          (on every node), this node's rank files,
-        parity.bin, parity.json                the parity this node holds for the step,
+        parity_g3_r0.bin, parity_g3_r0.json    the parity blocks this node holds for the step
+                                               (group 3, block 0), with their crc32c,
         whole                                  written once every keeper holds data + parity
     <shm root>/unickpt/<job>/rebuilt_00000012/ a lost node's files, rebuilt during recovery
     <shm root>/unickpt/<job>/recover_00000012/ the manifest a recovery loads through
@@ -20,8 +21,7 @@ import re
 import shutil
 
 SHM_ROOT_ENV = "UNICKPT_SHM_ROOT"
-PARITY_BIN = "parity.bin"
-PARITY_META = "parity.json"
+PARITY_PREFIX = "parity_"
 WHOLE = "whole"
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -68,6 +68,19 @@ def steps(jdir: str) -> list[int]:
     except FileNotFoundError:
         return []
     return sorted(int(m.group(1)) for n in names if (m := _STEP.match(n)))
+
+
+def parity_name(group: int, r: int, ext: str) -> str:
+    """File name of parity block ``r`` of ``group`` (``ext``: ``bin`` the bytes, ``json`` its record)."""
+    return f"{PARITY_PREFIX}g{group}_r{r}.{ext}"
+
+
+def parity_metas(sdir: str) -> list[str]:
+    """The parity records (``parity_*.json``) a node holds in a snapshot directory, sorted."""
+    try:
+        return sorted(n for n in os.listdir(sdir) if n.startswith(PARITY_PREFIX) and n.endswith(".json"))
+    except FileNotFoundError:
+        return []
 
 
 def data_files(sdir: str) -> list[str]:

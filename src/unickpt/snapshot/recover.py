@@ -6,9 +6,10 @@ rank 0 plans, newest step first:
 
 * every file of the step is held by a surviving node (a process crash; or a relaunch on
   any layout): load it as it is;
-* the files of one lost node are missing and the step has parity 1: rank 0 rebuilds them
-  from the survivors' parity and data stripes, fetched from their keepers over TCP; the
-  parity, every stripe and every rebuilt stripe are checked against their crc32c;
+* the files of at most ``m`` lost nodes are missing (``m`` the parity: XOR, Reed-Solomon
+  or copies on neighbours): rank 0 rebuilds them from the survivors' parity blocks and
+  data stripes, read from its own shm root or fetched from their keepers over TCP; every
+  rebuilt stripe is checked against its crc32c (a failure names the corrupt input block);
 * otherwise the step is skipped, and the reason kept.
 
 The chosen step is loaded by every rank through the ordinary read plan
@@ -36,11 +37,11 @@ import numpy as np
 
 from ..dist import broadcast_bytes, gather_bytes
 from ..errors import CorruptionError, UnickptError
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import FileReader
 from . import paths, wire
 from .client import Snapshotter
-from .parity import stripe_of, stripe_range, xor_into
+from .parity import code_name, decode, group_of, members, read_blob, stripe_range
 
 LoadFn = Callable[[str, Any], int]
 
@@ -69,11 +70,13 @@ def inventory(snap: Snapshotter) -> dict[str, Any]:
                 entry["manifest"] = f.read()
         except FileNotFoundError:
             entry["manifest"] = None
-        try:
-            with open(os.path.join(sdir, paths.PARITY_META)) as f:
-                entry["parity"] = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):
-            entry["parity"] = None
+        entry["parity"] = []
+        for name in paths.parity_metas(sdir):
+            try:
+                with open(os.path.join(sdir, name)) as f:
+                    entry["parity"].append(json.load(f))
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
         steps[str(step)] = entry
     return {"node": snap.node, "steps": steps}
 
@@ -93,6 +96,21 @@ def plan_candidates(nodes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return plans, reasons
 
 
+def _protection(snap: dict[str, Any]) -> str:
+    """How a snapshot is protected, for the log line: ``XOR parity``, ``Reed-Solomon parity
+    (k+m)`` or ``copies on neighbour nodes``."""
+    m, n = int(snap.get("parity", 0)), len(snap.get("nodes", []))
+    k = int(snap.get("k", n - m))
+    return {"copy": "copies on neighbour nodes", "xor": "XOR parity"}.get(code_name(k, m), f"Reed-Solomon parity ({k}+{m})")
+
+
+def _can_rebuild(snap: dict[str, Any]) -> str:
+    m, n = int(snap.get("parity", 0)), len(snap.get("nodes", []))
+    k = int(snap.get("k", n - m))
+    what = f"parity {m}" if code_name(k, m) != "copy" else f"{m} cop{'y' if m == 1 else 'ies'} per node"
+    return f"{what} rebuilds {'one node' if m == 1 else f'{m} nodes'}"
+
+
 def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
     key = str(step)
     text = next(n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"])
@@ -109,32 +127,44 @@ def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] |
     plan = {"step": step, "manifest": text, "where": where, "rebuild": None, "files": len(files)}
     if not missing:
         return plan, ""
-    old_nodes = len(snap.get("nodes", []))
-    if int(snap.get("parity", 0)) == 0:
+    n_old, m = len(snap.get("nodes", [])), int(snap.get("parity", 0))
+    k = int(snap.get("k", n_old - m))
+    if m == 0:
         return None, f"{len(missing)} of {len(files)} files were lost with their node and the snapshot has no parity"
-    metas = {int(n["steps"][key]["parity"]["node"]): (n["node"], n["steps"][key]["parity"])
-             for n in nodes if key in n["steps"] and n["steps"][key]["parity"]}
-    owners: dict[str, int] = {}
-    for _, meta in metas.values():
-        for i, m in meta["members"].items():
-            for name, _ in m["files"]:
-                owners[name] = int(i)
+    blocks: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}  # (group, r) -> (node now, record)
+    for n in nodes:
+        for meta in n["steps"].get(key, {}).get("parity") or []:
+            blocks.setdefault((int(meta["group"]), int(meta["r"])), (n["node"], meta))
+    info: dict[int, dict[str, Any]] = {}  # old node -> its blob's record (stripes, files)
+    for _, meta in blocks.values():
+        for i, rec in meta["members"].items():
+            info.setdefault(int(i), rec)
+    owners = {name: i for i, rec in info.items() for name, _ in rec["files"]}
     lost = sorted({owners.get(name, -1) for name in missing})
     if -1 in lost:
-        return None, f"no surviving parity describes {len([m for m in missing if m not in owners])} of the missing files"
-    if len(lost) > 1:
-        return None, f"nodes {', '.join(map(str, lost))} of {old_nodes} were lost; parity 1 rebuilds one node"
-    x = lost[0]
-    absent = [j for j in range(old_nodes) if j != x and j not in metas]
-    if absent:
-        return None, f"node {x} was lost and the parity held by node(s) {', '.join(map(str, absent))} is gone"
-    holder_of = {j: holder for j, (holder, _) in metas.items()}
-    plan["rebuild"] = {"lost": x, "nodes": old_nodes, "metas": {str(j): m for j, (_, m) in metas.items()},
-                       "holder": {str(j): h for j, h in holder_of.items()}}
+        return None, f"no surviving parity describes {len([x for x in missing if x not in owners])} of the missing files"
+    if len(lost) > m:
+        return None, f"nodes {', '.join(map(str, lost))} of {n_old} were lost; {_can_rebuild(snap)}"
+    located = {i: where[rec["files"][0][0]][0] for i, rec in info.items() if i not in lost and rec["files"]}
+    groups: dict[str, Any] = {}
+    for g in sorted({group_of(x, s, n_old) for x in lost for s in range(k)}):
+        recs = [blocks[(g, r)] for r in range(m) if (g, r) in blocks]
+        if not recs:
+            return None, f"node(s) {', '.join(map(str, lost))} lost and every parity of group {g} is gone"
+        members_of = recs[0][1]["members"]
+        data = [[i, s, located[i], members_of[str(i)]] for i, s in members(g, k, n_old) if i not in lost]
+        need = k - len(data)
+        if len(recs) < need:
+            return None, (f"node(s) {', '.join(map(str, lost))} lost and group {g} keeps {len(data) + len(recs)} "
+                          f"of the {k} blocks a rebuild needs")
+        want = [[i, s, members_of[str(i)]] for i, s in members(g, k, n_old) if i in lost]
+        groups[str(g)] = {"data": data, "parity": [[node, meta] for node, meta in recs[:need]], "want": want}
+    plan["rebuild"] = {"lost": lost, "nodes": n_old, "k": k, "m": m, "groups": groups,
+                       "info": {str(x): info[x] for x in lost}, "how": _protection(snap)}
     return plan, ""
 
 
-# -- rebuilding a lost node (rank 0) ----------------------------------------------------
+# -- rebuilding lost nodes (rank 0) -----------------------------------------------------
 class Peers:
     """Connections to the keepers of the current job's nodes, by node index."""
 
@@ -157,64 +187,102 @@ class Peers:
         self.conns.clear()
 
 
-def _rebuild_stripe(step: int, x: int, j: int, n: int, meta: dict[str, Any], holder: dict[int, int],
-                    table: list[dict[str, Any]]) -> tuple[int, np.ndarray]:
-    """Node ``x``'s stripe in parity group ``j``: the parity held by ``j`` XOR the other
-    members' stripes, each checked against its crc32c. Returns (stripe index, bytes)."""
-    k = n - 1
-    peers = Peers(table)
+def _fetch(peers: Peers, me: int, jdir: str, node: int, header: dict[str, Any], out: np.ndarray) -> None:
+    """Fill ``out`` with a ``read`` (file range) or ``blob`` (range of a node's blob) from
+    node ``node``: from this node's own shm root directly, else from that node's keeper."""
+    if node != me:
+        peers.get(node).read_views(header, [memoryview(out)])
+        return
+    if header["op"] == "read":
+        reader = FileReader(Path(jdir) / header["path"])
+        try:
+            reader.pread_into(int(header["offset"]), memoryview(out))
+        finally:
+            reader.close()
+        return
+    sdir = os.path.join(jdir, paths.step_name(int(header["step"])))
+    read_blob(sdir, [(n, os.path.getsize(os.path.join(sdir, n))) for n in paths.data_files(sdir)],
+              int(header["offset"]), memoryview(out))
+
+
+def _rebuild_group(step: int, g: int, spec: dict[str, Any], k: int, m: int, snap: Snapshotter) -> list[tuple[int, int, np.ndarray]]:
+    """The lost stripes of group ``g``: its surviving data stripes and as many parity
+    blocks as needed, fetched (from this node's memory or the holders' keepers) and
+    decoded; each rebuilt stripe is checked against the crc32c its node recorded. A
+    mismatch is then traced to its cause: every input block is checked against its own
+    crc32c (a corrupt parity or data block is named). Returns (lost node, stripe, bytes)."""
+    peers = Peers(snap.table)
+    got: dict[int, np.ndarray] = {}
+    crcs: dict[int, tuple[int, str]] = {}
     try:
-        acc = np.empty(int(meta["nbytes"]), np.uint8)
-        peers.get(holder[j]).read(f"{paths.step_name(step)}/{paths.PARITY_BIN}", 0, memoryview(acc))
-        if _crc.crc32c(acc) != int(meta["crc"]):
-            raise CorruptionError(f"the parity of step {step} held by node {j} fails its crc32c")
-        for i_str, m in meta["members"].items():
-            i = int(i_str)
-            if i == x:
-                continue
-            lo, hi = stripe_range(int(m["blob"]), int(m["stripe"]), k)
-            buf = np.empty(hi - lo, np.uint8)
-            peers.get(holder[i]).read_views({"op": "blob", "step": step, "offset": lo}, [memoryview(buf)])
-            if _crc.crc32c(buf) != int(m["crc"]):
-                raise CorruptionError(f"data stripe {m['stripe']} of node {i} (step {step}) fails its crc32c")
-            xor_into(acc, buf)
+        for node, meta in spec["parity"]:
+            b = k + int(meta["r"])
+            got[b] = np.empty(int(meta["nbytes"]), np.uint8)
+            rel = f"{paths.step_name(step)}/{paths.parity_name(g, int(meta['r']), 'bin')}"
+            _fetch(peers, snap.node, snap.jdir, node, {"op": "read", "path": rel, "offset": 0}, got[b])
+            crcs[b] = (int(meta["crc"]), f"the parity of step {step} held by node {meta['holder']} "
+                                         f"(group {g}, block {meta['r']}) fails its crc32c")
+        for i, s, node, rec in spec["data"]:
+            lo, hi = stripe_range(int(rec["blob"]), s, k)
+            got[s] = np.empty(hi - lo, np.uint8)
+            _fetch(peers, snap.node, snap.jdir, node, {"op": "blob", "step": step, "offset": lo}, got[s])
+            crcs[s] = (int(rec["crc"]), f"data stripe {s} of node {i} (step {step}) fails its crc32c")
     finally:
         peers.close()
-    mx = meta["members"][str(x)]
-    got = acc[: int(mx["len"])]
-    if _crc.crc32c(got) != int(mx["crc"]) or stripe_of(x, j, n) != int(mx["stripe"]):
-        raise CorruptionError(f"stripe {mx['stripe']} of node {x} rebuilt from node {j}'s parity fails its crc32c")
-    return int(mx["stripe"]), got
+    before = {k: _crc.crc32c(got[k])} if m == 1 and k > 1 else {}  # XOR decodes into the parity's buffer
+    want = spec["want"]
+    out = decode(got, k, m, [s for _, s, _ in want])
+    result = []
+    for x, s, rec in want:
+        stripe = out[s][: int(rec["len"])]
+        if _crc.crc32c(stripe) != int(rec["crc"]) or int(rec["stripe"]) != s:
+            for b, (crc, why) in sorted(crcs.items()):
+                if (before[b] if b in before else _crc.crc32c(got[b])) != crc:
+                    raise CorruptionError(why)
+            raise CorruptionError(f"stripe {s} of node {x} rebuilt in group {g} fails its crc32c")
+        result.append((x, s, stripe))
+    return result
 
 
 def rebuild(plan: dict[str, Any], snap: Snapshotter) -> dict[str, list[Any]]:
-    """Rebuild the lost node's files of ``plan`` into this node's shm root (its stripes in
-    parallel, one thread per parity group); returns where each rebuilt file now is. Raises
-    CorruptionError when a parity chunk, a data stripe or a rebuilt stripe does not match
-    its crc32c."""
+    """Rebuild the lost nodes' files of ``plan`` into this node's shm root (the groups in
+    parallel, one thread each, every rebuilt stripe written straight into its files);
+    returns where each rebuilt file now is. Raises CorruptionError when a rebuilt stripe
+    does not match its crc32c (naming the parity or data block at fault)."""
     step, rb = plan["step"], plan["rebuild"]
-    x, n = int(rb["lost"]), int(rb["nodes"])
-    metas = {int(j): m for j, m in rb["metas"].items()}
-    holder = {int(j): int(h) for j, h in rb["holder"].items()}
-    info = next(m["members"][str(x)] for j, m in metas.items() if j != x)
-    out = np.zeros(int(info["blob"]), np.uint8)
-    groups = [j for j in range(n) if j != x]
-    with ThreadPoolExecutor(len(groups)) as pool:
-        futures = [pool.submit(_rebuild_stripe, step, x, j, n, metas[j], holder, snap.table) for j in groups]
-        for f in futures:
-            s, got = f.result()
-            lo, hi = stripe_range(out.size, s, n - 1)
-            out[lo:hi] = got
-    rdir = os.path.join(snap.jdir, f"rebuilt_{step:08d}")
+    k, m = int(rb["k"]), int(rb["m"])
+    info = {int(x): rec for x, rec in rb["info"].items()}
+    rname = f"rebuilt_{step:08d}"
+    rdir = os.path.join(snap.jdir, rname)
     paths.remove_tree(rdir)
     os.makedirs(rdir)
-    where, at = {}, 0
-    for name, size in info["files"]:
-        with open(os.path.join(rdir, name), "wb") as f:
-            f.write(out[at : at + size].data)
-        where[name] = [snap.node, f"rebuilt_{step:08d}/{name}"]
-        at += size
-    return where
+    fds: dict[str, int] = {}
+    try:
+        for rec in info.values():
+            for name, size in rec["files"]:
+                fds[name] = os.open(os.path.join(rdir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fds[name], int(size))
+
+        def one(g: int, spec: dict[str, Any]) -> None:
+            for x, s, data in _rebuild_group(step, g, spec, k, m, snap):
+                lo, _ = stripe_range(int(info[x]["blob"]), s, k)
+                at, view = 0, memoryview(data)
+                for name, size in info[x]["files"]:  # the stripe's bytes land in the files they belong to
+                    a, b = max(lo, at), min(lo + view.nbytes, at + int(size))
+                    if a < b:
+                        part = view[a - lo : b - lo]
+                        while part.nbytes:
+                            part = part[os.pwrite(fds[name], part, a - at) :]
+                            a = b - part.nbytes
+                    at += int(size)
+
+        with ThreadPoolExecutor(max(1, len(rb["groups"]))) as pool:
+            for f in [pool.submit(one, int(g), spec) for g, spec in rb["groups"].items()]:
+                f.result()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {name: [snap.node, f"{rname}/{name}"] for rec in info.values() for name, _ in rec["files"]}
 
 
 # -- reading a snapshot spread over nodes ---------------------------------------------
@@ -240,8 +308,9 @@ class SnapshotStorage:
     """The files of one snapshot as ``load`` reads them: this node's from its shm root,
     the others' from their keepers."""
 
-    def __init__(self, snap: Snapshotter, where: dict[str, list[Any]], sizes: dict[str, int]) -> None:
-        self.snap, self.where, self.sizes = snap, where, sizes
+    def __init__(self, snap: Snapshotter, where: dict[str, list[Any]], manifest: Manifest) -> None:
+        self.snap, self.where, self.manifest = snap, where, manifest  # the manifest, parsed once for the load
+        self.sizes = {name: int(size) for name, size in manifest.files.items()}
         self.peers = Peers(snap.table)
         self._readers: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -321,10 +390,9 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
             f.write(plan["manifest"])
     _agree(snap, None)  # the manifest is in place on every node
     t1 = time.perf_counter()
-    sizes = json.loads(plan["manifest"])["files"]
-    storage = SnapshotStorage(snap, where, sizes)
-    error = None
+    error, storage = None, None
     try:
+        storage = SnapshotStorage(snap, where, Manifest.from_json(plan["manifest"]))
         got = load(rdir, storage)
         if got != step:
             error = f"the snapshot says step {got}, its directory step {step}"
@@ -333,7 +401,8 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     finally:
-        storage.close()
+        if storage is not None:
+            storage.close()
     error = _agree(snap, error)
     timings.update(rebuild=t1 - t0, load=time.perf_counter() - t1)
     if snap.local_rank == 0:
@@ -345,9 +414,10 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     if plan["rebuild"] is None:
         return step, f"all {plan['files']} files held by the surviving nodes, checksums verified"
     rb = plan["rebuild"]
-    held = rb["nodes"] - 1
-    return step, (f"node {rb['lost']} of {rb['nodes']} lost: its files rebuilt from XOR parity on "
-                  f"{held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
+    lost, held = rb["lost"], rb["nodes"] - len(rb["lost"])
+    who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(map(str, lost))}"
+    return step, (f"{who} of {rb['nodes']} lost: {'its' if len(lost) == 1 else 'their'} files rebuilt from "
+                  f"{rb['how']} on {held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
 
 
 def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] | None] | None = None,
@@ -355,7 +425,8 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     """Resume from the newest whole, verified state (collective); see the module docstring.
 
     ``load(path, storage)`` loads the checkpoint at ``path`` (its files through
-    ``storage``) into the job and returns the step it holds. ``disk()`` resumes from the
+    ``storage``, its manifest already parsed: ``storage.manifest``, to pass to
+    :func:`unickpt.load`) into the job and returns the step it holds. ``disk()`` resumes from the
     durable tier and returns (step, path), or None when it holds nothing; ``disk_step``,
     the step of the durable tier's newest checkpoint, makes older snapshots lose to it."""
     t0 = time.perf_counter()
