@@ -15,6 +15,7 @@ import os
 from ..errors import ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage, is_inside
+from ..engine.bases import check_bases
 
 # (name, module, detector, reader); detectors are tried in this order (Megatron-Core's
 # torch_dist checkpoints are DCP checkpoints with more: it comes first)
@@ -46,11 +47,16 @@ def checkpoint_format(path: str) -> str:
     )
 
 
-def open_manifest(path: str) -> Manifest:
-    """The manifest of the checkpoint at ``path`` in any supported format (validated)."""
+def open_manifest(path: str, *, bases: bool = True) -> Manifest:
+    """The manifest of the checkpoint at ``path`` in any supported format (validated).
+    For an incremental checkpoint, every base it references must still be there
+    (CorruptionError naming the missing one) unless ``bases=False``."""
     fmt = checkpoint_format(path)
     if fmt == "unickpt":
-        return Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))
+        manifest = Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))
+        if bases:
+            check_bases(path, manifest)
+        return manifest
     _, module, _, reader = next(f for f in FORMATS if f[0] == fmt)
     manifest = getattr(importlib.import_module(module), reader)(str(path))
     manifest.provenance.setdefault("format", fmt)

@@ -11,6 +11,7 @@ checkpoint's (DCP's thread mode on the default group hangs exactly there).
 from __future__ import annotations
 
 import atexit
+import os
 
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment
 from ..storage.local import LocalStorage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
+from .incremental import open_base, split_unchanged
 from .save import (
     LocalState, _describe, collect, commit, data_file_name, prepare_collective, rank_payload, tensor_digest,
 )
@@ -115,6 +117,7 @@ class _Job:
     lazy: bool
     limit: int | None
     manifest_copy: bool | None = None
+    base: str | None = None
 
 
 class _Saver:
@@ -190,6 +193,26 @@ class _Saver:
         handle._staged.set()
         commit(job.group, payload, target, job.metadata, job.manifest_copy)
 
+    @staticmethod
+    def _staged_bytes(job: _Job, buf: torch.Tensor):
+        """Where an incremental save hashes item ``k``: its staged copy when everything is
+        staged at once; else the source itself, which stays unchanged until the last batch
+        is staged (None for a CUDA source: the item is written)."""
+        if len(job.batches) == 1:
+            where = {u.index: u for u in job.batches[0] if u.slot >= 0}
+
+            def staged(k: int):
+                u = where.get(k)
+                return memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy()) if u is not None else None
+
+            return staged
+
+        def source(k: int):
+            t = job.sources[k]
+            return None if t.device.type != "cpu" else memoryview(flat_bytes(t).numpy())
+
+        return source
+
     def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: LocalStorage) -> dict[str, Any]:
         group, local = job.group, job.local
         assert local is not None
@@ -197,8 +220,15 @@ class _Saver:
         try:
             files: dict[str, int] = {}
             written: list[tuple[TensorItem, Fragment]] = []
-            if job.items:
-                writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, job.items, job.block_bytes, job.threads)
+            base = open_base(job.base, job.path) if job.base is not None else None
+            slots = {k: k for k in range(len(job.items))}  # item index -> index among the items written
+            if base is not None:
+                changed, refs = split_unchanged(base, job.items, group.rank, job.block_bytes, job.threads, self._staged_bytes(job, buf))
+                written = [(job.items[k], f) for k, f in refs]
+                slots = {k: n for n, k in enumerate(changed)}
+            to_write = [job.items[k] for k in slots]
+            if to_write:
+                writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, to_write, job.block_bytes, job.threads)
             for k, batch in enumerate(job.batches):
                 if k > 0:
                     self._stage(job, k, buf, crcs)
@@ -211,19 +241,19 @@ class _Saver:
                     data = memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy())
                     if u.index in job.digests:
                         crcs[u.index] = _crc.crc32c(data, crcs.get(u.index, 0))
-                    if u.index < len(job.items):
-                        parts.append((u.index, u.lo, data))
+                    if u.index in slots:
+                        parts.append((slots[u.index], u.lo, data))
                 if writer is not None and parts:
                     writer.write(parts)
             if writer is not None:
                 size, fragments = writer.finish()
                 writer = None
                 files[data_file_name(group.rank)] = size
-                written = list(zip(job.items, fragments))
+                written += list(zip(to_write, fragments))
             for i, name in job.digests.items():
                 t = job.sources[i]
                 local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs.get(i, 0))
-            return rank_payload(group, local, written, files)
+            return rank_payload(group, local, written, files, base)
         except Exception as e:
             if writer is not None:
                 writer.abort()
@@ -265,6 +295,7 @@ def async_save(
     max_staging_bytes: int | None = None,
     lazy: bool = False,
     manifest_copy: bool | None = None,
+    base: str | os.PathLike | None = None,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
@@ -290,6 +321,9 @@ def async_save(
     True also writes the committed manifest into its own ``path``, and every rank
     creates its ``path`` if needed (all ranks must pass None, or all a bool).
 
+    ``base`` makes the save incremental, as for :func:`unickpt.save`; the fragments are
+    hashed and compared with the base's in the background thread.
+
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
     without ``overwrite``) are raised here.
@@ -313,6 +347,7 @@ def async_save(
     job = _Job(
         group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
         items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
+        None if base is None else os.fspath(base),
     )
     handle = AsyncSaveHandle(str(path), group.rank)
     _SAVER.start(job, handle)

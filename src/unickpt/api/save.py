@@ -38,6 +38,7 @@ from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa:
 from ..engine.items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
 from ..engine.state import PerRank, Sharded, flatten
 from ..engine.gc_pause import gc_paused
+from .incremental import BaseIndex, holders_json, merge_holders, open_base, split_unchanged
 
 
 def data_file_name(rank: int) -> str:
@@ -183,6 +184,7 @@ class StagedSave:
     metadata: dict[str, Any]
     block_bytes: int
     threads: int
+    base: str | None = None
 
 
 def _describe(e: Exception) -> str:
@@ -198,6 +200,7 @@ def stage(
     overwrite: bool = False,
     threads: int = 4,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    base: str | os.PathLike | None = None,
 ) -> StagedSave:
     """Phase 1 of a save (collective): check the arguments and capture this rank's state.
     Nothing is written yet.
@@ -214,11 +217,16 @@ def stage(
         local, error = collect(state_dict, group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
         local, error = None, _describe(e)
-    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads)
+    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
+                      None if base is None else os.fspath(base))
 
 
-def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int]) -> dict[str, Any]:
-    """What this rank reports to rank 0 once its file is durable."""
+def rank_payload(
+    group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int],
+    base: BaseIndex | None = None,
+) -> dict[str, Any]:
+    """What this rank reports to rank 0 once its file is durable (``base``: the base of an
+    incremental save, whose checkpoints the written fragments may reference)."""
     frags: dict[str, dict[str, Any]] = {}
     rank_frags: dict[str, dict[str, Any]] = {}
     for item, frag in written:
@@ -232,6 +240,7 @@ def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem
         "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
         "digests": local.digests, "values": local.values if local.leader else {},
         "rank_values": local.rank_values, "rank_tensors": rank_frags,
+        "bases": holders_json(base), "incremental": None if base is None else base.lineage(),
     }
 
 
@@ -293,12 +302,17 @@ def _rank_payload(staged: StagedSave, storage: LocalStorage) -> dict[str, Any]:
         files: dict[str, int] = {}
         written: list[tuple[TensorItem, Fragment]] = []
         to_write = local.to_write + local.rank_tensors
+        base = open_base(staged.base, staged.path) if staged.base is not None else None
+        if base is not None:
+            changed, refs = split_unchanged(base, to_write, group.rank, staged.block_bytes, staged.threads)
+            written = [(to_write[k], f) for k, f in refs]
+            to_write = [to_write[k] for k in changed]
         if to_write:
             fname = data_file_name(group.rank)
             size, fragments = write_data_file(storage, fname, group.rank, to_write, staged.block_bytes, staged.threads)
             files[fname] = size
-            written = list(zip(to_write, fragments))
-        return rank_payload(group, local, written, files)
+            written += list(zip(to_write, fragments))
+        return rank_payload(group, local, written, files, base)
     except Exception as e:
         return {"rank": group.rank, "error": _describe(e)}
 
@@ -366,6 +380,8 @@ def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str
             m.tensors.setdefault(name, TensorEntry(name, tuple(shape), dtype, [], layout))
         for name, d in p["fragments"].items():
             m.tensors[name].fragments.append(fragment_from_json(d["fragment"]))
+    merge_holders(m, [p.get("bases") or {} for p in payloads])
+    m.incremental = payloads[0].get("incremental")
     for entry in m.tensors.values():
         _dedup_and_check(entry)
     rank_value_names = sorted({k for p in payloads for k in p["rank_values"]})
@@ -443,6 +459,7 @@ def save(
     overwrite: bool = False,
     threads: int = 4,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    base: str | os.PathLike | None = None,
 ) -> None:
     """Save ``state_dict`` to the checkpoint directory ``path``.
 
@@ -454,9 +471,14 @@ def save(
     Raises :class:`SaveError` on every rank if any rank failed; then nothing is
     committed, what the save wrote is removed, and an old checkpoint stays as it was.
     A second save to the same ``path`` while one runs fails at once.
+
+    ``base`` (an earlier checkpoint) makes the save incremental: a fragment whose bytes
+    equal the base's (same xxh3-128 identity) is not written but referenced where its bytes
+    lie, in the base or in a checkpoint the base references (docs/FORMAT.md, "Incremental
+    checkpoints"). The result loads on its own, as long as those checkpoints are kept.
     """
     staged = stage(
         state_dict, path, process_group=process_group, metadata=metadata,
-        overwrite=overwrite, threads=threads, block_bytes=block_bytes,
+        overwrite=overwrite, threads=threads, block_bytes=block_bytes, base=base,
     )
     write_and_commit(staged)

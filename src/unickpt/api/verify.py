@@ -10,7 +10,9 @@ What is checked, per data file and per fragment (``tensors`` and ``rank_tensors`
 * the fragments of each tensor hold as many elements as the tensor has (a tensor with
   missing shards cannot be loaded whole);
 * the manifest itself: reading it checks its SHA-256 digest (format 1.1 on; the report's
-  ``manifest_digest``, or None for an older manifest without one).
+  ``manifest_digest``, or None for an older manifest without one);
+* an incremental checkpoint's referenced fragments, in its bases' files, like its own;
+  a base that is missing or was replaced is a problem of kind ``"base"`` naming it.
 
 Foreign formats (PyTorch DCP, DeepSpeed, Hugging Face) store no checksums: for them the
 check is structural (every metadata record and archive parses, every fragment lies inside
@@ -48,6 +50,7 @@ from ..format.safetensors_header import parse_header
 from ..plan.box import Box
 from ..storage.local import LocalStorage
 from ..engine.gc_pause import gc_paused
+from ..engine.bases import base_problems
 
 # Several checksum blocks are read at once when blocks are small, to keep syscalls few.
 READ_CHUNK_BYTES = 16 << 20
@@ -273,9 +276,9 @@ def verify(path: str, *, progress: Callable[[int], None] | None = None, threads:
     is invalid; every other problem is reported, not raised.
     """
     storage = LocalStorage(path)
-    manifest = open_manifest(str(path))
+    manifest = open_manifest(str(path), bases=False)
     report = VerifyReport(str(path), format=manifest.provenance.get("format", "unickpt"), manifest_digest=manifest.digest)
-    problems: list[Problem] = []
+    problems: list[Problem] = [Problem("base", what) for _, what in base_problems(path, manifest)]
     try:
         states = _check_files(storage, manifest, problems, headers=report.format == "unickpt")
         entries = _entries(manifest)

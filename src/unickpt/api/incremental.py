@@ -1,0 +1,259 @@
+"""Incremental saves: write only the fragments whose bytes changed since a base checkpoint.
+
+Identity: each fragment's xxh3-128 identity (``format.checksum.identity``), which every
+save records as it writes (same pass as the CRC-32C). An incremental save hashes the
+fragments it is about to write (about 16 GB/s per core: a hash in memory is far cheaper
+than reading the base's bytes back to compare them) and compares each with the base's
+fragment of the same tensor, pieces, shape, dtype and block size. Equal: the new manifest
+references the bytes where they lie (the base's file, or the file of the checkpoint the
+base references in turn: references are flattened, so a chain never has to be followed
+to read). The unit is a fragment (one tensor's shard on one rank): a tensor is written
+whole or not at all.
+
+Retention (:func:`prune`) deletes a checkpoint only when no kept checkpoint references it,
+newest first, each one manifest first: a kill at any point leaves every committed
+checkpoint whole (references only point to older checkpoints, and those go last).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..adapters.detect import open_manifest
+from ..engine.bases import holder_dir
+from ..engine.items import TensorItem
+from ..engine.writer import as_bytes
+from ..errors import SaveError, UnickptError
+from ..format.checksum import block_digests, identity
+from ..format.dtypes import dtype_name
+from ..format.manifest import MANIFEST_NAME, Fragment, Manifest
+from ..format.refs import BaseRef, check_base_path, rebase, ref_key, split_key
+
+# Test hook: SIGKILL this process right after the N-th file removal of a prune (tests kill
+# retention at every step with it). Read at each removal; unset in normal use.
+KILL_AFTER_UNLINK_ENV = "UNICKPT_TEST_KILL_AFTER_UNLINK"
+
+
+def _key(name: str, frag: Fragment | None, item: TensorItem | None, dtype: str, block_bytes: int, rank: int | None):
+    pieces = tuple(frag.pieces if frag is not None else item.pieces)  # type: ignore[union-attr]
+    shape = tuple(frag.shape if frag is not None else item.local.shape)  # type: ignore[union-attr]
+    return (name, pieces, shape, dtype, block_bytes, rank)
+
+
+@dataclass
+class BaseIndex:
+    """What an incremental save needs of its base: the identities of its fragments and
+    where their bytes lie, seen from the new checkpoint."""
+
+    path: str  # the base, relative to the new checkpoint
+    manifest: Manifest
+    fragments: dict[tuple, tuple[Fragment, str]] = field(default_factory=dict)  # key -> (fragment, holder)
+    holders: dict[str, BaseRef] = field(default_factory=dict)  # holder path -> digest, referenced files
+
+    def lineage(self) -> dict[str, Any]:
+        """The ``incremental`` member of the new manifest."""
+        depth = (self.manifest.incremental or {}).get("depth", 0) + 1
+        return {"base": self.path, "digest": self.manifest.digest, "depth": depth}
+
+
+def relative_base(base: str | os.PathLike, target: str | os.PathLike) -> str:
+    """``base`` as a path relative to the checkpoint directory ``target`` (``/``-separated)."""
+    rel = os.path.relpath(os.path.abspath(base), os.path.abspath(target)).replace(os.sep, "/")
+    try:
+        return check_base_path(rel)
+    except UnickptError:
+        raise SaveError(f"base {base} cannot be referenced from {target} (relative path {rel!r})") from None
+
+
+def open_base(base: str | os.PathLike, target: str | os.PathLike) -> BaseIndex:
+    """Open the base of an incremental save to ``target``: a committed unickpt checkpoint
+    whose own bases are all there. SaveError when it cannot serve as one."""
+    try:
+        manifest = open_manifest(os.fspath(base))
+    except UnickptError as e:
+        raise SaveError(f"base {base} cannot serve for an incremental save: {e}") from None
+    if manifest.provenance.get("format", "unickpt") != "unickpt" or manifest.digest is None:
+        raise SaveError(f"base {base} is not a unickpt checkpoint of format 1.1 or later; save a full checkpoint first")
+    rel = relative_base(base, target)
+    index = BaseIndex(rel, manifest)
+    target_abs = os.path.abspath(target)
+    for holder_from_base in [None, *manifest.bases]:
+        holder = rebase(holder_from_base, rel)
+        if os.path.abspath(holder_dir(target_abs, holder)) == target_abs:
+            raise SaveError(f"cannot save to {target} incrementally: its base {base} references the checkpoint there")
+    for entry in manifest.tensors.values():
+        for f in entry.fragments:
+            if f.xxh3 is not None:
+                index.fragments[_key(entry.name, f, None, entry.dtype, f.block_bytes, None)] = (f, rel)
+    for name, row in manifest.rank_tensors.items():
+        for r, entry in enumerate(row):
+            if entry is not None and len(entry.fragments) == 1 and entry.fragments[0].xxh3 is not None:
+                f = entry.fragments[0]
+                index.fragments[_key(name, f, None, entry.dtype, f.block_bytes, r)] = (f, rel)
+    return index
+
+
+def _reference(index: BaseIndex, item: TensorItem, found: Fragment, rank: int) -> Fragment:
+    """The new checkpoint's fragment for ``item``, referencing the bytes of ``found``."""
+    holder_from_base, name = split_key(found.file)
+    holder = rebase(holder_from_base, index.path)
+    digest = index.manifest.digest if holder_from_base is None else index.manifest.bases[holder_from_base].digest
+    ref = index.holders.setdefault(holder, BaseRef(holder, digest or "", {}))
+    ref.files[name] = index.manifest.files[found.file]
+    return Fragment(ref_key(holder, name), found.offset, tuple(found.shape), list(item.pieces), list(found.crc32c),
+                    found.block_bytes, rank, found.xxh3)
+
+
+def split_unchanged(
+    index: BaseIndex, items: list[TensorItem], rank: int, block_bytes: int, threads: int = 4,
+    data: Callable[[int], memoryview | None] | None = None,
+) -> tuple[list[int], list[tuple[int, Fragment]]]:
+    """Which of ``items`` to write: ``(indices of changed items, [(index, referencing
+    fragment)] for the unchanged)``. Hashes the candidates on ``threads`` threads, reading
+    item ``k``'s bytes from ``data(k)`` (default: ``items[k].local``, staged; None: write it)."""
+    candidates = []
+    for k, item in enumerate(items):
+        per_rank = rank if item.layout == "per-rank" else None
+        hit = index.fragments.get(_key(item.name, None, item, dtype_name(item.local.dtype), block_bytes, per_rank))
+        if hit is not None:
+            candidates.append((k, hit[0]))
+
+    def same(c: tuple[int, Fragment]) -> bool:
+        k, f = c
+        view = as_bytes(items[k].local) if data is None else data(k)
+        return view is not None and identity(block_digests(view, block_bytes)) == f.xxh3
+
+    if len(candidates) > 1 and threads > 1:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            verdicts = list(pool.map(same, candidates))
+    else:
+        verdicts = [same(c) for c in candidates]
+    refs = [(k, _reference(index, items[k], f, rank)) for (k, f), ok in zip(candidates, verdicts) if ok]
+    unchanged = {k for k, _ in refs}
+    return [k for k in range(len(items)) if k not in unchanged], refs
+
+
+def holders_json(index: BaseIndex | None) -> dict[str, Any]:
+    """The holders a rank references, for its report to rank 0."""
+    if index is None:
+        return {}
+    return {p: {"digest": b.digest, "files": b.files} for p, b in index.holders.items()}
+
+
+def merge_holders(manifest: Manifest, reports: list[dict[str, Any]]) -> None:
+    """Add the holders every rank referenced to the manifest being assembled."""
+    for rep in reports:
+        for p, d in rep.items():
+            ref = manifest.bases.setdefault(p, BaseRef(p, d["digest"], {}))
+            ref.files.update(d["files"])
+            manifest.files.update({ref_key(p, n): size for n, size in d["files"].items()})
+
+
+# ---------------------------------------------------------------- retention
+
+
+def holders_of(path: str) -> set[str]:
+    """Absolute directories of the checkpoints whose bytes the checkpoint at ``path`` references."""
+    manifest = open_manifest(path, bases=False)
+    return {os.path.abspath(holder_dir(path, b)) for b in manifest.bases}
+
+
+class _Unlinker:
+    """Removes files, counting removals for the kill hook."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        self.count += 1
+        kill_at = os.environ.get(KILL_AFTER_UNLINK_ENV)
+        if kill_at and self.count == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def remove_checkpoint_dir(path: str, unlink: _Unlinker) -> None:
+    """Delete a checkpoint directory: its manifest first (it stops being a checkpoint at
+    once, never a committed one with files missing), then its files, then the directory."""
+    unlink(os.path.join(path, MANIFEST_NAME))
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return
+    for e in entries:
+        if e.is_file(follow_symlinks=False) or e.is_symlink():
+            unlink(e.path)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+
+
+def prune(committed: list[str], keep: int, candidates_without_manifest: list[str] = ()) -> list[str]:
+    """Retention: of the committed checkpoints (paths, oldest first), keep the newest
+    ``keep`` and every checkpoint one of those references; delete the rest, newest first,
+    and the directories in ``candidates_without_manifest`` (deletions a kill interrupted)
+    that nothing kept references. Returns the paths deleted.
+
+    Order matters for a kill at any point: references point only to older checkpoints,
+    so deleting newest first never leaves a committed checkpoint whose holder is gone,
+    and a checkpoint loses its manifest before any of its files."""
+    kept = committed[-keep:] if keep else list(committed)
+    needed = {os.path.abspath(p) for p in kept}
+    for p in kept:
+        try:
+            needed |= holders_of(p)
+        except UnickptError:
+            continue  # an unreadable manifest references nothing that can be read
+    doomed = [p for p in reversed(committed) if os.path.abspath(p) not in needed]
+    doomed += [p for p in candidates_without_manifest if os.path.abspath(p) not in needed]
+    unlink = _Unlinker()
+    for p in doomed:
+        remove_checkpoint_dir(p, unlink)
+    return doomed
+
+
+def is_self_contained(manifest: Manifest) -> bool:
+    """True when the checkpoint holds every byte it describes."""
+    return not manifest.bases
+
+
+def stored_bytes(manifest: Manifest) -> tuple[int, int]:
+    """``(bytes written in the checkpoint's own files, bytes referenced in its bases)``."""
+    own = sum(n for k, n in manifest.files.items() if split_key(k)[0] is None)
+    referenced = 0
+    for entry in list(manifest.tensors.values()) + [e for row in manifest.rank_tensors.values() for e in row if e is not None]:
+        referenced += sum(f.nbytes(entry.dtype) for f in entry.fragments if f.base is not None)
+    return own, referenced
+
+
+def chain(path: str, limit: int = 1000) -> list[tuple[str, str]]:
+    """The bases the checkpoint at ``path`` was saved against, nearest first, as
+    ``(path relative to it, state)`` with state ``"ok"``, ``"missing"`` or ``"replaced"``;
+    it stops at a full checkpoint or a base that is gone."""
+    from ..engine.bases import manifest_digest_on_disk
+
+    out: list[tuple[str, str]] = []
+    here = os.path.abspath(path)
+    manifest = open_manifest(path, bases=False)
+    rel = ""
+    while manifest.incremental is not None and len(out) < limit:
+        inc = manifest.incremental
+        rel = posixpath.normpath(posixpath.join(rel, inc["base"])) if rel else inc["base"]
+        here = holder_dir(here, inc["base"])
+        found = manifest_digest_on_disk(here)
+        if found is None or found != inc["digest"]:
+            out.append((rel, "missing" if found is None else "replaced"))
+            break
+        out.append((rel, "ok"))
+        manifest = open_manifest(here, bases=False)
+    return out
