@@ -145,12 +145,12 @@ def _tensor_count(manifest: Any) -> str:
 
 def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
     """Everything ``inspect`` shows, as JSON-ready data, and the checkpoint's ledger."""
-    from .adapters.detect import open_manifest
     from .adapters.regions import source_ledger
+    from .api.load import read_manifest
     from .format.dtypes import itemsize
     from .format.values import decode_value
 
-    m = open_manifest(path, bases=False)  # an incremental checkpoint is shown even when a base is gone
+    m = read_manifest(path, bases=False)  # an incremental checkpoint is shown even when a base is gone
     ledger = source_ledger(path, m)
     tensors = []
     for t in m.tensors.values():
@@ -414,10 +414,10 @@ def verify_cmd(
 ) -> None:
     """Re-check every checksum and file size; exit 1 if anything is corrupt, or the source
     holds anything unickpt does not read (unless --allow-skip)."""
-    from .adapters.detect import open_manifest
+    from .api.load import read_manifest
     from .api.verify import total_bytes, verify
 
-    manifest = open_manifest(str(path), bases=False)  # a missing base is reported below, as a problem
+    manifest = read_manifest(str(path), bases=False)  # a missing base is reported below, as a problem
     total = total_bytes(manifest)
     t0 = time.perf_counter()
     report = _with_byte_progress("verifying", total, lambda progress: verify(str(path), progress=progress, threads=threads))

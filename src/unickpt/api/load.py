@@ -31,10 +31,11 @@ from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
 
 
-def read_manifest(path: str) -> Manifest:
+def read_manifest(path: str, *, bases: bool = True) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``: unickpt's own, or the
-    one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face)."""
-    return open_manifest(str(path))
+    one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face).
+    An incremental checkpoint's bases must be there unless ``bases=False``."""
+    return open_manifest(str(path), bases=bases)
 
 
 def _region(data: torch.Tensor, piece: Piece, first_element: int, part_local_rows: tuple[int, int]) -> torch.Tensor:

@@ -55,7 +55,12 @@ def check_fragment_file(key: str) -> str:
     in the manifest's ``bases``, which the caller checks through ``files``)."""
     base, name = split_key(key) if isinstance(key, str) else (None, key)
     if base is not None:
-        check_base_path(base)
+        try:
+            check_base_path(base)
+            check_file_name(name)
+        except ManifestError:
+            raise ManifestError(f"unsafe file name {key!r:.300} in manifest: only plain names inside the checkpoint, "
+                                "or plain names in a listed base checkpoint, are allowed") from None
     check_file_name(name)
     return key
 
@@ -431,6 +436,8 @@ def _tensor_from_json(name: str, d: Any, files: dict[str, int], total_bytes: int
         frag = fragment_from_json(fd)
         shape = frag.shape
         nbytes = prod(shape) * size
+        if frag.file not in files and frag.base is not None:
+            raise ManifestError(f"unsafe file name {frag.file!r} in manifest: {frag.base!r} is not a base listed in the manifest")
         if frag.file not in files:
             raise ManifestError(f"tensor {name!r}: fragment file {frag.file!r} is not listed in the manifest")
         if frag.offset < 0 or frag.offset + nbytes > files[frag.file]:
