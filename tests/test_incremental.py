@@ -192,13 +192,19 @@ def test_references_are_covered_by_the_digest_and_checked(tmp_path):
 
 
 def test_async_incremental_in_batches(tmp_path):
-    s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    s1 = str(tmp_path / "s1")
     unickpt.async_save(_fine_tune_state(1), s1, block_bytes=4096).result()
-    # a staging buffer of 40 KiB: the shard is staged and written in batches
-    unickpt.async_save(_fine_tune_state(2), s2, base=s1, block_bytes=4096, max_staging_bytes=40_000).result()
-    m = unickpt.read_manifest(s2)
-    assert {n for n, t in m.tensors.items() if t.fragments[0].base is None} == {"trainable"}
-    assert _loads_as(s2, _fine_tune_state(2)) and unickpt.verify(s2).ok
+    # hashed in the call; lazy: hashed in the background from the staged copy; a staging
+    # buffer of 40 KiB: the shard is staged and written in batches
+    for k, kwargs in enumerate([{}, {"lazy": True}, {"max_staging_bytes": 40_000}, {"lazy": True, "max_staging_bytes": 40_000}]):
+        path, sd = str(tmp_path / f"i{k}"), _fine_tune_state(2)
+        h = unickpt.async_save(sd, path, base=s1, block_bytes=4096, **kwargs)
+        h.wait_staged()
+        sd["frozen.3"].add_(1)  # after staging: not in the checkpoint
+        h.result()
+        m = unickpt.read_manifest(path)
+        assert {n for n, t in m.tensors.items() if t.fragments[0].base is None} == {"trainable"}, kwargs
+        assert _loads_as(path, _fine_tune_state(2)) and unickpt.verify(path).ok
 
 
 # ------------------------------------------------------------------ kills

@@ -14,7 +14,7 @@ import atexit
 import os
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c as _crc
@@ -28,12 +28,12 @@ from ..format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Fragment
 from ..storage.local import LocalStorage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
-from .incremental import open_base, split_unchanged
+from .incremental import BaseIndex, open_base, split_unchanged
 from .save import (
     LocalState, _describe, collect, commit, data_file_name, prepare_collective, rank_payload, tensor_digest,
 )
 from ..engine.staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
-from ..engine.writer import DataFileWriter
+from ..engine.writer import DataFileWriter, as_bytes
 
 _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
@@ -117,7 +117,9 @@ class _Job:
     lazy: bool
     limit: int | None
     manifest_copy: bool | None = None
-    base: str | None = None
+    base: BaseIndex | None = None  # an incremental save's base
+    refs: list[tuple[TensorItem, Fragment]] = field(default_factory=list)  # found unchanged in the call
+    undecided: set[int] = field(default_factory=set)  # items to hash in the background (CUDA, lazy)
 
 
 class _Saver:
@@ -202,14 +204,14 @@ class _Saver:
             where = {u.index: u for u in job.batches[0] if u.slot >= 0}
 
             def staged(k: int):
-                u = where.get(k)
+                u = where.get(k) if k in job.undecided else None
                 return memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy()) if u is not None else None
 
             return staged
 
         def source(k: int):
             t = job.sources[k]
-            return None if t.device.type != "cpu" else memoryview(flat_bytes(t).numpy())
+            return None if t.device.type != "cpu" or k not in job.undecided else memoryview(flat_bytes(t).numpy())
 
         return source
 
@@ -220,11 +222,12 @@ class _Saver:
         try:
             files: dict[str, int] = {}
             written: list[tuple[TensorItem, Fragment]] = []
-            base = open_base(job.base, job.path) if job.base is not None else None
+            base = job.base
             slots = {k: k for k in range(len(job.items))}  # item index -> index among the items written
-            if base is not None:
+            written = list(job.refs)
+            if base is not None and job.undecided:
                 changed, refs = split_unchanged(base, job.items, group.rank, job.block_bytes, job.threads, self._staged_bytes(job, buf))
-                written = [(job.items[k], f) for k, f in refs]
+                written += [(job.items[k], f) for k, f in refs]
                 slots = {k: n for n, k in enumerate(changed)}
             to_write = [job.items[k] for k in slots]
             if to_write:
@@ -261,6 +264,26 @@ class _Saver:
 
 
 _SAVER = _Saver()
+
+
+def _unchanged_in_call(
+    index: BaseIndex, local: LocalState, rank: int, block_bytes: int, threads: int, lazy: bool
+) -> list[tuple[TensorItem, Fragment]]:
+    """An incremental save's CPU tensors that equal the base's, found by hashing them in
+    the call (xxh3-128 runs faster than the copy into the staging buffer that it spares)
+    and taken out of what is staged and written. Lazy saves and CUDA tensors are hashed
+    in the background, from the staged copy."""
+    if lazy:
+        return []
+    items = local.to_write + local.rank_tensors
+    hashable = [k for k, i in enumerate(items) if i.local.device.type == "cpu"]
+    data = {k: as_bytes(flat_bytes(items[k].local)) for k in hashable}
+    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data.get)
+    unchanged = {k for k, _ in refs}
+    n = len(local.to_write)
+    local.to_write = [i for k, i in enumerate(local.to_write) if k not in unchanged]
+    local.rank_tensors = [i for k, i in enumerate(local.rank_tensors, n) if k not in unchanged]
+    return [(items[k], f) for k, f in refs]
 
 
 def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: int):
@@ -336,10 +359,16 @@ def async_save(
     group = checkpoint_group(resolve_group(process_group))
     if LocalStorage(path).exists(MANIFEST_NAME) and not overwrite:
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+    index, refs, undecided = None, [], set()
     try:
         with gc_paused():
             local, error = collect(state_dict, group, defer=True), None
+            if base is not None:
+                index = open_base(os.fspath(base), str(path))
+                refs = _unchanged_in_call(index, local, group.rank, block_bytes, threads, lazy)
             items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
+            if index is not None:
+                undecided = {k for k, i in enumerate(items) if lazy or i.local.device.type != "cpu"}
     except Exception as e:  # reported to rank 0 by the background commit, like save()
         local, error = None, _describe(e)
         items, sources, digests, batches, capacity = _plan(None, None, block_bytes)
@@ -347,7 +376,7 @@ def async_save(
     job = _Job(
         group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
         items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
-        None if base is None else os.fspath(base),
+        index, refs, undecided,
     )
     handle = AsyncSaveHandle(str(path), group.rank)
     _SAVER.start(job, handle)

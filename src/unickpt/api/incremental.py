@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..adapters.detect import open_manifest
-from ..engine.bases import holder_dir
+from ..engine.bases import holder_dir, manifest_digest_on_disk
 from ..engine.items import TensorItem
 from ..engine.writer import as_bytes
 from ..errors import SaveError, UnickptError
@@ -34,6 +34,7 @@ from ..format.checksum import block_digests, identity
 from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME, Fragment, Manifest
 from ..format.refs import BaseRef, check_base_path, rebase, ref_key, split_key
+from ..storage.local import remove_checkpoint
 
 # Test hook: SIGKILL this process right after the N-th file removal of a prune (tests kill
 # retention at every step with it). Read at each removal; unset in normal use.
@@ -164,38 +165,20 @@ def holders_of(path: str) -> set[str]:
     return {os.path.abspath(holder_dir(path, b)) for b in manifest.bases}
 
 
-class _Unlinker:
-    """Removes files, counting removals for the kill hook."""
+def _kill_hook():
+    """The test hook of :data:`KILL_AFTER_UNLINK_ENV`: a callback counting removals that
+    SIGKILLs this process after the N-th; None when the variable is unset."""
+    kill_at = int(os.environ.get(KILL_AFTER_UNLINK_ENV) or 0)
+    if not kill_at:
+        return None
+    count = [0]
 
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return
-        self.count += 1
-        kill_at = os.environ.get(KILL_AFTER_UNLINK_ENV)
-        if kill_at and self.count == int(kill_at):
+    def after_unlink() -> None:
+        count[0] += 1
+        if count[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-
-def remove_checkpoint_dir(path: str, unlink: _Unlinker) -> None:
-    """Delete a checkpoint directory: its manifest first (it stops being a checkpoint at
-    once, never a committed one with files missing), then its files, then the directory."""
-    unlink(os.path.join(path, MANIFEST_NAME))
-    try:
-        entries = list(os.scandir(path))
-    except FileNotFoundError:
-        return
-    for e in entries:
-        if e.is_file(follow_symlinks=False) or e.is_symlink():
-            unlink(e.path)
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
+    return after_unlink
 
 
 def prune(committed: list[str], keep: int, candidates_without_manifest: list[str] = ()) -> list[str]:
@@ -216,9 +199,9 @@ def prune(committed: list[str], keep: int, candidates_without_manifest: list[str
             continue  # an unreadable manifest references nothing that can be read
     doomed = [p for p in reversed(committed) if os.path.abspath(p) not in needed]
     doomed += [p for p in candidates_without_manifest if os.path.abspath(p) not in needed]
-    unlink = _Unlinker()
+    hook = _kill_hook()
     for p in doomed:
-        remove_checkpoint_dir(p, unlink)
+        remove_checkpoint(p, MANIFEST_NAME, hook)
     return doomed
 
 
@@ -240,8 +223,6 @@ def chain(path: str, limit: int = 1000) -> list[tuple[str, str]]:
     """The bases the checkpoint at ``path`` was saved against, nearest first, as
     ``(path relative to it, state)`` with state ``"ok"``, ``"missing"`` or ``"replaced"``;
     it stops at a full checkpoint or a base that is gone."""
-    from ..engine.bases import manifest_digest_on_disk
-
     out: list[tuple[str, str]] = []
     here = os.path.abspath(path)
     manifest = open_manifest(path, bases=False)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import re
 
-from ..errors import CorruptionError
+from ..errors import CorruptionError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..storage.local import LocalStorage
 
 _TAIL = re.compile(rb',"digest":"(sha256:[0-9a-f]{64})"\}\s*\Z')
 _TAIL_BYTES = 256
@@ -28,14 +29,16 @@ def holder_dir(path: str | os.PathLike, base: str) -> str:
 def manifest_digest_on_disk(directory: str) -> str | None:
     """The digest stored at the end of ``directory``'s manifest, or None when there is no
     committed manifest (or it carries no digest)."""
+    storage = LocalStorage(directory)
     try:
-        with open(os.path.join(directory, MANIFEST_NAME), "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - _TAIL_BYTES))
-            tail = f.read()
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        reader = storage.reader(MANIFEST_NAME)
+        tail = bytearray(min(_TAIL_BYTES, reader.size))
+        reader.pread_into(reader.size - len(tail), memoryview(tail))
+    except (UnickptError, OSError):
         return None
-    m = _TAIL.search(tail)
+    finally:
+        storage.close()
+    m = _TAIL.search(bytes(tail))
     return m.group(1).decode("ascii") if m else None
 
 

@@ -82,7 +82,8 @@ class Fragment:
     @property
     def base(self) -> str | None:
         """Path (relative to the checkpoint) of the base checkpoint holding this fragment's
-        bytes, or None when the checkpoint holds them itself."""
+        bytes, or None when the checkpoint holds them itself (unickpt manifests only: the
+        files of other formats, read in place, may lie in subdirectories)."""
         return split_key(self.file)[0]
 
     def nbytes(self, dtype: str) -> int:
