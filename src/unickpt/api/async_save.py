@@ -276,9 +276,12 @@ def _unchanged_in_call(
     if lazy:
         return []
     items = local.to_write + local.rank_tensors
-    hashable = [k for k, i in enumerate(items) if i.local.device.type == "cpu"]
-    data = {k: as_bytes(flat_bytes(items[k].local)) for k in hashable}
-    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data.get)
+
+    def data(k: int):
+        t = items[k].local
+        return as_bytes(flat_bytes(t)) if t.device.type == "cpu" else None
+
+    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data)
     unchanged = {k for k, _ in refs}
     n = len(local.to_write)
     local.to_write = [i for k, i in enumerate(local.to_write) if k not in unchanged]
@@ -344,8 +347,10 @@ def async_save(
     True also writes the committed manifest into its own ``path``, and every rank
     creates its ``path`` if needed (all ranks must pass None, or all a bool).
 
-    ``base`` makes the save incremental, as for :func:`unickpt.save`; the fragments are
-    hashed and compared with the base's in the background thread.
+    ``base`` makes the save incremental, as for :func:`unickpt.save`. CPU tensors are
+    hashed in the call (xxh3-128, faster than the copy it spares) and only those that
+    changed are staged and written; CUDA tensors, and every tensor of a ``lazy`` save, are
+    staged and then hashed in the background.
 
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``

@@ -187,27 +187,26 @@ def prune(committed: list[str], keep: int, candidates_without_manifest: list[str
     and the directories in ``candidates_without_manifest`` (deletions a kill interrupted)
     that nothing kept references. Returns the paths deleted.
 
+    While a kept checkpoint's manifest cannot be read (what it references is unknown), no
+    committed checkpoint is deleted.
+
     Order matters for a kill at any point: references point only to older checkpoints,
     so deleting newest first never leaves a committed checkpoint whose holder is gone,
     and a checkpoint loses its manifest before any of its files."""
     kept = committed[-keep:] if keep else list(committed)
     needed = {os.path.abspath(p) for p in kept}
+    unknown = False
     for p in kept:
         try:
             needed |= holders_of(p)
         except UnickptError:
-            continue  # an unreadable manifest references nothing that can be read
-    doomed = [p for p in reversed(committed) if os.path.abspath(p) not in needed]
+            unknown = True  # what it references is unknown: delete no committed checkpoint
+    doomed = [] if unknown else [p for p in reversed(committed) if os.path.abspath(p) not in needed]
     doomed += [p for p in candidates_without_manifest if os.path.abspath(p) not in needed]
     hook = _kill_hook()
     for p in doomed:
         remove_checkpoint(p, MANIFEST_NAME, hook)
     return doomed
-
-
-def is_self_contained(manifest: Manifest) -> bool:
-    """True when the checkpoint holds every byte it describes."""
-    return not manifest.bases
 
 
 def stored_bytes(manifest: Manifest) -> tuple[int, int]:

@@ -31,7 +31,9 @@ class CheckpointManager:
     valid checkpoint (only changed fragments are written, the others referenced), and
     every ``full_every``-th save is a full one (None: only the first). Retention then
     keeps, besides the newest ``keep``, every checkpoint one of them references, and
-    deletes in an order that a kill at any point leaves every committed checkpoint whole.
+    deletes in an order that a kill at any point leaves every committed checkpoint whole
+    (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
+    bytes of kept ones; they go once nothing kept references them).
     """
 
     def __init__(

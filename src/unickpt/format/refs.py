@@ -69,8 +69,3 @@ def rebase(holder_from_base: str | None, base_from_target: str) -> str:
     joined = base_from_target if holder_from_base is None else posixpath.join(base_from_target, holder_from_base)
     return check_base_path(posixpath.normpath(joined))
 
-
-def referenced_bytes(fragments_nbytes: list[tuple[str, int]]) -> tuple[int, int]:
-    """``(bytes in own files, bytes referenced)`` of ``(file key, nbytes)`` pairs."""
-    own = sum(n for key, n in fragments_nbytes if split_key(key)[0] is None)
-    return own, sum(n for _, n in fragments_nbytes) - own
