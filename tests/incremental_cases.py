@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import unickpt
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "unickpt", "unickpt.testing"]
-PLACEMENTS = {"a": Shard(0), "b": Shard(0), "w": Shard(0), "v": Shard(1), "r": Replicate()}
+# r: a plain tensor, the same on every rank (replicated; the ranks' digests are compared)
+PLACEMENTS = {"a": Shard(0), "b": Shard(0), "w": Shard(0), "v": Shard(1), "q": Replicate(), "r": None}
 
 
 def full_state(k: int) -> dict:
@@ -21,6 +22,7 @@ def full_state(k: int) -> dict:
         "b": torch.randn(48, generator=g).to(torch.bfloat16),
         "w": torch.randn(16, 8, generator=g),
         "v": torch.randn(10, 4, generator=g),
+        "q": torch.randn(6, generator=g),
         "r": torch.randn(8, generator=g),
     }
     if k >= 2:
@@ -32,12 +34,13 @@ def full_state(k: int) -> dict:
 
 def sharded(sd: dict, mesh) -> dict:
     """``sd`` with its tensors distributed over ``mesh`` as PLACEMENTS says."""
-    return {"model": {n: distribute_tensor(t, mesh, [PLACEMENTS[n]]) for n, t in sd["model"].items()}, "step": sd["step"]}
+    model = {n: t if PLACEMENTS[n] is None else distribute_tensor(t, mesh, [PLACEMENTS[n]]) for n, t in sd["model"].items()}
+    return {"model": model, "step": sd["step"]}
 
 
 def zeros_like_state(sd: dict) -> dict:
     """A target of the same structure, all zeros."""
-    model = {n: (torch.zeros_like(t) if not isinstance(t, DTensor) else torch.zeros_like(t)) for n, t in sd["model"].items()}
+    model = {n: torch.zeros_like(t) for n, t in sd["model"].items()}
     return {"model": model, "step": -1}
 
 

@@ -281,8 +281,14 @@ def _unchanged_in_call(
         t = items[k].local
         return as_bytes(flat_bytes(t)) if t.device.type == "cpu" else None
 
-    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data)
+    crcs: dict[int, int] = {}
+    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data, crcs)
     unchanged = {k for k, _ in refs}
+    for k in unchanged:  # not staged: its agreement digest comes from the same pass as its identity
+        name = items[k].name
+        if name in local.digest_sources:
+            t = local.digest_sources.pop(name)
+            local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs[k])
     n = len(local.to_write)
     local.to_write = [i for k, i in enumerate(local.to_write) if k not in unchanged]
     local.rank_tensors = [i for k, i in enumerate(local.rank_tensors, n) if k not in unchanged]

@@ -30,7 +30,7 @@ from ..engine.bases import holder_dir, manifest_digest_on_disk
 from ..engine.items import TensorItem
 from ..engine.writer import as_bytes
 from ..errors import SaveError, UnickptError
-from ..format.checksum import block_digests, identity
+from ..format.checksum import block_digests, block_digests_and_crc, identity
 from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME, Fragment, Manifest
 from ..format.refs import BaseRef, check_base_path, rebase, ref_key, split_key
@@ -113,11 +113,13 @@ def _reference(index: BaseIndex, item: TensorItem, found: Fragment, rank: int) -
 
 def split_unchanged(
     index: BaseIndex, items: list[TensorItem], rank: int, block_bytes: int, threads: int = 4,
-    data: Callable[[int], memoryview | None] | None = None,
+    data: Callable[[int], memoryview | None] | None = None, crcs: dict[int, int] | None = None,
 ) -> tuple[list[int], list[tuple[int, Fragment]]]:
     """Which of ``items`` to write: ``(indices of changed items, [(index, referencing
     fragment)] for the unchanged)``. Hashes the candidates on ``threads`` threads, reading
-    item ``k``'s bytes from ``data(k)`` (default: ``items[k].local``, staged; None: write it)."""
+    item ``k``'s bytes from ``data(k)`` (default: ``items[k].local``, staged; None: write it).
+    ``crcs``, when given, receives the CRC-32C of each hashed item's whole data, computed
+    in the same pass (the agreement digest of a replicated tensor)."""
     candidates = []
     for k, item in enumerate(items):
         per_rank = rank if item.layout == "per-rank" else None
@@ -128,7 +130,13 @@ def split_unchanged(
     def same(c: tuple[int, Fragment]) -> bool:
         k, f = c
         view = as_bytes(items[k].local) if data is None else data(k)
-        return view is not None and identity(block_digests(view, block_bytes)) == f.xxh3
+        if view is None:
+            return False
+        if crcs is None:
+            return identity(block_digests(view, block_bytes)) == f.xxh3
+        digests, crc = block_digests_and_crc(view, block_bytes)
+        crcs[k] = crc
+        return identity(digests) == f.xxh3
 
     if len(candidates) > 1 and threads > 1:
         with ThreadPoolExecutor(max_workers=threads) as pool:

@@ -61,3 +61,16 @@ def identity(digests: list[bytes]) -> str:
     """A fragment's identity: the xxh3-128 (hex) of its blocks' xxh3-128 digests in order.
     Equal identities mean equal bytes (with the block size, dtype and shape equal)."""
     return xxhash.xxh3_128_hexdigest(b"".join(digests))
+
+
+def block_digests_and_crc(data: memoryview, block_bytes: int) -> tuple[list[bytes], int]:
+    """:func:`block_digests` of ``data`` and the CRC-32C of all of it, in one pass."""
+    view = memoryview(data).cast("B")
+    if view.nbytes == 0:
+        return [_xxh3(b"")], crc32c(b"")
+    digests, crc = [], 0
+    for i in range(0, view.nbytes, block_bytes):
+        block = view[i : i + block_bytes]
+        digests.append(_xxh3(block))
+        crc = _crc.crc32c(block, crc)
+    return digests, crc
