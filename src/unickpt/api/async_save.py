@@ -267,7 +267,7 @@ _SAVER = _Saver()
 
 
 def _unchanged_in_call(
-    index: BaseIndex, local: LocalState, rank: int, block_bytes: int, threads: int, lazy: bool
+    index: BaseIndex, local: LocalState, rank: int, world: int, block_bytes: int, threads: int, lazy: bool
 ) -> list[tuple[TensorItem, Fragment]]:
     """An incremental save's CPU tensors that equal the base's, found by hashing them in
     the call (xxh3-128 runs faster than the copy into the staging buffer that it spares)
@@ -281,14 +281,16 @@ def _unchanged_in_call(
         t = items[k].local
         return as_bytes(flat_bytes(t)) if t.device.type == "cpu" else None
 
-    crcs: dict[int, int] = {}
+    # a replicated tensor that is not staged gets its agreement digest from the pass that
+    # hashes it (other ranks compute theirs from the same bytes); alone, no rank compares it
+    crcs = {k: 0 for k, i in enumerate(items) if i.name in local.digest_sources} if world > 1 else {}
     _, refs = split_unchanged(index, items, rank, block_bytes, threads, data, crcs)
-    unchanged = {k for k, _ in refs}
-    for k in unchanged:  # not staged: its agreement digest comes from the same pass as its identity
+    for k, f in refs:
         name = items[k].name
         if name in local.digest_sources:
             t = local.digest_sources.pop(name)
-            local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs[k])
+            local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs[k]) if world > 1 else f"xxh3={f.xxh3}"
+    unchanged = {k for k, _ in refs}
     n = len(local.to_write)
     local.to_write = [i for k, i in enumerate(local.to_write) if k not in unchanged]
     local.rank_tensors = [i for k, i in enumerate(local.rank_tensors, n) if k not in unchanged]
@@ -376,7 +378,7 @@ def async_save(
             local, error = collect(state_dict, group, defer=True), None
             if base is not None:
                 index = open_base(os.fspath(base), str(path))
-                refs = _unchanged_in_call(index, local, group.rank, block_bytes, threads, lazy)
+                refs = _unchanged_in_call(index, local, group.rank, group.size, block_bytes, threads, lazy)
             items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
             if index is not None:
                 undecided = {k for k, i in enumerate(items) if lazy or i.local.device.type != "cpu"}

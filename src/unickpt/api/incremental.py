@@ -118,8 +118,9 @@ def split_unchanged(
     """Which of ``items`` to write: ``(indices of changed items, [(index, referencing
     fragment)] for the unchanged)``. Hashes the candidates on ``threads`` threads, reading
     item ``k``'s bytes from ``data(k)`` (default: ``items[k].local``, staged; None: write it).
-    ``crcs``, when given, receives the CRC-32C of each hashed item's whole data, computed
-    in the same pass (the agreement digest of a replicated tensor)."""
+    ``crcs``, when given, receives for each item index it holds (as a key) and that is
+    hashed the CRC-32C of the item's whole data, computed in the same pass (the agreement
+    digest of a replicated tensor)."""
     candidates = []
     for k, item in enumerate(items):
         per_rank = rank if item.layout == "per-rank" else None
@@ -132,7 +133,7 @@ def split_unchanged(
         view = as_bytes(items[k].local) if data is None else data(k)
         if view is None:
             return False
-        if crcs is None:
+        if crcs is None or k not in crcs:
             return identity(block_digests(view, block_bytes)) == f.xxh3
         digests, crc = block_digests_and_crc(view, block_bytes)
         crcs[k] = crc
