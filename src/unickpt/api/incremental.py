@@ -41,10 +41,10 @@ from ..storage.local import remove_checkpoint
 KILL_AFTER_UNLINK_ENV = "UNICKPT_TEST_KILL_AFTER_UNLINK"
 
 
-def _key(name: str, frag: Fragment | None, item: TensorItem | None, dtype: str, block_bytes: int, rank: int | None):
-    pieces = tuple(frag.pieces if frag is not None else item.pieces)  # type: ignore[union-attr]
-    shape = tuple(frag.shape if frag is not None else item.local.shape)  # type: ignore[union-attr]
-    return (name, pieces, shape, dtype, block_bytes, rank)
+def _key(name: str, pieces: list, shape: tuple, dtype: str, block_bytes: int, rank: int | None) -> tuple:
+    """What must be equal for a fragment to stand for another (besides its bytes); ``rank``
+    only for per-rank tensors."""
+    return (name, tuple(pieces), tuple(shape), dtype, block_bytes, rank)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class BaseIndex:
 
     path: str  # the base, relative to the new checkpoint
     manifest: Manifest
-    fragments: dict[tuple, tuple[Fragment, str]] = field(default_factory=dict)  # key -> (fragment, holder)
+    fragments: dict[tuple, Fragment] = field(default_factory=dict)  # by _key
     holders: dict[str, BaseRef] = field(default_factory=dict)  # holder path -> digest, referenced files
 
     def lineage(self) -> dict[str, Any]:
@@ -85,18 +85,21 @@ def open_base(base: str | os.PathLike, target: str | os.PathLike) -> BaseIndex:
     index = BaseIndex(rel, manifest)
     target_abs = os.path.abspath(target)
     for holder_from_base in [None, *manifest.bases]:
-        holder = rebase(holder_from_base, rel)
+        try:
+            holder = rebase(holder_from_base, rel)
+        except UnickptError:
+            holder = "."
         if os.path.abspath(holder_dir(target_abs, holder)) == target_abs:
             raise SaveError(f"cannot save to {target} incrementally: its base {base} references the checkpoint there")
     for entry in manifest.tensors.values():
         for f in entry.fragments:
             if f.xxh3 is not None:
-                index.fragments[_key(entry.name, f, None, entry.dtype, f.block_bytes, None)] = (f, rel)
+                index.fragments[_key(entry.name, f.pieces, f.shape, entry.dtype, f.block_bytes, None)] = f
     for name, row in manifest.rank_tensors.items():
         for r, entry in enumerate(row):
             if entry is not None and len(entry.fragments) == 1 and entry.fragments[0].xxh3 is not None:
                 f = entry.fragments[0]
-                index.fragments[_key(name, f, None, entry.dtype, f.block_bytes, r)] = (f, rel)
+                index.fragments[_key(name, f.pieces, f.shape, entry.dtype, f.block_bytes, r)] = f
     return index
 
 
@@ -124,9 +127,9 @@ def split_unchanged(
     candidates = []
     for k, item in enumerate(items):
         per_rank = rank if item.layout == "per-rank" else None
-        hit = index.fragments.get(_key(item.name, None, item, dtype_name(item.local.dtype), block_bytes, per_rank))
+        hit = index.fragments.get(_key(item.name, item.pieces, item.local.shape, dtype_name(item.local.dtype), block_bytes, per_rank))
         if hit is not None:
-            candidates.append((k, hit[0]))
+            candidates.append((k, hit))
 
     def same(c: tuple[int, Fragment]) -> bool:
         k, f = c
