@@ -150,7 +150,7 @@ def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
     from .format.dtypes import itemsize
     from .format.values import decode_value
 
-    with open_checkpoint(path) as ckpt:
+    with open_checkpoint(path, bases=False) as ckpt:  # an incremental checkpoint is shown even when a base is gone
         m = ckpt.manifest
         ledger = source_ledger(ckpt)
     tensors = []
@@ -207,7 +207,40 @@ def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
             "fragments": n_frag,
         },
         "ledger": ledger.to_json(),
+        **_incremental_summary(path, m),
     }, ledger
+
+
+def _incremental_summary(path: str, m: Any) -> dict[str, Any]:
+    """``{"incremental": ...}`` for a checkpoint that references bases: bytes written in
+    its own files against bytes referenced, its bases (holders) and the chain it was saved
+    against; empty for a self-contained checkpoint."""
+    if not m.bases and m.incremental is None:
+        return {}
+    from .api.incremental import chain, stored_bytes
+    from .engine.bases import base_problems
+
+    written, referenced = stored_bytes(m)
+    broken = dict(base_problems(path, m))
+    return {"incremental": {
+        "bytes_written": written, "bytes_referenced": referenced,
+        "bases": {b: ("missing or replaced" if b in broken else "ok") for b in sorted(m.bases)},
+        "chain": [{"base": b, "state": st} for b, st in chain(path)],
+        "depth": (m.incremental or {}).get("depth", 0),
+    }}
+
+
+def _print_incremental(inc: dict[str, Any]) -> None:
+    """The incremental lines of ``inspect``: written vs referenced, bases, chain."""
+    out = _out()
+    w, r = inc["bytes_written"], inc["bytes_referenced"]
+    share = f" ({100 * w / (w + r):.1f}% written)" if w + r else ""
+    out.print(f"[bold]incremental[/]: {human_bytes(w)} written ({w} bytes), {human_bytes(r)} referenced ({r} bytes)"
+              f"{share}, {_n(len(inc['bases']), 'base')}", soft_wrap=True)
+    for b, state in inc["bases"].items():
+        out.print(Text(f"  base {b}: {state}", style="" if state == "ok" else "bold red"), soft_wrap=True)
+    links = " <- ".join(f"{c['base']}" + ("" if c["state"] == "ok" else f" ({c['state']})") for c in inc["chain"])
+    out.print(escape(f"chain of bases (depth {inc['depth']}): {links or '(none)'}"), soft_wrap=True)
 
 
 def _print_ledger(ledger: Ledger) -> None:
@@ -352,6 +385,8 @@ def inspect_cmd(
         f"{_n(tot['fragments'], 'fragment')}, {_n(tot['files'], 'file')} ({human_bytes(tot['file_bytes'])})",
         soft_wrap=True,
     )
+    if "incremental" in s:
+        _print_incremental(s["incremental"])
     _print_ledger(ledger)
     if not ledger.accounted:
         raise typer.Exit(EXIT_FAILED)
@@ -389,7 +424,7 @@ def verify_cmd(
     from .adapters.checkpoint import open_checkpoint
     from .api.verify import total_bytes, verify
 
-    with open_checkpoint(str(path)) as ckpt:
+    with open_checkpoint(str(path), bases=False) as ckpt:  # a missing base is reported as a problem
         manifest = ckpt.manifest
         total = total_bytes(manifest)
         t0 = time.perf_counter()

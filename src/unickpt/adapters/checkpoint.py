@@ -46,15 +46,18 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(location: str | os.PathLike | Storage, storage_options: dict[str, Any] | None = None) -> Checkpoint:
+def open_checkpoint(location: str | os.PathLike | Storage, storage_options: dict[str, Any] | None = None, *,
+                    bases: bool = True) -> Checkpoint:
     """Open the checkpoint at ``location`` (a path, a URL, or a Storage already open):
     NotACheckpointError when nothing committed is there, ManifestError when its manifest
-    is invalid. Close it (or use it as a context manager) when done."""
+    is invalid, CorruptionError when an incremental checkpoint's base is missing or
+    replaced (unless ``bases=False``: inspect and verify report it themselves). Close it
+    (or use it as a context manager) when done."""
     name = os.fspath(location) if isinstance(location, (str, os.PathLike)) else repr(location)
     storage = open_storage(location, storage_options)
     regions: dict = {}
     try:
-        manifest = open_manifest(name, storage, regions)
+        manifest = open_manifest(name, storage, regions, bases=bases)
     except BaseException:
         storage.close()
         raise
@@ -62,11 +65,12 @@ def open_checkpoint(location: str | os.PathLike | Storage, storage_options: dict
 
 
 @contextmanager
-def using_checkpoint(src: "str | os.PathLike | Checkpoint", storage_options: dict[str, Any] | None = None) -> Iterator[Checkpoint]:
+def using_checkpoint(src: "str | os.PathLike | Checkpoint", storage_options: dict[str, Any] | None = None, *,
+                     bases: bool = True) -> Iterator[Checkpoint]:
     """``src`` as an open checkpoint: used as it is when the caller opened it (and left
     open), else opened here (with ``storage_options``) and closed at the end."""
     if isinstance(src, Checkpoint):
         yield src
         return
-    with open_checkpoint(src, storage_options) as ckpt:
+    with open_checkpoint(src, storage_options, bases=bases) as ckpt:
         yield ckpt

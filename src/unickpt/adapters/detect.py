@@ -14,11 +14,12 @@ import importlib
 import os
 from typing import Any
 
-from ..errors import ManifestError, NotACheckpointError
+from ..errors import CorruptionError, ManifestError, NotACheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.base import Storage
 from ..storage.local import is_inside
 from ..storage.open import is_remote, open_storage
+from ..engine.bases import check_bases
 
 # (name, module, detector, reader); detectors are tried in this order (Megatron-Core's
 # torch_dist checkpoints are DCP checkpoints with more: it comes first)
@@ -62,15 +63,23 @@ def _no_remote_manifest(path: str) -> str:
 
 
 def open_manifest(path: str, storage: Storage | None = None, regions: dict | None = None,
-                  storage_options: dict[str, Any] | None = None) -> Manifest:
+                  storage_options: dict[str, Any] | None = None, *, bases: bool = True) -> Manifest:
     """The manifest of the checkpoint at ``path`` (``storage``: the location already
     opened, else opened with ``storage_options``) in any supported format (validated).
     ``regions``, when given, receives the byte regions a foreign reader declares while it
-    reads (DeepSpeed's: the ledger then needs no second pass)."""
+    reads (DeepSpeed's: the ledger then needs no second pass). For an incremental
+    checkpoint, every base it references must still be there (CorruptionError naming the
+    missing one) unless ``bases=False``."""
     storage = storage if storage is not None else open_storage(path, storage_options)
     fmt = checkpoint_format(path, storage)
     if fmt == "unickpt":
-        return Manifest.from_json(storage.read_small(MANIFEST_NAME))
+        manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+        if bases and manifest.bases:
+            if is_remote(storage):
+                raise CorruptionError(f"{path}: an incremental checkpoint (it references bases) on an object store: "
+                                      "not supported; save whole checkpoints there")
+            check_bases(str(storage.root), manifest)
+        return manifest
     _, module, _, reader = next(f for f in FORMATS if f[0] == fmt)
     read = getattr(importlib.import_module(module), reader)
     manifest = read(str(storage.root), regions) if fmt == "deepspeed" and regions is not None else read(str(storage.root))

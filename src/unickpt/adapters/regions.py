@@ -29,6 +29,7 @@ from typing import Any
 from ..errors import UnickptError
 from ..format.ledger import Ledger, Region, build_ledger
 from ..format.manifest import Manifest
+from ..format.refs import ref_key
 from ..format.safetensors_header import read_header
 from ..storage.base import Storage
 from .checkpoint import Checkpoint, open_checkpoint
@@ -77,10 +78,12 @@ def source_ledger(checkpoint: Checkpoint | str, storage_options: dict[str, Any] 
     fmt = checkpoint.format
     declared: dict[str, list[Region]] = {}
     ignored: dict[str, str] = {}
+    referenced = {ref_key(b.path, n) for b in manifest.bases.values() for n in b.files}
     try:
         if fmt in ("unickpt", "hf"):
             for name in manifest.files:
-                if name.endswith(".safetensors"):
+                # a base's file (incremental checkpoints) is that checkpoint's to account for
+                if name.endswith(".safetensors") and not (fmt == "unickpt" and name in referenced):
                     try:
                         declared[name] = safetensors_regions(storage, name)
                     except (UnickptError, OSError):

@@ -11,9 +11,10 @@ checkpoint's (DCP's thread mode on the default group hangs exactly there).
 from __future__ import annotations
 
 import atexit
+import os
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c as _crc
@@ -27,12 +28,13 @@ from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
 from ..storage.base import Storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
+from .incremental import BaseIndex, open_base, split_unchanged
 from .save import (
     LocalState, _describe, check_not_committed, collect, commit, data_file_name, prepare_collective, rank_payload,
     tensor_digest,
 )
 from ..engine.staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
-from ..engine.writer import DataFileWriter
+from ..engine.writer import DataFileWriter, as_bytes
 
 _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
@@ -117,6 +119,9 @@ class _Job:
     limit: int | None
     manifest_copy: bool | None = None
     storage_options: dict[str, Any] | None = None
+    base: BaseIndex | None = None  # an incremental save's base
+    refs: list[tuple[TensorItem, Fragment]] = field(default_factory=list)  # found unchanged in the call
+    undecided: set[int] = field(default_factory=set)  # items to hash in the background (CUDA, lazy)
 
 
 class _Saver:
@@ -192,6 +197,26 @@ class _Saver:
         handle._staged.set()
         commit(job.group, payload, target, job.metadata, job.manifest_copy)
 
+    @staticmethod
+    def _staged_bytes(job: _Job, buf: torch.Tensor):
+        """Where an incremental save hashes item ``k``: its staged copy when everything is
+        staged at once; else the source itself, which stays unchanged until the last batch
+        is staged (None for a CUDA source: the item is written)."""
+        if len(job.batches) == 1:
+            where = {u.index: u for u in job.batches[0] if u.slot >= 0}
+
+            def staged(k: int):
+                u = where.get(k) if k in job.undecided else None
+                return memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy()) if u is not None else None
+
+            return staged
+
+        def source(k: int):
+            t = job.sources[k]
+            return None if t.device.type != "cpu" or k not in job.undecided else memoryview(flat_bytes(t).numpy())
+
+        return source
+
     def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: Storage) -> dict[str, Any]:
         group, local = job.group, job.local
         assert local is not None
@@ -199,8 +224,16 @@ class _Saver:
         try:
             files: dict[str, int] = {}
             written: list[tuple[TensorItem, Fragment]] = []
-            if job.items:
-                writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, job.items, job.block_bytes, job.threads)
+            base = job.base
+            slots = {k: k for k in range(len(job.items))}  # item index -> index among the items written
+            written = list(job.refs)
+            if base is not None and job.undecided:
+                changed, refs = split_unchanged(base, job.items, group.rank, job.block_bytes, job.threads, self._staged_bytes(job, buf))
+                written += [(job.items[k], f) for k, f in refs]
+                slots = {k: n for n, k in enumerate(changed)}
+            to_write = [job.items[k] for k in slots]
+            if to_write:
+                writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, to_write, job.block_bytes, job.threads)
             for k, batch in enumerate(job.batches):
                 if k > 0:
                     self._stage(job, k, buf, crcs)
@@ -213,19 +246,19 @@ class _Saver:
                     data = memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy())
                     if u.index in job.digests:
                         crcs[u.index] = _crc.crc32c(data, crcs.get(u.index, 0))
-                    if u.index < len(job.items):
-                        parts.append((u.index, u.lo, data))
+                    if u.index in slots:
+                        parts.append((slots[u.index], u.lo, data))
                 if writer is not None and parts:
                     writer.write(parts)
             if writer is not None:
                 size, fragments = writer.finish()
                 writer = None
                 files[data_file_name(group.rank)] = size
-                written = list(zip(job.items, fragments))
+                written += list(zip(to_write, fragments))
             for i, name in job.digests.items():
                 t = job.sources[i]
                 local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs.get(i, 0))
-            return rank_payload(group, local, written, files)
+            return rank_payload(group, local, written, files, base)
         except Exception as e:
             if writer is not None:
                 writer.abort()
@@ -233,6 +266,37 @@ class _Saver:
 
 
 _SAVER = _Saver()
+
+
+def _unchanged_in_call(
+    index: BaseIndex, local: LocalState, rank: int, world: int, block_bytes: int, threads: int, lazy: bool
+) -> list[tuple[TensorItem, Fragment]]:
+    """An incremental save's CPU tensors that equal the base's, found by hashing them in
+    the call (xxh3-128 runs faster than the copy into the staging buffer that it spares)
+    and taken out of what is staged and written. Lazy saves and CUDA tensors are hashed
+    in the background, from the staged copy."""
+    if lazy:
+        return []
+    items = local.to_write + local.rank_tensors
+
+    def data(k: int):
+        t = items[k].local
+        return as_bytes(flat_bytes(t)) if t.device.type == "cpu" else None
+
+    # a replicated tensor that is not staged gets its agreement digest from the pass that
+    # hashes it (other ranks compute theirs from the same bytes); alone, no rank compares it
+    crcs = {k: 0 for k, i in enumerate(items) if i.name in local.digest_sources} if world > 1 else {}
+    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data, crcs)
+    for k, f in refs:
+        name = items[k].name
+        if name in local.digest_sources:
+            t = local.digest_sources.pop(name)
+            local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs[k]) if world > 1 else f"xxh3={f.xxh3}"
+    unchanged = {k for k, _ in refs}
+    n = len(local.to_write)
+    local.to_write = [i for k, i in enumerate(local.to_write) if k not in unchanged]
+    local.rank_tensors = [i for k, i in enumerate(local.rank_tensors, n) if k not in unchanged]
+    return [(items[k], f) for k, f in refs]
 
 
 def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: int):
@@ -268,6 +332,7 @@ def async_save(
     lazy: bool = False,
     manifest_copy: bool | None = None,
     storage_options: dict[str, Any] | None = None,
+    base: str | os.PathLike | None = None,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
@@ -294,6 +359,10 @@ def async_save(
     creates its ``path`` if needed (all ranks must pass None, or all a bool).
 
     ``path`` may be a URL with ``storage_options``, as for :func:`unickpt.save`.
+    ``base`` makes the save incremental, as for :func:`unickpt.save`. CPU tensors are
+    hashed in the call (xxh3-128, faster than the copy it spares) and only those that
+    changed are staged and written; CUDA tensors, and every tensor of a ``lazy`` save, are
+    staged and then hashed in the background.
 
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
@@ -306,10 +375,16 @@ def async_save(
     _SAVER.wait()
     group = checkpoint_group(resolve_group(process_group))
     check_not_committed(path, overwrite, storage_options)
+    index, refs, undecided = None, [], set()
     try:
         with gc_paused():
             local, error = collect(state_dict, group, defer=True), None
+            if base is not None:
+                index = open_base(os.fspath(base), str(path))
+                refs = _unchanged_in_call(index, local, group.rank, group.size, block_bytes, threads, lazy)
             items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
+            if index is not None:
+                undecided = {k for k, i in enumerate(items) if lazy or i.local.device.type != "cpu"}
     except Exception as e:  # reported to rank 0 by the background commit, like save()
         local, error = None, _describe(e)
         items, sources, digests, batches, capacity = _plan(None, None, block_bytes)
@@ -318,6 +393,7 @@ def async_save(
         group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
         items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
         storage_options,
+        index, refs, undecided,
     )
     handle = AsyncSaveHandle(str(path), group.rank)
     _SAVER.start(job, handle)

@@ -27,10 +27,11 @@ from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
 
 
-def read_manifest(path: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+def read_manifest(path: str, storage_options: dict[str, Any] | None = None, *, bases: bool = True) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``: unickpt's own, or the
-    one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face)."""
-    with open_checkpoint(path, storage_options) as ckpt:
+    one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face).
+    An incremental checkpoint's bases must be there unless ``bases=False``."""
+    with open_checkpoint(path, storage_options, bases=bases) as ckpt:
         return ckpt.manifest
 
 

@@ -1,22 +1,29 @@
 """CheckpointManager: numbered checkpoints under one root (a directory or an object-store
 URL), resume from the latest valid one, retention; optionally a second, durable tier
-(an object store) that every Mth checkpoint is copied to in the background."""
+(an object store) that every Mth checkpoint is copied to in the background; retention
+that follows the references of incremental checkpoints."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import warnings
 from typing import Any
 
-from ..dist import resolve_group
+from ..dist import broadcast_bytes, resolve_group
 from ..errors import CorruptionError, UnickptError
-from .load import load
-from .save import save
+from ..format.manifest import MANIFEST_NAME
+from ..storage.local import LocalStorage, list_subdirs
+from ..storage.transaction import remove_abandoned
+from .incremental import prune
+from .load import load, read_manifest
+from .save import checkpoint_file, save
 from .tiers import Tier
 
 log = logging.getLogger("unickpt")
+_STEP = re.compile(r"^step_(\d+)$")
 
 
 class TierFallbackWarning(UserWarning):
@@ -40,6 +47,14 @@ class CheckpointManager:
     to the durable one when the fast copy is missing or fails its checksums, saying so
     (a :class:`TierFallbackWarning` and a log line). A failed copy is logged and kept in
     ``durable_errors``; ``wait()`` waits for the copy in flight.
+
+    ``incremental=True``: every save after the first is incremental against the latest
+    valid checkpoint (only changed fragments are written, the others referenced), and
+    every ``full_every``-th save is a full one (None: only the first). Retention then
+    keeps, besides the newest ``keep``, every checkpoint one of them references, and
+    deletes in an order that a kill at any point leaves every committed checkpoint whole
+    (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
+    bytes of kept ones; they go once nothing kept references them).
     """
 
     def __init__(
@@ -52,7 +67,14 @@ class CheckpointManager:
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_storage_options: dict[str, Any] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
     ) -> None:
+        if full_every is not None and full_every < 1:
+            raise UnickptError(f"full_every must be at least 1, not {full_every}")
+        if incremental and (durable is not None or "://" in str(root) and not str(root).startswith("file://")):
+            raise UnickptError("incremental=True needs a local root and no durable tier (incremental checkpoints "
+                               "reference their bases by relative paths; an object store holds whole checkpoints)")
         if durable_every < 1:
             raise UnickptError(f"durable_every must be at least 1, not {durable_every}")
         self.fast = Tier(root, keep, storage_options)
@@ -62,6 +84,8 @@ class CheckpointManager:
         self._saves = 0
         self._copy: threading.Thread | None = None
         self._copying: int | None = None
+        self.incremental = incremental
+        self.full_every = full_every
 
     @property
     def root(self) -> str:
@@ -104,22 +128,73 @@ class CheckpointManager:
                     return path
         return None
 
+    def base_for(self, step: int) -> str | None:
+        """The base of an incremental save of ``step``: the latest valid checkpoint, unless
+        the save is to be a full one (the first, every ``full_every``-th, or no base)."""
+        if not self.incremental:
+            return None
+        base = self.latest()
+        if base is None or os.path.abspath(base) == os.path.abspath(self.path_for(step)):
+            return None
+        try:
+            depth = (read_manifest(base).incremental or {}).get("depth", 0)
+        except UnickptError:
+            return None
+        if self.full_every is not None and depth + 1 >= self.full_every:
+            return None
+        return base
+
     def save(self, state_dict: dict[str, Any], step: int, **kwargs: Any) -> str:
         """Save ``state_dict`` as the checkpoint of ``step`` (collective) into the fast
         tier, then apply retention; every ``durable_every``-th save also starts its copy
         to the durable tier (in the background, on rank 0)."""
         path = self.path_for(step)
+        group = resolve_group(kwargs.get("process_group"))
+        if self.incremental and "base" not in kwargs:  # rank 0 chooses, so every rank has the same base
+            chosen = self.base_for(step) if group.rank == 0 else None
+            kwargs["base"] = broadcast_bytes(group, (chosen or "").encode(), 0).decode() or None
         save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
-        if resolve_group(kwargs.get("process_group")).rank == 0:
+        if group.rank == 0:
             self._saves += 1
             pinned = {self._copying} if self._copying is not None else set()
             if self.durable is not None and self._saves % self.durable_every == 0:
                 self.wait()
                 pinned = {step}
                 self._start_copy(path, step)
-            self.fast.apply_retention(pinned)
-            self.fast.clean_leftovers({step})  # what saves killed midway left: their space comes back
+            if self.fast.remote or self.durable is not None:
+                self.fast.apply_retention(pinned)
+                self.fast.clean_leftovers({step})  # what saves killed midway left: their space comes back
+            else:
+                self.prune()
         return path
+
+    def prune(self) -> list[str]:
+        """Apply retention to a local root without a durable tier now (``save`` does after
+        each save): delete the checkpoints beyond the newest ``keep`` that no kept
+        checkpoint references (incremental checkpoints), and what saves and deletions
+        killed midway left. Returns the checkpoint directories deleted."""
+        deleted: list[str] = []
+        if self.keep is not None:
+            committed = [self.path_for(s) for s in self.steps()]
+            deleted = prune(committed, self.keep, self._interrupted())
+        if os.path.isdir(self.root):
+            remove_abandoned(self.root)  # what saves killed midway left: their space comes back
+        return deleted
+
+    def _interrupted(self) -> list[str]:
+        """Step directories without a manifest holding nothing but checkpoint files: what a
+        deletion killed midway left."""
+        out = []
+        for name in list_subdirs(self.root):
+            path = os.path.join(self.root, name)
+            if not _STEP.match(name) or LocalStorage(path).exists(MANIFEST_NAME):
+                continue
+            names = LocalStorage(path).names()
+            if all(checkpoint_file(n) or n.startswith(".") for n in names) and all(
+                os.path.isfile(os.path.join(path, n)) for n in names
+            ):
+                out.append(path)
+        return out
 
     def _start_copy(self, path: str, step: int) -> None:
         durable = self.durable

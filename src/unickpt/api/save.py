@@ -40,6 +40,7 @@ from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa:
 from ..engine.items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
 from ..engine.state import PerRank, Sharded, flatten
 from ..engine.gc_pause import gc_paused
+from .incremental import BaseIndex, holders_json, merge_holders, open_base, split_unchanged
 
 
 def data_file_name(rank: int) -> str:
@@ -143,6 +144,8 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
                 item.local = _stage_fn(v)
                 if defer:
                     out.digest_sources[leaf.name] = item.local
+                elif group.size == 1:  # no other rank to agree with: no pass over the bytes
+                    out.digests[leaf.name] = tensor_digest(dtype, tuple(item.local.shape), 0)
                 else:
                     out.digests[leaf.name] = tensor_digest(dtype, tuple(item.local.shape), crc32c(_as_bytes(item.local)))
             if item.pieces and replica_owner(item.name, item.shard_key, item.replicas) == item.replica_index:
@@ -186,6 +189,7 @@ class StagedSave:
     block_bytes: int
     threads: int
     storage_options: dict[str, Any] | None = None
+    base: str | None = None
 
 
 def _describe(e: Exception) -> str:
@@ -202,6 +206,7 @@ def stage(
     threads: int = 4,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     storage_options: dict[str, Any] | None = None,
+    base: str | os.PathLike | None = None,
 ) -> StagedSave:
     """Phase 1 of a save (collective): check the arguments and capture this rank's state.
     Nothing is written yet.
@@ -217,7 +222,8 @@ def stage(
         local, error = collect(state_dict, group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
         local, error = None, _describe(e)
-    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads, storage_options)
+    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
+                      storage_options, None if base is None else os.fspath(base))
 
 
 def check_not_committed(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None) -> None:
@@ -227,8 +233,12 @@ def check_not_committed(path: str, overwrite: bool, storage_options: dict[str, A
         raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
 
 
-def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int]) -> dict[str, Any]:
-    """What this rank reports to rank 0 once its file is durable."""
+def rank_payload(
+    group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int],
+    base: BaseIndex | None = None,
+) -> dict[str, Any]:
+    """What this rank reports to rank 0 once its file is durable (``base``: the base of an
+    incremental save, whose checkpoints the written fragments may reference)."""
     frags: dict[str, dict[str, Any]] = {}
     rank_frags: dict[str, dict[str, Any]] = {}
     for item, frag in written:
@@ -242,6 +252,7 @@ def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem
         "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
         "digests": local.digests, "values": local.values if local.leader else {},
         "rank_values": local.rank_values, "rank_tensors": rank_frags,
+        "bases": holders_json(base), "incremental": None if base is None else base.lineage(),
     }
 
 
@@ -341,12 +352,17 @@ def _rank_payload(staged: StagedSave, storage: Storage) -> dict[str, Any]:
         files: dict[str, int] = {}
         written: list[tuple[TensorItem, Fragment]] = []
         to_write = local.to_write + local.rank_tensors
+        base = open_base(staged.base, staged.path) if staged.base is not None else None
+        if base is not None:
+            changed, refs = split_unchanged(base, to_write, group.rank, staged.block_bytes, staged.threads)
+            written = [(to_write[k], f) for k, f in refs]
+            to_write = [to_write[k] for k in changed]
         if to_write:
             fname = data_file_name(group.rank)
             size, fragments = write_data_file(storage, fname, group.rank, to_write, staged.block_bytes, staged.threads)
             files[fname] = size
-            written = list(zip(to_write, fragments))
-        return rank_payload(group, local, written, files)
+            written += list(zip(to_write, fragments))
+        return rank_payload(group, local, written, files, base)
     except Exception as e:
         return {"rank": group.rank, "error": _describe(e)}
 
@@ -414,6 +430,8 @@ def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str
             m.tensors.setdefault(name, TensorEntry(name, tuple(shape), dtype, [], layout))
         for name, d in p["fragments"].items():
             m.tensors[name].fragments.append(fragment_from_json(d["fragment"]))
+    merge_holders(m, [p.get("bases") or {} for p in payloads])
+    m.incremental = payloads[0].get("incremental")
     for entry in m.tensors.values():
         _dedup_and_check(entry)
     rank_value_names = sorted({k for p in payloads for k in p["rank_values"]})
@@ -492,6 +510,7 @@ def save(
     threads: int = 4,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     storage_options: dict[str, Any] | None = None,
+    base: str | os.PathLike | None = None,
 ) -> None:
     """Save ``state_dict`` to the checkpoint directory ``path``.
 
@@ -508,9 +527,13 @@ def save(
     ``storage_options`` for its file system: each rank uploads its file (multipart on S3)
     and the manifest, uploaded last, commits (docs/FORMAT.md); there an overwrite
     uncommits the old checkpoint first, and concurrent saves to one URL are not detected.
+    ``base`` (an earlier checkpoint) makes the save incremental: a fragment whose bytes
+    equal the base's (same xxh3-128 identity) is not written but referenced where its bytes
+    lie, in the base or in a checkpoint the base references (docs/FORMAT.md, "Incremental
+    checkpoints"). The result loads on its own, as long as those checkpoints are kept.
     """
     staged = stage(
         state_dict, path, process_group=process_group, metadata=metadata,
-        overwrite=overwrite, threads=threads, block_bytes=block_bytes, storage_options=storage_options,
+        overwrite=overwrite, threads=threads, block_bytes=block_bytes, storage_options=storage_options, base=base,
     )
     write_and_commit(staged)

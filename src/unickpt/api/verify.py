@@ -10,7 +10,9 @@ What is checked, per data file and per fragment (``tensors`` and ``rank_tensors`
 * the fragments of each tensor hold as many elements as the tensor has (a tensor with
   missing shards cannot be loaded whole);
 * the manifest itself: reading it checks its SHA-256 digest (format 1.1 on; the report's
-  ``manifest_digest``, or None for an older manifest without one).
+  ``manifest_digest``, or None for an older manifest without one);
+* an incremental checkpoint's referenced fragments, in its bases' files, like its own;
+  a base that is missing or was replaced is a problem of kind ``"base"`` naming it.
 
 Foreign formats (PyTorch DCP, DeepSpeed, Hugging Face) store no checksums: for them the
 check is structural (every metadata record and archive parses, every fragment lies inside
@@ -47,6 +49,8 @@ from ..format.safetensors_header import read_header
 from ..plan.box import Box
 from ..storage.base import Storage
 from ..engine.gc_pause import gc_paused
+from ..engine.bases import base_problems
+from ..storage.open import is_remote
 
 # Several checksum blocks are read at once when blocks are small, to keep syscalls few.
 READ_CHUNK_BYTES = 16 << 20
@@ -263,14 +267,24 @@ def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = N
     (``storage_options`` for its file system); a store that cannot be reached is a
     :class:`~unickpt.StorageError`.
     """
-    with using_checkpoint(path, storage_options) as ckpt:
+    with using_checkpoint(path, storage_options, bases=False) as ckpt:  # a missing base is a problem reported
         return _verify(ckpt, progress, threads)
+
+
+def _base_problems(ckpt: Checkpoint, manifest: Manifest) -> list[tuple[str, str]]:
+    """The bases of an incremental checkpoint that are missing or replaced."""
+    if not manifest.bases:
+        return []
+    if is_remote(ckpt.storage):
+        return [("", "an incremental checkpoint (it references bases) on an object store: not supported")]
+    return base_problems(str(ckpt.storage.root), manifest)
 
 
 def _verify(ckpt: Checkpoint, progress: Callable[[int], None] | None, threads: int) -> VerifyReport:
     storage, manifest = ckpt.storage, ckpt.manifest
     report = VerifyReport(ckpt.location, format=ckpt.format, manifest_digest=manifest.digest)
     problems: list[Problem] = []
+    problems += [Problem("base", what) for _, what in _base_problems(ckpt, manifest)]
     try:
         states = _check_files(storage, manifest, problems, headers=report.format == "unickpt")
         entries = _entries(manifest)

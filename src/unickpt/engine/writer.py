@@ -3,7 +3,8 @@
 Used by ``save`` (all at once, from staged tensors) and ``async_save`` (batch by batch
 from the staging buffer, when the shard is larger than the staging cap). Each part is cut
 into chunks of ``WRITE_CHUNK_BYTES`` (aligned to checksum blocks) that several threads
-checksum and ``pwrite`` in place; the storage layer starts writeback as each chunk lands,
+checksum (CRC-32C, and xxh3-128 for the fragment's identity: block by block, one pass)
+and ``pwrite`` in place; the storage layer starts writeback as each chunk lands,
 and the file is fsynced once at the end.
 """
 
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import SaveError
-from ..format.checksum import block_crcs
+from ..format.checksum import block_sums, identity
 from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment
 from ..format.safetensors_header import Entry, build_header
@@ -49,6 +50,7 @@ class DataFileWriter:
         self.path = storage.path(name) if hasattr(storage, "path") else name  # for error messages
         self._storage = storage
         self._crcs: list[dict[int, list[int]]] = [{} for _ in items]
+        self._digests: list[dict[int, list[bytes]]] = [{} for _ in items]
         try:
             self._file = storage.open_writer(name, self.size)
         except OSError as e:
@@ -74,21 +76,22 @@ class DataFileWriter:
             for a, b in write_chunks(data.nbytes, WRITE_CHUNK_BYTES, self.block_bytes)
         ]
 
-        def one(chunk: tuple[int, int, memoryview]) -> list[int]:
+        def one(chunk: tuple[int, int, memoryview]) -> tuple[list[int], list[bytes]]:
             k, at, data = chunk
-            crcs = block_crcs(data, self.block_bytes)
+            sums = block_sums(data, self.block_bytes)
             if data.nbytes:
                 self._file.pwrite(self.offsets[k] + at, data)
-            return crcs
+            return sums
 
-        def run() -> list[list[int]]:
+        def run() -> list[tuple[list[int], list[bytes]]]:
             if len(chunks) <= 1 or self.threads == 1:
                 return [one(c) for c in chunks]
             with ThreadPoolExecutor(max_workers=min(self.threads, len(chunks))) as pool:
                 return list(pool.map(one, chunks))
 
-        for (k, at, _), crcs in zip(chunks, self._guard(run)):
+        for (k, at, _), (crcs, digests) in zip(chunks, self._guard(run)):
             self._crcs[k][at] = crcs
+            self._digests[k][at] = digests
 
     def finish(self) -> tuple[int, list[Fragment]]:
         """Make the file durable and close it; returns its size and the fragments it holds."""
@@ -100,7 +103,9 @@ class DataFileWriter:
         fragments = []
         for k, (item, off) in enumerate(zip(self.items, self.offsets)):
             crcs = [c for _, part in sorted(self._crcs[k].items()) for c in part]
-            fragments.append(Fragment(self.name, off, tuple(item.local.shape), item.pieces, crcs, self.block_bytes, self.rank))
+            digests = [d for _, part in sorted(self._digests[k].items()) for d in part]
+            fragments.append(Fragment(self.name, off, tuple(item.local.shape), item.pieces, crcs, self.block_bytes, self.rank,
+                                      identity(digests)))
         return self.size, fragments
 
     def abort(self) -> None:

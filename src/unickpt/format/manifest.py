@@ -20,11 +20,12 @@ from typing import Any
 from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestError
 from ..plan.box import Box
 from ..plan.piece import Piece
-from .dtypes import itemsize
+from .dtypes import dtype_from_name, itemsize
+from .refs import BaseRef, check_base_path, check_digest_text, ref_key, split_key
 from .values import check_text, decode_value
 
 FORMAT_NAME = "unickpt"
-FORMAT_VERSION = (1, 1)
+FORMAT_VERSION = (1, 2)
 DIGEST_SINCE = (1, 1)  # manifests of this version on carry a digest
 DIGEST_ALGORITHM = "sha256"
 _DIGEST_TAIL = re.compile(rb',"digest":"sha256:([0-9a-f]{64})"\}\s*\Z')
@@ -38,6 +39,7 @@ MANIFEST_NAME = "manifest.json"
 DEFAULT_BLOCK_BYTES = 4 << 20
 
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+_IDENTITY = re.compile(r"^[0-9a-f]{32}$")
 
 
 def check_file_name(name: str) -> str:
@@ -45,6 +47,22 @@ def check_file_name(name: str) -> str:
     if not isinstance(name, str) or not _SAFE_FILE.fullmatch(name) or ".." in name:
         raise ManifestError(f"unsafe file name {name!r} in manifest: only plain names inside the checkpoint are allowed")
     return name
+
+
+def check_fragment_file(key: str) -> str:
+    """A fragment's file: a plain name in the checkpoint, or ``<base path>/<plain name>``
+    in a base checkpoint that holds referenced bytes (format 1.2; the base must be listed
+    in the manifest's ``bases``, which the caller checks through ``files``)."""
+    base, name = split_key(key) if isinstance(key, str) else (None, key)
+    if base is not None:
+        try:
+            check_base_path(base)
+            check_file_name(name)
+        except ManifestError:
+            raise ManifestError(f"unsafe file name {key!r:.300} in manifest: only plain names inside the checkpoint, "
+                                "or plain names in a listed base checkpoint, are allowed") from None
+    check_file_name(name)
+    return key
 
 
 @dataclass
@@ -58,6 +76,15 @@ class Fragment:
     crc32c: list[int]
     block_bytes: int = DEFAULT_BLOCK_BYTES
     rank: int = 0
+    # identity of the data (checksum.identity: xxh3-128 of the blocks' xxh3-128), 1.2 on
+    xxh3: str | None = None
+
+    @property
+    def base(self) -> str | None:
+        """Path (relative to the checkpoint) of the base checkpoint holding this fragment's
+        bytes, or None when the checkpoint holds them itself (unickpt manifests only: the
+        files of other formats, read in place, may lie in subdirectories)."""
+        return split_key(self.file)[0]
 
     def nbytes(self, dtype: str) -> int:
         """Size of the fragment's data in bytes."""
@@ -93,6 +120,11 @@ class Manifest:
     provenance: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = FORMAT_VERSION
+    # incremental checkpoints (1.2): the checkpoints holding referenced bytes (``files``
+    # also lists their referenced files, under ``<base path>/<name>``), and the base this
+    # one was saved against: {"base": path, "digest": its digest, "depth": saves since a full one}
+    bases: dict[str, BaseRef] = field(default_factory=dict)
+    incremental: dict[str, Any] | None = None
     # the digest checked when the manifest was parsed ("sha256:<hex>"); None when the
     # manifest has none (format 1.0) or was built in memory
     digest: str | None = field(default=None, compare=False)
@@ -105,7 +137,8 @@ class Manifest:
             "world_size": self.world_size,
             "provenance": self.provenance,
             "metadata": self.metadata,
-            "files": self.files,
+            "files": {k: v for k, v in self.files.items() if split_key(k)[0] is None},
+            **_refs_to_json(self),
             "tensors": {n: _tensor_to_json(t) for n, t in self.tensors.items()},
             "values": self.values,
             "rank_values": self.rank_values,
@@ -187,6 +220,10 @@ def _refuse_constant(name: str) -> Any:
 def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int]) -> Manifest:
     world = _int(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
     files = {check_file_name(k): _int(v, f"size of file {k!r}") for k, v in _dict(doc.get("files", {}), "files").items()}
+    bases = _bases_from_json(doc.get("bases", {}))
+    for b in bases.values():
+        files.update({ref_key(b.path, n): size for n, size in b.files.items()})
+    incremental = _incremental_from_json(doc["incremental"]) if "incremental" in doc else None
     total = sum(files.values())
     tensors = {
         n: _tensor_from_json(n, t, files, total, world) for n, t in _dict(doc.get("tensors", {}), "tensors").items()
@@ -211,7 +248,35 @@ def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int]) -> Manifes
     return Manifest(
         tensors=tensors, values=dict(values), rank_values=rank_values, rank_tensors=rank_tensors, files=files,
         world_size=world, provenance=dict(provenance), metadata=dict(metadata), version=version,
+        bases=bases, incremental=incremental,
     )
+
+
+def _refs_to_json(m: Manifest) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if m.bases:
+        out["bases"] = {p: {"digest": b.digest, "files": b.files} for p, b in m.bases.items()}
+    if m.incremental is not None:
+        out["incremental"] = m.incremental
+    return out
+
+
+def _bases_from_json(doc: Any) -> dict[str, BaseRef]:
+    out = {}
+    for path, d in _dict(doc, "bases").items():
+        d = _dict(d, f"base {path!r}")
+        files = {check_file_name(k): _int(v, f"size of file {k!r} of base {path!r}") for k, v in _dict(d["files"], "base files").items()}
+        out[check_base_path(path)] = BaseRef(path, check_digest_text(d["digest"], f"base {path!r}"), files)
+    return out
+
+
+def _incremental_from_json(doc: Any) -> dict[str, Any]:
+    d = _dict(doc, "incremental")
+    return {
+        "base": check_base_path(d["base"]),
+        "digest": check_digest_text(d["digest"], "incremental base"),
+        "depth": _int(d["depth"], "incremental depth", 1, MAX_INT),
+    }
 
 
 def _brief(v: Any) -> str:
@@ -299,7 +364,7 @@ def _piece_from_json(d: Any, fragment_shape: tuple[int, ...]) -> Piece:
 
 def fragment_to_json(f: Fragment) -> dict[str, Any]:
     """The JSON object of one fragment."""
-    return {
+    d = {
         "rank": f.rank,
         "file": f.file,
         "offset": f.offset,
@@ -308,6 +373,9 @@ def fragment_to_json(f: Fragment) -> dict[str, Any]:
         "crc32c": f.crc32c,
         "pieces": [_piece_to_json(p, f.shape) for p in f.pieces],
     }
+    if f.xxh3 is not None:
+        d["xxh3"] = f.xxh3
+    return d
 
 
 def fragment_from_json(fd: Any) -> Fragment:
@@ -320,14 +388,18 @@ def fragment_from_json(fd: Any) -> Fragment:
     pieces = fd["pieces"]
     if not isinstance(pieces, list):
         raise ManifestError(f"malformed manifest: fragment pieces are {_brief(pieces)}, not a list")
+    xxh3 = fd.get("xxh3")
+    if xxh3 is not None and not (isinstance(xxh3, str) and _IDENTITY.fullmatch(xxh3)):
+        raise ManifestError(f"malformed manifest: fragment identity {_brief(xxh3)} is not 32 hex digits")
     return Fragment(
-        file=check_file_name(fd["file"]),
+        file=check_fragment_file(fd["file"]),
         offset=_int(fd["offset"], "fragment offset", -MAX_INT),  # negative: "outside file" below
         shape=shape,
         pieces=[_piece_from_json(p, shape) for p in pieces],
         crc32c=[_int(c, "a checksum", 0, 0xFFFFFFFF) for c in crcs],
         block_bytes=_int(fd.get("block_bytes", DEFAULT_BLOCK_BYTES), "block_bytes", 1, MAX_INT),
         rank=_int(fd.get("rank", 0), "fragment rank", 0, MAX_WORLD_SIZE),
+        xxh3=xxh3,
     )
 
 
@@ -365,6 +437,8 @@ def _tensor_from_json(name: str, d: Any, files: dict[str, int], total_bytes: int
         frag = fragment_from_json(fd)
         shape = frag.shape
         nbytes = prod(shape) * size
+        if frag.file not in files and frag.base is not None:
+            raise ManifestError(f"unsafe file name {frag.file!r} in manifest: {frag.base!r} is not a base listed in the manifest")
         if frag.file not in files:
             raise ManifestError(f"tensor {name!r}: fragment file {frag.file!r} is not listed in the manifest")
         if frag.offset < 0 or frag.offset + nbytes > files[frag.file]:

@@ -332,15 +332,31 @@ def list_subdirs(root: str | os.PathLike) -> list[str]:
         return []
 
 
-def remove_checkpoint(path: str | os.PathLike, manifest_name: str) -> None:
+def remove_checkpoint(path: str | os.PathLike, manifest_name: str, after_unlink: Any = None) -> None:
     """Delete a checkpoint directory: the manifest first, so a crash midway leaves an
-    uncommitted directory, never a committed checkpoint with missing files."""
+    uncommitted directory, never a committed checkpoint with missing files; then its
+    files, then the directory. ``after_unlink()``, if given, is called after each file
+    removed. A directory already (partly) gone is not an error."""
     root = Path(path)
     try:
         (root / manifest_name).unlink()
+        if after_unlink is not None:
+            after_unlink()
     except FileNotFoundError:
         pass
-    for entry in os.scandir(root):
-        if entry.is_file() or entry.is_symlink():
-            os.unlink(entry.path)
-    os.rmdir(root)
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            if after_unlink is not None:
+                after_unlink()
+    try:
+        os.rmdir(root)
+    except FileNotFoundError:
+        pass
