@@ -108,3 +108,23 @@ def test_every_command_reads_through_it(tmp_path, monkeypatch):
         unickpt.load({"w": torch.zeros(4000)}, str(path))
     report = unickpt.verify(str(path))
     assert {(p.kind, p.tensor) for p in report.problems} >= {("truncated", "w")}
+
+
+def test_a_location_is_opened_once(tmp_path, monkeypatch):
+    """load, load_tensor, verify and convert turn the source path into storage once (and
+    its manifest is parsed once), through open_storage."""
+    import unickpt.adapters.checkpoint as checkpoint_module
+    import unickpt.storage.open as open_module
+    from unickpt.format.manifest import Manifest
+
+    path = str(tmp_path / "c")
+    unickpt.save({"w": torch.arange(100, dtype=torch.float32)}, path)
+    opened, parsed = [], []
+    real_open, real_parse = open_module.open_storage, Manifest.from_json
+    monkeypatch.setattr(checkpoint_module, "open_storage", lambda loc, *a: opened.append(str(loc)) or real_open(loc, *a))
+    monkeypatch.setattr(Manifest, "from_json", staticmethod(lambda *a, **k: parsed.append(1) or real_parse(*a, **k)))
+    for call in (lambda: unickpt.load({"w": torch.zeros(100)}, path), lambda: unickpt.load_tensor(path, "w"),
+                 lambda: unickpt.verify(path), lambda: unickpt.convert(path, str(tmp_path / "u"), overwrite=True)):
+        opened.clear(), parsed.clear()
+        call()
+        assert opened == [path] and len(parsed) == 1
