@@ -240,7 +240,8 @@ def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: 
     sources = [i.local for i in items]
     staged = [True] * len(items)
     digests: dict[int, str] = {}
-    index = {i.name: k for k, i in enumerate(items)}
+    # a replicated tensor this rank writes whole (not a row share of it)
+    index = {i.name: k for k, i in enumerate(items) if i.name in local.digest_sources and i.local.shape == local.digest_sources[i.name].shape}
     for name, t in local.digest_sources.items():
         if name in index:  # this rank writes it: digest the staged copy, in the background
             digests[index[name]] = name

@@ -21,7 +21,7 @@ from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
-from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
+from ..plan.read_plan import Copy, ReadPlan, SourceFragment, Span, plan_reads
 from ..storage.local import LocalStorage
 from .gc_pause import gc_paused
 from .items import is_dtensor, sharded_item, tensor_item
@@ -175,7 +175,10 @@ def source_fragments(entry: TensorEntry) -> list[SourceFragment]:
     ]
 
 
-def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece]) -> None:
+def plan_fill(entry: TensorEntry, pieces: list[Piece]) -> tuple[list[SourceFragment], ReadPlan]:
+    """The reads that fill ``pieces`` (a target's pieces of ``entry``'s global tensor),
+    after checking the checkpoint covers every element. No I/O: ``load`` and the scale
+    simulation (``bench/scale.py``) both call it."""
     sources = source_fragments(entry)
     plan = plan_reads(pieces, sources, itemsize(entry.dtype))
     for p, got in zip(pieces, plan.covered):
@@ -184,6 +187,11 @@ def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list
                 f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "
                 f"this rank needs (box {p.global_box}); its fragments are incomplete"
             )
+    return sources, plan
+
+
+def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece]) -> None:
+    sources, plan = plan_fill(entry, pieces)
     reader.add(entry, sources, plan.spans, local)
 
 

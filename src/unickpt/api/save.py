@@ -31,11 +31,11 @@ from ..format.manifest import (
 )
 from ..format.values import encode_value
 from ..plan.box import Box
-from ..plan.save_plan import replica_owner
+from ..plan.save_plan import replica_shares
 from ..storage.local import LocalStorage
 from ..storage.transaction import DirectoryWrite
 from .writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
-from .items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
+from .items import Holders, TensorItem, cut_rows, is_dtensor, row_slice, sharded_item, tensor_item
 from .state import PerRank, Sharded, flatten
 from .gc_pause import gc_paused
 
@@ -120,6 +120,7 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
     leaves = flatten(state_dict)
     holders = holders_of([leaf.name for leaf in leaves if not isinstance(leaf.value, PerRank)], group)
     out.leader = holders.members[0] == group.rank
+    lines: dict[tuple, list[TensorItem]] = {}
     for leaf in leaves:
         v = leaf.value
         if isinstance(v, PerRank):
@@ -129,6 +130,7 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
                 out.rank_values[leaf.name] = encode_value(v.value, leaf.name)
             continue
         if isinstance(v, (torch.Tensor, Sharded)):
+            kind = "sharded" if isinstance(v, Sharded) else "dtensor" if is_dtensor(v) else "plain"
             if isinstance(v, Sharded):
                 item = sharded_item(leaf.name, v)
                 v = v.local
@@ -143,7 +145,9 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
                     out.digest_sources[leaf.name] = item.local
                 else:
                     out.digests[leaf.name] = tensor_digest(dtype, tuple(item.local.shape), crc32c(_as_bytes(item.local)))
-            if item.pieces and replica_owner(item.name, item.shard_key, item.replicas) == item.replica_index:
+            if item.pieces and item.replicas > 1:
+                lines.setdefault(_line_key(item, kind), []).append(item)
+            elif item.pieces:
                 item.local = _stage_fn(item.local)
                 out.to_write.append(item)
             if item.pieces or (out.leader and Box.whole(item.global_shape).volume == 0):
@@ -152,7 +156,28 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
         enc = encode_value(v, leaf.name)
         out.values[leaf.name] = enc
         out.digests[leaf.name] = hashlib.sha256(json.dumps(enc, sort_keys=True).encode()).hexdigest()
+    for line in lines.values():
+        for part in replica_parts(line):
+            part.local = _stage_fn(part.local)
+            out.to_write.append(part)
     return out
+
+
+def _line_key(item: TensorItem, kind: str) -> tuple:
+    """Which line of replicated tensors ``item`` joins: tensors whose replicas are the same
+    ranks, as every one of those ranks sees them (plain tensors: all holders; DTensors:
+    the same layout; Sharded: the same replica count, which the rules give per set of
+    replica axes; see docs/FORMAT.md, "Who writes replicas")."""
+    return (kind, item.replicas) if kind == "sharded" else (kind, item.layout, item.replicas)
+
+
+def replica_parts(line: list[TensorItem]) -> list[TensorItem]:
+    """This rank's share of a line of replicated tensors (all of the same replicas):
+    whole tensors or row slices, cut by :func:`~unickpt.plan.save_plan.replica_shares`."""
+    line = sorted(line, key=lambda i: (i.name, i.shard_key))
+    sizes = [i.local.numel() * i.local.element_size() for i in line]
+    shares = replica_shares(sizes, [cut_rows(i) for i in line], line[0].replicas, line[0].replica_index)
+    return [row_slice(line[k], a, b) if cut_rows(line[k]) > 1 else line[k] for k, a, b in shares]
 
 
 def write_data_file(
@@ -381,6 +406,18 @@ def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str
     return m
 
 
+def rank_message(payload: dict[str, Any]) -> bytes:
+    """The bytes a rank sends to rank 0 at commit: its payload (:func:`rank_payload`) as JSON."""
+    return json.dumps(payload).encode()
+
+
+def manifest_document(messages: list[bytes], world_size: int, metadata: dict[str, Any]) -> bytes:
+    """The committing rank's work (rank 0): every rank's message (:func:`rank_message`,
+    in rank order) -> the checked, sealed ``manifest.json`` bytes. No I/O: ``commit``
+    and the scale simulation (``bench/scale.py``) both call it."""
+    return assemble([json.loads(g) for g in messages], world_size, metadata).to_json().encode()
+
+
 def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
     """Phase 2 of a save (collective): claim the directory, write this rank's file, then
     rank 0 checks every rank's report and commits the manifest. Raises the same error on
@@ -404,12 +441,11 @@ def commit(
     committed manifest to every rank, and each rank passing True also writes it into its
     own directory (ranks writing to different machines' directories, as the in-memory
     snapshots do: every node needs the manifest)."""
-    gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
+    gathered = gather_bytes(group, rank_message(payload), 0)
     result = b"ok"
     if gathered is not None:
         try:
-            manifest = assemble([json.loads(g) for g in gathered], group.size, metadata)
-            doc = manifest.to_json().encode()
+            doc = manifest_document(gathered, group.size, metadata)
             if target.write is not None:
                 target.write.commit({MANIFEST_NAME: doc})
             else:

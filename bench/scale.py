@@ -1,0 +1,212 @@
+"""Scale by simulation: unickpt's metadata path for a 405B model on 16,384 ranks.
+
+    python -m bench.scale            # TP8 x PP16 x DP128 (16,384 ranks) -> TP8 x PP8 x DP96 (6,144)
+    python -m bench.scale --quick    # 1/16 the ranks: DP8 -> DP6 (1,024 -> 384 ranks), under a minute
+    python -m bench.scale --dp 8 16 32 64 128 --no-load   # the curves of docs/SCALE.md
+
+No process is started and no byte of tensor data exists: every rank's state is built on
+meta tensors by the real rules and ZeRO code (``bench/scale_model.py``), then driven
+through the same functions ``save`` and ``load`` use: ``collect`` (what each rank
+writes: replica ownership), ``data_file_layout``, ``rank_payload``/``rank_message``
+(what each rank sends to rank 0), ``manifest_document`` (rank 0's commit work: every
+message -> checked, sealed ``manifest.json``), ``Manifest.from_json`` and ``plan_fill``
+(each target rank's load plan). Prints only; see docs/SCALE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+import tracemalloc
+from math import prod
+from typing import Any
+
+from unickpt.api.items import sharded_item
+from unickpt.api.load import plan_fill
+from unickpt.api.save import manifest_document
+from unickpt.api.state import Sharded, flatten
+from unickpt.format.dtypes import itemsize
+from unickpt.format.manifest import DEFAULT_BLOCK_BYTES, Manifest
+from unickpt.rules.coords import Coords
+
+from .scale_model import LLAMA_405B, ModelSpec, rank_state, simulated_message
+
+TARGETS = {"commit_s": 1.0, "commit_bytes": 1 << 30, "plan_s": 1.0, "plan_bytes": 200 << 20, "read_over": 0.01}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _measured(fn, memory: bool = True) -> tuple[Any, float, int]:
+    """``fn()``'s result, its wall time, and its peak of Python allocations (tracemalloc,
+    in a second run when ``memory``: tracing slows the first)."""
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    peak = 0
+    if memory:
+        del out
+        gc.collect()
+        tracemalloc.start()
+        out = fn()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return out, dt, peak
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _ratio(got: float, target: float) -> str:
+    return f"{got / target:.2f}x of target ({'ok' if got < target else 'MISSES'})"
+
+
+def simulate_save(spec: ModelSpec, tp: int, pp: int, dp: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:
+    """Every rank's commit message and written bytes, then rank 0's commit work."""
+    rules = spec.rules()
+    world = tp * pp * dp
+    messages, written = [], []
+    t0 = time.perf_counter()
+    for r in range(world):
+        c = Coords.from_rank(r, tp=tp, pp=pp, dp=dp)
+        msg, data = simulated_message(spec, rules, c, r, world, block_bytes)
+        messages.append(msg)
+        written.append(data)
+    build = time.perf_counter() - t0
+    metadata = {"layout": rules.metadata(Coords(tp=tp, pp=pp, dp=dp), zero={"stage": 1})}
+    doc, commit_s, commit_peak = _measured(lambda: manifest_document(messages, world, metadata))
+    return {
+        "world": world, "messages": [len(m) for m in messages], "written": written, "build_s": build,
+        "doc": doc, "commit_s": commit_s, "commit_peak": commit_peak, "gathered": world * max(len(m) for m in messages),
+    }
+
+
+def _sample(tp: int, pp: int, dp: int, n: int) -> list[Coords]:
+    """Target ranks to plan: every pipeline stage, first/last tp rank, first/middle/last dp rank."""
+    picks = []
+    for p in range(pp):
+        for t in sorted({0, tp - 1}):
+            for d in sorted({0, dp // 2, dp - 1}):
+                picks.append(Coords(tp=tp, tp_rank=t, pp=pp, pp_rank=p, dp=dp, dp_rank=d))
+    if n and len(picks) > n:
+        step = len(picks) / n
+        picks = [picks[int(i * step)] for i in range(n)]
+    return picks
+
+
+def plan_rank(spec: ModelSpec, manifest: Manifest, c: Coords) -> dict[str, Any]:
+    """One target rank's load plan: bytes needed, bytes read, files opened."""
+    state = rank_state(spec, spec.rules(), c, "load")
+    need = read = 0
+    files: set[str] = set()
+    holders: set[str] = set()
+    for leaf in flatten(state):
+        v = leaf.value
+        if not isinstance(v, Sharded):
+            continue
+        entry = manifest.tensors[leaf.name]
+        item = sharded_item(leaf.name, v)
+        sources, plan = plan_fill(entry, item.pieces)
+        size = itemsize(entry.dtype)
+        need += sum(p.global_box.volume for p in item.pieces) * size
+        read += sum(sp.stop - sp.start for sp in plan.spans)
+        files.update(sp.file for sp in plan.spans)
+        for s in sources:  # files that hold some element this rank needs
+            if any(_touches(p, s.pieces) for p in item.pieces):
+                holders.add(s.file)
+    return {"need": need, "read": read, "files": len(files), "extra_files": len(files - holders)}
+
+
+def _touches(target, pieces) -> bool:
+    from unickpt.plan.box import intersect
+
+    return any(intersect(target.global_box, s.global_box) is not None for s in pieces)
+
+
+def simulate_load(spec: ModelSpec, doc: bytes, tp: int, pp: int, dp: int, sample: int) -> dict[str, Any]:
+    """Each sampled target rank: parse the manifest (what every rank does first), plan."""
+    manifest, parse_s, parse_peak = _measured(lambda: Manifest.from_json(doc))
+    rss_parsed = _rss()
+    rows = []
+    for c in _sample(tp, pp, dp, sample):
+        got, plan_s, plan_peak = _measured(lambda: plan_rank(spec, manifest, c))
+        got.update(plan_s=plan_s, plan_peak=plan_peak, rank=c.rank())
+        rows.append(got)
+    return {"parse_s": parse_s, "parse_peak": parse_peak, "rss_parsed": rss_parsed, "rows": rows, "world": tp * pp * dp}
+
+
+def report_save(s: dict[str, Any], tp: int, pp: int, dp: int) -> None:
+    """Print the save side."""
+    msgs, written = s["messages"], s["written"]
+    mean = statistics.fmean(written)
+    print(f"source TP{tp} x PP{pp} x DP{dp} ZeRO-1: {s['world']} ranks, {sum(written) / 1e12:.2f} TB written "
+          f"(simulated in {s['build_s']:.1f} s)")
+    print(f"  writes per rank: mean {_mb(mean)}, max {_mb(max(written))} = {max(written) / mean:.3f}x the mean "
+          f"(target <= 1.1x: {'ok' if max(written) <= 1.1 * mean else 'MISSES'}), min {_mb(min(written))}, "
+          f"{sum(1 for w in written if w == 0)} ranks write nothing")
+    print(f"  message to rank 0 per rank: min {min(msgs)} B, mean {statistics.fmean(msgs):.0f} B, max {max(msgs)} B; "
+          f"rank 0 receives {_mb(sum(msgs))} ({_mb(s['gathered'])} with gather_bytes' padding to the longest)")
+    print(f"  manifest.json on disk: {_mb(len(s['doc']))}")
+    print(f"  commit work on rank 0 (manifest_document: parse every message, assemble, check, serialise, seal): "
+          f"{s['commit_s']:.2f} s [{_ratio(s['commit_s'], TARGETS['commit_s'])}], "
+          f"peak {_mb(s['commit_peak'])} of Python allocations [{_ratio(s['commit_peak'], TARGETS['commit_bytes'])}]")
+
+
+def report_load(lo: dict[str, Any], tp: int, pp: int, dp: int) -> None:
+    """Print the load side."""
+    rows = lo["rows"]
+    plan = [r["plan_s"] for r in rows]
+    peak = [r["plan_peak"] for r in rows]
+    over = [r["read"] / r["need"] - 1 for r in rows]
+    files = [r["files"] for r in rows]
+    print(f"target TP{tp} x PP{pp} x DP{dp} ZeRO-1: {lo['world']} ranks; {len(rows)} sampled ranks planned "
+          f"(every stage; tp first/last; dp first/middle/last)")
+    print(f"  manifest parse (every target rank, first): {lo['parse_s']:.2f} s, peak {_mb(lo['parse_peak'])} "
+          f"(process RSS after: {_mb(lo['rss_parsed'])})")
+    print(f"  planning after the parse, per rank: median {statistics.median(plan):.3f} s, max {max(plan):.3f} s, "
+          f"peak {_mb(max(peak))}")
+    total_s = lo["parse_s"] + max(plan)
+    total_b = lo["parse_peak"] + max(peak)
+    print(f"  per-rank load plan (parse + plan), worst: {total_s:.2f} s [{_ratio(total_s, TARGETS['plan_s'])}], "
+          f"{_mb(total_b)} [{_ratio(total_b, TARGETS['plan_bytes'])}]")
+    print(f"  bytes read over bytes needed: median +{statistics.median(over) * 100:.3f}%, worst +{max(over) * 100:.3f}% "
+          f"(target within 1%: {'ok' if max(over) <= TARGETS['read_over'] else 'MISSES'}); "
+          f"needed per rank {_mb(min(r['need'] for r in rows))} .. {_mb(max(r['need'] for r in rows))}")
+    print(f"  source files opened per rank: min {min(files)}, median {statistics.median(files):.0f}, max {max(files)}; "
+          f"files opened holding none of the rank's bytes: {sum(r['extra_files'] for r in rows)} "
+          f"(target 0: {'ok' if not any(r['extra_files'] for r in rows) else 'MISSES'})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run and print."""
+    ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1/16 the ranks (DP8 -> DP6): under a minute")
+    ap.add_argument("--dp", type=int, nargs="*", help="source dp degrees to run (a curve); default 128 (8 with --quick)")
+    ap.add_argument("--target-dp", type=int, default=None, help="target dp degree (default 3/4 of the source's)")
+    ap.add_argument("--sample", type=int, default=48, help="target ranks to plan (0: the whole sample of stages x tp x dp)")
+    ap.add_argument("--no-load", action="store_true", help="the save side only")
+    args = ap.parse_args(argv)
+    spec = LLAMA_405B
+    print(f"model: Llama-3-405B-shaped, {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, "
+          f"vocab {spec.vocab}, ffn {spec.ffn}: {spec.parameters / 1e9:.1f} B parameters, "
+          f"{spec.parameters * 14 / 1e12:.2f} TB at 14 bytes a parameter")
+    for dp in args.dp or [8 if args.quick else 128]:
+        s = simulate_save(spec, 8, 16, dp)
+        report_save(s, 8, 16, dp)
+        if not args.no_load:
+            tdp = args.target_dp or max(1, dp * 3 // 4)
+            lo = simulate_load(spec, s["doc"], 8, 8, tdp, args.sample)
+            report_load(lo, 8, 8, tdp)
+        del s
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
