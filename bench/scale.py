@@ -21,7 +21,6 @@ import os
 import statistics
 import time
 import tracemalloc
-from math import prod
 from typing import Any
 
 from unickpt.api.items import sharded_item

@@ -50,8 +50,10 @@ def _header(path) -> int:
 
 
 def _zero_crcs(doc: dict) -> dict:
-    for frag in [d["fragment"] for d in doc["fragments"].values()]:
+    for d in doc["fragments"].values():
+        frag = json.loads(d["fragment"])
         frag["crc32c"] = [0] * len(frag["crc32c"])
+        d["fragment"], d["crcs"] = frag, None
     return doc
 
 
@@ -64,4 +66,4 @@ def test_simulated_commit_messages_match_a_real_8_rank_save(tmp_path):
         # the same bytes, checksums aside (the simulation makes them up, same count)
         assert json.dumps(_zero_crcs(real)) == json.dumps(_zero_crcs(sim)), r
         assert abs(len(got["real"]) - len(got["simulated"])) <= 11 * sum(
-            len(d["fragment"]["crc32c"]) for d in real["fragments"].values())
+            len(d["fragment"]["crc32c"]) for d in real["fragments"].values())  # checksum digits differ, no more

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from ..errors import ManifestError, NotACheckpointError
+from ..errors import CorruptionError, ManifestError, NotACheckpointError
+from ..format.index import INDEX_NAME
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage, is_inside
 
@@ -50,12 +51,26 @@ def open_manifest(path: str) -> Manifest:
     """The manifest of the checkpoint at ``path`` in any supported format (validated)."""
     fmt = checkpoint_format(path)
     if fmt == "unickpt":
-        return Manifest.from_json(LocalStorage(path).read_small(MANIFEST_NAME))
+        storage = LocalStorage(path)
+        return Manifest.from_json(storage.read_small(MANIFEST_NAME), index=lambda at, n: read_range(storage, INDEX_NAME, at, n))
     _, module, _, reader = next(f for f in FORMATS if f[0] == fmt)
     manifest = getattr(importlib.import_module(module), reader)(str(path))
     manifest.provenance.setdefault("format", fmt)
     check_foreign(manifest)
     return manifest
+
+
+def read_range(storage: LocalStorage, name: str, offset: int, length: int) -> bytes:
+    """Bytes ``[offset, offset + length)`` of a checkpoint file (fewer when it is shorter);
+    a missing file is a CorruptionError."""
+    try:
+        fd = os.open(storage.path(name), os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptionError(f"{name} is missing from {storage.root}") from None
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
 
 
 def check_relative_path(name: str) -> str:

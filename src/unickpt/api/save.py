@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import traceback
+from math import prod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,14 +21,15 @@ from .. import errors
 from ..errors import InconsistentStateError, SaveError, UnickptError
 from ..format.checksum import crc32c
 from ..format.dtypes import dtype_name
+from ..format.index import INDEX_FRAGMENTS, INDEX_NAME, INDEXED_VERSION, manifest_documents, tensor_head
 from ..format.manifest import (
     DEFAULT_BLOCK_BYTES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     Fragment,
-    Manifest,
-    TensorEntry,
-    fragment_from_json,
     fragment_to_json,
+    seal,
 )
 from ..format.values import encode_value
 from ..plan.box import Box
@@ -150,7 +152,11 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
             elif item.pieces:
                 item.local = _stage_fn(item.local)
                 out.to_write.append(item)
-            if item.pieces or (out.leader and Box.whole(item.global_shape).volume == 0):
+            # a tensor this rank writes is named with its fragment; one of several replicas
+            # declares it too (so rank 0 knows every tensor), and the leader empty ones
+            if (item.pieces and item.replicas > 1 and item.replica_index == 0) or (
+                not item.pieces and out.leader and Box.whole(item.global_shape).volume == 0
+            ):
                 out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
             continue
         enc = encode_value(v, leaf.name)
@@ -243,15 +249,22 @@ def stage(
 
 
 def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem, Fragment]], files: dict[str, int]) -> dict[str, Any]:
-    """What this rank reports to rank 0 once its file is durable."""
+    """What this rank reports to rank 0 once its file is durable. Each fragment travels
+    as the JSON text the manifest stores, with what rank 0 checks it by (its volume, a
+    key of its boxes and one of its checksums), so rank 0 parses no fragment."""
     frags: dict[str, dict[str, Any]] = {}
     rank_frags: dict[str, dict[str, Any]] = {}
     for item, frag in written:
-        target = frags if item.layout != "per-rank" else rank_frags
-        target[item.name] = {
-            "shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype),
-            "layout": item.layout, "fragment": fragment_to_json(frag),
-        }
+        entry = {"shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype), "layout": item.layout}
+        fjson = fragment_to_json(frag)
+        if item.layout == "per-rank":
+            rank_frags[item.name] = dict(entry, fragment=fjson)
+            continue
+        boxes = [(p.global_box.offsets, p.global_box.lengths) for p in frag.pieces]
+        frags[item.name] = dict(
+            entry, fragment=json.dumps(fjson, separators=(",", ":")), volume=sum(p.global_box.volume for p in frag.pieces),
+            boxes=_short_hash(repr(boxes)), crcs=_short_hash(repr(frag.crc32c)),
+        )
     return {
         "rank": group.rank, "error": None, "files": files, "fragments": frags,
         "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
@@ -260,12 +273,16 @@ def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem
     }
 
 
+def _short_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 _DATA_FILE = re.compile(r"rank_\d{5,}\.safetensors")
 
 
 def checkpoint_file(name: str) -> bool:
     """True for the names a unickpt checkpoint's files have in its directory."""
-    return name == MANIFEST_NAME or _DATA_FILE.fullmatch(name) is not None
+    return name in (MANIFEST_NAME, INDEX_NAME) or _DATA_FILE.fullmatch(name) is not None
 
 
 @dataclass
@@ -350,60 +367,87 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks[:6])) + (",..." if len(ranks) > 6 else "")
 
 
-def _dedup_and_check(entry: TensorEntry) -> None:
-    """Drop duplicate fragments (same boxes written twice) after checking they agree, and
-    make sure the fragments tile the tensor exactly."""
-    seen: dict[tuple, Fragment] = {}
-    kept = []
-    for f in sorted(entry.fragments, key=lambda f: f.rank):
-        key = tuple((p.global_box.offsets, p.global_box.lengths) for p in f.pieces)
-        if key in seen:
-            if seen[key].crc32c != f.crc32c:
-                raise InconsistentStateError(
-                    f"{entry.name!r}: replicas on ranks {seen[key].rank} and {f.rank} hold different data for the same shard"
-                )
-            continue
-        seen[key] = f
-        kept.append(f)
-    entry.fragments = kept
-    stored = sum(p.global_box.volume for f in kept for p in f.pieces)
-    total = Box.whole(entry.shape).volume if entry.shape else 1
-    if stored != total and not (total == 0 and stored == 0):
-        raise SaveError(f"{entry.name!r}: the saved shards hold {stored} elements of {total}; the layout overlaps or leaves gaps")
+@dataclass
+class _Stored:
+    """One tensor as rank 0 assembles it: its entry, and its fragments as JSON texts."""
+
+    head: dict[str, Any]
+    texts: list[str] = field(default_factory=list)
+    volume: int = 0
+    seen: dict[str, tuple[str, int]] = field(default_factory=dict)  # boxes key -> (checksums key, rank)
 
 
-def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str, Any]) -> Manifest:
-    """Build the manifest from every rank's payload (rank 0 only)."""
+def _add_fragment(name: str, t: _Stored, d: dict[str, Any], rank: int) -> None:
+    """Add a rank's fragment; a second copy of the same boxes is dropped after checking
+    that it holds the same data."""
+    known = t.seen.get(d["boxes"])
+    if known is not None:
+        if known[0] != d["crcs"]:
+            raise InconsistentStateError(f"{name!r}: replicas on ranks {known[1]} and {rank} hold different data for the same shard")
+        return
+    t.seen[d["boxes"]] = (d["crcs"], rank)
+    t.texts.append(d["fragment"])
+    t.volume += d["volume"]
+
+
+def _check_tiling(name: str, t: _Stored) -> None:
+    """The fragments hold every element of the tensor once."""
+    shape = t.head["shape"]
+    total = prod(shape) if shape else 1
+    if t.volume != total and not (total == 0 and t.volume == 0):
+        raise SaveError(f"{name!r}: the saved shards hold {t.volume} elements of {total}; the layout overlaps or leaves gaps")
+
+
+def assemble(
+    payloads: list[dict[str, Any]], world_size: int, metadata: dict[str, Any], indexed: bool | None = None
+) -> dict[str, bytes]:
+    """Build the manifest from every rank's payload (rank 0 only): the documents to commit,
+    ``manifest.json`` last, with ``fragments.jsonl`` before it when the manifest is
+    indexed (format 2.0; by default when more than ``INDEX_FRAGMENTS`` fragments)."""
     errors = [f"rank {p['rank']}: {p['error']}" for p in payloads if p.get("error")]
     if errors:
         raise SaveError("save failed, nothing was committed:\n" + "\n".join(errors))
     _check_agreement(payloads)
-    m = Manifest(world_size=world_size, metadata=encode_value(metadata, "metadata"))
-    m.provenance = {
-        "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "world_size": world_size, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    files: dict[str, int] = {}
+    values: dict[str, Any] = {}
+    stored: dict[str, _Stored] = {}
     for p in payloads:
-        m.values.update(p["values"])
+        values.update(p["values"])
     for p in payloads:
-        m.files.update(p["files"])
+        files.update(p["files"])
         for name, (shape, dtype, layout) in p["declared"].items():
-            m.tensors.setdefault(name, TensorEntry(name, tuple(shape), dtype, [], layout))
+            if name not in stored:
+                stored[name] = _Stored(tensor_head(shape, dtype, layout))
         for name, d in p["fragments"].items():
-            m.tensors[name].fragments.append(fragment_from_json(d["fragment"]))
-    for entry in m.tensors.values():
-        _dedup_and_check(entry)
-    rank_value_names = sorted({k for p in payloads for k in p["rank_values"]})
-    for name in rank_value_names:
-        m.rank_values[name] = [p["rank_values"].get(name) for p in payloads]
-    rank_tensor_names = sorted({k for p in payloads for k in p["rank_tensors"]})
-    for name in rank_tensor_names:
-        row: list[TensorEntry | None] = []
+            t = stored.get(name)
+            if t is None:
+                t = stored[name] = _Stored(tensor_head(d["shape"], d["dtype"], d["layout"]))
+            _add_fragment(name, t, d, p["rank"])
+    for name, t in stored.items():
+        _check_tiling(name, t)
+    rank_values = {name: [p["rank_values"].get(name) for p in payloads] for name in sorted({k for p in payloads for k in p["rank_values"]})}
+    rank_tensors = {}
+    for name in sorted({k for p in payloads for k in p["rank_tensors"]}):
+        row: list[dict[str, Any] | None] = []
         for p in payloads:
             d = p["rank_tensors"].get(name)
-            row.append(None if d is None else TensorEntry(name, tuple(d["shape"]), d["dtype"], [fragment_from_json(d["fragment"])], "per-rank"))
-        m.rank_tensors[name] = row
-    return m
+            row.append(None if d is None else dict(tensor_head(d["shape"], d["dtype"], "per-rank"), fragments=[d["fragment"]]))
+        rank_tensors[name] = row
+    if indexed is None:
+        indexed = sum(len(t.texts) for t in stored.values()) > INDEX_FRAGMENTS
+    version = INDEXED_VERSION if indexed else FORMAT_VERSION
+    head = {
+        "format": FORMAT_NAME, "version": f"{version[0]}.{version[1]}", "world_size": world_size,
+        "provenance": {
+            "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(), "world_size": world_size,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+        "metadata": encode_value(metadata, "metadata"), "files": files,
+    }
+    tail = {"values": values, "rank_values": rank_values, "rank_tensors": rank_tensors}
+    text, index = manifest_documents(head, [(n, t.head, t.texts) for n, t in stored.items()], tail, indexed)
+    doc = seal(text).encode()
+    return {MANIFEST_NAME: doc} if index is None else {INDEX_NAME: index, MANIFEST_NAME: doc}
 
 
 def rank_message(payload: dict[str, Any]) -> bytes:
@@ -411,11 +455,13 @@ def rank_message(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload).encode()
 
 
-def manifest_document(messages: list[bytes], world_size: int, metadata: dict[str, Any]) -> bytes:
+def manifest_document(
+    messages: list[bytes], world_size: int, metadata: dict[str, Any], indexed: bool | None = None
+) -> dict[str, bytes]:
     """The committing rank's work (rank 0): every rank's message (:func:`rank_message`,
-    in rank order) -> the checked, sealed ``manifest.json`` bytes. No I/O: ``commit``
+    in rank order) -> the checked documents to commit (``assemble``). No I/O: ``commit``
     and the scale simulation (``bench/scale.py``) both call it."""
-    return assemble([json.loads(g) for g in messages], world_size, metadata).to_json().encode()
+    return assemble([json.loads(g) for g in messages], world_size, metadata, indexed)
 
 
 def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
@@ -445,9 +491,11 @@ def commit(
     result = b"ok"
     if gathered is not None:
         try:
-            doc = manifest_document(gathered, group.size, metadata)
+            # a manifest sent to every rank (snapshots) stays one document
+            docs = manifest_document(gathered, group.size, metadata, False if manifest_copy is not None else None)
+            doc = docs[MANIFEST_NAME]
             if target.write is not None:
-                target.write.commit({MANIFEST_NAME: doc})
+                target.write.commit(docs)
             else:
                 target.storage.write_atomic(MANIFEST_NAME, doc)
             if manifest_copy is not None:

@@ -21,6 +21,7 @@ from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestE
 from ..plan.box import Box
 from ..plan.piece import Piece
 from .dtypes import dtype_from_name, itemsize
+from .index import INDEX_NAME, INDEXED_VERSION, IndexReader, index_range, read_line
 from .values import check_text, decode_value
 
 FORMAT_NAME = "unickpt"
@@ -101,7 +102,8 @@ class Manifest:
         """Serialise to the JSON text stored in ``manifest.json``, sealed with its digest."""
         doc = {
             "format": FORMAT_NAME,
-            "version": f"{self.version[0]}.{self.version[1]}",
+            # this method writes fragments inline: an indexed (2.0) manifest becomes a 1.x one
+            "version": "{}.{}".format(*(self.version if self.version < INDEXED_VERSION else FORMAT_VERSION)),
             "world_size": self.world_size,
             "provenance": self.provenance,
             "metadata": self.metadata,
@@ -116,10 +118,14 @@ class Manifest:
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False))
 
     @staticmethod
-    def from_json(text: str | bytes) -> Manifest:
+    def from_json(text: str | bytes, index: IndexReader | None = None) -> Manifest:
         """Parse and validate manifest text: structure, types and ranges first (a
         :class:`~unickpt.ManifestError` says what is wrong), then the digest (a
-        :class:`~unickpt.CorruptionError` when the text was changed after it was written)."""
+        :class:`~unickpt.CorruptionError` when the text was changed after it was written).
+
+        ``index(offset, length) -> bytes`` reads the index file of an indexed manifest
+        (format 2.0, ``format/index.py``): each tensor's fragments are read, checked and
+        parsed when first used."""
         raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
         doc = _parse_json(raw)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -127,7 +133,7 @@ class Manifest:
         version = _parse_version(doc.get("version"))
         digest = doc.pop("digest", None)
         try:
-            m = _manifest_from_doc(doc, version)
+            m = _manifest_from_doc(doc, version, index)
         except ManifestError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError, IndexError) as e:
@@ -184,13 +190,21 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int]) -> Manifest:
+def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int], index: IndexReader | None = None) -> Manifest:
     world = _int(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
     files = {check_file_name(k): _int(v, f"size of file {k!r}") for k, v in _dict(doc.get("files", {}), "files").items()}
     total = sum(files.values())
-    tensors = {
-        n: _tensor_from_json(n, t, files, total, world) for n, t in _dict(doc.get("tensors", {}), "tensors").items()
-    }
+    raw_tensors = _dict(doc.get("tensors", {}), "tensors")
+    if version >= INDEXED_VERSION:
+        at = _dict(doc.get("index"), "index")
+        if at.get("file") != INDEX_NAME:
+            raise ManifestError(f"malformed manifest: index file is {at.get('file')!r:.40}, not {INDEX_NAME!r}")
+        size = _int(at.get("size"), "index size")
+        tensors: dict[str, TensorEntry] = {
+            n: IndexedTensorEntry.parse(n, t, files, total, world, size, index) for n, t in raw_tensors.items()
+        }
+    else:
+        tensors = {n: _tensor_from_json(n, t, files, total, world) for n, t in raw_tensors.items()}
     values = _dict(doc.get("values", {}), "values")
     for k, v in values.items():
         decode_value(v, k)
@@ -267,10 +281,10 @@ def _parse_version(text: Any) -> tuple[int, int]:
         major, minor = (int(x) for x in str(text).split("."))
     except ValueError:
         raise ManifestError(f"manifest has no valid version: {text!r:.40}") from None
-    if major > FORMAT_VERSION[0]:
+    if major > INDEXED_VERSION[0]:
         raise FormatVersionError(
             f"checkpoint format version {major}.{minor} is newer than this unickpt reads "
-            f"({FORMAT_VERSION[0]}.x); upgrade unickpt to open it"
+            f"({FORMAT_VERSION[0]}.x and {INDEXED_VERSION[0]}.x); upgrade unickpt to open it"
         )
     return major, minor
 
@@ -383,3 +397,42 @@ def _tensor_from_json(name: str, d: Any, files: dict[str, int], total_bytes: int
                 raise ManifestError(f"tensor {name!r}: piece reaches past its fragment's data")
         t.fragments.append(frag)
     return t
+
+
+class IndexedTensorEntry(TensorEntry):
+    """A tensor of an indexed manifest (format 2.0): its fragments are read from the index
+    file, checked and validated like inline ones, the first time they are used."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, layout: str, load: Any) -> None:
+        super().__init__(name, shape, dtype, [], layout)
+        self._fragments: list[Fragment] | None = None
+        self._load = load
+
+    @property  # type: ignore[override]
+    def fragments(self) -> list[Fragment]:
+        """The fragments (read from the index on first use)."""
+        if self._fragments is None:
+            self._fragments = self._load()
+        return self._fragments
+
+    @fragments.setter
+    def fragments(self, value: list[Fragment]) -> None:
+        self._fragments = value
+
+    @staticmethod
+    def parse(
+        name: str, d: Any, files: dict[str, int], total: int, world: int, index_size: int, index: IndexReader | None
+    ) -> IndexedTensorEntry:
+        """A root entry ``{shape, dtype, layout, fragments_at}``, validated; fragments later."""
+        d = _dict(d, f"tensor {name!r}")
+        if "fragments" in d:
+            raise ManifestError(f"malformed manifest: tensor {name!r} lists fragments inline in an indexed manifest")
+        at = index_range(d.get("fragments_at"), name, index_size)
+        head = {k: v for k, v in d.items() if k != "fragments_at"}
+        t = _tensor_from_json(name, dict(head, fragments=[]), files, total, world)
+
+        def load() -> list[Fragment]:
+            line = _parse_json(read_line(index, name, at))
+            return _tensor_from_json(name, dict(head, fragments=line), files, total, world).fragments
+
+        return IndexedTensorEntry(t.name, t.shape, t.dtype, t.layout, load)
