@@ -23,12 +23,14 @@ import time
 import tracemalloc
 from typing import Any
 
+from unickpt.api.gc_pause import gc_paused
 from unickpt.api.items import sharded_item
 from unickpt.api.load import plan_fill
 from unickpt.api.save import manifest_document
 from unickpt.api.state import Sharded, flatten
 from unickpt.format.dtypes import itemsize
-from unickpt.format.manifest import DEFAULT_BLOCK_BYTES, Manifest
+from unickpt.format.index import INDEX_NAME
+from unickpt.format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest
 from unickpt.rules.coords import Coords
 
 from .scale_model import LLAMA_405B, ModelSpec, rank_state, simulated_message
@@ -43,17 +45,20 @@ def _rss() -> int:
 
 def _measured(fn, memory: bool = True) -> tuple[Any, float, int]:
     """``fn()``'s result, its wall time, and its peak of Python allocations (tracemalloc,
-    in a second run when ``memory``: tracing slows the first)."""
+    in a second run when ``memory``: tracing slows the first). Run with the cyclic
+    garbage collector paused, as ``save`` and ``load`` run."""
     gc.collect()
     t0 = time.perf_counter()
-    out = fn()
+    with gc_paused():
+        out = fn()
     dt = time.perf_counter() - t0
     peak = 0
     if memory:
         del out
         gc.collect()
         tracemalloc.start()
-        out = fn()
+        with gc_paused():
+            out = fn()
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     return out, dt, peak
@@ -67,7 +72,9 @@ def _ratio(got: float, target: float) -> str:
     return f"{got / target:.2f}x of target ({'ok' if got < target else 'MISSES'})"
 
 
-def simulate_save(spec: ModelSpec, tp: int, pp: int, dp: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:
+def simulate_save(
+    spec: ModelSpec, tp: int, pp: int, dp: int, block_bytes: int = DEFAULT_BLOCK_BYTES, indexed: bool | None = None
+) -> dict[str, Any]:
     """Every rank's commit message and written bytes, then rank 0's commit work."""
     rules = spec.rules()
     world = tp * pp * dp
@@ -80,10 +87,15 @@ def simulate_save(spec: ModelSpec, tp: int, pp: int, dp: int, block_bytes: int =
         written.append(data)
     build = time.perf_counter() - t0
     metadata = {"layout": rules.metadata(Coords(tp=tp, pp=pp, dp=dp), zero={"stage": 1})}
-    doc, commit_s, commit_peak = _measured(lambda: manifest_document(messages, world, metadata))
+    docs, commit_s, commit_peak = _measured(lambda: manifest_document(messages, world, metadata, indexed))
+    groups: dict[tuple[int, int], list[int]] = {}  # replicas of the same model shards: same tp and pp rank
+    for r, w in enumerate(written):
+        c = Coords.from_rank(r, tp=tp, pp=pp, dp=dp)
+        groups.setdefault((c.tp_rank, c.pp_rank), []).append(w)
     return {
         "world": world, "messages": [len(m) for m in messages], "written": written, "build_s": build,
-        "doc": doc, "commit_s": commit_s, "commit_peak": commit_peak, "gathered": world * max(len(m) for m in messages),
+        "docs": docs, "commit_s": commit_s, "commit_peak": commit_peak, "gathered": world * max(len(m) for m in messages),
+        "group_balance": max(max(g) / statistics.fmean(g) for g in groups.values()),
     }
 
 
@@ -100,8 +112,18 @@ def _sample(tp: int, pp: int, dp: int, n: int) -> list[Coords]:
     return picks
 
 
-def plan_rank(spec: ModelSpec, manifest: Manifest, c: Coords) -> dict[str, Any]:
-    """One target rank's load plan: bytes needed, bytes read, files opened."""
+def plan_rank(spec: ModelSpec, docs: dict[str, bytes], c: Coords) -> dict[str, Any]:
+    """One target rank's load plan, as ``load`` makes it: parse the manifest (the root
+    only, when indexed, then the index lines of the tensors it fills), plan every tensor.
+    Returns bytes needed, bytes read, files opened, index bytes parsed."""
+    index = docs.get(INDEX_NAME, b"")
+    lines = [0]
+
+    def read_range(at: int, n: int) -> bytes:
+        lines[0] += n
+        return index[at : at + n]
+
+    manifest = Manifest.from_json(docs[MANIFEST_NAME], index=read_range)
     state = rank_state(spec, spec.rules(), c, "load")
     need = read = 0
     files: set[str] = set()
@@ -120,7 +142,7 @@ def plan_rank(spec: ModelSpec, manifest: Manifest, c: Coords) -> dict[str, Any]:
         for s in sources:  # files that hold some element this rank needs
             if any(_touches(p, s.pieces) for p in item.pieces):
                 holders.add(s.file)
-    return {"need": need, "read": read, "files": len(files), "extra_files": len(files - holders)}
+    return {"need": need, "read": read, "files": len(files), "extra_files": len(files - holders), "index_read": lines[0]}
 
 
 def _touches(target, pieces) -> bool:
@@ -129,16 +151,15 @@ def _touches(target, pieces) -> bool:
     return any(intersect(target.global_box, s.global_box) is not None for s in pieces)
 
 
-def simulate_load(spec: ModelSpec, doc: bytes, tp: int, pp: int, dp: int, sample: int) -> dict[str, Any]:
-    """Each sampled target rank: parse the manifest (what every rank does first), plan."""
-    manifest, parse_s, parse_peak = _measured(lambda: Manifest.from_json(doc))
-    rss_parsed = _rss()
+def simulate_load(spec: ModelSpec, docs: dict[str, bytes], tp: int, pp: int, dp: int, sample: int) -> dict[str, Any]:
+    """Each sampled target rank: parse the manifest and plan its reads (a fresh parse per
+    rank: each rank is its own process)."""
     rows = []
     for c in _sample(tp, pp, dp, sample):
-        got, plan_s, plan_peak = _measured(lambda: plan_rank(spec, manifest, c))
+        got, plan_s, plan_peak = _measured(lambda: plan_rank(spec, docs, c))
         got.update(plan_s=plan_s, plan_peak=plan_peak, rank=c.rank())
         rows.append(got)
-    return {"parse_s": parse_s, "parse_peak": parse_peak, "rss_parsed": rss_parsed, "rows": rows, "world": tp * pp * dp}
+    return {"rows": rows, "world": tp * pp * dp, "rss": _rss()}
 
 
 def report_save(s: dict[str, Any], tp: int, pp: int, dp: int) -> None:
@@ -152,7 +173,12 @@ def report_save(s: dict[str, Any], tp: int, pp: int, dp: int) -> None:
           f"{sum(1 for w in written if w == 0)} ranks write nothing")
     print(f"  message to rank 0 per rank: min {min(msgs)} B, mean {statistics.fmean(msgs):.0f} B, max {max(msgs)} B; "
           f"rank 0 receives {_mb(sum(msgs))} ({_mb(s['gathered'])} with gather_bytes' padding to the longest)")
-    print(f"  manifest.json on disk: {_mb(len(s['doc']))}")
+    docs = s["docs"]
+    kind = "indexed (2.0)" if INDEX_NAME in docs else "one document (1.1)"
+    print(f"  manifest on disk, {kind}: manifest.json {_mb(len(docs[MANIFEST_NAME]))}"
+          + (f" + {INDEX_NAME} {_mb(len(docs[INDEX_NAME]))}" if INDEX_NAME in docs else ""))
+    print(f"  model replicas (same tp and pp rank): the most-loaded writer is {s['group_balance']:.3f}x its group's mean "
+          "(the rest of the spread is pipeline stages of 7 and 8 layers, and the embeddings)")
     print(f"  commit work on rank 0 (manifest_document: parse every message, assemble, check, serialise, seal): "
           f"{s['commit_s']:.2f} s [{_ratio(s['commit_s'], TARGETS['commit_s'])}], "
           f"peak {_mb(s['commit_peak'])} of Python allocations [{_ratio(s['commit_peak'], TARGETS['commit_bytes'])}]")
@@ -167,14 +193,13 @@ def report_load(lo: dict[str, Any], tp: int, pp: int, dp: int) -> None:
     files = [r["files"] for r in rows]
     print(f"target TP{tp} x PP{pp} x DP{dp} ZeRO-1: {lo['world']} ranks; {len(rows)} sampled ranks planned "
           f"(every stage; tp first/last; dp first/middle/last)")
-    print(f"  manifest parse (every target rank, first): {lo['parse_s']:.2f} s, peak {_mb(lo['parse_peak'])} "
-          f"(process RSS after: {_mb(lo['rss_parsed'])})")
-    print(f"  planning after the parse, per rank: median {statistics.median(plan):.3f} s, max {max(plan):.3f} s, "
-          f"peak {_mb(max(peak))}")
-    total_s = lo["parse_s"] + max(plan)
-    total_b = lo["parse_peak"] + max(peak)
-    print(f"  per-rank load plan (parse + plan), worst: {total_s:.2f} s [{_ratio(total_s, TARGETS['plan_s'])}], "
-          f"{_mb(total_b)} [{_ratio(total_b, TARGETS['plan_bytes'])}]")
+    total_s, total_b = max(plan), max(peak)
+    what = "the root manifest + the index lines of its tensors" if rows[0]["index_read"] else "the whole manifest"
+    print(f"  per-rank load plan (parse {what}, "
+          f"plan every tensor): median {statistics.median(plan):.3f} s, worst {total_s:.3f} s "
+          f"[{_ratio(total_s, TARGETS['plan_s'])}]; peak {_mb(total_b)} of Python allocations "
+          f"[{_ratio(total_b, TARGETS['plan_bytes'])}]"
+          + (f"; index read per rank {_mb(max(r['index_read'] for r in rows))} at most" if rows[0]["index_read"] else ""))
     print(f"  bytes read over bytes needed: median +{statistics.median(over) * 100:.3f}%, worst +{max(over) * 100:.3f}% "
           f"(target within 1%: {'ok' if max(over) <= TARGETS['read_over'] else 'MISSES'}); "
           f"needed per rank {_mb(min(r['need'] for r in rows))} .. {_mb(max(r['need'] for r in rows))}")
@@ -191,17 +216,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-dp", type=int, default=None, help="target dp degree (default 3/4 of the source's)")
     ap.add_argument("--sample", type=int, default=48, help="target ranks to plan (0: the whole sample of stages x tp x dp)")
     ap.add_argument("--no-load", action="store_true", help="the save side only")
+    ap.add_argument("--format", choices=("auto", "indexed", "single"), default="auto",
+                    help="manifest form: as save chooses (auto), indexed 2.0, or one 1.1 document (the design before)")
+    ap.add_argument("--block-mib", type=int, default=DEFAULT_BLOCK_BYTES >> 20, help="checksum block size (MiB)")
     args = ap.parse_args(argv)
     spec = LLAMA_405B
     print(f"model: Llama-3-405B-shaped, {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, "
           f"vocab {spec.vocab}, ffn {spec.ffn}: {spec.parameters / 1e9:.1f} B parameters, "
           f"{spec.parameters * 14 / 1e12:.2f} TB at 14 bytes a parameter")
     for dp in args.dp or [8 if args.quick else 128]:
-        s = simulate_save(spec, 8, 16, dp)
+        s = simulate_save(spec, 8, 16, dp, args.block_mib << 20, {"auto": None, "indexed": True, "single": False}[args.format])
         report_save(s, 8, 16, dp)
         if not args.no_load:
             tdp = args.target_dp or max(1, dp * 3 // 4)
-            lo = simulate_load(spec, s["doc"], 8, 8, tdp, args.sample)
+            lo = simulate_load(spec, s["docs"], 8, 8, tdp, args.sample)
             report_load(lo, 8, 8, tdp)
         del s
         gc.collect()

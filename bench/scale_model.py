@@ -10,7 +10,7 @@ except the CRC-32C values (made up here: the same count and width as real ones).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any
 
@@ -42,7 +42,7 @@ class ModelSpec:
 
     def rules(self) -> Rules:
         """The rules (``unickpt.rules.presets.llama``) that describe its layout."""
-        return llama(self.vocab, self.layers, self.heads, self.kv_heads, self.head_dim, self.ffn)
+        return _memo_resolve(llama(self.vocab, self.layers, self.heads, self.kv_heads, self.head_dim, self.ffn))
 
     @property
     def parameters(self) -> int:
@@ -53,6 +53,23 @@ class ModelSpec:
 
 
 LLAMA_405B = ModelSpec()
+
+
+def _memo_resolve(rules: Rules) -> Rules:
+    """``rules`` resolving each (name, shape, coordinates but the dp rank) once: a rule's
+    layout depends on the tp/pp/ep coordinates, not on the dp rank (replication is
+    computed apart, from the coordinates), and resolving dominates building 16K states."""
+    cache: dict[tuple, Any] = {}
+    resolve = rules.resolve
+
+    def memo(local_name, local_shape, coords, shapes=None):
+        key = (local_name, tuple(local_shape), replace(coords, dp_rank=0), None if shapes is None else id(shapes))
+        if key not in cache:
+            cache[key] = resolve(local_name, local_shape, coords, shapes)
+        return cache[key]
+
+    rules.resolve = memo  # type: ignore[method-assign]
+    return rules
 
 
 def local_shapes(spec: ModelSpec, rules: Rules, c: Coords) -> dict[str, tuple[int, ...]]:
