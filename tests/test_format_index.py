@@ -35,7 +35,7 @@ def test_indexed_checkpoint_loads_verifies_and_converts(indexed, tmp_path):
     path, sd = indexed
     doc = json.loads((path / "manifest.json").read_text())
     assert doc["version"] == "2.0" and doc["index"]["file"] == INDEX_NAME
-    assert all("fragments" not in t and len(t["fragments_at"]) == 3 for t in doc["tensors"].values())
+    assert all("fragments" not in t and [len(c) for c in t["fragments_at"]] == [5] for t in doc["tensors"].values())
     lines = (path / INDEX_NAME).read_bytes().splitlines()
     assert len(lines) == len(doc["tensors"]) and all(isinstance(json.loads(x), list) for x in lines)
     out = unickpt.load(_zeros(sd), str(path))
@@ -63,6 +63,32 @@ def test_a_reader_parses_only_the_lines_of_the_tensors_it_uses(indexed):
     assert len(reads) == 1  # parsed once
 
 
+def test_a_reader_of_some_rows_parses_only_the_lines_near_them(tmp_path, monkeypatch):
+    from rules_cases import save_ranks
+
+    from unickpt.api.state import Sharded
+    from unickpt.plan.box import Box
+    from unickpt.plan.piece import box_piece
+
+    monkeypatch.setattr(save_api, "INDEX_FRAGMENTS", 0)
+    full = torch.arange(64.0).view(16, 4)
+    states = [{"w": Sharded(full[2 * r : 2 * r + 2].clone(), (16, 4), [box_piece((2, 4), Box((0, 0), (2, 4)), Box((2 * r, 0), (2, 4)))])}
+              for r in range(8)]
+    save_ranks(states, str(tmp_path / "ck"))
+    doc = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert [c[3:] for c in doc["tensors"]["w"]["fragments_at"]] == [[[0, 0], [8, 4]], [[8, 0], [8, 4]]]  # 4 a line
+    index = (tmp_path / "ck" / INDEX_NAME).read_bytes()
+    reads = []
+    m = Manifest.from_json((tmp_path / "ck" / "manifest.json").read_bytes(),
+                           index=lambda at, n: reads.append(at) or index[at : at + n])
+    near = m.tensors["w"].fragments_touching([Box((9, 1), (2, 2))])
+    assert len(reads) == 1 and sorted(f.rank for f in near) == [4, 5, 6, 7]
+    out = unickpt.load({"w": Sharded(torch.zeros(3, 4), (16, 4), [box_piece((3, 4), Box((0, 0), (3, 4)), Box((7, 0), (3, 4)))])},
+                       str(tmp_path / "ck"))
+    assert torch.equal(out["w"].local, full[7:10])
+    assert len(m.tensors["w"].fragments) == 8 and len(reads) == 2
+
+
 def test_a_changed_index_line_is_corruption(indexed):
     path, sd = indexed
     index = bytearray((path / INDEX_NAME).read_bytes())
@@ -77,11 +103,13 @@ def test_a_missing_index_or_a_range_outside_it_is_refused(indexed):
     path, sd = indexed
     doc = json.loads((path / "manifest.json").read_text())
     del doc["digest"]
-    doc["tensors"]["model.l0.w"]["fragments_at"][0] = doc["index"]["size"]
+    first = doc["tensors"]["model.l0.w"]["fragments_at"][0]
+    at = first[0]
+    first[0] = doc["index"]["size"]
     (path / "manifest.json").write_text(seal(json.dumps(doc, separators=(",", ":"))))
     with pytest.raises(unickpt.ManifestError, match="fragments_at"):
         unickpt.load(_zeros(sd), str(path))
-    doc["tensors"]["model.l0.w"]["fragments_at"][0] = 0
+    first[0] = at
     (path / "manifest.json").write_text(seal(json.dumps(doc, separators=(",", ":"))))
     (path / INDEX_NAME).unlink()
     with pytest.raises(unickpt.CorruptionError, match=f"{INDEX_NAME} is missing"):

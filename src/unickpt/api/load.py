@@ -175,10 +175,16 @@ def source_fragments(entry: TensorEntry) -> list[SourceFragment]:
     ]
 
 
-def plan_fill(entry: TensorEntry, pieces: list[Piece]) -> tuple[list[SourceFragment], ReadPlan]:
+def plan_fill(entry: TensorEntry, pieces: list[Piece]) -> tuple[TensorEntry, list[SourceFragment], ReadPlan]:
     """The reads that fill ``pieces`` (a target's pieces of ``entry``'s global tensor),
-    after checking the checkpoint covers every element. No I/O: ``load`` and the scale
-    simulation (``bench/scale.py``) both call it."""
+    after checking the checkpoint covers every element: the entry with only the fragments
+    considered (an indexed manifest reads only those near the pieces), what the planner
+    knew of them, and the plan (its spans index that entry's fragments). No I/O beyond
+    an indexed manifest's lines: ``load`` and the scale simulation (``bench/scale.py``)
+    both call it."""
+    near = entry.fragments_touching([p.global_box for p in pieces])
+    if near is not entry.fragments:
+        entry = TensorEntry(entry.name, entry.shape, entry.dtype, near, entry.layout)
     sources = source_fragments(entry)
     plan = plan_reads(pieces, sources, itemsize(entry.dtype))
     for p, got in zip(pieces, plan.covered):
@@ -187,11 +193,11 @@ def plan_fill(entry: TensorEntry, pieces: list[Piece]) -> tuple[list[SourceFragm
                 f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "
                 f"this rank needs (box {p.global_box}); its fragments are incomplete"
             )
-    return sources, plan
+    return entry, sources, plan
 
 
 def _fill(reader: _Reader, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece]) -> None:
-    sources, plan = plan_fill(entry, pieces)
+    entry, sources, plan = plan_fill(entry, pieces)
     reader.add(entry, sources, plan.spans, local)
 
 

@@ -261,9 +261,11 @@ def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem
             rank_frags[item.name] = dict(entry, fragment=fjson)
             continue
         boxes = [(p.global_box.offsets, p.global_box.lengths) for p in frag.pieces]
+        lo = [min(o[d] for o, _ in boxes) for d in range(len(item.global_shape))] if boxes else [0] * len(item.global_shape)
+        hi = [max(o[d] + n[d] for o, n in boxes) for d in range(len(item.global_shape))] if boxes else lo
         frags[item.name] = dict(
             entry, fragment=json.dumps(fjson, separators=(",", ":")), volume=sum(p.global_box.volume for p in frag.pieces),
-            boxes=_short_hash(repr(boxes)), crcs=_short_hash(repr(frag.crc32c)),
+            boxes=_short_hash(repr(boxes)), crcs=_short_hash(repr(frag.crc32c)), bbox=[lo, [h - o for h, o in zip(hi, lo)]],
         )
     return {
         "rank": group.rank, "error": None, "files": files, "fragments": frags,
@@ -373,6 +375,7 @@ class _Stored:
 
     head: dict[str, Any]
     texts: list[str] = field(default_factory=list)
+    bboxes: list[tuple[list[int], list[int]]] = field(default_factory=list)
     volume: int = 0
     seen: dict[str, tuple[str, int]] = field(default_factory=dict)  # boxes key -> (checksums key, rank)
 
@@ -387,6 +390,7 @@ def _add_fragment(name: str, t: _Stored, d: dict[str, Any], rank: int) -> None:
         return
     t.seen[d["boxes"]] = (d["crcs"], rank)
     t.texts.append(d["fragment"])
+    t.bboxes.append((d["bbox"][0], d["bbox"][1]))
     t.volume += d["volume"]
 
 
@@ -445,7 +449,7 @@ def assemble(
         "metadata": encode_value(metadata, "metadata"), "files": files,
     }
     tail = {"values": values, "rank_values": rank_values, "rank_tensors": rank_tensors}
-    text, index = manifest_documents(head, [(n, t.head, t.texts) for n, t in stored.items()], tail, indexed)
+    text, index = manifest_documents(head, [(n, t.head, t.texts, t.bboxes) for n, t in stored.items()], tail, indexed)
     doc = seal(text).encode()
     return {MANIFEST_NAME: doc} if index is None else {INDEX_NAME: index, MANIFEST_NAME: doc}
 

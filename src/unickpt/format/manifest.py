@@ -20,8 +20,9 @@ from typing import Any
 from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestError
 from ..plan.box import Box
 from ..plan.piece import Piece
+from .dtypes import _FROM_NAME as _DTYPE_NAMES
 from .dtypes import dtype_from_name, itemsize
-from .index import INDEX_NAME, INDEXED_VERSION, IndexReader, index_range, read_line
+from .index import INDEX_NAME, INDEXED_VERSION, IndexReader, index_chunks, read_line
 from .values import check_text, decode_value
 
 FORMAT_NAME = "unickpt"
@@ -79,6 +80,11 @@ class TensorEntry:
     def nbytes(self) -> int:
         """Size of the whole global tensor in bytes."""
         return prod(self.shape) * itemsize(self.dtype)
+
+    def fragments_touching(self, boxes: list[Box]) -> list[Fragment]:
+        """The fragments a reader of ``boxes`` (global boxes) must consider: all of them
+        here; an indexed manifest's entry reads only those near the boxes."""
+        return self.fragments
 
 
 @dataclass
@@ -400,39 +406,79 @@ def _tensor_from_json(name: str, d: Any, files: dict[str, int], total_bytes: int
 
 
 class IndexedTensorEntry(TensorEntry):
-    """A tensor of an indexed manifest (format 2.0): its fragments are read from the index
-    file, checked and validated like inline ones, the first time they are used."""
+    """A tensor of an indexed manifest (format 2.0): its fragments are read from lines of
+    the index file, checked and validated like inline ones, when first used; a reader
+    that needs only some boxes reads only the lines whose bounding box meets them."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, layout: str, load: Any) -> None:
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, layout: str, chunks: Any, context: tuple) -> None:
         super().__init__(name, shape, dtype, [], layout)
         self._fragments: list[Fragment] | None = None
-        self._load = load
+        self._raw_chunks, self._context = chunks, context
+        self._chunks: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] | None = None
+        self._loaded: dict[int, list[Fragment]] = {}
 
     @property  # type: ignore[override]
     def fragments(self) -> list[Fragment]:
-        """The fragments (read from the index on first use)."""
+        """Every fragment (its lines read from the index on first use)."""
         if self._fragments is None:
-            self._fragments = self._load()
+            self._fragments = self._load(range(len(self._chunk_list())))
         return self._fragments
 
     @fragments.setter
     def fragments(self, value: list[Fragment]) -> None:
         self._fragments = value
 
+    def fragments_touching(self, boxes: list[Box]) -> list[Fragment]:
+        """The fragments of the lines whose bounding box meets one of ``boxes`` (every
+        fragment holding an element of them, and a few neighbours)."""
+        if self._fragments is not None:
+            return self._fragments
+        chunks = self._chunk_list()
+        return self._load([k for k, c in enumerate(chunks) if any(_meets(c[3], c[4], b) for b in boxes)])
+
+    def _chunk_list(self) -> list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]:
+        if self._chunks is None:
+            self._chunks = index_chunks(self._raw_chunks, self.name, len(self.shape), self._context[3])
+        return self._chunks
+
+    def _load(self, which: Any) -> list[Fragment]:
+        files, total, world, _, index, head = self._context
+        out: list[Fragment] = []
+        for k in which:
+            if k not in self._loaded:
+                off, length, crc, lo, lens = self._chunk_list()[k]
+                line = _parse_json(read_line(index, self.name, off, length, crc))
+                frags = _tensor_from_json(self.name, dict(head, fragments=line), files, total, world).fragments
+                box = Box(lo, lens)
+                if any(not box.contains(p.global_box) for f in frags for p in f.pieces):
+                    raise ManifestError(f"malformed manifest: tensor {self.name!r}: a fragment lies outside the box its "
+                                        f"line of {INDEX_NAME} is listed with")
+                self._loaded[k] = frags
+            out.extend(self._loaded[k])
+        return out
+
     @staticmethod
     def parse(
         name: str, d: Any, files: dict[str, int], total: int, world: int, index_size: int, index: IndexReader | None
     ) -> IndexedTensorEntry:
         """A root entry ``{shape, dtype, layout, fragments_at}``, validated; fragments later."""
-        d = _dict(d, f"tensor {name!r}")
+        if type(d) is not dict:
+            raise ManifestError(f"malformed manifest: tensor {name!r} is {_brief(d)}, not an object")
         if "fragments" in d:
             raise ManifestError(f"malformed manifest: tensor {name!r} lists fragments inline in an indexed manifest")
-        at = index_range(d.get("fragments_at"), name, index_size)
-        head = {k: v for k, v in d.items() if k != "fragments_at"}
-        t = _tensor_from_json(name, dict(head, fragments=[]), files, total, world)
+        head = {k: d[k] for k in ("shape", "dtype", "layout") if k in d}
+        shape, dtype, layout = d.get("shape"), d.get("dtype"), d.get("layout", "")
+        if (
+            type(shape) is list and len(shape) <= MAX_NDIM and all(type(x) is int and 0 <= x <= MAX_DIM for x in shape)
+            and dtype in _DTYPE_NAMES and type(layout) is str and name.isascii() and layout.isascii()
+            and prod(shape) * itemsize(dtype) <= total
+        ):  # the common case, checked fast; anything else gets the full check and its message
+            t = TensorEntry(name, tuple(shape), dtype, [], layout)
+        else:
+            t = _tensor_from_json(name, dict(head, fragments=[]), files, total, world)
+        return IndexedTensorEntry(t.name, t.shape, t.dtype, t.layout, d.get("fragments_at"),
+                                  (files, total, world, index_size, index, head))
 
-        def load() -> list[Fragment]:
-            line = _parse_json(read_line(index, name, at))
-            return _tensor_from_json(name, dict(head, fragments=line), files, total, world).fragments
 
-        return IndexedTensorEntry(t.name, t.shape, t.dtype, t.layout, load)
+def _meets(offsets: tuple[int, ...], lengths: tuple[int, ...], b: Box) -> bool:
+    return all(o < bo + bn and bo < o + n for o, n, bo, bn in zip(offsets, lengths, b.offsets, b.lengths))
