@@ -44,14 +44,15 @@ def _rss() -> int:
 
 
 def _measured(fn, memory: bool = True) -> tuple[Any, float, int]:
-    """``fn()``'s result, its wall time, and its peak of Python allocations (tracemalloc,
-    in a second run when ``memory``: tracing slows the first). Run with the cyclic
-    garbage collector paused, as ``save`` and ``load`` run."""
+    """``fn()``'s result, its CPU time (what it costs on a core of its own: no I/O is
+    involved, and wall time on a shared machine measures the other jobs), and its peak
+    of Python allocations (tracemalloc, in a second run when ``memory``: tracing slows the
+    first). Run with the cyclic garbage collector paused, as ``save`` and ``load`` run."""
     gc.collect()
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with gc_paused():
         out = fn()
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     peak = 0
     if memory:
         del out
@@ -182,7 +183,7 @@ def report_save(s: dict[str, Any], tp: int, pp: int, dp: int) -> None:
     print(f"  model replicas (same tp and pp rank): the most-loaded writer is {s['group_balance']:.3f}x its group's mean "
           "(the rest of the spread is pipeline stages of 7 and 8 layers, and the embeddings)")
     print(f"  commit work on rank 0 (manifest_document: parse every message, assemble, check, serialise, seal): "
-          f"{s['commit_s']:.2f} s [{_ratio(s['commit_s'], TARGETS['commit_s'])}], "
+          f"{s['commit_s']:.2f} s of CPU [{_ratio(s['commit_s'], TARGETS['commit_s'])}], "
           f"peak {_mb(s['commit_peak'])} of Python allocations [{_ratio(s['commit_peak'], TARGETS['commit_bytes'])}]")
 
 
@@ -198,7 +199,8 @@ def report_load(lo: dict[str, Any], tp: int, pp: int, dp: int) -> None:
     total_s, total_b = max(plan), max(peak)
     what = "the root manifest + the index lines of its tensors" if rows[0]["index_read"] else "the whole manifest"
     print(f"  per-rank load plan (parse {what}, "
-          f"plan every tensor): median {statistics.median(plan):.3f} s, worst {total_s:.3f} s "
+          f"plan every tensor): CPU median {statistics.median(plan):.3f} s, worst {total_s:.3f} s "
+          f"(rank {max(rows, key=lambda r: r['plan_s'])['rank']}) "
           f"[{_ratio(total_s, TARGETS['plan_s'])}]; peak {_mb(total_b)} of Python allocations (traced on {lo['traced']}) "
           f"[{_ratio(total_b, TARGETS['plan_bytes'])}]"
           + (f"; index read per rank {_mb(max(r['index_read'] for r in rows))} at most" if rows[0]["index_read"] else ""))
