@@ -222,14 +222,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-load", action="store_true", help="the save side only")
     ap.add_argument("--format", choices=("auto", "indexed", "single"), default="auto",
                     help="manifest form: as save chooses (auto), indexed 2.0, or one 1.1 document (the design before)")
-    ap.add_argument("--block-mib", type=int, default=DEFAULT_BLOCK_BYTES >> 20, help="checksum block size (MiB)")
+    ap.add_argument("--block-kib", type=int, default=DEFAULT_BLOCK_BYTES >> 10, help="checksum block size (KiB)")
     args = ap.parse_args(argv)
     spec = LLAMA_405B
     print(f"model: Llama-3-405B-shaped, {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads}, "
           f"vocab {spec.vocab}, ffn {spec.ffn}: {spec.parameters / 1e9:.1f} B parameters, "
           f"{spec.parameters * 14 / 1e12:.2f} TB at 14 bytes a parameter")
     for dp in args.dp or [8 if args.quick else 128]:
-        s = simulate_save(spec, 8, 16, dp, args.block_mib << 20, {"auto": None, "indexed": True, "single": False}[args.format])
+        s = simulate_save(spec, 8, 16, dp, args.block_kib << 10, {"auto": None, "indexed": True, "single": False}[args.format])
         report_save(s, 8, 16, dp)
         if not args.no_load:
             tdp = args.target_dp or max(1, dp * 3 // 4)
