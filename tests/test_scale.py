@@ -68,3 +68,20 @@ def test_simulated_commit_messages_match_a_real_8_rank_save(tmp_path):
         assert json.dumps(_zero_crcs(real)) == json.dumps(_zero_crcs(sim)), r
         assert abs(len(got["real"]) - len(got["simulated"])) <= 11 * sum(
             len(d["fragment"]["crc32c"]) for d in real["fragments"].values())  # checksum digits differ, no more
+
+
+def test_a_tensor_no_replica_writes_fails_the_save(tmp_path):
+    # two replicas that both claim index 1 of 2: each writes the second half of the line
+    # ("b"), nobody the first ("a"): the save must fail, not lose "a"
+    import torch
+    from rules_cases import save_ranks
+
+    import unickpt
+    from unickpt.api.state import Sharded
+    from unickpt.plan.piece import whole_piece
+
+    a, b = torch.ones(4, 4), torch.zeros(4, 4)
+    states = [{"a": Sharded(a.clone(), (4, 4), [whole_piece((4, 4))], 1, 2),
+               "b": Sharded(b.clone(), (4, 4), [whole_piece((4, 4))], 1, 2)} for _ in range(2)]
+    with pytest.raises(unickpt.SaveError, match="no replica wrote 'a'"):
+        save_ranks(states, str(tmp_path / "ck"))

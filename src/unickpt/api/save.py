@@ -53,6 +53,7 @@ class LocalState:
 
     to_write: list[TensorItem] = field(default_factory=list)
     declared: dict[str, tuple[tuple[int, ...], str, str]] = field(default_factory=dict)
+    replicated: list[str] = field(default_factory=list)  # replicated tensors held as the first or last replica
     digests: dict[str, str] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     rank_values: dict[str, Any] = field(default_factory=dict)
@@ -152,12 +153,13 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
             elif item.pieces:
                 item.local = _stage_fn(item.local)
                 out.to_write.append(item)
-            # a tensor this rank writes is named with its fragment; one of several replicas
-            # declares it too (so rank 0 knows every tensor), and the leader empty ones
-            if (item.pieces and item.replicas > 1 and item.replica_index == 0) or (
-                not item.pieces and out.leader and Box.whole(item.global_shape).volume == 0
-            ):
+            # a tensor this rank writes comes with its fragment; the leader declares empty
+            # ones, and the first and last of several replicas name the tensor (rank 0 checks that
+            # some replica wrote it)
+            if not item.pieces and out.leader and Box.whole(item.global_shape).volume == 0:
                 out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
+            elif item.pieces and item.replicas > 1 and item.replica_index in (0, item.replicas - 1):
+                out.replicated.append(leaf.name)
             continue
         enc = encode_value(v, leaf.name)
         out.values[leaf.name] = enc
@@ -269,7 +271,7 @@ def rank_payload(group: Group, local: LocalState, written: list[tuple[TensorItem
         )
     return {
         "rank": group.rank, "error": None, "files": files, "fragments": frags,
-        "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
+        "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()}, "replicated": local.replicated,
         "digests": local.digests, "values": local.values if local.leader else {},
         "rank_values": local.rank_values, "rank_tensors": rank_frags,
     }
@@ -427,6 +429,10 @@ def assemble(
             if t is None:
                 t = stored[name] = _Stored(tensor_head(d["shape"], d["dtype"], d["layout"]))
             _add_fragment(name, t, d, p["rank"])
+    unwritten = [(n, p["rank"]) for p in payloads for n in p["replicated"] if n not in stored]
+    if unwritten:
+        raise SaveError("no replica wrote " + ", ".join(f"{n!r} (held by rank {r} and its replicas)" for n, r in unwritten[:5])
+                        + "; the replicas disagree on what they hold (docs/FORMAT.md, 'Who writes replicas')")
     for name, t in stored.items():
         _check_tiling(name, t)
     rank_values = {name: [p["rank_values"].get(name) for p in payloads] for name in sorted({k for p in payloads for k in p["rank_values"]})}
