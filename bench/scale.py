@@ -19,6 +19,7 @@ import argparse
 import gc
 import os
 import statistics
+import struct
 import time
 import tracemalloc
 from typing import Any
@@ -74,18 +75,25 @@ def _ratio(got: float, target: float) -> str:
 
 
 def simulate_save(
-    spec: ModelSpec, tp: int, pp: int, dp: int, block_bytes: int = DEFAULT_BLOCK_BYTES, indexed: bool | None = None
+    spec: ModelSpec, tp: int, pp: int, dp: int, block_bytes: int = DEFAULT_BLOCK_BYTES, indexed: bool | None = None,
+    cache: str | None = None,
 ) -> dict[str, Any]:
     """Every rank's commit message and written bytes, then rank 0's commit work."""
     rules = spec.rules()
     world = tp * pp * dp
-    messages, written = [], []
     t0 = time.perf_counter()
-    for r in range(world):
-        c = Coords.from_rank(r, tp=tp, pp=pp, dp=dp)
-        msg, data = simulated_message(spec, rules, c, r, world, block_bytes)
-        messages.append(msg)
-        written.append(data)
+    cached = os.path.join(cache, f"messages-tp{tp}-pp{pp}-dp{dp}-block{block_bytes}.bin") if cache else None
+    if cached and os.path.exists(cached):
+        messages, written = _read_messages(cached)
+    else:
+        messages, written = [], []
+        for r in range(world):
+            c = Coords.from_rank(r, tp=tp, pp=pp, dp=dp)
+            msg, data = simulated_message(spec, rules, c, r, world, block_bytes)
+            messages.append(msg)
+            written.append(data)
+        if cached:
+            _write_messages(cached, messages, written)
     build = time.perf_counter() - t0
     metadata = {"layout": rules.metadata(Coords(tp=tp, pp=pp, dp=dp), zero={"stage": 1})}
     docs, commit_s, commit_peak = _measured(lambda: manifest_document(messages, world, metadata, indexed))
@@ -98,6 +106,29 @@ def simulate_save(
         "docs": docs, "commit_s": commit_s, "commit_peak": commit_peak, "gathered": world * max(len(m) for m in messages),
         "group_balance": max(max(g) / statistics.fmean(g) for g in groups.values()),
     }
+
+
+def _write_messages(path: str, messages: list[bytes], written: list[int]) -> None:
+    """Keep the simulated ranks' messages (and bytes written) for a later run: each as
+    its bytes written, its length and its bytes (little-endian 64-bit integers)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        for m, w in zip(messages, written):
+            f.write(struct.pack("<QQ", w, len(m)))
+            f.write(m)
+    os.replace(path + ".tmp", path)
+
+
+def _read_messages(path: str) -> tuple[list[bytes], list[int]]:
+    with open(path, "rb") as f:
+        raw = f.read()
+    messages, written, at = [], [], 0
+    while at < len(raw):
+        w, n = struct.unpack_from("<QQ", raw, at)
+        messages.append(raw[at + 16 : at + 16 + n])
+        written.append(w)
+        at += 16 + n
+    return messages, written
 
 
 def _sample(tp: int, pp: int, dp: int, n: int) -> list[Coords]:
@@ -222,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-load", action="store_true", help="the save side only")
     ap.add_argument("--format", choices=("auto", "indexed", "single"), default="auto",
                     help="manifest form: as save chooses (auto), indexed 2.0, or one 1.1 document (the design before)")
+    ap.add_argument("--cache", default=None, help="a directory keeping the simulated ranks' messages between runs "
+                    "(only the commit and the loads are redone; delete it after changing what ranks send)")
     ap.add_argument("--block-kib", type=int, default=DEFAULT_BLOCK_BYTES >> 10, help="checksum block size (KiB)")
     args = ap.parse_args(argv)
     spec = LLAMA_405B
@@ -229,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
           f"vocab {spec.vocab}, ffn {spec.ffn}: {spec.parameters / 1e9:.1f} B parameters, "
           f"{spec.parameters * 14 / 1e12:.2f} TB at 14 bytes a parameter")
     for dp in args.dp or [8 if args.quick else 128]:
-        s = simulate_save(spec, 8, 16, dp, args.block_kib << 10, {"auto": None, "indexed": True, "single": False}[args.format])
+        s = simulate_save(spec, 8, 16, dp, args.block_kib << 10, {"auto": None, "indexed": True, "single": False}[args.format],
+                          args.cache)
         report_save(s, 8, 16, dp)
         if not args.no_load:
             tdp = args.target_dp or max(1, dp * 3 // 4)
