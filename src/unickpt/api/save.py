@@ -376,7 +376,7 @@ class _Stored:
     """One tensor as rank 0 assembles it: its entry, and its fragments as JSON texts."""
 
     head: dict[str, Any]
-    texts: list[str] = field(default_factory=list)
+    texts: list[bytes] = field(default_factory=list)
     bboxes: list[tuple[list[int], list[int]]] = field(default_factory=list)
     volume: int = 0
     seen: dict[str, tuple[str, int]] = field(default_factory=dict)  # boxes key -> (checksums key, rank)
@@ -482,7 +482,7 @@ def read_message(message: bytes) -> dict[str, Any]:
     payload = json.loads(line)
     for d in payload.get("fragments", {}).values():
         a, n = d["fragment"]
-        d["fragment"] = tail[a : a + n].decode()
+        d["fragment"] = tail[a : a + n]  # bytes: spliced into the manifest as they are
     return payload
 
 

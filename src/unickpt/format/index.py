@@ -48,14 +48,14 @@ def _join(head: dict[str, Any], key: str, raw: str) -> str:
 
 def manifest_documents(
     head: dict[str, Any],
-    tensors: list[tuple[str, dict[str, Any], list[str], list[tuple[list[int], list[int]]]]],
+    tensors: list[tuple[str, dict[str, Any], list[bytes], list[tuple[list[int], list[int]]]]],
     tail: dict[str, Any],
     indexed: bool,
 ) -> tuple[str, bytes | None]:
     """The manifest text (before sealing) and, when ``indexed``, the index file.
 
     ``head``: the members before ``tensors`` (format, version, world_size, provenance,
-    metadata, files); ``tensors``: ``(name, tensor_head(...), [fragment JSON texts],
+    metadata, files); ``tensors``: ``(name, tensor_head(...), [fragment JSON texts, UTF-8],
     [bounding box (offsets, lengths) of each fragment])``; ``tail``: the members after
     (values, rank_values, rank_tensors). Fragment texts are spliced in as they are (each
     rank serialised its own), so no fragment is parsed here. Indexed, a tensor's fragments
@@ -67,13 +67,13 @@ def manifest_documents(
     at = 0
     for name, th, texts, boxes in tensors:
         if not indexed:
-            parts.append(json.dumps(name) + ":" + _join(th, "fragments", "[" + ",".join(texts) + "]"))
+            parts.append(json.dumps(name) + ":" + _join(th, "fragments", "[" + b",".join(texts).decode() + "]"))
             continue
         order = sorted(range(len(texts)), key=lambda k: (boxes[k][0], boxes[k][1]))
         chunks = []
         for c in range(0, len(order), CHUNK_FRAGMENTS):
             ks = order[c : c + CHUNK_FRAGMENTS]
-            raw = ("[" + ",".join(texts[k] for k in ks) + "]").encode()
+            raw = b"[" + b",".join([texts[k] for k in ks]) + b"]"
             index.append(raw + b"\n")
             lo = [min(boxes[k][0][d] for k in ks) for d in range(len(th["shape"]))]
             hi = [max(boxes[k][0][d] + boxes[k][1][d] for k in ks) for d in range(len(th["shape"]))]
