@@ -175,8 +175,9 @@ def _line_key(item: TensorItem, kind: str) -> tuple:
     """Which line of replicated tensors ``item`` joins: tensors whose replicas are the same
     ranks, as every one of those ranks sees them (plain tensors: all holders; DTensors:
     the same layout; Sharded: the same replica count, which the rules give per set of
-    replica axes; see docs/FORMAT.md, "Who writes replicas")."""
-    return (kind, item.replicas) if kind == "sharded" else (kind, item.layout, item.replicas)
+    replica axes, and the same index; see docs/FORMAT.md, "Who writes replicas")."""
+    key = (kind, item.replicas, item.replica_index)
+    return key if kind == "sharded" else key + (item.layout,)
 
 
 def replica_parts(line: list[TensorItem]) -> list[TensorItem]:
