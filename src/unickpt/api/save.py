@@ -378,23 +378,16 @@ class _Stored:
 
     head: dict[str, Any]
     texts: list[bytes] = field(default_factory=list)
-    bboxes: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    bboxes: list[list[list[int]]] = field(default_factory=list)  # [offsets, lengths] of each fragment
     volume: int = 0
     seen: dict[str, tuple[str, int]] = field(default_factory=dict)  # boxes key -> (checksums key, rank)
 
 
-def _add_fragment(name: str, t: _Stored, d: dict[str, Any], rank: int) -> None:
-    """Add a rank's fragment; a second copy of the same boxes is dropped after checking
-    that it holds the same data."""
-    known = t.seen.get(d["boxes"])
-    if known is not None:
-        if known[0] != d["crcs"]:
-            raise InconsistentStateError(f"{name!r}: replicas on ranks {known[1]} and {rank} hold different data for the same shard")
-        return
-    t.seen[d["boxes"]] = (d["crcs"], rank)
-    t.texts.append(d["fragment"])
-    t.bboxes.append((d["bbox"][0], d["bbox"][1]))
-    t.volume += d["volume"]
+def _duplicate(name: str, t: _Stored, d: dict[str, Any], rank: int) -> None:
+    """A second copy of the same boxes (dropped): it must hold the same data."""
+    known = t.seen[d["boxes"]]
+    if known[0] != d["crcs"]:
+        raise InconsistentStateError(f"{name!r}: replicas on ranks {known[1]} and {rank} hold different data for the same shard")
 
 
 def _check_tiling(name: str, t: _Stored) -> None:
@@ -429,7 +422,13 @@ def assemble(
             t = stored.get(name)
             if t is None:
                 t = stored[name] = _Stored(tensor_head(d["shape"], d["dtype"], d["layout"]))
-            _add_fragment(name, t, d, p["rank"])
+            if d["boxes"] in t.seen:
+                _duplicate(name, t, d, p["rank"])
+                continue
+            t.seen[d["boxes"]] = (d["crcs"], p["rank"])
+            t.texts.append(d["fragment"])
+            t.bboxes.append(d["bbox"])
+            t.volume += d["volume"]
     unwritten = [(n, p["rank"]) for p in payloads for n in p["replicated"] if n not in stored]
     if unwritten:
         raise SaveError("no replica wrote " + ", ".join(f"{n!r} (held by rank {r} and its replicas)" for n, r in unwritten[:5])

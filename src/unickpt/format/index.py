@@ -69,14 +69,14 @@ def manifest_documents(
         if not indexed:
             parts.append(json.dumps(name) + ":" + _join(th, "fragments", "[" + b",".join(texts).decode() + "]"))
             continue
-        order = sorted(range(len(texts)), key=lambda k: (boxes[k][0], boxes[k][1]))
+        order = sorted(range(len(texts)), key=boxes.__getitem__)
         chunks = []
         for c in range(0, len(order), CHUNK_FRAGMENTS):
             ks = order[c : c + CHUNK_FRAGMENTS]
             raw = b"[" + b",".join([texts[k] for k in ks]) + b"]"
             index.append(raw + b"\n")
-            lo = [min(boxes[k][0][d] for k in ks) for d in range(len(th["shape"]))]
-            hi = [max(boxes[k][0][d] + boxes[k][1][d] for k in ks) for d in range(len(th["shape"]))]
+            lo = list(map(min, zip(*[boxes[k][0] for k in ks])))
+            hi = list(map(max, zip(*[[o + n for o, n in zip(*boxes[k])] for k in ks])))
             chunks.append([at, len(raw), crc32c(raw), lo, [h - o for h, o in zip(hi, lo)]])
             at += len(raw) + 1
         parts.append(json.dumps(name) + ":" + _join(th, "fragments_at", json.dumps(chunks, separators=(",", ":"))))
