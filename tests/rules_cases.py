@@ -20,7 +20,6 @@ Module-level functions so spawned ranks (``unickpt.testing.run_ranks``) can impo
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import unickpt
-from unickpt.api.save import assemble, collect, data_file_name, rank_payload, write_data_file
+from unickpt.api.save import collect, data_file_name, manifest_document, rank_message, rank_payload, write_data_file
 from unickpt.dist import Group
 from unickpt.format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
 from unickpt.rules import Coords, ZeroPlan, apply_rules, optimizer_state, presets, reconcile_ranks
@@ -453,9 +452,9 @@ def save_ranks(states: list[dict], path: str, meta: dict | None = None, block_by
             size, frags = write_data_file(storage, data_file_name(r), r, to_write, block_bytes, 1)
             files = {data_file_name(r): size}
             written = list(zip(to_write, frags))
-        payloads.append(json.loads(json.dumps(rank_payload(group, local, written, files))))
-    manifest = assemble(payloads, world, meta or {})
-    storage.write_atomic(MANIFEST_NAME, manifest.to_json().encode())
+        payloads.append(rank_message(rank_payload(group, local, written, files)))
+    for name, doc in manifest_document(payloads, world, meta or {}).items():  # the manifest last
+        storage.write_atomic(name, doc)
 
 
 def save_layout(lay: Layout, path: str, keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq"), store: str = "megatron") -> None:

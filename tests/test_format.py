@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from unickpt.errors import CorruptionError, FormatVersionError, ManifestError, UnickptError
 from unickpt.format.checksum import block_count
 from unickpt.format.dtypes import dtype_from_name, itemsize
+from unickpt.format.index import INDEXED_VERSION
 from unickpt.format.manifest import FORMAT_VERSION, Fragment, Manifest, TensorEntry, check_file_name, seal
 from unickpt.format.safetensors_header import Entry, build_header, parse_header
 from unickpt.format.values import decode_value, encode_value
@@ -142,10 +143,10 @@ def manifests(draw):
 
 def test_refuses_newer_major_version():
     d = doc_of(sample_manifest())
-    d["version"] = f"{FORMAT_VERSION[0] + 1}.0"
+    d["version"] = f"{INDEXED_VERSION[0] + 1}.0"
     with pytest.raises(FormatVersionError, match=r"newer.*upgrade unickpt") as e:
         parse(d)
-    assert f"{FORMAT_VERSION[0] + 1}.0" in str(e.value)
+    assert f"{INDEXED_VERSION[0] + 1}.0" in str(e.value)
     assert isinstance(e.value, UnickptError)
 
 

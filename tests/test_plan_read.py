@@ -370,3 +370,15 @@ def test_block_size_not_multiple_of_itemsize(dtype, block):
         assert torch.equal(local, g[a : a + n]), (
             f"elements [{a}, {a + n}) with block_bytes={block}: got {local.tolist()}, want {g[a:a + n].tolist()}"
         )
+
+
+def test_spans_of_a_large_piece_never_read_a_block_twice():
+    # 1000 rows of 48 bytes, 4 KiB checksum blocks, spans capped at 16 KiB: the cuts fall
+    # on block boundaries (every 256 rows share one), so no block is read by two spans
+    shape, item = (1000, 12), 4
+    frag = SourceFragment("f", 0, prod(shape) * item, 4096, (whole_piece(shape),))
+    plan = plan_reads([whole_piece(shape)], [frag], item, max_span_bytes=16 * 1024)
+    blocks = [b for sp in plan.spans for b in range(sp.first_block, sp.end_block)]
+    assert len(blocks) == len(set(blocks)) and len(plan.spans) > 1
+    assert sum(sp.stop - sp.start for sp in plan.spans) == prod(shape) * item
+    assert plan.covered == [prod(shape)]

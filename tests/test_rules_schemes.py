@@ -336,7 +336,8 @@ def test_tied_embeddings_on_first_and_last_stage_are_stored_once(tmp_path) -> No
     reconcile_ranks(states)
     save_ranks(states, str(tmp_path / "c"))
     m = unickpt.read_manifest(str(tmp_path / "c"))
-    assert len(m.tensors["model.tok_embeddings.weight"].fragments) == 1
+    e = m.tensors["model.tok_embeddings.weight"]  # replicated: every element stored once (the replicas share the rows)
+    assert sum(p.global_box.volume for f in e.fragments for p in f.pieces) == e.shape[0] * e.shape[1]
     assert torch.equal(unickpt.load_tensor(str(tmp_path / "c"), "model.layers.1.attention_norm.weight"), torch.ones(4))
     states[1]["model"]["tok_embeddings.weight"].local[0, 0] = -1.0  # the last stage's copy drifted
     with pytest.raises(InconsistentStateError, match="tok_embeddings"):

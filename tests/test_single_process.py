@@ -137,7 +137,7 @@ def test_newer_major_version_is_refused_newer_minor_is_read(ckpt):
     path, sd = ckpt
     _edit_manifest(path, lambda d: d.update(version="1.7"))
     unickpt.load(_zeros_like(sd), str(path))
-    _edit_manifest(path, lambda d: d.update(version="2.0"))
+    _edit_manifest(path, lambda d: d.update(version="3.0"))
     with pytest.raises(unickpt.FormatVersionError, match="newer"):
         unickpt.load(_zeros_like(sd), str(path))
 

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from ..errors import CorruptionError, ManifestError, NotACheckpointError
+from ..format.index import INDEX_NAME
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.base import Storage
 from ..storage.local import is_inside
@@ -73,7 +74,8 @@ def open_manifest(path: str, storage: Storage | None = None, regions: dict | Non
     storage = storage if storage is not None else open_storage(path, storage_options)
     fmt = checkpoint_format(path, storage)
     if fmt == "unickpt":
-        manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME))
+        manifest = Manifest.from_json(storage.read_small(MANIFEST_NAME),
+                                      index=lambda at, n: read_range(storage, INDEX_NAME, at, n))
         if bases and manifest.bases:
             if is_remote(storage):
                 raise CorruptionError(f"{path}: an incremental checkpoint (it references bases) on an object store: "
@@ -86,6 +88,19 @@ def open_manifest(path: str, storage: Storage | None = None, regions: dict | Non
     manifest.provenance.setdefault("format", fmt)
     check_foreign(manifest)
     return manifest
+
+
+def read_range(storage: Storage, name: str, offset: int, length: int) -> bytes:
+    """Bytes ``[offset, offset + length)`` of a checkpoint file (fewer when it is shorter);
+    a missing file is a CorruptionError."""
+    try:
+        reader = storage.reader(name)
+    except FileNotFoundError:
+        raise CorruptionError(f"{name} is missing from the checkpoint") from None
+    buf = bytearray(max(0, min(length, reader.size - offset)))
+    if buf:
+        reader.pread_into(offset, memoryview(buf))
+    return bytes(buf)
 
 
 def check_relative_path(name: str) -> str:

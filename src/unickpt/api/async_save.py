@@ -284,12 +284,15 @@ def _unchanged_in_call(
         return as_bytes(flat_bytes(t)) if t.device.type == "cpu" else None
 
     # a replicated tensor that is not staged gets its agreement digest from the pass that
-    # hashes it (other ranks compute theirs from the same bytes); alone, no rank compares it
-    crcs = {k: 0 for k, i in enumerate(items) if i.name in local.digest_sources} if world > 1 else {}
+    # hashes it (other ranks compute theirs from the same bytes) when this rank writes it
+    # whole (a share of it would give a share's CRC); alone, no rank compares it
+    sources = local.digest_sources
+    crcs = {k: 0 for k, i in enumerate(items) if i.name in sources and tuple(i.local.shape) == tuple(sources[i.name].shape)}
+    crcs = crcs if world > 1 else {}
     _, refs = split_unchanged(index, items, rank, block_bytes, threads, data, crcs)
     for k, f in refs:
         name = items[k].name
-        if name in local.digest_sources:
+        if name in local.digest_sources and (world == 1 or k in crcs):
             t = local.digest_sources.pop(name)
             local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs[k]) if world > 1 else f"xxh3={f.xxh3}"
     unchanged = {k for k, _ in refs}
@@ -306,7 +309,8 @@ def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: 
     sources = [i.local for i in items]
     staged = [True] * len(items)
     digests: dict[int, str] = {}
-    index = {i.name: k for k, i in enumerate(items)}
+    # a replicated tensor this rank writes whole (not a row share of it)
+    index = {i.name: k for k, i in enumerate(items) if i.name in local.digest_sources and i.local.shape == local.digest_sources[i.name].shape}
     for name, t in local.digest_sources.items():
         if name in index:  # this rank writes it: digest the staged copy, in the background
             digests[index[name]] = name

@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import traceback
+from math import prod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,27 +21,28 @@ from .. import errors
 from ..errors import InconsistentStateError, SaveError, UnickptError
 from ..format.checksum import crc32c
 from ..format.dtypes import dtype_name
+from ..format.index import INDEX_FRAGMENTS, INDEX_NAME, INDEXED_VERSION, manifest_documents, tensor_head
 from ..format.manifest import (
     DEFAULT_BLOCK_BYTES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     Fragment,
-    Manifest,
-    TensorEntry,
-    fragment_from_json,
     fragment_to_json,
+    seal,
 )
 from ..format.values import encode_value
 from ..plan.box import Box
-from ..plan.save_plan import replica_owner
+from ..plan.save_plan import replica_shares
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
 from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import DirectoryWrite
 from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
-from ..engine.items import Holders, TensorItem, is_dtensor, sharded_item, tensor_item
+from ..engine.items import Holders, TensorItem, cut_rows, is_dtensor, row_slice, sharded_item, tensor_item
 from ..engine.state import PerRank, Sharded, flatten
 from ..engine.gc_pause import gc_paused
-from .incremental import BaseIndex, holders_json, merge_holders, open_base, split_unchanged
+from .incremental import BaseIndex, holders_json, open_base, split_unchanged
 
 
 def data_file_name(rank: int) -> str:
@@ -54,6 +56,7 @@ class LocalState:
 
     to_write: list[TensorItem] = field(default_factory=list)
     declared: dict[str, tuple[tuple[int, ...], str, str]] = field(default_factory=dict)
+    replicated: list[str] = field(default_factory=list)  # replicated tensors held as the first or last replica
     digests: dict[str, str] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     rank_values: dict[str, Any] = field(default_factory=dict)
@@ -123,6 +126,7 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
     leaves = flatten(state_dict)
     holders = holders_of([leaf.name for leaf in leaves if not isinstance(leaf.value, PerRank)], group)
     out.leader = holders.members[0] == group.rank
+    lines: dict[tuple, list[TensorItem]] = {}
     for leaf in leaves:
         v = leaf.value
         if isinstance(v, PerRank):
@@ -132,6 +136,7 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
                 out.rank_values[leaf.name] = encode_value(v.value, leaf.name)
             continue
         if isinstance(v, (torch.Tensor, Sharded)):
+            kind = "sharded" if isinstance(v, Sharded) else "dtensor" if is_dtensor(v) else "plain"
             if isinstance(v, Sharded):
                 item = sharded_item(leaf.name, v)
                 v = v.local
@@ -148,16 +153,45 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
                     out.digests[leaf.name] = tensor_digest(dtype, tuple(item.local.shape), 0)
                 else:
                     out.digests[leaf.name] = tensor_digest(dtype, tuple(item.local.shape), crc32c(_as_bytes(item.local)))
-            if item.pieces and replica_owner(item.name, item.shard_key, item.replicas) == item.replica_index:
+            if item.pieces and item.replicas > 1:
+                lines.setdefault(_line_key(item, kind), []).append(item)
+            elif item.pieces:
                 item.local = _stage_fn(item.local)
                 out.to_write.append(item)
-            if item.pieces or (out.leader and Box.whole(item.global_shape).volume == 0):
+            # a tensor this rank writes comes with its fragment; the leader declares empty
+            # ones, and the first and last of several replicas name the tensor (rank 0 checks that
+            # some replica wrote it)
+            if not item.pieces and out.leader and Box.whole(item.global_shape).volume == 0:
                 out.declared[leaf.name] = (item.global_shape, dtype, item.layout)
+            elif item.pieces and item.replicas > 1 and item.replica_index in (0, item.replicas - 1):
+                out.replicated.append(leaf.name)
             continue
         enc = encode_value(v, leaf.name)
         out.values[leaf.name] = enc
         out.digests[leaf.name] = hashlib.sha256(json.dumps(enc, sort_keys=True).encode()).hexdigest()
+    for line in lines.values():
+        for part in replica_parts(line):
+            part.local = _stage_fn(part.local)
+            out.to_write.append(part)
     return out
+
+
+def _line_key(item: TensorItem, kind: str) -> tuple:
+    """Which line of replicated tensors ``item`` joins: tensors whose replicas are the same
+    ranks, as every one of those ranks sees them (plain tensors: all holders; DTensors:
+    the same layout; Sharded: the same replica count, which the rules give per set of
+    replica axes, and the same index; see docs/FORMAT.md, "Who writes replicas")."""
+    key = (kind, item.replicas, item.replica_index)
+    return key if kind == "sharded" else key + (item.layout,)
+
+
+def replica_parts(line: list[TensorItem]) -> list[TensorItem]:
+    """This rank's share of a line of replicated tensors (all of the same replicas):
+    whole tensors or row slices, cut by :func:`~unickpt.plan.save_plan.replica_shares`."""
+    line = sorted(line, key=lambda i: (i.name, i.shard_key))
+    sizes = [i.local.numel() * i.local.element_size() for i in line]
+    shares = replica_shares(sizes, [cut_rows(i) for i in line], line[0].replicas, line[0].replica_index)
+    return [row_slice(line[k], a, b) if cut_rows(line[k]) > 1 else line[k] for k, a, b in shares]
 
 
 def write_data_file(
@@ -238,22 +272,36 @@ def rank_payload(
     base: BaseIndex | None = None,
 ) -> dict[str, Any]:
     """What this rank reports to rank 0 once its file is durable (``base``: the base of an
-    incremental save, whose checkpoints the written fragments may reference)."""
+    incremental save, whose checkpoints the written fragments may reference). Each
+    fragment travels as the JSON text the manifest stores, with what rank 0 checks it by
+    (its volume, a key of its boxes and one of its checksums), so rank 0 parses no
+    fragment."""
     frags: dict[str, dict[str, Any]] = {}
     rank_frags: dict[str, dict[str, Any]] = {}
     for item, frag in written:
-        target = frags if item.layout != "per-rank" else rank_frags
-        target[item.name] = {
-            "shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype),
-            "layout": item.layout, "fragment": fragment_to_json(frag),
-        }
+        entry = {"shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype), "layout": item.layout}
+        fjson = fragment_to_json(frag)
+        if item.layout == "per-rank":
+            rank_frags[item.name] = dict(entry, fragment=fjson)
+            continue
+        boxes = [(p.global_box.offsets, p.global_box.lengths) for p in frag.pieces]
+        lo = [min(o[d] for o, _ in boxes) for d in range(len(item.global_shape))] if boxes else [0] * len(item.global_shape)
+        hi = [max(o[d] + n[d] for o, n in boxes) for d in range(len(item.global_shape))] if boxes else lo
+        frags[item.name] = dict(
+            entry, fragment=json.dumps(fjson, separators=(",", ":")), volume=sum(p.global_box.volume for p in frag.pieces),
+            boxes=_short_hash(repr(boxes)), crcs=_short_hash(repr(frag.crc32c)), bbox=[lo, [h - o for h, o in zip(hi, lo)]],
+        )
     return {
         "rank": group.rank, "error": None, "files": files, "fragments": frags,
-        "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()},
+        "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()}, "replicated": local.replicated,
         "digests": local.digests, "values": local.values if local.leader else {},
         "rank_values": local.rank_values, "rank_tensors": rank_frags,
         "bases": holders_json(base), "incremental": None if base is None else base.lineage(),
     }
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 _DATA_FILE = re.compile(r"rank_\d{5,}\.safetensors")
@@ -261,7 +309,7 @@ _DATA_FILE = re.compile(r"rank_\d{5,}\.safetensors")
 
 def checkpoint_file(name: str) -> bool:
     """True for the names a unickpt checkpoint's files have in its directory."""
-    return name == MANIFEST_NAME or _DATA_FILE.fullmatch(name) is not None
+    return name in (MANIFEST_NAME, INDEX_NAME) or _DATA_FILE.fullmatch(name) is not None
 
 
 @dataclass
@@ -389,62 +437,135 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks[:6])) + (",..." if len(ranks) > 6 else "")
 
 
-def _dedup_and_check(entry: TensorEntry) -> None:
-    """Drop duplicate fragments (same boxes written twice) after checking they agree, and
-    make sure the fragments tile the tensor exactly."""
-    seen: dict[tuple, Fragment] = {}
-    kept = []
-    for f in sorted(entry.fragments, key=lambda f: f.rank):
-        key = tuple((p.global_box.offsets, p.global_box.lengths) for p in f.pieces)
-        if key in seen:
-            if seen[key].crc32c != f.crc32c:
-                raise InconsistentStateError(
-                    f"{entry.name!r}: replicas on ranks {seen[key].rank} and {f.rank} hold different data for the same shard"
-                )
-            continue
-        seen[key] = f
-        kept.append(f)
-    entry.fragments = kept
-    stored = sum(p.global_box.volume for f in kept for p in f.pieces)
-    total = Box.whole(entry.shape).volume if entry.shape else 1
-    if stored != total and not (total == 0 and stored == 0):
-        raise SaveError(f"{entry.name!r}: the saved shards hold {stored} elements of {total}; the layout overlaps or leaves gaps")
+@dataclass
+class _Stored:
+    """One tensor as rank 0 assembles it: its entry, and its fragments as JSON texts."""
+
+    head: dict[str, Any]
+    texts: list[bytes] = field(default_factory=list)
+    bboxes: list[list[list[int]]] = field(default_factory=list)  # [offsets, lengths] of each fragment
+    volume: int = 0
+    seen: dict[str, tuple[str, int]] = field(default_factory=dict)  # boxes key -> (checksums key, rank)
 
 
-def assemble(payloads: list[dict[str, Any]], world_size: int, metadata: dict[str, Any]) -> Manifest:
-    """Build the manifest from every rank's payload (rank 0 only)."""
+def _duplicate(name: str, t: _Stored, d: dict[str, Any], rank: int) -> None:
+    """A second copy of the same boxes (dropped): it must hold the same data."""
+    known = t.seen[d["boxes"]]
+    if known[0] != d["crcs"]:
+        raise InconsistentStateError(f"{name!r}: replicas on ranks {known[1]} and {rank} hold different data for the same shard")
+
+
+def _check_tiling(name: str, t: _Stored) -> None:
+    """The fragments hold every element of the tensor once."""
+    shape = t.head["shape"]
+    total = prod(shape) if shape else 1
+    if t.volume != total and not (total == 0 and t.volume == 0):
+        raise SaveError(f"{name!r}: the saved shards hold {t.volume} elements of {total}; the layout overlaps or leaves gaps")
+
+
+def assemble(
+    payloads: list[dict[str, Any]], world_size: int, metadata: dict[str, Any], indexed: bool | None = None
+) -> dict[str, bytes]:
+    """Build the manifest from every rank's payload (rank 0 only): the documents to commit,
+    ``manifest.json`` last, with ``fragments.jsonl`` before it when the manifest is
+    indexed (format 2.0; by default when more than ``INDEX_FRAGMENTS`` fragments)."""
     errors = [f"rank {p['rank']}: {p['error']}" for p in payloads if p.get("error")]
     if errors:
         raise SaveError("save failed, nothing was committed:\n" + "\n".join(errors))
     _check_agreement(payloads)
-    m = Manifest(world_size=world_size, metadata=encode_value(metadata, "metadata"))
-    m.provenance = {
-        "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "world_size": world_size, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    files: dict[str, int] = {}
+    values: dict[str, Any] = {}
+    stored: dict[str, _Stored] = {}
     for p in payloads:
-        m.values.update(p["values"])
+        values.update(p["values"])
     for p in payloads:
-        m.files.update(p["files"])
+        files.update(p["files"])
         for name, (shape, dtype, layout) in p["declared"].items():
-            m.tensors.setdefault(name, TensorEntry(name, tuple(shape), dtype, [], layout))
+            if name not in stored:
+                stored[name] = _Stored(tensor_head(shape, dtype, layout))
         for name, d in p["fragments"].items():
-            m.tensors[name].fragments.append(fragment_from_json(d["fragment"]))
-    merge_holders(m, [p.get("bases") or {} for p in payloads])
-    m.incremental = payloads[0].get("incremental")
-    for entry in m.tensors.values():
-        _dedup_and_check(entry)
-    rank_value_names = sorted({k for p in payloads for k in p["rank_values"]})
-    for name in rank_value_names:
-        m.rank_values[name] = [p["rank_values"].get(name) for p in payloads]
-    rank_tensor_names = sorted({k for p in payloads for k in p["rank_tensors"]})
-    for name in rank_tensor_names:
-        row: list[TensorEntry | None] = []
+            t = stored.get(name)
+            if t is None:
+                t = stored[name] = _Stored(tensor_head(d["shape"], d["dtype"], d["layout"]))
+            if d["boxes"] in t.seen:
+                _duplicate(name, t, d, p["rank"])
+                continue
+            t.seen[d["boxes"]] = (d["crcs"], p["rank"])
+            t.texts.append(d["fragment"])
+            t.bboxes.append(d["bbox"])
+            t.volume += d["volume"]
+    unwritten = [(n, p["rank"]) for p in payloads for n in p["replicated"] if n not in stored]
+    if unwritten:
+        raise SaveError("no replica wrote " + ", ".join(f"{n!r} (held by rank {r} and its replicas)" for n, r in unwritten[:5])
+                        + "; the replicas disagree on what they hold (docs/FORMAT.md, 'Who writes replicas')")
+    for name, t in stored.items():
+        _check_tiling(name, t)
+    rank_values = {name: [p["rank_values"].get(name) for p in payloads] for name in sorted({k for p in payloads for k in p["rank_values"]})}
+    rank_tensors = {}
+    for name in sorted({k for p in payloads for k in p["rank_tensors"]}):
+        row: list[dict[str, Any] | None] = []
         for p in payloads:
             d = p["rank_tensors"].get(name)
-            row.append(None if d is None else TensorEntry(name, tuple(d["shape"]), d["dtype"], [fragment_from_json(d["fragment"])], "per-rank"))
-        m.rank_tensors[name] = row
-    return m
+            row.append(None if d is None else dict(tensor_head(d["shape"], d["dtype"], "per-rank"), fragments=[d["fragment"]]))
+        rank_tensors[name] = row
+    if indexed is None:
+        indexed = sum(len(t.texts) for t in stored.values()) > INDEX_FRAGMENTS
+    version = INDEXED_VERSION if indexed else FORMAT_VERSION
+    head = {
+        "format": FORMAT_NAME, "version": f"{version[0]}.{version[1]}", "world_size": world_size,
+        "provenance": {
+            "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(), "world_size": world_size,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+        "metadata": encode_value(metadata, "metadata"), "files": files,
+    }
+    bases: dict[str, dict[str, Any]] = {}
+    for p in payloads:  # the checkpoints holding bytes an incremental save references
+        for holder, d in (p.get("bases") or {}).items():
+            bases.setdefault(holder, {"digest": d["digest"], "files": {}})["files"].update(d["files"])
+    if bases:
+        head["bases"] = bases
+    if payloads and payloads[0].get("incremental") is not None:
+        head["incremental"] = payloads[0]["incremental"]
+    tail = {"values": values, "rank_values": rank_values, "rank_tensors": rank_tensors}
+    text, index = manifest_documents(head, [(n, t.head, t.texts, t.bboxes) for n, t in stored.items()], tail, indexed)
+    doc = seal(text).encode()
+    return {MANIFEST_NAME: doc} if index is None else {INDEX_NAME: index, MANIFEST_NAME: doc}
+
+
+def rank_message(payload: dict[str, Any]) -> bytes:
+    """The bytes a rank sends to rank 0 at commit: its payload (:func:`rank_payload`) as
+    one line of JSON, then its fragments' JSON texts back to back (the line gives each
+    text's ``[start, length]``), so rank 0 neither parses nor unescapes them."""
+    texts: list[bytes] = []
+    at = 0
+    frags = {}
+    for name, d in payload.get("fragments", {}).items():
+        raw = d["fragment"].encode()
+        frags[name] = dict(d, fragment=[at, len(raw)])
+        texts.append(raw)
+        at += len(raw)
+    head = dict(payload, fragments=frags) if frags else payload
+    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + b"".join(texts)
+
+
+def read_message(message: bytes) -> dict[str, Any]:
+    """The payload of a :func:`rank_message`."""
+    line, _, tail = message.partition(b"\n")
+    payload = json.loads(line)
+    for d in payload.get("fragments", {}).values():
+        a, n = d["fragment"]
+        d["fragment"] = tail[a : a + n]  # bytes: spliced into the manifest as they are
+    return payload
+
+
+def manifest_document(
+    messages: list[bytes], world_size: int, metadata: dict[str, Any], indexed: bool | None = None
+) -> dict[str, bytes]:
+    """The committing rank's work (rank 0): every rank's message (:func:`rank_message`,
+    in rank order) -> the checked documents to commit (``assemble``). No I/O: ``commit``
+    and the scale simulation (``bench/scale.py``) both call it."""
+    return assemble([read_message(g) for g in messages], world_size, metadata, indexed)
 
 
 def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
@@ -470,14 +591,15 @@ def commit(
     committed manifest to every rank, and each rank passing True also writes it into its
     own directory (ranks writing to different machines' directories, as the in-memory
     snapshots do: every node needs the manifest)."""
-    gathered = gather_bytes(group, json.dumps(payload).encode(), 0)
+    gathered = gather_bytes(group, rank_message(payload), 0)
     result = b"ok"
     if gathered is not None:
         try:
-            manifest = assemble([json.loads(g) for g in gathered], group.size, metadata)
-            doc = manifest.to_json().encode()
+            # a manifest sent to every rank (snapshots) stays one document
+            docs = manifest_document(gathered, group.size, metadata, False if manifest_copy is not None else None)
+            doc = docs[MANIFEST_NAME]
             if target.write is not None:
-                target.write.commit({MANIFEST_NAME: doc})
+                target.write.commit(docs)
             else:
                 target.storage.write_atomic(MANIFEST_NAME, doc)
             if manifest_copy is not None:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import UnickptError
+from ..format.index import INDEX_NAME
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage, list_subdirs, remove_checkpoint
 from ..storage.open import is_remote, local_path, open_storage
@@ -132,6 +133,8 @@ class Tier:
         write, out = claim(dst, overwrite=True, storage_options=self.storage_options)
         try:
             files = sorted(n for n in manifest.files if checkpoint_file(n))
+            if source.exists(INDEX_NAME):  # an indexed manifest's fragment lines (format 2.0)
+                files.append(INDEX_NAME)
             if isinstance(source, LocalStorage) and hasattr(out, "fs"):
                 # the file system's own upload: multipart, several parts in flight
                 def one(name: str) -> None:

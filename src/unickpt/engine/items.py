@@ -157,3 +157,31 @@ def tensor_item(name: str, t: torch.Tensor, holders: Holders | None) -> TensorIt
         index, size = holders.plain()
         return TensorItem(name, t, shape, pieces, index, size, "replicated")
     return TensorItem(name, t, shape, pieces, 0, 1, "per-rank")
+
+
+def cut_rows(item: TensorItem) -> int:
+    """Rows along which ``item`` may be cut into separately stored parts (its first
+    dimension), or 1 when it must be stored whole (0-d, or pieces that are flat runs)."""
+    shape = tuple(item.local.shape)
+    if not shape or any(p.flat_offset or p.view != shape for p in item.pieces):
+        return 1
+    return shape[0]
+
+
+def row_slice(item: TensorItem, first: int, end: int) -> TensorItem:
+    """The part of ``item`` holding rows ``[first, end)`` of its local tensor, with its
+    pieces clipped to those rows (``item`` must be cut along rows: :func:`cut_rows`)."""
+    shape = tuple(item.local.shape)
+    if (first, end) == (0, shape[0] if shape else 1):
+        return item
+    view = (end - first,) + shape[1:]
+    pieces = []
+    for p in item.pieces:
+        a, b = max(first, p.local_offsets[0]), min(end, p.local_offsets[0] + p.global_box.lengths[0])
+        if a >= b:
+            continue
+        g = p.global_box
+        glob = Box((g.offsets[0] + a - p.local_offsets[0],) + g.offsets[1:], (b - a,) + g.lengths[1:])
+        pieces.append(Piece(glob, (a - first,) + p.local_offsets[1:], view, 0))
+    return TensorItem(item.name, item.local.narrow(0, first, end - first), item.global_shape, pieces,
+                      item.replica_index, item.replicas, item.layout)

@@ -22,7 +22,7 @@ from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.manifest import TensorEntry
 from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
-from ..plan.read_plan import Copy, SourceFragment, Span, plan_reads
+from ..plan.read_plan import Copy, ReadPlan, SourceFragment, Span, plan_reads
 from ..storage.base import Storage
 from .reads import COALESCE_MAX, Scratch, Segment, SpanRead, block_checks, check_in_file, checksum_error, execute, fill_gaps
 
@@ -97,6 +97,28 @@ def source_fragments(entry: TensorEntry) -> list[SourceFragment]:
     ]
 
 
+def plan_fill(entry: TensorEntry, pieces: list[Piece], max_span: int | None = None,
+              what: str = "this rank needs") -> tuple[TensorEntry, list[SourceFragment], ReadPlan]:
+    """The reads that fill ``pieces`` (a target's pieces of ``entry``'s global tensor),
+    after checking the checkpoint covers every element: the entry with only the fragments
+    considered (an indexed manifest reads only those near the pieces), what the planner
+    knew of them, and the plan (its spans index that entry's fragments). No I/O beyond
+    an indexed manifest's lines: loads and the scale simulation (``bench/scale.py``)
+    both call it."""
+    near = entry.fragments_touching([p.global_box for p in pieces])
+    if near is not entry.fragments:
+        entry = TensorEntry(entry.name, entry.shape, entry.dtype, near, entry.layout)
+    sources = source_fragments(entry)
+    plan = plan_reads(pieces, sources, itemsize(entry.dtype), *([max_span] if max_span else []))
+    for p, got in zip(pieces, plan.covered):
+        if got != p.global_box.volume:
+            raise CorruptionError(
+                f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "
+                f"{what} (box {p.global_box}); its fragments are incomplete"
+            )
+    return entry, sources, plan
+
+
 class TensorReads:
     """Reads of checkpoint entries into target tensors: :meth:`add` plans them, :meth:`run`
     reads, verifies and copies. ``max_span`` caps the bytes of one span (and of a group of
@@ -116,13 +138,7 @@ class TensorReads:
     def add(self, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece], what: str = "this rank needs") -> None:
         """Plan the reads filling ``pieces`` of ``local`` from ``entry``'s fragments; a
         CorruptionError when the fragments do not cover them."""
-        plan = plan_reads(pieces, source_fragments(entry), itemsize(entry.dtype), *([self.max_span] if self.max_span else []))
-        for p, got in zip(pieces, plan.covered):
-            if got != p.global_box.volume:
-                raise CorruptionError(
-                    f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "
-                    f"{what} (box {p.global_box}); its fragments are incomplete"
-                )
+        entry, _, plan = plan_fill(entry, pieces, self.max_span, what)
         self.jobs.extend((entry, sp, local) for sp in plan.spans)
 
     def span_read(self, entry: TensorEntry, sp: Span, local: torch.Tensor) -> SpanRead:

@@ -34,6 +34,16 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def data_file_layout(rank: int, items: list[TensorItem]) -> tuple[bytes, list[int], int]:
+    """The layout of a rank's data file holding ``items`` (only their dtypes and shapes
+    are used, so meta tensors do): its leading bytes (length + safetensors header), each
+    item's absolute data offset, and the file's size. Pure: the writer and the scale
+    simulation (``bench/scale.py``) both use it."""
+    entries = [Entry(i.name, dtype_name(i.local.dtype), tuple(i.local.shape), i.local.numel() * i.local.element_size()) for i in items]
+    prefix, offsets = build_header(entries, {"format": "unickpt", "rank": str(rank)})
+    return prefix, offsets, len(prefix) + sum(e.nbytes for e in entries)
+
+
 class DataFileWriter:
     """One rank's safetensors file, written in parts: the header at creation, then byte
     ranges of the tensors in any order, fsync once in :meth:`finish`. I/O errors become
@@ -44,9 +54,7 @@ class DataFileWriter:
     ) -> None:
         self.items, self.name, self.rank = items, name, rank
         self.block_bytes, self.threads = block_bytes, max(1, threads)
-        entries = [Entry(i.name, dtype_name(i.local.dtype), tuple(i.local.shape), i.local.numel() * i.local.element_size()) for i in items]
-        prefix, self.offsets = build_header(entries, {"format": "unickpt", "rank": str(rank)})
-        self.size = len(prefix) + sum(e.nbytes for e in entries)
+        prefix, self.offsets, self.size = data_file_layout(rank, items)
         self.path = storage.path(name) if hasattr(storage, "path") else name  # for error messages
         self._storage = storage
         self._crcs: list[dict[int, list[int]]] = [{} for _ in items]

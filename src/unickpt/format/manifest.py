@@ -20,8 +20,10 @@ from typing import Any
 from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestError
 from ..plan.box import Box
 from ..plan.piece import Piece
+from .dtypes import _DTYPES as _DTYPE_NAMES  # names known without torch
 from .dtypes import dtype_from_name, itemsize
 from .refs import BaseRef, check_base_path, check_digest_text, ref_key, split_key
+from .index import INDEX_NAME, INDEXED_VERSION, IndexReader, index_chunks, read_line
 from .values import check_text, decode_value
 
 FORMAT_NAME = "unickpt"
@@ -106,6 +108,11 @@ class TensorEntry:
         """Size of the whole global tensor in bytes."""
         return prod(self.shape) * itemsize(self.dtype)
 
+    def fragments_touching(self, boxes: list[Box]) -> list[Fragment]:
+        """The fragments a reader of ``boxes`` (global boxes) must consider: all of them
+        here; an indexed manifest's entry reads only those near the boxes."""
+        return self.fragments
+
 
 @dataclass
 class Manifest:
@@ -133,7 +140,8 @@ class Manifest:
         """Serialise to the JSON text stored in ``manifest.json``, sealed with its digest."""
         doc = {
             "format": FORMAT_NAME,
-            "version": f"{self.version[0]}.{self.version[1]}",
+            # this method writes fragments inline: an indexed (2.0) manifest becomes a 1.x one
+            "version": "{}.{}".format(*(self.version if self.version < INDEXED_VERSION else FORMAT_VERSION)),
             "world_size": self.world_size,
             "provenance": self.provenance,
             "metadata": self.metadata,
@@ -149,10 +157,14 @@ class Manifest:
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False))
 
     @staticmethod
-    def from_json(text: str | bytes) -> Manifest:
+    def from_json(text: str | bytes, index: IndexReader | None = None) -> Manifest:
         """Parse and validate manifest text: structure, types and ranges first (a
         :class:`~unickpt.ManifestError` says what is wrong), then the digest (a
-        :class:`~unickpt.CorruptionError` when the text was changed after it was written)."""
+        :class:`~unickpt.CorruptionError` when the text was changed after it was written).
+
+        ``index(offset, length) -> bytes`` reads the index file of an indexed manifest
+        (format 2.0, ``format/index.py``): each tensor's fragments are read, checked and
+        parsed when first used."""
         raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
         doc = _parse_json(raw)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -160,7 +172,7 @@ class Manifest:
         version = _parse_version(doc.get("version"))
         digest = doc.pop("digest", None)
         try:
-            m = _manifest_from_doc(doc, version)
+            m = _manifest_from_doc(doc, version, index)
         except ManifestError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError, IndexError) as e:
@@ -217,7 +229,7 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int]) -> Manifest:
+def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int], index: IndexReader | None = None) -> Manifest:
     world = _int(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
     files = {check_file_name(k): _int(v, f"size of file {k!r}") for k, v in _dict(doc.get("files", {}), "files").items()}
     bases = _bases_from_json(doc.get("bases", {}))
@@ -225,9 +237,17 @@ def _manifest_from_doc(doc: dict[str, Any], version: tuple[int, int]) -> Manifes
         files.update({ref_key(b.path, n): size for n, size in b.files.items()})
     incremental = _incremental_from_json(doc["incremental"]) if "incremental" in doc else None
     total = sum(files.values())
-    tensors = {
-        n: _tensor_from_json(n, t, files, total, world) for n, t in _dict(doc.get("tensors", {}), "tensors").items()
-    }
+    raw_tensors = _dict(doc.get("tensors", {}), "tensors")
+    if version >= INDEXED_VERSION:
+        at = _dict(doc.get("index"), "index")
+        if at.get("file") != INDEX_NAME:
+            raise ManifestError(f"malformed manifest: index file is {at.get('file')!r:.40}, not {INDEX_NAME!r}")
+        size = _int(at.get("size"), "index size")
+        tensors: dict[str, TensorEntry] = {
+            n: IndexedTensorEntry.parse(n, t, files, total, world, size, index) for n, t in raw_tensors.items()
+        }
+    else:
+        tensors = {n: _tensor_from_json(n, t, files, total, world) for n, t in raw_tensors.items()}
     values = _dict(doc.get("values", {}), "values")
     for k, v in values.items():
         decode_value(v, k)
@@ -332,10 +352,10 @@ def _parse_version(text: Any) -> tuple[int, int]:
         major, minor = (int(x) for x in str(text).split("."))
     except ValueError:
         raise ManifestError(f"manifest has no valid version: {text!r:.40}") from None
-    if major > FORMAT_VERSION[0]:
+    if major > INDEXED_VERSION[0]:
         raise FormatVersionError(
             f"checkpoint format version {major}.{minor} is newer than this unickpt reads "
-            f"({FORMAT_VERSION[0]}.x); upgrade unickpt to open it"
+            f"({FORMAT_VERSION[0]}.x and {INDEXED_VERSION[0]}.x); upgrade unickpt to open it"
         )
     return major, minor
 
@@ -457,3 +477,82 @@ def _tensor_from_json(name: str, d: Any, files: dict[str, int], total_bytes: int
                 raise ManifestError(f"tensor {name!r}: piece reaches past its fragment's data")
         t.fragments.append(frag)
     return t
+
+
+class IndexedTensorEntry(TensorEntry):
+    """A tensor of an indexed manifest (format 2.0): its fragments are read from lines of
+    the index file, checked and validated like inline ones, when first used; a reader
+    that needs only some boxes reads only the lines whose bounding box meets them."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, layout: str, chunks: Any, context: tuple) -> None:
+        super().__init__(name, shape, dtype, [], layout)
+        self._fragments: list[Fragment] | None = None
+        self._raw_chunks, self._context = chunks, context
+        self._chunks: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] | None = None
+        self._loaded: dict[int, list[Fragment]] = {}
+
+    @property  # type: ignore[override]
+    def fragments(self) -> list[Fragment]:
+        """Every fragment (its lines read from the index on first use)."""
+        if self._fragments is None:
+            self._fragments = self._load(range(len(self._chunk_list())))
+        return self._fragments
+
+    @fragments.setter
+    def fragments(self, value: list[Fragment]) -> None:
+        self._fragments = value
+
+    def fragments_touching(self, boxes: list[Box]) -> list[Fragment]:
+        """The fragments of the lines whose bounding box meets one of ``boxes`` (every
+        fragment holding an element of them, and a few neighbours)."""
+        if self._fragments is not None:
+            return self._fragments
+        chunks = self._chunk_list()
+        return self._load([k for k, c in enumerate(chunks) if any(_meets(c[3], c[4], b) for b in boxes)])
+
+    def _chunk_list(self) -> list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]:
+        if self._chunks is None:
+            self._chunks = index_chunks(self._raw_chunks, self.name, len(self.shape), self._context[3])
+        return self._chunks
+
+    def _load(self, which: Any) -> list[Fragment]:
+        files, total, world, _, index, head = self._context
+        out: list[Fragment] = []
+        for k in which:
+            if k not in self._loaded:
+                off, length, crc, lo, lens = self._chunk_list()[k]
+                line = _parse_json(read_line(index, self.name, off, length, crc))
+                frags = _tensor_from_json(self.name, dict(head, fragments=line), files, total, world).fragments
+                box = Box(lo, lens)
+                if any(not box.contains(p.global_box) for f in frags for p in f.pieces):
+                    raise ManifestError(f"malformed manifest: tensor {self.name!r}: a fragment lies outside the box its "
+                                        f"line of {INDEX_NAME} is listed with")
+                self._loaded[k] = frags
+            out.extend(self._loaded[k])
+        return out
+
+    @staticmethod
+    def parse(
+        name: str, d: Any, files: dict[str, int], total: int, world: int, index_size: int, index: IndexReader | None
+    ) -> IndexedTensorEntry:
+        """A root entry ``{shape, dtype, layout, fragments_at}``, validated; fragments later."""
+        if type(d) is not dict:
+            raise ManifestError(f"malformed manifest: tensor {name!r} is {_brief(d)}, not an object")
+        if "fragments" in d:
+            raise ManifestError(f"malformed manifest: tensor {name!r} lists fragments inline in an indexed manifest")
+        head = {k: d[k] for k in ("shape", "dtype", "layout") if k in d}
+        shape, dtype, layout = d.get("shape"), d.get("dtype"), d.get("layout", "")
+        if (
+            type(shape) is list and len(shape) <= MAX_NDIM and all(type(x) is int and 0 <= x <= MAX_DIM for x in shape)
+            and dtype in _DTYPE_NAMES and type(layout) is str and name.isascii() and layout.isascii()
+            and prod(shape) * itemsize(dtype) <= total
+        ):  # the common case, checked fast; anything else gets the full check and its message
+            t = TensorEntry(name, tuple(shape), dtype, [], layout)
+        else:
+            t = _tensor_from_json(name, dict(head, fragments=[]), files, total, world)
+        return IndexedTensorEntry(t.name, t.shape, t.dtype, t.layout, d.get("fragments_at"),
+                                  (files, total, world, index_size, index, head))
+
+
+def _meets(offsets: tuple[int, ...], lengths: tuple[int, ...], b: Box) -> bool:
+    return all(o < bo + bn and bo < o + n for o, n, bo, bn in zip(offsets, lengths, b.offsets, b.lengths))

@@ -9,6 +9,7 @@ every byte read is verified. Pure: the result is a list of byte spans and copies
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import gcd
 
 from .box import Box, intersect, row_major_strides
 from .piece import Piece
@@ -56,14 +57,37 @@ class ReadPlan:
     covered: list[int]
 
 
-def _split_rows(box: Box, rows: int) -> list[Box]:
+def _split_rows(box: Box, rows: int, source: Piece | None = None, itemsize: int = 1, block_bytes: int = 0) -> list[Box]:
+    """``box`` cut into runs of at most ``rows`` rows. With ``source`` (the stored piece
+    holding it) the cuts fall where a checksum block of the fragment starts whenever the
+    rows allow, so that two spans never both read (and check) the same block."""
     if box.ndim == 0 or box.lengths[0] <= rows:
         return [box]
+    cuts = _aligned_cuts(box, rows, source, itemsize, block_bytes) if source is not None and block_bytes else None
+    if cuts is None:
+        cuts = list(range(rows, box.lengths[0], rows))
     out = []
-    for r in range(0, box.lengths[0], rows):
-        n = min(rows, box.lengths[0] - r)
-        out.append(Box((box.offsets[0] + r,) + box.offsets[1:], (n,) + box.lengths[1:]))
+    for a, b in zip([0] + cuts, cuts + [box.lengths[0]]):
+        out.append(Box((box.offsets[0] + a,) + box.offsets[1:], (b - a,) + box.lengths[1:]))
     return out
+
+
+def _aligned_cuts(box: Box, rows: int, source: Piece, itemsize: int, block_bytes: int) -> list[int] | None:
+    """Row cuts (relative to ``box``) at the fragment's block boundaries, at most ``rows``
+    apart; None when the rows never meet a block boundary that often."""
+    row_bytes = row_major_strides(source.view)[0] * itemsize
+    first = source.local_of(box).offsets[0]  # the box's first row in the piece's view
+    base = source.flat_offset * itemsize + first * row_bytes  # its byte offset in the fragment
+    g = gcd(row_bytes, block_bytes)
+    period = block_bytes // g  # rows between two rows starting on a block boundary
+    if base % g or period > rows:
+        return None
+    # the first row r >= 0 (from the box's first) with base + r * row_bytes a multiple of block_bytes
+    r = (-(base // g) * pow(row_bytes // g, -1, period)) % period if period > 1 else 0
+    step = (rows // period) * period
+    cuts = [r] if r else []
+    cuts += range(r + step, box.lengths[0], step)
+    return [c for c in cuts if 0 < c < box.lengths[0]]
 
 
 def plan_reads(
@@ -84,7 +108,7 @@ def plan_reads(
                 covered[ti] += common.volume
                 row_bytes = itemsize * (row_major_strides(s.view)[0] if s.view else 1)
                 rows = max(1, max_span_bytes // max(1, row_bytes))
-                for part in _split_rows(common, rows):
+                for part in _split_rows(common, rows, s, itemsize, f.block_bytes):
                     lo, hi = s.row_span(part)
                     runs.setdefault(fi, []).append((lo * itemsize, hi * itemsize, Copy(part, s, t, ti)))
     spans: list[Span] = []

@@ -1,0 +1,74 @@
+"""Spawned rank functions of tests/test_scale.py (importable by the rank processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+
+import unickpt
+
+PRELOAD = ["torch", "torch.distributed.tensor", "unickpt", "unickpt.rules", "scale_cases"]
+
+
+def balance_rank(rank: int, world: int, root: str) -> None:
+    """2x2 mesh: 16 fully replicated and 8 half-replicated (Shard(0), Replicate()) 64x64
+    tensors, saved for real; each rank writes its share of the replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    gen = torch.Generator().manual_seed(7)
+    full = {f"full.{i}": torch.randn(64, 64, generator=gen) for i in range(16)}
+    half = {f"half.{i}": torch.randn(64, 64, generator=gen) for i in range(8)}
+    state = dict(full)
+    state.update({k: distribute_tensor(v, mesh, [Shard(0), Replicate()]) for k, v in half.items()})
+    unickpt.save(state, os.path.join(root, "ck"))
+    target = {k: torch.zeros(64, 64) for k in list(full) + list(half)}
+    unickpt.load(target, os.path.join(root, "ck"))
+    for k, v in {**full, **half}.items():
+        assert torch.equal(target[k], v), k
+
+
+SPEC_ARGS = dict(layers=4, hidden=16, heads=4, kv_heads=2, head_dim=4, vocab=50, ffn=32)
+LAYOUT = dict(tp=2, pp=2, dp=2)
+BLOCK = 256
+
+
+def _fill(coords):
+    def make(name, shape, dtype):
+        # replicas (same tp, pp) hold the same model weights; optimizer partitions differ
+        seed = zlib.crc32(f"{name} {coords.tp_rank} {coords.pp_rank} {0 if dtype == torch.bfloat16 else coords.dp_rank}".encode())
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return make
+
+
+def message_rank(rank: int, world: int, root: str, repo: str) -> None:
+    """A real 8-rank save of the bench's model (TP2 x PP2 x DP2, ZeRO-1) with the message
+    each rank sends to rank 0 recorded, next to the message the simulation computes."""
+    sys.path.insert(0, repo)
+    from bench.scale_model import ModelSpec, rank_state, simulated_message
+    from unickpt.api import save as save_api
+    from unickpt.rules.coords import Coords
+
+    spec = ModelSpec(**SPEC_ARGS)
+    rules = spec.rules()
+    c = Coords.from_rank(rank, **LAYOUT)
+    sent = []
+    real_gather = save_api.gather_bytes
+
+    def recording_gather(group, payload, dst=0):
+        sent.append(payload)
+        return real_gather(group, payload, dst)
+
+    save_api.gather_bytes = recording_gather
+    state = rank_state(spec, rules, c, "save", fill=_fill(c))
+    unickpt.save(state, os.path.join(root, "ck"), block_bytes=BLOCK)
+    simulated, _ = simulated_message(spec, rules, c, rank, world, BLOCK)
+    with open(os.path.join(root, f"msg{rank}.json"), "w") as f:
+        json.dump({"real": sent[0].decode(), "simulated": simulated.decode()}, f)
+    dist.barrier()
