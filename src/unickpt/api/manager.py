@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import warnings
 from typing import Any
 
 from ..dist import broadcast_bytes, resolve_group
 from ..errors import CorruptionError, UnickptError
-from ..format.manifest import MANIFEST_NAME
-from ..storage.local import LocalStorage, list_subdirs
+from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
 from .incremental import prune
 from .load import load, read_manifest
@@ -23,7 +21,6 @@ from .save import checkpoint_file, save
 from .tiers import Tier
 
 log = logging.getLogger("unickpt")
-_STEP = re.compile(r"^step_(\d+)$")
 
 
 class TierFallbackWarning(UserWarning):
@@ -185,11 +182,9 @@ class CheckpointManager:
         """Step directories without a manifest holding nothing but checkpoint files: what a
         deletion killed midway left."""
         out = []
-        for name in list_subdirs(self.root):
+        for name in self.fast.uncommitted():
             path = os.path.join(self.root, name)
-            if not _STEP.match(name) or LocalStorage(path).exists(MANIFEST_NAME):
-                continue
-            names = LocalStorage(path).names()
+            names = open_storage(path).names()
             if all(checkpoint_file(n) or n.startswith(".") for n in names) and all(
                 os.path.isfile(os.path.join(path, n)) for n in names
             ):

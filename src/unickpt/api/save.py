@@ -35,7 +35,6 @@ from ..format.values import encode_value
 from ..plan.box import Box
 from ..plan.save_plan import replica_shares
 from ..storage.base import Storage
-from ..storage.local import LocalStorage
 from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import DirectoryWrite
 from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
@@ -373,7 +372,7 @@ def claim(path: str, overwrite: bool, storage_options: dict[str, Any] | None = N
         storage = open_storage(path, storage_options)
         return PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file), storage
     write = DirectoryWrite.begin(local_path(path), MANIFEST_NAME, overwrite, checkpoint_file)
-    return write, LocalStorage(write.staging)
+    return write, open_storage(write.staging)
 
 
 def _prepare_remote(group: Group, path: str, overwrite: bool, storage_options: dict[str, Any] | None) -> Target:

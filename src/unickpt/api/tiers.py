@@ -54,7 +54,7 @@ class Tier:
             for name in list_subdirs(self.root):
                 m = STEP.match(name)
                 if m:
-                    if LocalStorage(os.path.join(self.root, name)).exists(MANIFEST_NAME):
+                    if open_storage(os.path.join(self.root, name)).exists(MANIFEST_NAME):
                         committed.append(int(m.group(1)))
                     else:
                         other.append(name)
@@ -67,6 +67,10 @@ class Tier:
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints, oldest first."""
         return self._listing()[0]
+
+    def uncommitted(self) -> list[str]:
+        """Names of the step directories (prefixes) that hold no manifest."""
+        return self._listing()[1]
 
     def is_valid(self, path: str, verify: bool = False) -> bool:
         """True when ``path`` is a committed checkpoint whose files are all there, whole

@@ -15,7 +15,7 @@ import re
 
 from ..errors import CorruptionError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..storage.local import LocalStorage
+from ..storage.open import open_storage
 
 _TAIL = re.compile(rb',"digest":"(sha256:[0-9a-f]{64})"\}\s*\Z')
 _TAIL_BYTES = 256
@@ -29,7 +29,7 @@ def holder_dir(path: str | os.PathLike, base: str) -> str:
 def manifest_digest_on_disk(directory: str) -> str | None:
     """The digest stored at the end of ``directory``'s manifest, or None when there is no
     committed manifest (or it carries no digest)."""
-    storage = LocalStorage(directory)
+    storage = open_storage(directory)
     try:
         reader = storage.reader(MANIFEST_NAME)
         tail = bytearray(min(_TAIL_BYTES, reader.size))
