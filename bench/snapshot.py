@@ -68,6 +68,22 @@ def _encode_seconds(roots: list[str], step: int) -> float:
     return out
 
 
+def _copy_all(sd: dict[str, torch.Tensor], dst: torch.Tensor, crc: bool) -> float:
+    """Seconds (slowest rank) to copy every local byte of ``sd`` into ``dst``, with a
+    crc32c of each tensor's copy when ``crc``: the floors a snapshot and a verified load
+    are measured against."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    at = 0
+    for v in sd.values():
+        b = v.to_local().reshape(-1).view(torch.uint8)
+        dst[at : at + b.numel()].copy_(b)
+        if crc:
+            _crc.crc32c(dst[at : at + b.numel()].numpy())
+        at += b.numel()
+    return max_over_ranks(time.perf_counter() - t0)
+
+
 def _take(rank: int, world: int, total: int, roots: list[str], disk: str | None, snaps: int, out: str,
           parity: int = 1, replicas: int = 1) -> None:
     """Phase 1: snapshots (stall, time to whole), memcpy floor, and (``disk`` given)
@@ -79,27 +95,9 @@ def _take(rank: int, world: int, total: int, roots: list[str], disk: str | None,
     nbytes = local_bytes(sd)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     dst.fill_(1)
-    memcpy = []
-    for _ in range(2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        at = 0
-        for v in sd.values():
-            b = v.to_local().reshape(-1).view(torch.uint8)
-            dst[at : at + b.numel()].copy_(b)
-            at += b.numel()
-        memcpy.append(max_over_ranks(time.perf_counter() - t0))
-    floor = []  # what any verified load from memory must do: copy every byte and crc32c it
-    for _ in range(2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        at = 0
-        for v in sd.values():
-            b = v.to_local().reshape(-1).view(torch.uint8)
-            dst[at : at + b.numel()].copy_(b)
-            _crc.crc32c(dst[at : at + b.numel()].numpy())
-            at += b.numel()
-        floor.append(max_over_ranks(time.perf_counter() - t0))
+    memcpy = [_copy_all(sd, dst, crc=False) for _ in range(2)]
+    # what any verified load from memory must do: copy every byte and crc32c it
+    floor = [_copy_all(sd, dst, crc=True) for _ in range(2)]
     del dst
     snap = Snapshotter("bench", 1, parity, replicas=replicas)
     stalls, background, whole = [], [], []
