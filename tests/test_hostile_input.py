@@ -138,6 +138,20 @@ def test_data_file_header_nested_too_deeply_is_a_problem_not_a_crash(ckpt: Path)
     ], report
 
 
+def test_foreign_json_nested_too_deeply_is_one_error_line(tmp_path: Path) -> None:
+    """A Hugging Face folder whose config.json nests 100,000 levels: the reader says the file
+    is not valid JSON (one error line, exit 2), not a RecursionError from inside json."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"w": torch.ones(2, 2)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    r = subprocess.run([sys.executable, "-m", "unickpt", "inspect", str(folder)], capture_output=True, text=True,
+                       env={**os.environ, **ENV}, timeout=120)
+    assert (r.returncode, r.stderr) == (2, f"error: {folder / 'config.json'} is not valid JSON: JSON nested too deeply\n")
+
+
 # ------------------------------------------------------------------ item 5: malformed manifests
 
 

@@ -591,6 +591,7 @@ def export_cmd(
     out or the source holds data unickpt does not read, unless --allow-skip."""
     from .adapters.checkpoint import open_checkpoint
     from .adapters.hf_export import export_hf, export_ledger, parse_size, plan_hf_export
+    from .format.values import loads_json
 
     if fmt != "hf":
         raise _fail(f"unknown export format {fmt!r} (known: hf)")
@@ -598,7 +599,7 @@ def export_cmd(
     hf_config = None
     if config is not None:
         try:
-            hf_config = json.loads(config.read_text())
+            hf_config = loads_json(config.read_text())
         except ValueError as e:
             raise _fail(f"{config} is not valid JSON: {e}") from None
         if not isinstance(hf_config, dict):

@@ -18,13 +18,13 @@ Consolidated output (``enable_consolidation=True``) and files whose tensors are 
 
 from __future__ import annotations
 
-import json
 from math import prod
 from typing import Any
 
 from ..errors import LayoutError, ManifestError
 from ..format.dtypes import itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
+from ..format.values import loads_json
 from ..format.safetensors_header import header_tensors, read_header
 from ..plan.box import Box, intersect
 from ..plan.piece import box_piece
@@ -48,7 +48,7 @@ def _sharding_info(header: dict[str, Any], name: str) -> dict[str, Any] | None:
     if not isinstance(meta, dict) or SHARDING_KEY not in meta:
         return None
     try:
-        info = json.loads(meta[SHARDING_KEY])
+        info = loads_json(meta[SHARDING_KEY])
     except (TypeError, ValueError):
         raise ManifestError(f"{name}: {SHARDING_KEY} is not valid JSON") from None
     if not isinstance(info, dict):
@@ -93,7 +93,7 @@ def _index_total(storage: LocalStorage) -> int | None:
     if not storage.exists(INDEX_NAME):
         return None
     try:
-        total = json.loads(storage.read_small(INDEX_NAME)).get("metadata", {}).get("total_size")
+        total = loads_json(storage.read_small(INDEX_NAME)).get("metadata", {}).get("total_size")
     except (ValueError, AttributeError):
         return None
     return total if isinstance(total, int) and not isinstance(total, bool) else None

@@ -12,14 +12,13 @@ index does not list) is left out and named in ``provenance["skipped"]``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..errors import UnickptError
 from ..format.dtypes import itemsize
 from ..format.manifest import MANIFEST_NAME, Fragment, Manifest, TensorEntry, check_file_name
 from ..format.safetensors_header import header_tensors, read_header
-from ..format.values import encode_value
+from ..format.values import encode_value, loads_json
 from ..plan.box import Box
 from ..plan.piece import Piece, whole_piece
 from ..rules.hf import HfMapping, heads_from_config, hf_row_of
@@ -43,7 +42,7 @@ def is_hf(path: str) -> bool:
 
 def _read_json(storage: LocalStorage, name: str) -> Any:
     try:
-        return json.loads(storage.read_small(name))
+        return loads_json(storage.read_small(name))
     except ValueError as e:
         raise HfError(f"{storage.root / name} is not valid JSON: {e}") from None
 

@@ -29,14 +29,13 @@ The ``zarr`` backend is refused with an error naming it.
 
 from __future__ import annotations
 
-import json
 from math import prod
 from typing import Any
 
 from ..errors import ManifestError, UnickptError, UnsafePickleError
 from ..format.dtypes import itemsize
 from ..format.manifest import Fragment, Manifest, TensorEntry
-from ..format.values import encode_value
+from ..format.values import encode_value, loads_json
 from ..plan.box import Box
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.local import LocalStorage
@@ -55,7 +54,7 @@ def read_config(path: str) -> dict[str, Any] | None:
     if not storage.root.is_dir() or not (storage.root / CONFIG_NAME).is_file():
         return None
     try:
-        config = json.loads(storage.read_small(CONFIG_NAME))
+        config = loads_json(storage.read_small(CONFIG_NAME))
     except (ValueError, UnicodeDecodeError):
         return None
     return config if isinstance(config, dict) and "sharded_backend" in config else None

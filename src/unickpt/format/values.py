@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 from typing import Any
 
@@ -22,6 +23,15 @@ from ..errors import ManifestError, UnickptError
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 MAX_DEPTH = 100  # nesting of lists, tuples and dicts in one stored value
+
+
+def loads_json(raw: str | bytes) -> Any:
+    """``json.loads`` for text from outside (a foreign checkpoint's config or index): every
+    way it can be invalid, nesting too deep for the parser included, is a ``ValueError``."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def encode_value(value: Any, key: str = "", _depth: int = 0) -> Any:
