@@ -326,3 +326,108 @@ def test_failed_conversion_leaves_no_partial_output(tmp_path, corrupt_source, to
     with pytest.raises(unickpt.CorruptionError):
         run(str(kept))
     assert os.listdir(kept) == ["notes.txt"] and (kept / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------ exports replace their folder whole
+
+
+def _files(folder) -> dict[str, bytes]:
+    """Every entry of ``folder``: a file's bytes, None for a directory."""
+    return {n: (folder / n).read_bytes() if (folder / n).is_file() else None for n in sorted(os.listdir(folder))}
+
+
+def _exports(seed: int, tmp_path) -> tuple[str, str]:
+    """Two checkpoints whose HF exports differ in every shard and in the shard count."""
+    big = str(tmp_path / f"src{seed}")
+    unickpt.save(_state(seed, numel=1 << 16), big)  # 3 tensors of 256 KiB
+    return big, str(tmp_path / f"bad{seed}")
+
+
+def _corrupt_last_tensor(src: str, dst: str) -> None:
+    """A copy of checkpoint ``src`` whose last tensor's bytes are damaged (found by the
+    checksums when the export reaches it, after the first shards are written)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    data = os.path.join(dst, "rank_00000.safetensors")
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:
+        f.seek(size - 100)
+        f.write(b"\xff" * 8)
+
+
+def test_a_failed_hf_export_over_an_old_one_leaves_the_old_one_whole(tmp_path):
+    from unickpt.adapters.hf_export import export_hf
+
+    first, _ = _exports(1, tmp_path)
+    second, bad = _exports(2, tmp_path)
+    _corrupt_last_tensor(second, bad)
+    out = tmp_path / "hf"
+    export_hf(first, str(out), max_shard_size="300KB", names="keep")
+    (out / "tokenizer.json").write_text("{}")  # a file of the user's, kept by every export
+    before = _files(out)
+    assert len([n for n in before if n.endswith(".safetensors")]) == 3
+    with pytest.raises(unickpt.CorruptionError):
+        export_hf(bad, str(out), max_shard_size="600KB", names="keep", overwrite=True)
+    assert _files(out) == before  # old shards, index and the user's file; no staging, no lock left
+    report = export_hf(second, str(out), max_shard_size="600KB", names="keep", overwrite=True)
+    assert sorted(os.listdir(out)) == sorted(report.shards + ["model.safetensors.index.json", "tokenizer.json"])
+    assert len(report.shards) == 2  # the third old shard is gone with the old export
+    from safetensors.torch import load_file
+
+    got = {k: v for s in report.shards for k, v in load_file(str(out / s)).items()}
+    assert got.keys() == {"a", "b", "c"} and all(torch.equal(got[k], _state(2, numel=1 << 16)["model"][k]) for k in got)
+
+
+def _export_then_hang(src: str, dst: str) -> None:
+    from unickpt.adapters.hf_export import export_hf
+
+    def stall(_n: int) -> None:
+        time.sleep(3600)  # killed here, after the first tensor of the new export is written
+
+    export_hf(src, dst, max_shard_size="300KB", names="keep", overwrite=True, progress=stall)
+
+
+def test_sigkill_during_an_hf_export_over_an_old_one_leaves_the_old_one_whole(tmp_path):
+    from unickpt.adapters.hf_export import export_hf
+
+    first, _ = _exports(1, tmp_path)
+    second, _ = _exports(2, tmp_path)
+    out = tmp_path / "hf"
+    export_hf(first, str(out), max_shard_size="600KB", names="keep")
+    before = _files(out)
+    p = multiprocessing.get_context("fork").Process(target=_export_then_hang, args=(second, str(out)))
+    p.start()
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(".unickpt-") for n in os.listdir(out)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    left = {n: d for n, d in _files(out).items() if not n.startswith(".unickpt")}  # the killed write's staging stays
+    assert left == before
+    export_hf(second, str(out), max_shard_size="300KB", names="keep", overwrite=True)  # and is removed by the next
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+def test_a_failed_dcp_write_over_an_old_one_leaves_it_loadable(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from unickpt.adapters.dcp_writer import write_dcp
+
+    first, _ = _exports(1, tmp_path)
+    second, bad = _exports(2, tmp_path)
+    _corrupt_last_tensor(second, bad)
+    out = tmp_path / "dcp"
+    write_dcp(first, str(out))
+    before = _files(out)
+    with pytest.raises(unickpt.CorruptionError):
+        write_dcp(bad, str(out), overwrite=True)
+    assert _files(out) == before
+    target = {"model": {k: torch.zeros(1 << 16) for k in "abc"}}
+    dcp.load(target, checkpoint_id=str(out))
+    assert all(torch.equal(target["model"][k], _state(1, numel=1 << 16)["model"][k]) for k in "abc")
+    write_dcp(second, str(out), overwrite=True)
+    dcp.load(target, checkpoint_id=str(out))
+    assert all(torch.equal(target["model"][k], _state(2, numel=1 << 16)["model"][k]) for k in "abc")
+    assert not [n for n in os.listdir(out) if n.startswith(".unickpt")]

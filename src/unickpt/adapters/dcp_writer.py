@@ -5,7 +5,8 @@ The output is what DCP's own file system writer produces when one process saves 
 whole state: data files ``__0_{k}.distcp`` in which every item is one complete
 ``torch.save`` archive (value items first, as DCP writes them), and ``.metadata``, a
 pickle of DCP's own ``Metadata`` classes (the format's metadata *is* a pickle), written
-last through a temporary name and an atomic rename once every data file is durable.
+last once every data file is durable (:mod:`unickpt.storage.output`: an old DCP
+checkpoint at the destination stays whole until then).
 
 Every tensor is stored whole, as one chunk at offset 0; ``dcp.load`` reshards it onto any
 layout. Plain values become DCP byte items under DCP's flattened names (a list of dicts
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -47,12 +49,14 @@ from ..engine.tensor_reads import aligned, batches, read_tensors
 from ..storage.local import FileWriter
 from ..storage.open import open_storage
 from ..storage.files import cleans_up_output
+from ..storage.output import begin_output
 from .dcp import DATA_SUFFIX, METADATA_NAME
 from .checkpoint import Checkpoint, using_checkpoint
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 _COALESCE_BYTES = 1 << 20
 FILE_SPLIT_BYTES = 256 << 20
+_DATA_FILE = re.compile(r"__\d+_\d+" + re.escape(DATA_SUFFIX))
 
 
 @dataclass
@@ -154,17 +158,13 @@ def _write_dcp(ckpt: Checkpoint, dst: str, buffer_bytes: int, threads: int, over
     from torch.distributed.checkpoint import filesystem as dcp_fs
     from torch.distributed.checkpoint import metadata as dcp_md
 
-    manifest, source, out = ckpt.manifest, ckpt.storage, open_storage(dst)
-    if out.root.resolve() == source.root.resolve():
+    manifest, source, old = ckpt.manifest, ckpt.storage, open_storage(dst)
+    if old.root.resolve() == source.root.resolve():
         raise SaveError("write_dcp: the destination must differ from the source")
-    if out.exists(MANIFEST_NAME):
+    if old.exists(MANIFEST_NAME):
         raise SaveError(f"{dst} holds a unickpt checkpoint (manifest.json); write the DCP checkpoint elsewhere")
-    if out.exists(METADATA_NAME) and not overwrite:
+    if old.exists(METADATA_NAME) and not overwrite:
         raise SaveError(f"{dst} already holds a DCP checkpoint; pass overwrite=True to replace it")
-    out.prepare()
-    if out.exists(METADATA_NAME):  # uncommitted (durably) before any old data file is overwritten
-        out.remove(METADATA_NAME)
-        out.sync_dir()
 
     warnings = left_out(manifest)
     tensors = [e for e in manifest.tensors.values() if _has_data(e)]
@@ -182,8 +182,10 @@ def _write_dcp(ckpt: Checkpoint, dst: str, buffer_bytes: int, threads: int, over
     n_files = max(1, min(threads, len(tensors), -(-data_bytes // FILE_SPLIT_BYTES)))
     file_names = [f"__0_{k}{DATA_SUFFIX}" for k in range(n_files)]
     assign = _balance(tensors, n_files)
-    writers = [out.open_writer(f, 0) for f in file_names]
-    streams = [_ItemStream(w) for w in writers]
+    folder = begin_output(str(dst), METADATA_NAME, lambda n: n == METADATA_NAME or bool(_DATA_FILE.fullmatch(n)))
+    out = folder.storage
+    writers: list[FileWriter] = []
+    streams: list[_ItemStream] = []
     state_md: dict[str, Any] = {}
     storage_md: dict[Any, Any] = {}
     planner: dict[str, tuple[Any, ...]] = {}
@@ -201,6 +203,8 @@ def _write_dcp(ckpt: Checkpoint, dst: str, buffer_bytes: int, threads: int, over
 
     ok = False
     try:
+        writers += [out.open_writer(f, 0) for f in file_names]
+        streams += [_ItemStream(w) for w in writers]
         for fqn, p, v in values:  # DCP writes a file's byte items before its tensors
             buf = io.BytesIO()
             torch.save(v, buf)
@@ -268,19 +272,23 @@ def _write_dcp(ckpt: Checkpoint, dst: str, buffer_bytes: int, threads: int, over
                     w.close(durable=False)
                 except OSError:
                     pass
-    out.sync_dir()
+            folder.abort()
 
-    # keys in the order of the source, as dcp.save would list its state
-    order = {n: i for i, n in enumerate(names)}
-    md = dcp_md.Metadata(
-        state_dict_metadata=dict(sorted(state_md.items(), key=lambda kv: order[kv[0]])),
-        planner_data=planner,
-        storage_data=storage_md,
-        storage_meta=dcp_md.StorageMeta(checkpoint_id=Path(dst), save_id=str(uuid.uuid4())),
-        version=dcp_fs.CURRENT_DCP_VERSION,
-    )
-    out.write_atomic(METADATA_NAME, pickle.dumps(md))
-    sizes = sum(out.size(f) for f in file_names)
+    try:
+        # keys in the order of the source, as dcp.save would list its state
+        order = {n: i for i, n in enumerate(names)}
+        md = dcp_md.Metadata(
+            state_dict_metadata=dict(sorted(state_md.items(), key=lambda kv: order[kv[0]])),
+            planner_data=planner,
+            storage_data=storage_md,
+            storage_meta=dcp_md.StorageMeta(checkpoint_id=Path(dst), save_id=str(uuid.uuid4())),
+            version=dcp_fs.CURRENT_DCP_VERSION,
+        )
+        sizes = sum(out.size(f) for f in file_names)
+        folder.commit({METADATA_NAME: pickle.dumps(md)})
+    except BaseException:
+        folder.abort()
+        raise
     return DcpWriteReport(ckpt.location, str(dst), len(tensors), len(values), sizes, len(file_names),
                           time.perf_counter() - t0, warnings)
 

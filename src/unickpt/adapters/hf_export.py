@@ -46,6 +46,7 @@ from ..format.values import decode_value
 from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
 from ..storage.base import Storage
 from ..storage.open import open_storage, same_location
+from ..storage.output import OutputFolder, begin_output
 from ..storage.files import cleans_up_output
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
 from .checkpoint import Checkpoint, open_checkpoint
@@ -259,19 +260,15 @@ def _read(storage: Storage, t: OutTensor, threads: int) -> torch.Tensor:
     return out.contiguous()
 
 
-def _prepare_dst(out: Storage, src: str, dst: str, overwrite: bool) -> None:
+def _check_dst(src: str, dst: str, overwrite: bool, storage_options: dict[str, Any] | None) -> None:
     if same_location(src, dst):
         raise HfError("export: the destination must differ from the source")
-    present = out.names()
+    present = open_storage(dst, storage_options).names()
     if MANIFEST_NAME in present:
         raise HfError(f"{dst} holds a unickpt checkpoint; export into another folder")
     old = [f for f in present if f == INDEX_NAME or _OLD_SHARD.fullmatch(f)]
     if old and not overwrite:
         raise HfError(f"{dst} already holds a Hugging Face export ({old[0]}); pass --overwrite to replace it")
-    out.prepare()
-    out.remove(INDEX_NAME)  # first: the folder is never a complete-looking mix of old and new shards
-    for f in old:
-        out.remove(f)
 
 
 @cleans_up_output
@@ -295,17 +292,22 @@ def export_hf(
     ledger lists what was exported and every tensor of the source that was not (left out,
     dropped by the prefix, or skipped by the source's reader); the caller decides whether
     that is acceptable (the command line refuses dropped or skipped tensors). ``src`` and
-    ``dst`` may be URLs (``storage_options`` for their file system); on an object store
-    the index, written last, completes the export."""
+    ``dst`` may be URLs (``storage_options`` for their file system). The index, written
+    last, completes the export; on a local file system an old export in ``dst`` stays
+    whole until then (:mod:`unickpt.storage.output`), files of other names stay."""
     t0 = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options)
     source = ckpt.storage
+    folder: OutputFolder | None = None
     try:
         manifest = ckpt.manifest
         plan = plan_hf_export(manifest, names=names, prefix=prefix, dtype=dtype, config=config)
-        out = open_storage(dst, storage_options)
-        _prepare_dst(out, ckpt.location, str(dst), overwrite)
+        _check_dst(ckpt.location, str(dst), overwrite, storage_options)
+        with_config = plan.config is not None
+        folder = begin_output(str(dst), INDEX_NAME, lambda n: n == INDEX_NAME or bool(_OLD_SHARD.fullmatch(n))
+                              or (with_config and n == CONFIG_NAME), storage_options)
+        out = folder.storage
         groups = split_shards([t.nbytes for t in plan.tensors], max_bytes)
         shard_names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         weight_map: dict[str, str] = {}
@@ -330,13 +332,15 @@ def export_hf(
                 out.remove(fname)
                 raise
             writer.close(durable=True)
-        if hasattr(out, "sync_dir"):
-            out.sync_dir()
-        if plan.config is not None:
-            out.write_atomic(CONFIG_NAME, (json.dumps(plan.config, indent=2) + "\n").encode())
+        documents = {CONFIG_NAME: (json.dumps(plan.config, indent=2) + "\n").encode()} if with_config else {}
         index = {"metadata": {"total_size": written, "total_parameters": sum(prod(t.entry.shape) for t in plan.tensors)},
                  "weight_map": weight_map}
-        out.write_atomic(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        documents[INDEX_NAME] = (json.dumps(index, indent=2) + "\n").encode()
+        folder.commit(documents)
+    except BaseException:
+        if folder is not None:
+            folder.abort()
+        raise
     finally:
         source.close()
     return ExportReport(str(dst), len(plan.tensors), shard_names, written, plan.names, plan.config is not None,

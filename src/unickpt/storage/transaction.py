@@ -119,10 +119,12 @@ class DirectoryWrite:
 
     @classmethod
     def begin(cls, root: str | os.PathLike, manifest_name: str, overwrite: bool,
-              owned: Callable[[str], bool]) -> DirectoryWrite:
-        """Claim ``root`` (creating it if needed) and make a fresh staging directory.
-        Raises :class:`SaveError` when another save holds it, when it already holds a
-        committed checkpoint and not ``overwrite``, or when it cannot be prepared."""
+              owned: Callable[[str], bool], in_place: bool = False) -> DirectoryWrite:
+        """Claim ``root`` (creating it if needed) and make a fresh staging directory
+        (inside ``root`` with ``in_place``: the commit then renames the files in, and
+        files of the user's in ``root`` never move). Raises :class:`SaveError` when
+        another save holds it, when it already holds a committed checkpoint and not
+        ``overwrite``, or when it cannot be prepared."""
         root = Path(os.path.realpath(root))
         created = False
         try:
@@ -142,7 +144,7 @@ class DirectoryWrite:
         try:
             if (root / manifest_name).exists() and not overwrite:
                 raise SaveError(f"{root} already holds a committed checkpoint; pass overwrite=True to replace it")
-            write._inside = os.path.ismount(root)
+            write._inside = in_place or os.path.ismount(root)
             write._make_staging()
             if not write._inside:  # after the exchange this file is the directory's lock: hold it too
                 staging_lock = _try_lock(write.staging / LOCK_NAME)
