@@ -39,6 +39,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -322,7 +323,7 @@ def _cli_flag_names(fn: F) -> F:
 _LOCATION_HELP = "Checkpoint directory, or URL (s3://..., gs://..., any fsspec file system; options from the environment)."
 
 
-@app.command("inspect")
+@app.command("inspect", short_help="Show tensors, values, totals and the ledger of any checkpoint.")
 @_errors
 def inspect_cmd(
     path: Annotated[str, typer.Argument(metavar="PATH", help=_LOCATION_HELP, show_default=False)],
@@ -411,7 +412,7 @@ def _with_byte_progress(label: str, total: int, work: Callable[[Callable[[int], 
         return work(lambda n: bar.advance(task, n))
 
 
-@app.command("verify")
+@app.command("verify", short_help="Re-check every checksum and file size; exit 1 on corruption.")
 @_errors
 def verify_cmd(
     path: Annotated[str, typer.Argument(metavar="PATH", help=_LOCATION_HELP, show_default=False)],
@@ -469,7 +470,7 @@ def verify_cmd(
 # ---------------------------------------------------------------- convert
 
 
-@app.command("convert")
+@app.command("convert", short_help="Rewrite a checkpoint: to unickpt (--consolidate), PyTorch DCP or DeepSpeed universal.")
 @_errors
 @_cli_flag_names
 def convert_cmd(
@@ -560,7 +561,7 @@ def _convert(ckpt: Any, dst: Path, to: str, consolidate: bool, threads: int, buf
 # ---------------------------------------------------------------- export
 
 
-@app.command("export")
+@app.command("export", short_help="Export the model as a Hugging Face safetensors folder.")
 @_errors
 @_cli_flag_names
 def export_cmd(
@@ -627,7 +628,7 @@ def export_cmd(
 # ---------------------------------------------------------------- demo
 
 
-@app.command("demo")
+@app.command("demo", short_help="Train on tp2 x dp2, lose the job, resume on 3 ranks; or lose a node of 4 (--fault-tolerance).")
 @_errors
 def demo_cmd(
     directory: Annotated[
