@@ -61,6 +61,14 @@ def runs(tmp_path_factory):
         f.truncate(os.path.getsize(data) - 100)
     for layout in ("1", "tp2"):
         shutil.copytree(tmp / "ck", tmp / f"ck_{layout}")
+    # for TP 2, also one flipped byte in the middle of the entry before: sizes and manifest
+    # intact, only the checksums of the rank(s) that read it can tell
+    flipped = os.path.join(tmp / "ck_tp2" / "deltas", f"step_{newest - 1:08d}", "rank_00000.safetensors")
+    with open(flipped, "r+b") as f:
+        f.seek(os.path.getsize(flipped) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
     shutil.copy(log, tmp / "fsdp.jsonl")
     jobs = [
         ([*TINY, "--fsdp", "--save-every", str(K), "--ckpt-dir", str(tmp / "ref")], str(tmp / "ref.json")),
@@ -116,6 +124,13 @@ def test_relaunch_on_another_layout_reshards_the_log(runs, layout):
         assert re.search(rf"^resumed step {first - 1} from disk \+ {first - 1 - K} logged steps \(.*; "
                          rf"step {first}: torn entry \(no commit marker\), not replayed; 1 later entries", printed.getvalue(),
                          re.M), printed.getvalue()
+    else:  # the flipped entry ends the replay before its step is applied, on both ranks
+        first = newest - 1
+        lines = resumed_lines([open(f"{out}.stdout").read()])
+        assert len(lines) == 1 and re.fullmatch(
+            rf"resumed step {first - 1} from disk \+ {first - 1 - K} logged steps \(.*; replayed steps {K + 1}\.\.{first - 1}; "
+            rf"step {first}: entry fails its checks \(.*checksum.*\), not replayed; "
+            rf"step {newest}: torn entry .*", lines[0]), lines
     got = _records(out)
     assert sorted(got) == list(range(first, 11))
     for step, loss in got.items():

@@ -100,6 +100,15 @@ def broadcast_bytes(group: Group, payload: bytes | None, src: int = 0) -> bytes:
     return bytes(buf.cpu().numpy())
 
 
+def all_true(group: Group, flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on every rank (one small all-reduce)."""
+    if not group.active:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.pg)
+    return bool(t.item())
+
+
 def all_gather_fixed(group: Group, payload: bytes) -> list[bytes]:
     """Every rank's ``payload`` (all of the same length) on every rank, in group-rank order."""
     if not group.active:

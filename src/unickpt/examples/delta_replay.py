@@ -24,7 +24,7 @@ import torch
 import unickpt
 
 from ..api.delta_log import DELTAS_DIR, DeltaLog, Replay, replayable, step_of
-from ..dist import broadcast_bytes, resolve_group
+from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
 from ..format.dtypes import dtype_from_name
 
 
@@ -91,17 +91,34 @@ class TrainerDeltas:
         group = resolve_group()
         doc = b""
         if group.rank == 0:
-            p = replayable(self.args.ckpt_dir, self.log.root)
+            # structure only (commit marker, sizes, step): each rank's load checks the
+            # checksums of the bytes it reads, so no entry is read twice, nor all on rank 0
+            p = replayable(self.args.ckpt_dir, self.log.root, verify_entries=False)
             doc = json.dumps([p.base, p.base_step, p.entries, p.notes]).encode()
         base, base_step, entries, notes = json.loads(broadcast_bytes(group, doc, 0))
         return Replay(base, base_step, entries, notes)
 
     def restore(self, job: Job, plan: Replay) -> int:
-        """Load the plan's full checkpoint and replay its entries; returns the step reached."""
+        """Load the plan's full checkpoint and replay its entries; returns the step reached.
+        An entry whose bytes fail their checksums on any rank ends the replay before its
+        step is applied (the ranks agree on it): ``plan`` is cut there and says why."""
         step = self.resume(job, self.manager, plan.base, say=False) if plan.base is not None else 0
         params = dict(job.model.named_parameters())
-        for path in plan.entries:
-            step = replay_step(job, params, path, step + 1, self.learning_rate)
+        group = resolve_group()
+        for k, path in enumerate(plan.entries):
+            try:
+                grads, problem = load_grads(params, path), ""
+            except unickpt.UnickptError as e:
+                grads, problem = {}, str(e).splitlines()[0]
+            if not all_true(group, not problem):
+                reasons = gather_bytes(group, problem.encode(), 0)
+                why = next((r.decode() for r in reasons or [] if r), "on another rank")
+                later = len(plan.entries) - k - 1
+                plan.notes.insert(0, f"step {step + 1}: entry fails its checks ({why}), not replayed"
+                                  + (f"; {later} later entries not replayed: they follow it" if later else ""))
+                del plan.entries[k:]
+                break
+            step = apply_step(job, params, grads, step + 1, self.learning_rate)
         if plan.entries:
             last = plan.entries[-1]
             state: dict[str, Any] = {"train": {"step": 0, "loader": job.loader.state_dict()},
@@ -142,13 +159,19 @@ class TrainerDeltas:
         self.log.discard_after(step)
 
 
-def replay_step(job: Job, params: dict[str, torch.nn.Parameter], path: str, step: int,
-                learning_rate: Callable[[int, argparse.Namespace], float]) -> int:
-    """Apply the logged gradients of ``step`` (at ``path``) with that step's learning rate."""
+def load_grads(params: dict[str, torch.nn.Parameter], path: str) -> dict[str, torch.Tensor]:
+    """The logged gradients of the entry at ``path``, laid out as ``params`` (every byte's
+    checksum checked: a damaged entry raises a :class:`unickpt.UnickptError`)."""
     entries = unickpt.read_manifest(path).tensors
     grads = {n: torch.zeros_like(p.detach(), dtype=dtype_from_name(entries[f"grad.{n}"].dtype))
              for n, p in params.items() if f"grad.{n}" in entries}
     unickpt.load({"grad": grads}, path)
+    return grads
+
+
+def apply_step(job: Job, params: dict[str, torch.nn.Parameter], grads: dict[str, torch.Tensor], step: int,
+               learning_rate: Callable[[int, argparse.Namespace], float]) -> int:
+    """Apply the logged gradients of ``step`` with that step's learning rate."""
     for n, p in params.items():
         g = grads.get(n)
         p.grad = g if g is None or g.dtype == p.dtype else g.to(p.dtype)
