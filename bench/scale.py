@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import struct
@@ -27,11 +28,12 @@ from typing import Any
 from unickpt.engine.gc_pause import gc_paused
 from unickpt.engine.items import sharded_item
 from unickpt.engine.tensor_reads import plan_fill
-from unickpt.api.save import manifest_document
+from unickpt.api.save import manifest_document, rank_message
 from unickpt.engine.state import Sharded, flatten
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import INDEX_NAME
 from unickpt.format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest
+from unickpt.format.rank_message import FragmentRecord
 from unickpt.rules.coords import Coords
 
 from .scale_model import LLAMA_405B, ModelSpec, rank_state, simulated_message
@@ -119,13 +121,28 @@ def _write_messages(path: str, messages: list[bytes], written: list[int]) -> Non
     os.replace(path + ".tmp", path)
 
 
+def legacy_message(message: bytes) -> bytes:
+    """A message of the JSON form ranks sent before the binary one (a ``--cache`` kept
+    from then: one JSON line, then the fragments' texts) in today's form, exactly as
+    ``rank_message`` builds it from the same payload (the checks' keys were hex there)."""
+    line, _, tail = message.partition(b"\n")
+    payload = json.loads(line)
+    frags = []
+    for name, d in payload.get("fragments", {}).items():
+        a, n = d["fragment"]
+        frags.append(FragmentRecord(name, d["shape"], d["dtype"], d["layout"], tail[a : a + n], d["volume"],
+                                    int(d["boxes"], 16), int(d["crcs"], 16), tuple(d["bbox"])))
+    return rank_message(dict(payload, fragments=frags))
+
+
 def _read_messages(path: str) -> tuple[list[bytes], list[int]]:
     with open(path, "rb") as f:
         raw = f.read()
     messages, written, at = [], [], 0
     while at < len(raw):
         w, n = struct.unpack_from("<QQ", raw, at)
-        messages.append(raw[at + 16 : at + 16 + n])
+        m = raw[at + 16 : at + 16 + n]
+        messages.append(legacy_message(m) if m[:1] == b"{" else m)
         written.append(w)
         at += 16 + n
     return messages, written

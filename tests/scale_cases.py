@@ -70,5 +70,5 @@ def message_rank(rank: int, world: int, root: str, repo: str) -> None:
     unickpt.save(state, os.path.join(root, "ck"), block_bytes=BLOCK)
     simulated, _ = simulated_message(spec, rules, c, rank, world, BLOCK)
     with open(os.path.join(root, f"msg{rank}.json"), "w") as f:
-        json.dump({"real": sent[0].decode(), "simulated": simulated.decode()}, f)
+        json.dump({"real": sent[0].hex(), "simulated": simulated.hex()}, f)
     dist.barrier()
