@@ -105,7 +105,11 @@ def _tensors(batch: Batch) -> tuple[list[tuple[str, dict[str, Any]]], np.ndarray
     ids: dict[str, int] = {}
     of_line, ndim = [], []
     for k, line in enumerate(lines):
-        name, shape, dtype, layout = entry(None, line)
+        try:
+            name, shape, dtype, layout = entry(None, line)
+        except SaveError:  # again, naming the rank that sent it
+            entry(batch.heads[batch.rank_of(batch.entries.index(line))].get("rank"), line)
+            raise
         if name not in ids:
             ids[name] = len(tensors)
             tensors.append((name, tensor_head(shape, dtype, layout)))
@@ -116,7 +120,8 @@ def _tensors(batch: Batch) -> tuple[list[tuple[str, dict[str, Any]]], np.ndarray
     wrong = np.nonzero(np.array(ndim, dtype=np.int64)[line] != batch.ndim)[0] if len(line) else ()
     if len(wrong):
         k = int(wrong[0])
-        raise SaveError(f"a rank sent a malformed commit message: the box of a fragment of {batch.entries[k]!r:.80} "
+        raise SaveError(f"rank {batch.heads[batch.rank_of(k)].get('rank')} sent a malformed commit message: "
+                        f"the box of a fragment of {batch.entries[k]!r:.80} "
                         f"has {int(batch.ndim[k])} dimensions, not its tensor's")
     tensor = np.array(of_line, dtype=np.int64)[line] if len(line) else np.zeros(0, dtype=np.int64)
     for p in batch.heads:

@@ -94,6 +94,10 @@ class Batch:
     length: np.ndarray  # (fragments, max ndim) int64: bounding box lengths, zero past ndim
     texts: bytes
 
+    def rank_of(self, row: int) -> int:
+        """The rank (position in the messages) that sent fragment ``row``."""
+        return int(np.searchsorted(np.cumsum(self.counts), row, side="right"))
+
 
 def _split(rank: int, message: bytes) -> tuple[int, list[Any]]:
     """The number of records and the five sections of one message, its checksum and lengths checked."""
