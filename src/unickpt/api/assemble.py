@@ -89,7 +89,8 @@ def assemble(batch: Batch, world_size: int, metadata: dict[str, Any], indexed: b
     if heads and heads[0].get("incremental") is not None:
         head["incremental"] = heads[0]["incremental"]
     tail = {"values": values, "rank_values": rank_values, "rank_tensors": rank_tensors}
-    rows = FragmentRows(tensor[keep], batch.text_start[keep], batch.text_len[keep], batch.lo[keep], batch.length[keep], batch.texts)
+    texts = [batch.texts[k] for k in np.nonzero(keep)[0].tolist()] if not keep.all() else batch.texts
+    rows = FragmentRows(tensor[keep], texts, batch.text_len[keep], batch.lo[keep], batch.length[keep])
     text, index = manifest_documents(head, tensors, rows, tail, indexed)
     doc = seal(text).encode()
     return {MANIFEST_NAME: doc} if index is None else {INDEX_NAME: index, MANIFEST_NAME: doc}

@@ -53,16 +53,15 @@ def _join(head: dict[str, Any], key: str, raw: str) -> str:
 @dataclass
 class FragmentRows:
     """The fragments of a manifest being written, one row each (in the order they came):
-    the tensor each belongs to (an index into the tensors list), where its JSON text lies
-    in ``texts``, and the box bounding its pieces (``lo``, ``length``: one column per
+    the tensor each belongs to (an index into the tensors list), its JSON text (bytes or
+    a memoryview), and the box bounding its pieces (``lo``, ``length``: one column per
     dimension, zero past the tensor's own)."""
 
     tensor: np.ndarray  # int64
-    text_start: np.ndarray  # int64
-    text_len: np.ndarray  # int64
+    texts: list[Any]
+    text_len: np.ndarray  # int64: the length of each text
     lo: np.ndarray  # (rows, width) int64
     length: np.ndarray  # (rows, width) int64
-    texts: bytes
 
 
 def manifest_documents(
@@ -80,10 +79,9 @@ def manifest_documents(
     CRC-32C and bounding box; this is done on arrays, a few operations for all fragments.
     """
     if not indexed:
-        texts: list[list[bytes]] = [[] for _ in tensors]
-        view = memoryview(rows.texts)
-        for t, a, n in zip(rows.tensor.tolist(), rows.text_start.tolist(), rows.text_len.tolist()):
-            texts[t].append(view[a : a + n])
+        texts: list[list[Any]] = [[] for _ in tensors]
+        for t, text in zip(rows.tensor.tolist(), rows.texts):
+            texts[t].append(text)
         parts = [json.dumps(name) + ":" + _join(th, "fragments", "[" + b",".join(ts).decode() + "]")
                  for (name, th), ts in zip(tensors, texts)]
         text = _join(head, "tensors", "{" + ",".join(parts) + "}")
@@ -121,17 +119,15 @@ def _index_lines(rows: FragmentRows) -> tuple[bytes, Any]:
     lo = rows.lo[order]
     line_lo = np.minimum.reduceat(lo, starts, axis=0)
     line_hi = np.maximum.reduceat(lo + rows.length[order], starts, axis=0)
-    text_start, text_len = rows.text_start[order], rows.text_len[order]
+    text_len = rows.text_len[order]
     count = np.diff(np.append(starts, n))
     line_len = np.add.reduceat(text_len, starts) + count + 1  # "[", "]" and the commas between
     line_at = np.zeros(len(starts), dtype=np.int64)
     np.cumsum(line_len[:-1] + 1, out=line_at[1:])
-    view = memoryview(rows.texts)
-    seps = [b"]\n[" if s else b"," for s in new_line[1:].tolist()] + [b"]\n"]
-    out = [b"["]
-    for a, k, sep in zip(text_start.tolist(), text_len.tolist(), seps):
-        out.append(view[a : a + k])
-        out.append(sep)
+    out: list[Any] = [None] * (2 * n + 1)
+    out[0] = b"["
+    out[1::2] = [rows.texts[k] for k in order.tolist()]
+    out[2::2] = [b"]\n[" if s else b"," for s in new_line[1:].tolist()] + [b"]\n"]
     index = b"".join(out)
     whole = memoryview(index)
     ats, lens = line_at.tolist(), line_len.tolist()

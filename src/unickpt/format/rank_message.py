@@ -87,12 +87,11 @@ class Batch:
     volume: np.ndarray  # int64
     boxes: np.ndarray  # uint64
     crcs: np.ndarray  # uint64
-    text_start: np.ndarray  # int64: where each fragment's text starts in ``texts``
     text_len: np.ndarray  # int64
     ndim: np.ndarray  # int64
     lo: np.ndarray  # (fragments, max ndim) int64: bounding box offsets, zero past ndim
     length: np.ndarray  # (fragments, max ndim) int64: bounding box lengths, zero past ndim
-    texts: bytes
+    texts: list[Any]  # each fragment's JSON text (a memoryview of its message)
 
     def rank_of(self, row: int) -> int:
         """The rank (position in the messages) that sent fragment ``row``."""
@@ -110,19 +109,21 @@ def _split(rank: int, message: bytes) -> tuple[int, list[Any]]:
         raise _bad(rank, f"version {version}, this unickpt reads {VERSION} (every rank must run the same unickpt)")
     if PREFIX.size + sum(lengths) != len(message):
         raise _bad(rank, f"{len(message)} bytes, its prefix announces {PREFIX.size + sum(lengths)} (truncated?)")
-    body = memoryview(message)[PREFIX.size :]
-    if crc32c(body) != crc:
+    view = memoryview(message)
+    if crc32c(view[PREFIX.size :]) != crc:
         raise _bad(rank, "checksum mismatch: the message was damaged on its way")
-    if lengths[2] != n * RECORD.itemsize:
-        raise _bad(rank, f"{lengths[2]} bytes of records, not {n} of {RECORD.itemsize}")
-    sections, at = [], PREFIX.size
-    for k in lengths:
-        sections.append(message[at : at + k])
-        at += k
-    lines = sections[1].count(b"\n")
-    if lines != n or sections[1][-1:] not in (b"\n", b""):
+    n_head, n_entries, n_records, n_boxes, _ = lengths
+    if n_records != n * RECORD.itemsize:
+        raise _bad(rank, f"{n_records} bytes of records, not {n} of {RECORD.itemsize}")
+    a = PREFIX.size + n_head
+    b = a + n_entries
+    c = b + n_records
+    d = c + n_boxes
+    entries = view[a:b]
+    lines = message.count(b"\n", a, b)
+    if lines != n or n and message[b - 1] != 10:
         raise _bad(rank, f"{lines} tensor entries for {n} records")
-    return n, sections
+    return n, [view[PREFIX.size : a], entries, view[b:c], view[c:d], view[d:]]
 
 
 def _bad(rank: int, what: str) -> SaveError:
@@ -137,9 +138,9 @@ def decode(message: bytes, rank: int = 0) -> dict[str, Any]:
     frags = {}
     for k, line in enumerate(batch.entries):
         name, shape, dtype, layout = entry(rank, line)
-        a, n, nd = int(batch.text_start[k]), int(batch.text_len[k]), int(batch.ndim[k])
+        nd = int(batch.ndim[k])
         frags[name] = {
-            "shape": shape, "dtype": dtype, "layout": layout, "fragment": batch.texts[a : a + n],
+            "shape": shape, "dtype": dtype, "layout": layout, "fragment": bytes(batch.texts[k]),
             "volume": int(batch.volume[k]), "boxes": int(batch.boxes[k]), "crcs": int(batch.crcs[k]),
             "bbox": [batch.lo[k, :nd].tolist(), batch.length[k, :nd].tolist()],
         }
@@ -177,7 +178,6 @@ def decode_all(messages: list[bytes], first_rank: int = 0) -> Batch:
     entries = b"".join([s[1][1] for s in split]).split(b"\n")[:-1]
     fixed = np.frombuffer(b"".join([s[1][2] for s in split]), dtype=RECORD)
     boxes = np.frombuffer(b"".join([s[1][3] for s in split]), dtype="<i8")
-    texts = b"".join([s[1][4] for s in split])
     ends = np.cumsum(counts)
     ndim = fixed["ndim"].astype(np.int64)
     for what, per_record, k in (("boxes", 16 * ndim, 3), ("fragment texts", fixed["text"].astype(np.int64), 4)):
@@ -196,13 +196,16 @@ def decode_all(messages: list[bytes], first_rank: int = 0) -> Batch:
         lo[has, d] = boxes[at[has] + d]
         length[has, d] = boxes[at[has] + ndim[has] + d]
     text_len = fixed["text"].astype(np.int64)
+    sections = [s[1][4] for s in split]
+    start = (_starts(text_len) - np.repeat(_starts(_sums(text_len, ends)), counts)).tolist()  # in its message's texts
+    texts = [sections[r][a : a + k] for r, a, k in zip(np.repeat(np.arange(len(split)), counts).tolist(), start, text_len.tolist())]
     return Batch(parsed, counts, entries, fixed["volume"].copy(), fixed["boxes"].copy(), fixed["crcs"].copy(),
-                 _starts(text_len), text_len, ndim, lo, length, texts)
+                 text_len, ndim, lo, length, texts)
 
 
-def _parse_head(rank: int, raw: bytes) -> Any:
+def _parse_head(rank: int, raw: Any) -> Any:
     try:
-        return json.loads(raw)
+        return json.loads(bytes(raw))
     except ValueError as e:
         raise _bad(rank, f"its head is not JSON ({e})") from None
 
