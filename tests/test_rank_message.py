@@ -139,3 +139,25 @@ def test_rank_0_refuses_fragments_that_do_not_tile_their_tensor(tmp_path):
     states = [{"w": Sharded(torch.ones(2, 4), (4, 4), [top], 0, 1)} for _ in range(2)]
     with pytest.raises(unickpt.SaveError, match="'w': the saved shards hold 8 elements of 16"):
         save_ranks(states, str(tmp_path / "gap"))
+
+
+def test_the_index_lists_each_tensors_fragments_by_box_four_a_line_whatever_order_they_came_in():
+    from unickpt.format.index import INDEX_NAME
+
+    block = [5, 2, 7, 0, 3, 6, 1, 4]  # rank r holds rows 2 * block[r] .. + 2 of w, and row block[r] of v
+    messages = []
+    for r, b in enumerate(block):
+        w = FragmentRecord("w", [16, 4], "F32", "", json.dumps({"r": r}).encode(), 8, r, r, ([2 * b, 0], [2, 4]))
+        v = FragmentRecord("v", [8], "F32", "", json.dumps({"v": r}).encode(), 1, r, r, ([b], [1]))
+        messages.append(rank_message({"rank": r, "fragments": [w, v] if r % 2 else [v, w]}))
+    docs = manifest_document(messages, 8, {}, indexed=True)
+    root = json.loads(docs["manifest.json"])
+    lines = docs[INDEX_NAME].splitlines(keepends=True)
+    for name, key, box in (("w", "r", [[[0, 0], [8, 4]], [[8, 0], [8, 4]]]), ("v", "v", [[[0], [4]], [[4], [4]]])):
+        at = root["tensors"][name]["fragments_at"]
+        assert [c[3:] for c in at] == box
+        got = [[f[key] for f in json.loads(docs[INDEX_NAME][a : a + n])] for a, n, *_ in at]
+        assert got == [[block.index(b) for b in range(4)], [block.index(b) for b in range(4, 8)]]
+        for a, n, crc, *_ in at:
+            assert docs[INDEX_NAME][a + n : a + n + 1] == b"\n" and rm.crc32c(docs[INDEX_NAME][a : a + n]) == crc
+    assert len(lines) == 4 and root["index"]["size"] == len(docs[INDEX_NAME])
