@@ -72,3 +72,15 @@ def message_rank(rank: int, world: int, root: str, repo: str) -> None:
     with open(os.path.join(root, f"msg{rank}.json"), "w") as f:
         json.dump({"real": sent[0].hex(), "simulated": simulated.hex()}, f)
     dist.barrier()
+
+
+def gather_rank(rank: int, world: int) -> None:
+    """gather_bytes with messages of different lengths (rank 0's empty), then all empty."""
+    from unickpt.dist import gather_bytes, resolve_group
+
+    group = resolve_group()
+    for dst in (0, world - 1):
+        got = gather_bytes(group, bytes([65 + rank]) * (3 * rank), dst)
+        assert got == ([bytes([65 + r]) * (3 * r) for r in range(world)] if rank == dst else None), got
+        got = gather_bytes(group, b"", dst)
+        assert got == ([b""] * world if rank == dst else None), got

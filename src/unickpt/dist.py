@@ -83,6 +83,8 @@ def gather_bytes(group: Group, payload: bytes, dst: int = 0) -> list[bytes] | No
     if group.rank == dst:
         out = torch.empty((group.size, longest), dtype=torch.uint8, device=dev)
         dist.gather(buf, list(out.unbind(0)), dst=dst_global, group=group.pg)
+        if not longest:
+            return [b""] * group.size
         raw = memoryview(out.cpu().numpy()).cast("B")  # a slice per rank, no tensor op per rank (16,384 of them)
         return [bytes(raw[r * longest : r * longest + k]) for r, k in enumerate(lengths)]
     dist.gather(buf, None, dst=dst_global, group=group.pg)
