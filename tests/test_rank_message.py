@@ -85,6 +85,8 @@ def _damaged(message: bytes) -> dict[str, bytes]:
     head_s, entries_s, records_s, boxes_s, texts_s = _cut(body, [head, entries, records, boxes, texts])
     one_dim = bytearray(records_s)
     struct.pack_into("<Q", one_dim, 0, 1)  # the first record (of a 2-d tensor) says its box has 1 dimension
+    many_dims = bytearray(records_s)
+    struct.pack_into("<Q", many_dims, 0, 1 << 60)
     fixed = bytearray(body[r0 : r0 + records])
     struct.pack_into("<Q", fixed, 32, 10**6)  # the first record announces more text than there is
     return {
@@ -96,6 +98,7 @@ def _damaged(message: bytes) -> dict[str, bytes]:
         "an entry not an entry": _reseal(message, body[:head] + _first_line(body[head : head + entries], b'{"a":1}') + body[head + entries :]),
         "texts disagree": _reseal(message, body[:r0] + bytes(fixed) + body[r0 + records :]),
         "a box of another rank": _sections(message, [head_s, entries_s, bytes(one_dim), boxes_s[16:], texts_s]),
+        "a box of 2**60 dimensions": _sections(message, [head_s, entries_s, bytes(many_dims), boxes_s, texts_s]),
         "fewer entries": _reseal(message, body[:head] + body[head : head + entries].replace(b"\n", b" ", 1) + body[head + entries :]),
     }
 

@@ -37,6 +37,7 @@ import numpy as np
 from ..errors import SaveError
 from .checksum import crc32c
 
+MAX_NDIM = 64  # as a manifest allows
 MAGIC = b"UCKM"
 VERSION = 1
 PREFIX = struct.Struct("<4sHHIQQQQQQ")
@@ -179,6 +180,9 @@ def decode_all(messages: list[bytes], first_rank: int = 0) -> Batch:
     fixed = np.frombuffer(b"".join([s[1][2] for s in split]), dtype=RECORD)
     boxes = np.frombuffer(b"".join([s[1][3] for s in split]), dtype="<i8")
     ends = np.cumsum(counts)
+    if len(fixed) and int(fixed["ndim"].max()) > MAX_NDIM:
+        r = int(np.searchsorted(ends, int(np.argmax(fixed["ndim"] > MAX_NDIM)), side="right"))
+        raise _bad(r + first_rank, f"a record of more than {MAX_NDIM} dimensions")
     ndim = fixed["ndim"].astype(np.int64)
     for what, per_record, k in (("boxes", 16 * ndim, 3), ("fragment texts", fixed["text"].astype(np.int64), 4)):
         got = _sums(per_record, ends)
