@@ -13,7 +13,7 @@ from unickpt.format.rank_message import FragmentRecord
 from unickpt.plan.save_plan import replica_shares
 from unickpt.testing import run_ranks
 
-from scale_cases import PRELOAD, balance_rank, gather_rank, message_rank
+from scale_cases import PRELOAD, balance_rank, gather_rank, message_rank, replicated_load_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,6 +86,10 @@ def _with_checksums_of(sim: bytes, real: bytes) -> bytes:
         records.append(FragmentRecord(name, d["shape"], d["dtype"], d["layout"], text, d["volume"], d["boxes"],
                                       r["fragments"][name]["crcs"], tuple(d["bbox"])))
     return rank_message(dict({k: v for k, v in s.items() if k != "fragments"}, fragments=records))
+
+
+def test_replicas_of_rule_described_shards_split_their_reads_with_broadcast_replicated(tmp_path):
+    run_ranks(replicated_load_rank, 8, str(tmp_path), REPO, preload=PRELOAD)
 
 
 def test_gather_bytes_of_different_and_empty_messages():
