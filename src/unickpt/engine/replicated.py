@@ -105,10 +105,17 @@ class ShardedReplicas:
 
     def parts(self, share: int) -> list[tuple[Any, TensorItem]]:
         """The row slices of the line replica ``share`` reads."""
-        items = [i for _, i in self.line]
-        sizes = [i.local.numel() * i.local.element_size() for i in items]
-        shares = replica_shares(sizes, [cut_rows(i) for i in items], len(self.members), share)
-        return [(self.line[k][0], row_slice(items[k], a, b) if cut_rows(items[k]) > 1 else items[k]) for k, a, b in shares]
+        return shared_parts(self.line, len(self.members), share)
+
+
+def shared_parts(line: list[tuple[Any, TensorItem]], replicas: int, share: int) -> list[tuple[Any, TensorItem]]:
+    """Of ``line`` (``(entry, item)`` of the replicated shards the same ``replicas`` ranks
+    hold, sorted by name and shard), the row slices replica ``share`` reads: the cut of
+    :func:`~unickpt.plan.save_plan.replica_shares`, as a save cuts the writes."""
+    items = [i for _, i in line]
+    sizes = [i.local.numel() * i.local.element_size() for i in items]
+    shares = replica_shares(sizes, [cut_rows(i) for i in items], replicas, share)
+    return [(line[k][0], row_slice(items[k], a, b) if cut_rows(items[k]) > 1 else items[k]) for k, a, b in shares]
 
     def finish(self, failed: bool) -> None:
         """Collective: agree every rank read its shares, then broadcast each from its
