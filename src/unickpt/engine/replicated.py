@@ -107,16 +107,6 @@ class ShardedReplicas:
         """The row slices of the line replica ``share`` reads."""
         return shared_parts(self.line, len(self.members), share)
 
-
-def shared_parts(line: list[tuple[Any, TensorItem]], replicas: int, share: int) -> list[tuple[Any, TensorItem]]:
-    """Of ``line`` (``(entry, item)`` of the replicated shards the same ``replicas`` ranks
-    hold, sorted by name and shard), the row slices replica ``share`` reads: the cut of
-    :func:`~unickpt.plan.save_plan.replica_shares`, as a save cuts the writes."""
-    items = [i for _, i in line]
-    sizes = [i.local.numel() * i.local.element_size() for i in items]
-    shares = replica_shares(sizes, [cut_rows(i) for i in items], replicas, share)
-    return [(line[k][0], row_slice(items[k], a, b) if cut_rows(items[k]) > 1 else items[k]) for k, a, b in shares]
-
     def finish(self, failed: bool) -> None:
         """Collective: agree every rank read its shares, then broadcast each from its
         reader to the other replicas. Raises on every rank if any rank failed."""
@@ -135,3 +125,13 @@ def shared_parts(line: list[tuple[Any, TensorItem]], replicas: int, share: int) 
         bad = [r for r, rep in enumerate(reports) if rep != b"\x00"]
         if bad and not failed:
             raise UnickptError(f"load failed on rank(s) {', '.join(map(str, bad))}; see their errors")
+
+
+def shared_parts(line: list[tuple[Any, TensorItem]], replicas: int, share: int) -> list[tuple[Any, TensorItem]]:
+    """Of ``line`` (``(entry, item)`` of the replicated shards the same ``replicas`` ranks
+    hold, sorted by name and shard), the row slices replica ``share`` reads: the cut of
+    :func:`~unickpt.plan.save_plan.replica_shares`, as a save cuts the writes."""
+    items = [i for _, i in line]
+    sizes = [i.local.numel() * i.local.element_size() for i in items]
+    shares = replica_shares(sizes, [cut_rows(i) for i in items], replicas, share)
+    return [(line[k][0], row_slice(items[k], a, b) if cut_rows(items[k]) > 1 else items[k]) for k, a, b in shares]
