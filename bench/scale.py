@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import struct
@@ -25,13 +26,15 @@ import tracemalloc
 from typing import Any
 
 from unickpt.engine.gc_pause import gc_paused
+from unickpt.engine.replicated import shared_parts
 from unickpt.engine.items import sharded_item
 from unickpt.engine.tensor_reads import plan_fill
-from unickpt.api.save import manifest_document
+from unickpt.api.save import manifest_document, rank_message
 from unickpt.engine.state import Sharded, flatten
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import INDEX_NAME
 from unickpt.format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest
+from unickpt.format.rank_message import FragmentRecord
 from unickpt.rules.coords import Coords
 
 from .scale_model import LLAMA_405B, ModelSpec, rank_state, simulated_message
@@ -119,13 +122,28 @@ def _write_messages(path: str, messages: list[bytes], written: list[int]) -> Non
     os.replace(path + ".tmp", path)
 
 
+def legacy_message(message: bytes) -> bytes:
+    """A message of the JSON form ranks sent before the binary one (a ``--cache`` kept
+    from then: one JSON line, then the fragments' texts) in today's form, exactly as
+    ``rank_message`` builds it from the same payload (the checks' keys were hex there)."""
+    line, _, tail = message.partition(b"\n")
+    payload = json.loads(line)
+    frags = []
+    for name, d in payload.get("fragments", {}).items():
+        a, n = d["fragment"]
+        frags.append(FragmentRecord(name, d["shape"], d["dtype"], d["layout"], tail[a : a + n], d["volume"],
+                                    int(d["boxes"], 16), int(d["crcs"], 16), tuple(d["bbox"])))
+    return rank_message(dict(payload, fragments=frags))
+
+
 def _read_messages(path: str) -> tuple[list[bytes], list[int]]:
     with open(path, "rb") as f:
         raw = f.read()
     messages, written, at = [], [], 0
     while at < len(raw):
         w, n = struct.unpack_from("<QQ", raw, at)
-        messages.append(raw[at + 16 : at + 16 + n])
+        m = raw[at + 16 : at + 16 + n]
+        messages.append(legacy_message(m) if m[:1] == b"{" else m)
         written.append(w)
         at += 16 + n
     return messages, written
@@ -144,10 +162,11 @@ def _sample(tp: int, pp: int, dp: int, n: int) -> list[Coords]:
     return picks
 
 
-def plan_rank(state: dict[str, Any], docs: dict[str, bytes]) -> dict[str, Any]:
+def plan_rank(state: dict[str, Any], docs: dict[str, bytes], share: int | None = None) -> dict[str, Any]:
     """One target rank's load plan, as ``load`` makes it: parse the manifest (the root
     only, when indexed, then the index lines of the tensors it fills), plan every tensor.
-    Returns bytes needed, bytes read, files opened, index bytes parsed."""
+    Returns bytes needed, bytes read, files opened, index bytes parsed, and the bytes read
+    with ``broadcast_replicated=True`` when this rank is replica ``share`` of its shards."""
     index = docs.get(INDEX_NAME, b"")
     lines = [0]
 
@@ -159,6 +178,7 @@ def plan_rank(state: dict[str, Any], docs: dict[str, bytes]) -> dict[str, Any]:
     need = read = 0
     files: set[str] = set()
     holders: set[str] = set()
+    line = []
     for leaf in flatten(state):
         v = leaf.value
         if not isinstance(v, Sharded):
@@ -173,7 +193,16 @@ def plan_rank(state: dict[str, Any], docs: dict[str, bytes]) -> dict[str, Any]:
         for s in sources:  # files that hold some element this rank needs
             if any(_touches(p, s.pieces) for p in item.pieces):
                 holders.add(s.file)
-    return {"need": need, "read": read, "files": len(files), "extra_files": len(files - holders), "index_read": lines[0]}
+        if item.replicas > 1:
+            line.append((entry, item))
+    shared = read  # with broadcast_replicated=True: this replica's share of the replicated shards
+    if line and share is not None:
+        line.sort(key=lambda ei: (ei[1].name, ei[1].shard_key))
+        shared -= sum(sum(sp.stop - sp.start for sp in plan_fill(e, i.pieces)[2].spans) for e, i in line)
+        shared += sum(sum(sp.stop - sp.start for sp in plan_fill(e, i.pieces)[2].spans)
+                      for e, i in shared_parts(line, line[0][1].replicas, share))
+    return {"need": need, "read": read, "files": len(files), "extra_files": len(files - holders), "index_read": lines[0],
+            "shared": shared}
 
 
 def _touches(target, pieces) -> bool:
@@ -191,7 +220,7 @@ def simulate_load(spec: ModelSpec, docs: dict[str, bytes], tp: int, pp: int, dp:
     for k, c in enumerate(_sample(tp, pp, dp, sample)):
         state = rank_state(spec, rules, c, "load")
         got, plan_s, plan_peak = _measured(lambda: plan_rank(state, docs), memory=k < traced)
-        got.update(plan_s=plan_s, plan_peak=plan_peak, rank=c.rank())
+        got.update(plan_s=plan_s, plan_peak=plan_peak, rank=c.rank(), shared=plan_rank(state, docs, c.dp_rank)["shared"])
         rows.append(got)
     return {"rows": rows, "world": tp * pp * dp, "rss": _rss(), "traced": min(traced, len(rows))}
 
@@ -238,6 +267,10 @@ def report_load(lo: dict[str, Any], tp: int, pp: int, dp: int) -> None:
     print(f"  bytes read over bytes needed: median +{statistics.median(over) * 100:.3f}%, worst +{max(over) * 100:.3f}% "
           f"(target within 1%: {'ok' if max(over) <= TARGETS['read_over'] else 'MISSES'}); "
           f"needed per rank {_mb(min(r['need'] for r in rows))} .. {_mb(max(r['need'] for r in rows))}")
+    shared = [r["shared"] for r in rows]
+    print(f"  with broadcast_replicated=True (each replica reads its share of the replicated shards, then they broadcast): "
+          f"read per rank {_mb(min(shared))} .. {_mb(max(shared))}, {sum(shared) / sum(r['read'] for r in rows):.3f} of the "
+          "bytes read without")
     print(f"  source files opened per rank: min {min(files)}, median {statistics.median(files):.0f}, max {max(files)}; "
           f"files opened holding none of the rank's bytes: {sum(r['extra_files'] for r in rows)} "
           f"(target 0: {'ok' if not any(r['extra_files'] for r in rows) else 'MISSES'})")

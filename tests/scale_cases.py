@@ -70,5 +70,51 @@ def message_rank(rank: int, world: int, root: str, repo: str) -> None:
     unickpt.save(state, os.path.join(root, "ck"), block_bytes=BLOCK)
     simulated, _ = simulated_message(spec, rules, c, rank, world, BLOCK)
     with open(os.path.join(root, f"msg{rank}.json"), "w") as f:
-        json.dump({"real": sent[0].decode(), "simulated": simulated.decode()}, f)
+        json.dump({"real": sent[0].hex(), "simulated": simulated.hex()}, f)
+    dist.barrier()
+
+
+def gather_rank(rank: int, world: int) -> None:
+    """gather_bytes with messages of different lengths (rank 0's empty), then all empty."""
+    from unickpt.dist import gather_bytes, resolve_group
+
+    group = resolve_group()
+    for dst in (0, world - 1):
+        got = gather_bytes(group, bytes([65 + rank]) * (3 * rank), dst)
+        assert got == ([bytes([65 + r]) * (3 * r) for r in range(world)] if rank == dst else None), got
+        got = gather_bytes(group, b"", dst)
+        assert got == ([b""] * world if rank == dst else None), got
+
+
+def replicated_load_rank(rank: int, world: int, root: str, repo: str) -> None:
+    """The bench's model saved by 8 real ranks (TP2 x PP2 x DP2), then loaded onto TP2 x
+    PP2 x DP2 and TP1 x PP2 x DP4, each rank reading everything it needs, and with
+    ``broadcast_replicated=True`` (the replicas of a shard split its reads): the same
+    tensors, fewer bytes read."""
+    sys.path.insert(0, repo)
+    from bench.scale_model import ModelSpec, rank_state
+    from unickpt.engine.state import Sharded, flatten
+    from unickpt.rules.coords import Coords
+
+    spec = ModelSpec(**SPEC_ARGS)
+    rules = spec.rules()
+    c = Coords.from_rank(rank, **LAYOUT)
+    unickpt.save(rank_state(spec, rules, c, "save", fill=_fill(c)), os.path.join(root, "ck"), block_bytes=BLOCK)
+    zeros = lambda name, shape, dtype: torch.zeros(shape, dtype=dtype)  # noqa: E731
+    for layout in (LAYOUT, dict(tp=1, pp=2, dp=4)):
+        t = Coords.from_rank(rank, **layout)
+        got, reads = [], []
+        for share in (False, True):
+            state, stats = rank_state(spec, rules, t, "load", fill=zeros), {}
+            unickpt.load(state, os.path.join(root, "ck"), broadcast_replicated=share, stats=stats)
+            got.append({leaf.name: leaf.value.local for leaf in flatten(state) if isinstance(leaf.value, Sharded)})
+            reads.append(stats["bytes_read"])
+            replicated = [v.local for v in (leaf.value for leaf in flatten(state)) if isinstance(v, Sharded) and v.replicas > 1]
+        weights = sum(t.numel() * t.element_size() for t in replicated)
+        assert weights, "no replicated shard to share"
+        assert got[0].keys() == got[1].keys() and all(torch.equal(got[0][k], got[1][k]) for k in got[0]), layout
+        assert any(v.abs().sum() > 0 for v in got[0].values())
+        dp = layout["dp"]
+        # each replica reads about 1/dp of the replicated weights (checksum blocks widen a little), all of the rest
+        assert reads[0] - reads[1] >= 0.8 * weights * (dp - 1) / dp, (layout, reads, weights)
     dist.barrier()

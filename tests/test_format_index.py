@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.api import save as save_api
+from unickpt.api import assemble as assemble_api
+
 from unickpt.format.index import INDEX_NAME
 from unickpt.format.manifest import FORMAT_VERSION, Manifest, seal
 
@@ -25,7 +26,7 @@ def _zeros(sd):
 
 @pytest.fixture
 def indexed(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_api, "INDEX_FRAGMENTS", 0)  # index every save
+    monkeypatch.setattr(assemble_api, "INDEX_FRAGMENTS", 0)  # index every save
     sd = _state()
     unickpt.save(sd, str(tmp_path / "ck"))
     return tmp_path / "ck", sd
@@ -70,7 +71,7 @@ def test_a_reader_of_some_rows_parses_only_the_lines_near_them(tmp_path, monkeyp
     from unickpt.plan.box import Box
     from unickpt.plan.piece import box_piece
 
-    monkeypatch.setattr(save_api, "INDEX_FRAGMENTS", 0)
+    monkeypatch.setattr(assemble_api, "INDEX_FRAGMENTS", 0)
     full = torch.arange(64.0).view(16, 4)
     states = [{"w": Sharded(full[2 * r : 2 * r + 2].clone(), (16, 4), [box_piece((2, 4), Box((0, 0), (2, 4)), Box((2 * r, 0), (2, 4)))])}
               for r in range(8)]

@@ -8,11 +8,12 @@ import statistics
 
 import pytest
 
-from unickpt.api.save import read_message
+from unickpt.api.save import rank_message, read_message
+from unickpt.format.rank_message import FragmentRecord
 from unickpt.plan.save_plan import replica_shares
 from unickpt.testing import run_ranks
 
-from scale_cases import PRELOAD, balance_rank, message_rank
+from scale_cases import PRELOAD, balance_rank, gather_rank, message_rank, replicated_load_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,12 +64,36 @@ def test_simulated_commit_messages_match_a_real_8_rank_save(tmp_path):
     run_ranks(message_rank, 8, str(tmp_path), REPO, preload=PRELOAD)
     for r in range(8):
         got = json.loads((tmp_path / f"msg{r}.json").read_text())
-        real, sim = read_message(got["real"].encode()), read_message(got["simulated"].encode())
+        real_bytes, sim_bytes = bytes.fromhex(got["real"]), bytes.fromhex(got["simulated"])
+        real, sim = read_message(real_bytes), read_message(sim_bytes)
         assert real["fragments"], f"rank {r} wrote nothing"
         # the same bytes, checksums aside (the simulation makes them up, same count)
+        crcs = sum(len(json.loads(d["fragment"])["crc32c"]) for d in real["fragments"].values())
         assert json.dumps(_zero_crcs(real)) == json.dumps(_zero_crcs(sim)), r
-        assert abs(len(got["real"]) - len(got["simulated"])) <= 11 * sum(
-            len(d["fragment"]["crc32c"]) for d in real["fragments"].values())  # checksum digits differ, no more
+        assert abs(len(real_bytes) - len(sim_bytes)) <= 11 * crcs  # checksum digits differ, no more
+        # and byte for byte once the simulated checksums are replaced by the real ones
+        assert _with_checksums_of(sim_bytes, real_bytes) == real_bytes, r
+
+
+def _with_checksums_of(sim: bytes, real: bytes) -> bytes:
+    """``sim`` rebuilt with the checksums (CRC-32C, xxh3 and their key) of ``real``."""
+    s, r = read_message(sim), read_message(real)
+    records = []
+    for name, d in s["fragments"].items():
+        frag, crcs = json.loads(d["fragment"]), json.loads(r["fragments"][name]["fragment"])
+        frag["crc32c"], frag["xxh3"] = crcs["crc32c"], crcs.get("xxh3")
+        text = json.dumps(frag, separators=(",", ":")).encode()
+        records.append(FragmentRecord(name, d["shape"], d["dtype"], d["layout"], text, d["volume"], d["boxes"],
+                                      r["fragments"][name]["crcs"], tuple(d["bbox"])))
+    return rank_message(dict({k: v for k, v in s.items() if k != "fragments"}, fragments=records))
+
+
+def test_replicas_of_rule_described_shards_split_their_reads_with_broadcast_replicated(tmp_path):
+    run_ranks(replicated_load_rank, 8, str(tmp_path), REPO, preload=PRELOAD)
+
+
+def test_gather_bytes_of_different_and_empty_messages():
+    run_ranks(gather_rank, 3, preload=PRELOAD)
 
 
 def test_a_tensor_no_replica_writes_fails_the_save(tmp_path):

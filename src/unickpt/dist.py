@@ -64,22 +64,29 @@ def resolve_group(process_group: Any = None) -> Group:
 
 
 def gather_bytes(group: Group, payload: bytes, dst: int = 0) -> list[bytes] | None:
-    """Gather one byte string per rank onto group rank ``dst`` (others get None)."""
+    """Gather one byte string per rank onto group rank ``dst`` (others get None).
+
+    Every rank's string travels padded to the longest (one ``gather`` of equal sizes, as
+    every backend can): ``dst`` receives world size x the longest string."""
     if not group.active:
         return [payload]
     dev = group.device()
     n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(group.size)]
     dist.all_gather(sizes, n, group=group.pg)
-    longest = int(max(s.item() for s in sizes))
+    lengths = torch.cat(sizes).tolist()
+    longest = max(lengths)
     buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
     if payload:
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
     dst_global = group.global_rank(dst)
     if group.rank == dst:
-        outs = [torch.empty_like(buf) for _ in range(group.size)]
-        dist.gather(buf, outs, dst=dst_global, group=group.pg)
-        return [bytes(o[: int(s.item())].cpu().numpy()) for o, s in zip(outs, sizes)]
+        out = torch.empty((group.size, longest), dtype=torch.uint8, device=dev)
+        dist.gather(buf, list(out.unbind(0)), dst=dst_global, group=group.pg)
+        if not longest:
+            return [b""] * group.size
+        raw = memoryview(out.cpu().numpy()).cast("B")  # a slice per rank, no tensor op per rank (16,384 of them)
+        return [bytes(raw[r * longest : r * longest + k]) for r, k in enumerate(lengths)]
     dist.gather(buf, None, dst=dst_global, group=group.pg)
     return None
 

@@ -21,7 +21,7 @@ from ..storage.base import Storage
 from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import is_dtensor, sharded_item, tensor_item
-from ..engine.replicated import ReplicatedReads
+from ..engine.replicated import ReplicatedReads, ShardedReplicas
 from ..engine.tensor_reads import TensorReads, mapped_entry, read_entry
 from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
@@ -82,8 +82,11 @@ def load(
     Every byte read is checked against its checksum unless ``verify=False``.
     A ``stats`` dict, when given, receives ``bytes_read`` and ``files_read`` of this rank.
     ``broadcast_replicated=True`` reads each plain (replicated) target tensor on one rank
-    and broadcasts it over ``process_group`` instead of reading it on every rank; the
-    load is then collective (see docs/PERFORMANCE.md for when it pays).
+    and broadcasts it over ``process_group`` instead of reading it on every rank, and
+    splits ``Sharded`` targets held by several replicas (rule-described weights
+    replicated over data parallelism) among those replicas, each reading its share and
+    broadcasting it to the others over a process group of theirs; the load is then
+    collective (see docs/PERFORMANCE.md for when it pays; docs/SCALE.md).
     ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
     any :class:`~unickpt.storage.base.Storage` (only ``reader`` and ``close`` are used),
     such as the snapshot tier's view of files spread over several machines. ``path`` may
@@ -111,6 +114,7 @@ def load(
 
     reader = TensorReads(storage, threads, verify)
     shared = ReplicatedReads(group) if broadcast_replicated else None
+    replicas = ShardedReplicas(group) if broadcast_replicated else None
     error: BaseException | None = None
     try:
         for leaf in flatten(state_dict, on_stateful):
@@ -125,7 +129,8 @@ def load(
                     continue
                 item = sharded_item(leaf.name, v)
                 _check_compatible(entry, v.local, item.global_shape)
-                _fill(reader, entry, item.local, item.pieces)
+                if replicas is None or not replicas.defer(entry, item):
+                    _fill(reader, entry, item.local, item.pieces)
             elif isinstance(v, torch.Tensor):
                 entry = manifest.tensors.get(leaf.name)
                 if entry is None:
@@ -147,13 +152,22 @@ def load(
                 raise MismatchError(f"{leaf.name!r} was saved as a tensor but the target holds a {type(v).__name__}")
             elif strict:
                 raise MismatchError(_missing(leaf.name, manifest))
-        reader.run()
     except BaseException as e:
         error = e
+    try:
+        if replicas is not None:  # collective: every rank gets here, failed or not
+            for entry, part in replicas.plan(error is not None):
+                _fill(reader, entry, part.local, part.pieces)
+        if error is None:
+            reader.run()
+    except BaseException as e:
+        error = error or e
     finally:
         storage.close()
     if shared is not None:
         shared.finish(error is not None)
+    if replicas is not None:
+        replicas.finish(error is not None)
     if error is not None:
         raise error
     if stats is not None:

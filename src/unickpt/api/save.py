@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
-import platform
 import re
 import traceback
-from math import prod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..version import __version__
 from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, resolve_group
 from .. import errors
-from ..errors import InconsistentStateError, SaveError, UnickptError
+from ..errors import SaveError, UnickptError
 from ..format.checksum import crc32c
 from ..format.dtypes import dtype_name
-from ..format.index import INDEX_FRAGMENTS, INDEX_NAME, INDEXED_VERSION, manifest_documents, tensor_head
+from ..format.index import INDEX_NAME
 from ..format.manifest import (
     DEFAULT_BLOCK_BYTES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     Fragment,
     fragment_to_json,
-    seal,
 )
 from ..format.values import encode_value
 from ..plan.box import Box
@@ -41,6 +34,8 @@ from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa:
 from ..engine.items import Holders, TensorItem, cut_rows, is_dtensor, row_slice, sharded_item, tensor_item
 from ..engine.state import PerRank, Sharded, flatten
 from ..engine.gc_pause import gc_paused
+from ..format.rank_message import FragmentRecord, decode as decode_message, encode as encode_message
+from .assemble import manifest_document
 from .incremental import BaseIndex, holders_json, open_base, split_unchanged
 
 
@@ -273,23 +268,24 @@ def rank_payload(
     """What this rank reports to rank 0 once its file is durable (``base``: the base of an
     incremental save, whose checkpoints the written fragments may reference). Each
     fragment travels as the JSON text the manifest stores, with what rank 0 checks it by
-    (its volume, a key of its boxes and one of its checksums), so rank 0 parses no
-    fragment."""
-    frags: dict[str, dict[str, Any]] = {}
+    (its volume, a key of its boxes and one of its checksums, its bounding box: a
+    :class:`~unickpt.format.rank_message.FragmentRecord`), so rank 0 parses no fragment."""
+    frags: list[FragmentRecord] = []
     rank_frags: dict[str, dict[str, Any]] = {}
     for item, frag in written:
-        entry = {"shape": list(item.global_shape), "dtype": dtype_name(item.local.dtype), "layout": item.layout}
+        shape, dtype = list(item.global_shape), dtype_name(item.local.dtype)
         fjson = fragment_to_json(frag)
         if item.layout == "per-rank":
-            rank_frags[item.name] = dict(entry, fragment=fjson)
+            rank_frags[item.name] = {"shape": shape, "dtype": dtype, "layout": item.layout, "fragment": fjson}
             continue
         boxes = [(p.global_box.offsets, p.global_box.lengths) for p in frag.pieces]
-        lo = [min(o[d] for o, _ in boxes) for d in range(len(item.global_shape))] if boxes else [0] * len(item.global_shape)
-        hi = [max(o[d] + n[d] for o, n in boxes) for d in range(len(item.global_shape))] if boxes else lo
-        frags[item.name] = dict(
-            entry, fragment=json.dumps(fjson, separators=(",", ":")), volume=sum(p.global_box.volume for p in frag.pieces),
-            boxes=_short_hash(repr(boxes)), crcs=_short_hash(repr(frag.crc32c)), bbox=[lo, [h - o for h, o in zip(hi, lo)]],
-        )
+        lo = [min(o[d] for o, _ in boxes) for d in range(len(shape))] if boxes else [0] * len(shape)
+        hi = [max(o[d] + n[d] for o, n in boxes) for d in range(len(shape))] if boxes else lo
+        frags.append(FragmentRecord(
+            item.name, shape, dtype, item.layout, json.dumps(fjson, separators=(",", ":")).encode(),
+            sum(p.global_box.volume for p in frag.pieces), _short_hash(repr(boxes)), _short_hash(repr(frag.crc32c)),
+            (lo, [h - o for h, o in zip(hi, lo)]),
+        ))
     return {
         "rank": group.rank, "error": None, "files": files, "fragments": frags,
         "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()}, "replicated": local.replicated,
@@ -299,8 +295,21 @@ def rank_payload(
     }
 
 
-def _short_hash(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+def _short_hash(text: str) -> int:
+    """A 64-bit key of ``text`` (the first 8 bytes of its BLAKE2b, as a big-endian integer)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def rank_message(payload: dict[str, Any]) -> bytes:
+    """The bytes a rank sends to rank 0 at commit: its payload (:func:`rank_payload`) in
+    the binary form of ``format/rank_message.py`` (members left empty are left out)."""
+    head = {k: v for k, v in payload.items() if k != "fragments" and v is not None and not (isinstance(v, (dict, list)) and not v)}
+    return encode_message(head, payload.get("fragments", []))
+
+
+def read_message(message: bytes) -> dict[str, Any]:
+    """The payload of a :func:`rank_message` (each fragment as a dict, its JSON text as bytes)."""
+    return decode_message(message)
 
 
 _DATA_FILE = re.compile(r"rank_\d{5,}\.safetensors")
@@ -412,159 +421,6 @@ def _rank_payload(staged: StagedSave, storage: Storage) -> dict[str, Any]:
         return rank_payload(group, local, written, files, base)
     except Exception as e:
         return {"rank": group.rank, "error": _describe(e)}
-
-
-def _check_agreement(payloads: list[dict[str, Any]]) -> None:
-    """Every key held by several ranks (plain values, plain tensors) must be equal on all."""
-    seen: dict[str, dict[str, list[int]]] = {}
-    for p in payloads:
-        for key, digest in p["digests"].items():
-            seen.setdefault(key, {}).setdefault(digest, []).append(p["rank"])
-    problems = []
-    for key in sorted(seen):
-        if len(seen[key]) > 1:
-            variants = sorted(seen[key].items(), key=lambda kv: kv[1][0])
-            problems.append(f"{key!r} (" + "; ".join(f"ranks {_ranks(r)}: {d}" for d, r in variants[:3]) + ")")
-    if problems:
-        raise InconsistentStateError(
-            "these entries differ between ranks; make them equal, or wrap per-rank state in unickpt.PerRank: "
-            + "; ".join(problems[:10]) + (f" and {len(problems) - 10} more" if len(problems) > 10 else "")
-        )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks[:6])) + (",..." if len(ranks) > 6 else "")
-
-
-@dataclass
-class _Stored:
-    """One tensor as rank 0 assembles it: its entry, and its fragments as JSON texts."""
-
-    head: dict[str, Any]
-    texts: list[bytes] = field(default_factory=list)
-    bboxes: list[list[list[int]]] = field(default_factory=list)  # [offsets, lengths] of each fragment
-    volume: int = 0
-    seen: dict[str, tuple[str, int]] = field(default_factory=dict)  # boxes key -> (checksums key, rank)
-
-
-def _duplicate(name: str, t: _Stored, d: dict[str, Any], rank: int) -> None:
-    """A second copy of the same boxes (dropped): it must hold the same data."""
-    known = t.seen[d["boxes"]]
-    if known[0] != d["crcs"]:
-        raise InconsistentStateError(f"{name!r}: replicas on ranks {known[1]} and {rank} hold different data for the same shard")
-
-
-def _check_tiling(name: str, t: _Stored) -> None:
-    """The fragments hold every element of the tensor once."""
-    shape = t.head["shape"]
-    total = prod(shape) if shape else 1
-    if t.volume != total and not (total == 0 and t.volume == 0):
-        raise SaveError(f"{name!r}: the saved shards hold {t.volume} elements of {total}; the layout overlaps or leaves gaps")
-
-
-def assemble(
-    payloads: list[dict[str, Any]], world_size: int, metadata: dict[str, Any], indexed: bool | None = None
-) -> dict[str, bytes]:
-    """Build the manifest from every rank's payload (rank 0 only): the documents to commit,
-    ``manifest.json`` last, with ``fragments.jsonl`` before it when the manifest is
-    indexed (format 2.0; by default when more than ``INDEX_FRAGMENTS`` fragments)."""
-    errors = [f"rank {p['rank']}: {p['error']}" for p in payloads if p.get("error")]
-    if errors:
-        raise SaveError("save failed, nothing was committed:\n" + "\n".join(errors))
-    _check_agreement(payloads)
-    files: dict[str, int] = {}
-    values: dict[str, Any] = {}
-    stored: dict[str, _Stored] = {}
-    for p in payloads:
-        values.update(p["values"])
-    for p in payloads:
-        files.update(p["files"])
-        for name, (shape, dtype, layout) in p["declared"].items():
-            if name not in stored:
-                stored[name] = _Stored(tensor_head(shape, dtype, layout))
-        for name, d in p["fragments"].items():
-            t = stored.get(name)
-            if t is None:
-                t = stored[name] = _Stored(tensor_head(d["shape"], d["dtype"], d["layout"]))
-            if d["boxes"] in t.seen:
-                _duplicate(name, t, d, p["rank"])
-                continue
-            t.seen[d["boxes"]] = (d["crcs"], p["rank"])
-            t.texts.append(d["fragment"])
-            t.bboxes.append(d["bbox"])
-            t.volume += d["volume"]
-    unwritten = [(n, p["rank"]) for p in payloads for n in p["replicated"] if n not in stored]
-    if unwritten:
-        raise SaveError("no replica wrote " + ", ".join(f"{n!r} (held by rank {r} and its replicas)" for n, r in unwritten[:5])
-                        + "; the replicas disagree on what they hold (docs/FORMAT.md, 'Who writes replicas')")
-    for name, t in stored.items():
-        _check_tiling(name, t)
-    rank_values = {name: [p["rank_values"].get(name) for p in payloads] for name in sorted({k for p in payloads for k in p["rank_values"]})}
-    rank_tensors = {}
-    for name in sorted({k for p in payloads for k in p["rank_tensors"]}):
-        row: list[dict[str, Any] | None] = []
-        for p in payloads:
-            d = p["rank_tensors"].get(name)
-            row.append(None if d is None else dict(tensor_head(d["shape"], d["dtype"], "per-rank"), fragments=[d["fragment"]]))
-        rank_tensors[name] = row
-    if indexed is None:
-        indexed = sum(len(t.texts) for t in stored.values()) > INDEX_FRAGMENTS
-    version = INDEXED_VERSION if indexed else FORMAT_VERSION
-    head = {
-        "format": FORMAT_NAME, "version": f"{version[0]}.{version[1]}", "world_size": world_size,
-        "provenance": {
-            "unickpt": __version__, "torch": torch.__version__, "python": platform.python_version(), "world_size": world_size,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
-        "metadata": encode_value(metadata, "metadata"), "files": files,
-    }
-    bases: dict[str, dict[str, Any]] = {}
-    for p in payloads:  # the checkpoints holding bytes an incremental save references
-        for holder, d in (p.get("bases") or {}).items():
-            bases.setdefault(holder, {"digest": d["digest"], "files": {}})["files"].update(d["files"])
-    if bases:
-        head["bases"] = bases
-    if payloads and payloads[0].get("incremental") is not None:
-        head["incremental"] = payloads[0]["incremental"]
-    tail = {"values": values, "rank_values": rank_values, "rank_tensors": rank_tensors}
-    text, index = manifest_documents(head, [(n, t.head, t.texts, t.bboxes) for n, t in stored.items()], tail, indexed)
-    doc = seal(text).encode()
-    return {MANIFEST_NAME: doc} if index is None else {INDEX_NAME: index, MANIFEST_NAME: doc}
-
-
-def rank_message(payload: dict[str, Any]) -> bytes:
-    """The bytes a rank sends to rank 0 at commit: its payload (:func:`rank_payload`) as
-    one line of JSON, then its fragments' JSON texts back to back (the line gives each
-    text's ``[start, length]``), so rank 0 neither parses nor unescapes them."""
-    texts: list[bytes] = []
-    at = 0
-    frags = {}
-    for name, d in payload.get("fragments", {}).items():
-        raw = d["fragment"].encode()
-        frags[name] = dict(d, fragment=[at, len(raw)])
-        texts.append(raw)
-        at += len(raw)
-    head = dict(payload, fragments=frags) if frags else payload
-    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + b"".join(texts)
-
-
-def read_message(message: bytes) -> dict[str, Any]:
-    """The payload of a :func:`rank_message`."""
-    line, _, tail = message.partition(b"\n")
-    payload = json.loads(line)
-    for d in payload.get("fragments", {}).values():
-        a, n = d["fragment"]
-        d["fragment"] = tail[a : a + n]  # bytes: spliced into the manifest as they are
-    return payload
-
-
-def manifest_document(
-    messages: list[bytes], world_size: int, metadata: dict[str, Any], indexed: bool | None = None
-) -> dict[str, bytes]:
-    """The committing rank's work (rank 0): every rank's message (:func:`rank_message`,
-    in rank order) -> the checked documents to commit (``assemble``). No I/O: ``commit``
-    and the scale simulation (``bench/scale.py``) both call it."""
-    return assemble([read_message(g) for g in messages], world_size, metadata, indexed)
 
 
 def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:

@@ -11,13 +11,15 @@ bytes come from and on the network: see docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..dist import Group, all_gather_fixed
 from ..errors import LayoutError, UnickptError
-from ..plan.save_plan import replica_owner
+from ..plan.save_plan import replica_owner, replica_shares
+from .items import TensorItem, cut_rows, row_slice
 
 
 class ReplicatedReads:
@@ -52,3 +54,84 @@ class ReplicatedReads:
         for name in sorted(self.shared):
             target, owner = self.shared[name]
             dist.broadcast(target.detach(), src=self.group.global_rank(owner), group=self.group.pg)
+
+
+_GROUPS: dict[tuple, Any] = {}  # process groups of replicas, made once per set of ranks
+
+
+class ShardedReplicas:
+    """``Sharded`` targets held by several replicas (rule-described weights replicated
+    over data parallelism): instead of every replica reading the whole shard, the ranks
+    holding the same replicated shards (found by comparing one digest of them) split
+    them as a save does (``replica_shares``: each reads about 1/N of the bytes, cut at
+    rows), then each share is broadcast from its reader over a process group of those
+    ranks (collective; created once per set of ranks, by its members only). Rows of a
+    target covered by no stored piece (padding) take the reading replica's values."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.items: list[tuple[Any, TensorItem]] = []  # (entry, item), deferred
+        self.members: list[int] = []
+        self.pg: Any = None
+        self.line: list[tuple[Any, TensorItem]] = []
+
+    def defer(self, entry: Any, item: TensorItem) -> bool:
+        """Take ``item`` (of manifest ``entry``) to read by shares; False when it must be
+        read here whole (no replicas, or not a tensor that can be broadcast as it is)."""
+        t = item.local
+        if not self.group.active or item.replicas < 2 or not t.is_contiguous() or t.device != self.group.device():
+            return False
+        self.items.append((entry, item))
+        return True
+
+    def plan(self, failed: bool) -> list[tuple[Any, TensorItem]]:
+        """Collective: find this rank's replicas; the parts (entry, row slice) it reads.
+        When the replicas cannot be matched (a rank failed, or the ranks holding the same
+        shards are not as many as the shards' replica count) every deferred item is read
+        whole here, as without sharing."""
+        line = sorted(self.items, key=lambda ei: (ei[1].name, ei[1].shard_key))
+        digest = hashlib.blake2b(repr([(i.name, i.shard_key, i.replicas) for _, i in line]).encode(), digest_size=8).digest()
+        reports = all_gather_fixed(self.group, digest + (b"\x01" if failed else b"\x00"))
+        members = [r for r, rep in enumerate(reports) if rep[:8] == digest]
+        if failed or any(rep[8:] != b"\x00" for rep in reports) or not line or len(members) != line[0][1].replicas \
+                or any(i.replicas != len(members) for _, i in line):
+            return [] if failed else line
+        self.members, self.line = members, line
+        key = (id(self.group.pg), tuple(members))
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group([self.group.global_rank(m) for m in members], use_local_synchronization=True)
+        self.pg = _GROUPS[key]
+        return self.parts(members.index(self.group.rank))
+
+    def parts(self, share: int) -> list[tuple[Any, TensorItem]]:
+        """The row slices of the line replica ``share`` reads."""
+        return shared_parts(self.line, len(self.members), share)
+
+    def finish(self, failed: bool) -> None:
+        """Collective: agree every rank read its shares, then broadcast each from its
+        reader to the other replicas. Raises on every rank if any rank failed."""
+        if not self.group.active:
+            return
+        self._agree(failed)
+        if failed or self.pg is None:
+            return
+        for share, member in enumerate(self.members):
+            src = self.group.global_rank(member)
+            for _, part in self.parts(share):
+                dist.broadcast(part.local, src=src, group=self.pg)
+
+    def _agree(self, failed: bool) -> None:
+        reports = all_gather_fixed(self.group, b"\x01" if failed else b"\x00")
+        bad = [r for r, rep in enumerate(reports) if rep != b"\x00"]
+        if bad and not failed:
+            raise UnickptError(f"load failed on rank(s) {', '.join(map(str, bad))}; see their errors")
+
+
+def shared_parts(line: list[tuple[Any, TensorItem]], replicas: int, share: int) -> list[tuple[Any, TensorItem]]:
+    """Of ``line`` (``(entry, item)`` of the replicated shards the same ``replicas`` ranks
+    hold, sorted by name and shard), the row slices replica ``share`` reads: the cut of
+    :func:`~unickpt.plan.save_plan.replica_shares`, as a save cuts the writes."""
+    items = [i for _, i in line]
+    sizes = [i.local.numel() * i.local.element_size() for i in items]
+    shares = replica_shares(sizes, [cut_rows(i) for i in items], replicas, share)
+    return [(line[k][0], row_slice(items[k], a, b) if cut_rows(items[k]) > 1 else items[k]) for k, a, b in shares]

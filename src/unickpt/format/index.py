@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from ..errors import CorruptionError, ManifestError
 from .checksum import crc32c
@@ -46,47 +50,89 @@ def _join(head: dict[str, Any], key: str, raw: str) -> str:
     return f"{text[:-1]}{',' if len(text) > 2 else ''}\"{key}\":{raw}}}"
 
 
+@dataclass
+class FragmentRows:
+    """The fragments of a manifest being written, one row each (in the order they came):
+    the tensor each belongs to (an index into the tensors list), its JSON text (bytes or
+    a memoryview), and the box bounding its pieces (``lo``, ``length``: one column per
+    dimension, zero past the tensor's own)."""
+
+    tensor: np.ndarray  # int64
+    texts: list[Any]
+    text_len: np.ndarray  # int64: the length of each text
+    lo: np.ndarray  # (rows, width) int64
+    length: np.ndarray  # (rows, width) int64
+
+
 def manifest_documents(
-    head: dict[str, Any],
-    tensors: list[tuple[str, dict[str, Any], list[bytes], list[tuple[list[int], list[int]]]]],
-    tail: dict[str, Any],
-    indexed: bool,
+    head: dict[str, Any], tensors: list[tuple[str, dict[str, Any]]], rows: FragmentRows, tail: dict[str, Any], indexed: bool,
 ) -> tuple[str, bytes | None]:
     """The manifest text (before sealing) and, when ``indexed``, the index file.
 
     ``head``: the members before ``tensors`` (format, version, world_size, provenance,
-    metadata, files); ``tensors``: ``(name, tensor_head(...), [fragment JSON texts, UTF-8],
-    [bounding box (offsets, lengths) of each fragment])``; ``tail``: the members after
-    (values, rank_values, rank_tensors). Fragment texts are spliced in as they are (each
-    rank serialised its own), so no fragment is parsed here. Indexed, a tensor's fragments
-    are sorted by their boxes and cut into lines of ``CHUNK_FRAGMENTS``, each listed in the
-    root with its place in the index, CRC-32C and bounding box.
+    metadata, files); ``tensors``: ``(name, tensor_head(...))`` of each tensor; ``rows``:
+    every fragment; ``tail``: the members after (values, rank_values, rank_tensors).
+    Fragment texts are spliced in as they are (each rank serialised its own), so no
+    fragment is parsed here. Not indexed, a tensor lists its fragments in the order they
+    came. Indexed, a tensor's fragments are sorted by their bounding boxes and cut into
+    lines of ``CHUNK_FRAGMENTS``, each listed in the root with its place in the index,
+    CRC-32C and bounding box; this is done on arrays, a few operations for all fragments.
     """
-    parts = []
-    index: list[bytes] = []
-    at = 0
-    for name, th, texts, boxes in tensors:
-        if not indexed:
-            parts.append(json.dumps(name) + ":" + _join(th, "fragments", "[" + b",".join(texts).decode() + "]"))
-            continue
-        order = sorted(range(len(texts)), key=boxes.__getitem__)
-        chunks = []
-        for c in range(0, len(order), CHUNK_FRAGMENTS):
-            ks = order[c : c + CHUNK_FRAGMENTS]
-            raw = b"[" + b",".join([texts[k] for k in ks]) + b"]"
-            index.append(raw + b"\n")
-            lo = list(map(min, zip(*[boxes[k][0] for k in ks])))
-            hi = list(map(max, zip(*[[o + n for o, n in zip(*boxes[k])] for k in ks])))
-            chunks.append([at, len(raw), crc32c(raw), lo, [h - o for h, o in zip(hi, lo)]])
-            at += len(raw) + 1
-        parts.append(json.dumps(name) + ":" + _join(th, "fragments_at", json.dumps(chunks, separators=(",", ":"))))
-    if indexed:
-        head = dict(head, index={"file": INDEX_NAME, "size": at})
-    text = _join(head, "tensors", "{" + ",".join(parts) + "}")
-    rest = json.dumps(tail, separators=(",", ":"))
-    if len(rest) > 2:
-        text = text[:-1] + "," + rest[1:]
-    return text, (b"".join(index) if indexed else None)
+    if not indexed:
+        texts: list[list[Any]] = [[] for _ in tensors]
+        for t, text in zip(rows.tensor.tolist(), rows.texts):
+            texts[t].append(text)
+        parts = [json.dumps(name) + ":" + _join(th, "fragments", "[" + b",".join(ts).decode() + "]")
+                 for (name, th), ts in zip(tensors, texts)]
+        text = _join(head, "tensors", "{" + ",".join(parts) + "}")
+        rest = json.dumps(tail, separators=(",", ":"))
+        return (text[:-1] + "," + rest[1:] if len(rest) > 2 else text), None
+    index, lines = _index_lines(rows)
+    chunks: list[list[Any]] = [[] for _ in tensors]
+    for t, at, n, crc, lo, hi in lines:
+        nd = len(tensors[t][1]["shape"])
+        chunks[t].append([at, n, crc, lo[:nd], [h - o for h, o in zip(hi[:nd], lo)]])
+    doc = dict(head, index={"file": INDEX_NAME, "size": len(index)},
+               tensors={name: dict(th, fragments_at=c) for (name, th), c in zip(tensors, chunks)})
+    doc.update(tail)
+    return json.dumps(doc, separators=(",", ":")), index
+
+
+def _index_lines(rows: FragmentRows) -> tuple[bytes, Any]:
+    """The index file and, for each of its lines: tensor, offset, length, CRC-32C, box
+    offsets and box ends (one past the last element), the box in ``rows.lo``'s width."""
+    import numpy as np  # here: reading a manifest needs no numpy (the command line starts faster)
+
+    n, width = rows.lo.shape
+    if n == 0:
+        return b"", []
+    keys = [np.arange(n)] + [rows.length[:, d] for d in reversed(range(width))]
+    keys += [rows.lo[:, d] for d in reversed(range(width))] + [rows.tensor]
+    order = np.lexsort(keys)  # by tensor, then box (offsets, then lengths), then as they came
+    tensor = rows.tensor[order]
+    new_tensor = np.ones(n, dtype=bool)
+    new_tensor[1:] = tensor[1:] != tensor[:-1]
+    at = np.arange(n)
+    first = np.maximum.accumulate(np.where(new_tensor, at, 0))  # of each row's tensor
+    new_line = (at - first) % CHUNK_FRAGMENTS == 0
+    starts = np.nonzero(new_line)[0]
+    lo = rows.lo[order]
+    line_lo = np.minimum.reduceat(lo, starts, axis=0)
+    line_hi = np.maximum.reduceat(lo + rows.length[order], starts, axis=0)
+    text_len = rows.text_len[order]
+    count = np.diff(np.append(starts, n))
+    line_len = np.add.reduceat(text_len, starts) + count + 1  # "[", "]" and the commas between
+    line_at = np.zeros(len(starts), dtype=np.int64)
+    np.cumsum(line_len[:-1] + 1, out=line_at[1:])
+    out: list[Any] = [None] * (2 * n + 1)
+    out[0] = b"["
+    out[1::2] = [rows.texts[k] for k in order.tolist()]
+    out[2::2] = [b"]\n[" if s else b"," for s in new_line[1:].tolist()] + [b"]\n"]
+    index = b"".join(out)
+    whole = memoryview(index)
+    ats, lens = line_at.tolist(), line_len.tolist()
+    crcs = [crc32c(whole[a : a + k]) for a, k in zip(ats, lens)]
+    return index, zip(tensor[starts].tolist(), ats, lens, crcs, line_lo.tolist(), line_hi.tolist())
 
 
 def index_chunks(d: Any, name: str, ndim: int, index_size: int) -> list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]:
