@@ -332,7 +332,7 @@ def table(rows: dict[int, dict]) -> str:
             f"| {total / GiB:g} GiB | {f['memcpy']:.3f} s ({gb / f['memcpy']:.1f} GB/s) | {f['stall']:.3f} s "
             f"({f['stall'] / f['memcpy']:.2f}x memcpy; first {f['stall_first']:.3f} s) | {f['async_disk']:.3f} s | "
             f"{f['background']:.2f} s | {f['whole']:.2f} s | {(f['data'] + f['parity']) / f['data']:.3f}x | "
-            f"{f['copy_crc']:.3f} s | {f['crash']['seconds']:.2f} s | {f['node_loss']['seconds']:.2f} s (rebuild {f['node_loss']['timings'].get('rebuild', 0):.2f} s) "
+            f"{f['copy_crc']:.3f} s | {f['crash']['seconds']:.2f} s | {f['node_loss']['seconds']:.2f} s "
             f"| {disk:.2f} s ({'page cache evicted' if res is None else f'{res / 2**20:.0f} MiB resident after eviction'}) "
             f"| {disk / f['crash']['seconds']:.1f}x / {disk / f['node_loss']['seconds']:.1f}x |"
         )
@@ -346,7 +346,7 @@ def table(rows: dict[int, dict]) -> str:
         for label, g, lost in kinds:
             out.append(f"| {total / GiB:g} GiB | {label} | {(g['data'] + g['parity']) / g['data']:.3f}x | {g['whole']:.2f} s | "
                        f"{g['encode_s']:.2f} s | {g['stall']:.3f} s | {g['node_loss']['seconds']:.2f} s "
-                       f"(rebuild {g['node_loss']['timings'].get('rebuild', 0):.2f} s; {lost}) |")
+                       f"({lost}) |")
     codes = next(iter(rows.values()))["codes"]
     out += ["", "Encoders, one core, GB/s of data in: " + ", ".join(f"{k} {v:.2f}" for k, v in codes.items())]
     return "\n".join(out)

@@ -121,3 +121,56 @@ def save_then_die(rank: int, world: int, env: dict[str, str], root: str, piddir:
     manager.save({"w": torch.arange(10.0)}, 1)
     big = torch.randn((40 << 20) if rank == 0 else 10)
     manager.save({"w": torch.arange(10.0), "mine": unickpt.PerRank(big)}, 5, threads=2)
+
+
+class ThrottledProxy:
+    """A TCP forwarder on 127.0.0.1 in front of ``port`` whose traffic (both directions,
+    all connections together) is held to ``rate`` bytes per second: a storage made slow
+    for real, on the network, with nothing of unickpt replaced."""
+
+    def __init__(self, port: int, rate: float) -> None:
+        import threading
+
+        self.upstream, self.rate = port, rate
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def env(self) -> dict[str, str]:
+        """The S3 client environment pointing at the proxy."""
+        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(16384):
+                with self._lock:  # one schedule for every connection: the rate is the total
+                    at = self._next = max(self._next, time.monotonic()) + len(data) / self.rate
+                time.sleep(max(0.0, at - time.monotonic()))
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop accepting (connections in flight end with their peers)."""
+        self.server.close()

@@ -127,3 +127,51 @@ def losses(path: str) -> dict[int, float]:
 def resumed_lines(outs: list[str]) -> list[str]:
     """The recovery lines printed (resumed ... / starting fresh ...)."""
     return [line for o in outs for line in o.splitlines() if line.startswith(("resumed step", "starting fresh"))]
+
+
+def snapshots_during_slow_save(rank: int, world: int, env: dict[str, str], url: str, root: str, out: str) -> None:
+    """Ranks of one node: an ``async_save`` to ``url`` (a throttled object store) is still
+    writing while three snapshots are taken and committed; then the newest snapshot is
+    recovered from memory into zeroed tensors. Rank 0 writes what it saw to ``out``."""
+    import torch
+
+    import unickpt
+    from unickpt.snapshot import Snapshotter, recover
+
+    os.environ.update(env, UNICKPT_SHM_ROOT=root, UNICKPT_JOB_ID="slow-durable", GROUP_RANK="0", LOCAL_RANK=str(rank))
+    gen = torch.Generator().manual_seed(rank)
+    durable = {"w": torch.arange(64.0), "big": unickpt.PerRank(torch.randn(1 << 19, generator=gen))}  # 2 MiB a rank
+    state = {"w": torch.zeros(1000), "mine": unickpt.PerRank(torch.full((500,), float(rank))), "step": 0}
+    snap = Snapshotter("slow-durable", 1, 0)
+    t0 = time.monotonic()
+    handle = unickpt.async_save(durable, url)
+    seen = []
+    for step in (1, 2, 3):
+        state["w"] += step
+        state["mine"].value.mul_(2).add_(rank)
+        state["step"] = step
+        snap.snapshot(state, step).result()
+        if rank == 0:  # and the keeper made it whole
+            while not os.path.exists(os.path.join(snap.jdir, f"step_{step:08d}", "whole")):
+                time.sleep(0.01)
+        seen.append({"step": step, "at": time.monotonic() - t0, "durable_done": handle.done()})
+    handle.result()
+    durable_s = time.monotonic() - t0
+    want = {"w": state["w"].clone(), "mine": state["mine"].value.clone()}
+    state = {"w": torch.zeros(1000), "mine": unickpt.PerRank(torch.zeros(500)), "step": -1}
+
+    def load(path, storage):
+        unickpt.load(state, path, storage=storage, manifest=storage.manifest)
+        return int(state["step"])
+
+    outcome = recover(snap, load)
+    got = {"w": state["w"], "mine": state["mine"].value}
+    back = {"w": torch.zeros(64), "big": unickpt.PerRank(torch.zeros(1 << 19))}
+    unickpt.load(back, url)
+    snap.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"snapshots": seen, "durable_s": durable_s, "line": outcome.line, "source": outcome.source,
+                       "step": outcome.step, "bitwise": all(torch.equal(got[k], want[k]) for k in want),
+                       "durable_bitwise": torch.equal(back["big"].value, durable["big"].value)
+                       and torch.equal(back["w"], durable["w"])}, f)

@@ -462,3 +462,32 @@ def test_a_step_is_held_in_memory_until_its_flush_ends(tmp_path, keepers_down):
     _wait_for(lambda: not os.path.exists(os.path.join(jdir, "step_00000002")), 30, "step 2 released after its flush")
     assert os.path.exists(target / "manifest.json") and "step 2 flushed to" in open(log).read()
     assert sorted(os.listdir(jdir)) == ["step_00000004"]
+
+
+def test_snapshots_go_on_while_a_slow_durable_async_save_writes(tmp_path, keepers_down):
+    """A durable ``async_save`` to an object store throttled on the network (a real S3
+    server behind a TCP forwarder held to 1 MB/s: the 4 MiB take seconds) is still in
+    flight while two ranks take and commit three snapshots (their own staging buffer and
+    gloo group: no wait for it); the newest snapshot is recovered from memory bitwise, and
+    the durable save commits intact afterwards."""
+    from objstore_cases import BUCKET, S3Server, ThrottledProxy
+    from snapshot_helpers import snapshots_during_slow_save
+
+    root = str(tmp_path / "shm")
+    keepers_down.append(root)
+    server = S3Server()
+    proxy = ThrottledProxy(server.port, 1e6)
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        out = str(tmp_path / "seen.json")
+        run_ranks(snapshots_during_slow_save, 2, proxy.env(), f"s3://{BUCKET}/durable", root, out,
+                  preload=["torch", "unickpt", "unickpt.snapshot.client", "s3fs"])
+    finally:
+        proxy.close()
+        server.kill()
+    seen = __import__("json").load(open(out))
+    assert [s["durable_done"] for s in seen["snapshots"]] == [False, False, False], seen
+    assert seen["snapshots"][-1]["at"] < seen["durable_s"], seen
+    assert seen["source"] == "memory" and seen["step"] == 3 and seen["bitwise"], seen
+    assert seen["durable_bitwise"], seen
+    _no_leftovers(root)

@@ -6,6 +6,13 @@ in the commit. All of the save's communication runs on a dedicated gloo process 
 over the same ranks, created once and cached, never on the training group: training
 collectives (NCCL or gloo) can run at the same time without interleaving with the
 checkpoint's (DCP's thread mode on the default group hangs exactly there).
+
+Saves on different *channels* are independent: each channel has its own saver (one
+staging buffer, at most one save in flight) and its own gloo group, so a save on one
+never waits for, nor interleaves collectives with, a save on another. The in-memory
+snapshot tier saves on channel ``snapshot`` while a slow durable save of the default
+channel is still writing; host memory for staging is then one copy of the rank's shard
+per channel in use.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from .save import (
 from ..engine.staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
 from ..engine.writer import DataFileWriter, as_bytes
 
-_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+DEFAULT_CHANNEL = "default"
+_GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
 
 
 @atexit.register
@@ -48,20 +56,21 @@ def _drop_groups() -> None:
     _GROUPS.clear()
 
 
-def checkpoint_group(group: Group) -> Group:
-    """The gloo group that carries checkpoint traffic for ``group``'s ranks: created on
-    first use (collectively, by every member) and cached for the life of the default group."""
+def checkpoint_group(group: Group, channel: str = DEFAULT_CHANNEL) -> Group:
+    """The gloo group that carries ``channel``'s checkpoint traffic for ``group``'s ranks:
+    created on first use (collectively, by every member) and cached for the life of the
+    default group; each channel has its own."""
     if not group.active:
         return group
     world = dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(group.pg))
-    cached = _GROUPS.get(ranks)
+    cached = _GROUPS.get((ranks, channel))
     if cached is None or cached[0] is not world:
         if len(ranks) == dist.get_world_size():
             pg = dist.new_group(backend="gloo")
         else:
             pg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
-        cached = _GROUPS[ranks] = (world, pg)
+        cached = _GROUPS[(ranks, channel)] = (world, pg)
     pg = cached[1]
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
 
@@ -125,7 +134,7 @@ class _Job:
 
 
 class _Saver:
-    """The process's one async saver: one staging buffer, at most one save in flight."""
+    """One channel's async saver: one staging buffer, at most one save in flight."""
 
     def __init__(self) -> None:
         self.pool = StagingPool()
@@ -266,6 +275,14 @@ class _Saver:
 
 
 _SAVER = _Saver()
+_SAVERS: dict[str, _Saver] = {DEFAULT_CHANNEL: _SAVER}  # channel -> its saver
+
+
+def _saver(channel: str) -> _Saver:
+    saver = _SAVERS.get(channel)
+    if saver is None:
+        saver = _SAVERS[channel] = _Saver()
+    return saver
 
 
 def _unchanged_in_call(
@@ -337,12 +354,16 @@ def async_save(
     manifest_copy: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
+    channel: str = DEFAULT_CHANNEL,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
 
-    Collective: every rank of ``process_group`` calls it. If a save is still in flight,
-    it first waits for it (one save at a time; its error stays with its own handle).
+    Collective: every rank of ``process_group`` calls it. If a save of the same
+    ``channel`` is still in flight, it first waits for it (one save at a time per channel;
+    its error stays with its own handle). A save on another channel (its own staging
+    buffer, its own gloo group) neither waits for it nor is waited for: the snapshot tier
+    uses channel ``"snapshot"`` so that a snapshot never waits for a durable save.
     The bytes to write are copied into one host buffer kept for the next saves (pinned
     when the tensors are on CUDA; device copies are ``non_blocking`` on a side stream
     with one synchronize), so host memory stays at one copy of this rank's shard.
@@ -376,8 +397,9 @@ def async_save(
         raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
     if max_staging_bytes is not None and max_staging_bytes <= 0:
         raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
-    _SAVER.wait()
-    group = checkpoint_group(resolve_group(process_group))
+    saver = _saver(channel)
+    saver.wait()
+    group = checkpoint_group(resolve_group(process_group), channel)
     check_not_committed(path, overwrite, storage_options)
     index, refs, undecided = None, [], set()
     try:
@@ -400,10 +422,13 @@ def async_save(
         index, refs, undecided,
     )
     handle = AsyncSaveHandle(str(path), group.rank)
-    _SAVER.start(job, handle)
+    saver.start(job, handle)
     return handle
 
 
-def staging_bytes() -> int:
-    """Bytes of host memory the async saver's staging buffer holds now."""
-    return _SAVER.pool.nbytes
+def staging_bytes(channel: str | None = None) -> int:
+    """Bytes of host memory the async savers' staging buffers hold now (of one channel,
+    or of all)."""
+    if channel is not None:
+        return _SAVERS[channel].pool.nbytes if channel in _SAVERS else 0
+    return sum(s.pool.nbytes for s in _SAVERS.values())

@@ -50,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--durable-every", type=int, default=1, help="copy every Mth checkpoint to --durable-dir")
     p.add_argument("--durable-keep", type=int, default=None, help="keep only the newest N checkpoints in --durable-dir")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint path")
-    p.add_argument("--async-save", action="store_true", help="save in the background (unickpt.async_save)")
+    p.add_argument("--async-save", action="store_true",
+                   help="save in the background (unickpt.async_save); snapshots (--snapshot-every) never wait for "
+                   "a save in flight: they have their own staging buffer (one more host copy of the rank's shard) "
+                   "and process group")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="snapshot the state into host memory every N steps (0: never); the run then "
                    "recovers by itself at start from memory, else from --ckpt-dir (docs/SNAPSHOT.md)")

@@ -7,6 +7,11 @@ background while the next step computes; call :meth:`Snapshotter.before_update` 
 the optimizer changes the tensors). A snapshot is an ordinary unickpt checkpoint whose
 manifest is committed on every node (``manifest_copy``); its metadata names the keepers
 of the step, so each keeper knows where the parity of its node goes.
+
+Snapshots are saved on their own async-save channel (``CHANNEL``): their own staging
+buffer and gloo group, so a snapshot goes on at its own rhythm while a durable
+``async_save`` of the trainer is still writing (host memory: one staging copy of the
+rank's shard for each).
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from . import paths, wire
 from .parity import layout
 
 KEEPER_START_S = 60.0
+# The snapshots' own async-save channel: staging buffer, gloo group and save in flight
+# apart from the trainer's durable saves, so a snapshot never waits for one.
+CHANNEL = "snapshot"
 _INFO = struct.Struct("<iiiiiqqq4s")  # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4
 
 
@@ -188,7 +196,8 @@ class Snapshotter:
         if parity is None:  # XOR by default; none with copies on neighbours
             parity = 0 if replicas > 1 else 1
         layout(1 << 30, parity, replicas)  # a bad combination fails before any process starts
-        self.group = checkpoint_group(resolve_group(process_group))
+        self.process_group = process_group
+        self.group = checkpoint_group(resolve_group(process_group), CHANNEL)
         self.node, self.local_rank = node_position()
         self.keeper: dict[str, Any] | None = None
         if self.local_rank == 0:
@@ -274,7 +283,8 @@ class Snapshotter:
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
-        self.handle = async_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0)
+        self.handle = async_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0,
+                                 process_group=self.process_group, channel=CHANNEL)
         self.taken += 1
         return self.handle
 

@@ -7,7 +7,6 @@
         parity_g3_r0.bin, parity_g3_r0.json    the parity blocks this node holds for the step
                                                (group 3, block 0), with their crc32c,
         whole                                  written once every keeper holds data + parity
-    <shm root>/unickpt/<job>/rebuilt_00000012/ a lost node's files, rebuilt during recovery
     <shm root>/unickpt/<job>/recover_00000012/ the manifest a recovery loads through
 
 The shm root is ``UNICKPT_SHM_ROOT`` (default ``/dev/shm``, a tmpfs: host memory that

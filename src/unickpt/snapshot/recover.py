@@ -7,14 +7,17 @@ rank 0 plans, newest step first:
 * every file of the step is held by a surviving node (a process crash; or a relaunch on
   any layout): load it as it is;
 * the files of at most ``m`` lost nodes are missing (``m`` the parity: XOR, Reed-Solomon
-  or copies on neighbours): rank 0 rebuilds them from the survivors' parity blocks and
-  data stripes, read from its own shm root or fetched from their keepers over TCP; every
-  rebuilt stripe is checked against its crc32c (a failure names the corrupt input block);
+  or copies on neighbours): the plan says, for each parity group holding a lost stripe,
+  which surviving data stripes and parity blocks decode it and where they are now;
+  nothing is rebuilt ahead: the ranks that need a lost file's bytes decode exactly those,
+  as they read them (:mod:`.degraded`);
 * otherwise the step is skipped, and the reason kept.
 
 The chosen step is loaded by every rank through the ordinary read plan
-(:func:`unickpt.load` resharding onto the new layout, every block checksum verified),
-reading its node's files from its shm root and other nodes' files from their keepers.
+(:func:`unickpt.load` resharding onto the new layout, every block checksum verified, the
+decoded bytes too), reading its node's files straight from its shm root, other nodes'
+files from their keepers and lost files through degraded reads. A rebuilt byte that
+fails its check has its input blocks checked to name the corrupt one.
 Any failure on any rank rejects the step for all; the next source is tried, ending with
 the durable tier (the newest valid checkpoint on disk). The result is one line:
 ``resumed step S from memory (...)`` / ``resumed step S from disk (...)`` / ``starting fresh (...)``.
@@ -27,13 +30,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc
-import numpy as np
 
 from ..dist import broadcast_bytes, gather_bytes
 from ..errors import CorruptionError, UnickptError
@@ -41,7 +41,8 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import FileReader
 from . import paths, wire
 from .client import Snapshotter
-from .parity import code_name, decode, group_of, members, read_blob, stripe_range
+from .degraded import DegradedReader, Peers, Source, diagnose
+from .parity import code_name, group_of, members
 
 LoadFn = Callable[[str, Any], int]
 
@@ -164,154 +165,38 @@ def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] |
     return plan, ""
 
 
-# -- rebuilding lost nodes (rank 0) -----------------------------------------------------
-class Peers:
-    """Connections to the keepers of the current job's nodes, by node index."""
-
-    def __init__(self, table: list[dict[str, Any]]) -> None:
-        self.table = table
-        self.conns: dict[int, wire.Connection] = {}
-
-    def get(self, node: int) -> wire.Connection:
-        """The connection to node ``node``'s keeper (opened on first use)."""
-        conn = self.conns.get(node)
-        if conn is None:
-            peer = self.table[node]
-            conn = self.conns[node] = wire.Connection(peer["host"], int(peer["port"]))
-        return conn
-
-    def close(self) -> None:
-        """Close every connection."""
-        for c in self.conns.values():
-            c.close()
-        self.conns.clear()
-
-
-def _fetch(peers: Peers, me: int, jdir: str, node: int, header: dict[str, Any], out: np.ndarray) -> None:
-    """Fill ``out`` with a ``read`` (file range) or ``blob`` (range of a node's blob) from
-    node ``node``: from this node's own shm root directly, else from that node's keeper."""
-    if node != me:
-        peers.get(node).read_views(header, [memoryview(out)])
-        return
-    if header["op"] == "read":
-        reader = FileReader(Path(jdir) / header["path"])
-        try:
-            reader.pread_into(int(header["offset"]), memoryview(out))
-        finally:
-            reader.close()
-        return
-    sdir = os.path.join(jdir, paths.step_name(int(header["step"])))
-    read_blob(sdir, [(n, os.path.getsize(os.path.join(sdir, n))) for n in paths.data_files(sdir)],
-              int(header["offset"]), memoryview(out))
-
-
-def _rebuild_group(step: int, g: int, spec: dict[str, Any], k: int, m: int, snap: Snapshotter) -> list[tuple[int, int, np.ndarray]]:
-    """The lost stripes of group ``g``: its surviving data stripes and as many parity
-    blocks as needed, fetched (from this node's memory or the holders' keepers) and
-    decoded; each rebuilt stripe is checked against the crc32c its node recorded. A
-    mismatch is then traced to its cause: every input block is checked against its own
-    crc32c (a corrupt parity or data block is named). Returns (lost node, stripe, bytes)."""
-    peers = Peers(snap.table)
-    got: dict[int, np.ndarray] = {}
-    crcs: dict[int, tuple[int, str]] = {}
-    try:
-        for node, meta in spec["parity"]:
-            b = k + int(meta["r"])
-            got[b] = np.empty(int(meta["nbytes"]), np.uint8)
-            rel = f"{paths.step_name(step)}/{paths.parity_name(g, int(meta['r']), 'bin')}"
-            _fetch(peers, snap.node, snap.jdir, node, {"op": "read", "path": rel, "offset": 0}, got[b])
-            crcs[b] = (int(meta["crc"]), f"the parity of step {step} held by node {meta['holder']} "
-                                         f"(group {g}, block {meta['r']}) fails its crc32c")
-        for i, s, node, rec in spec["data"]:
-            lo, hi = stripe_range(int(rec["blob"]), s, k)
-            got[s] = np.empty(hi - lo, np.uint8)
-            _fetch(peers, snap.node, snap.jdir, node, {"op": "blob", "step": step, "offset": lo}, got[s])
-            crcs[s] = (int(rec["crc"]), f"data stripe {s} of node {i} (step {step}) fails its crc32c")
-    finally:
-        peers.close()
-    before = {k: _crc.crc32c(got[k])} if m == 1 and k > 1 else {}  # XOR decodes into the parity's buffer
-    want = spec["want"]
-    out = decode(got, k, m, [s for _, s, _ in want])
-    result = []
-    for x, s, rec in want:
-        stripe = out[s][: int(rec["len"])]
-        if _crc.crc32c(stripe) != int(rec["crc"]) or int(rec["stripe"]) != s:
-            for b, (crc, why) in sorted(crcs.items()):
-                if (before[b] if b in before else _crc.crc32c(got[b])) != crc:
-                    raise CorruptionError(why)
-            raise CorruptionError(f"stripe {s} of node {x} rebuilt in group {g} fails its crc32c")
-        result.append((x, s, stripe))
-    return result
-
-
-def rebuild(plan: dict[str, Any], snap: Snapshotter) -> dict[str, list[Any]]:
-    """Rebuild the lost nodes' files of ``plan`` into this node's shm root (the groups in
-    parallel, one thread each, every rebuilt stripe written straight into its files);
-    returns where each rebuilt file now is. Raises CorruptionError when a rebuilt stripe
-    does not match its crc32c (naming the parity or data block at fault)."""
-    step, rb = plan["step"], plan["rebuild"]
-    k, m = int(rb["k"]), int(rb["m"])
-    info = {int(x): rec for x, rec in rb["info"].items()}
-    rname = f"rebuilt_{step:08d}"
-    rdir = os.path.join(snap.jdir, rname)
-    paths.remove_tree(rdir)
-    os.makedirs(rdir)
-    fds: dict[str, int] = {}
-    try:
-        for rec in info.values():
-            for name, size in rec["files"]:
-                fds[name] = os.open(os.path.join(rdir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                os.ftruncate(fds[name], int(size))
-
-        def one(g: int, spec: dict[str, Any]) -> None:
-            for x, s, data in _rebuild_group(step, g, spec, k, m, snap):
-                lo, _ = stripe_range(int(info[x]["blob"]), s, k)
-                at, view = 0, memoryview(data)
-                for name, size in info[x]["files"]:  # the stripe's bytes land in the files they belong to
-                    a, b = max(lo, at), min(lo + view.nbytes, at + int(size))
-                    if a < b:
-                        part = view[a - lo : b - lo]
-                        while part.nbytes:
-                            part = part[os.pwrite(fds[name], part, a - at) :]
-                            a = b - part.nbytes
-                    at += int(size)
-
-        with ThreadPoolExecutor(max(1, len(rb["groups"]))) as pool:
-            for f in [pool.submit(one, int(g), spec) for g, spec in rb["groups"].items()]:
-                f.result()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return {name: [snap.node, f"{rname}/{name}"] for rec in info.values() for name, _ in rec["files"]}
-
-
 # -- reading a snapshot spread over nodes ---------------------------------------------
 class RemoteReader:
-    """A file held by another node, read by ranges from its keeper."""
+    """A file held by another node, read by ranges from its keeper (on the storage's
+    pooled connections: the load's threads read in parallel)."""
 
-    def __init__(self, conn: wire.Connection, path: str, size: int) -> None:
-        self.conn, self.rel, self.size = conn, path, size
+    def __init__(self, peers: Peers, node: int, path: str, size: int) -> None:
+        self.peers, self.node, self.rel, self.size = peers, node, path, size
 
     def pread_into(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes at ``offset``."""
-        self.conn.read(self.rel, offset, out)
+        self.peers.read_views(self.node, {"op": "read", "path": self.rel, "offset": offset}, [out])
 
     def preadv_into(self, offset: int, views: list[memoryview]) -> None:
         """Fill the buffers one after the other from ``offset`` on (one request)."""
-        self.conn.read_views({"op": "read", "path": self.rel, "offset": offset}, views)
+        self.peers.read_views(self.node, {"op": "read", "path": self.rel, "offset": offset}, views)
 
     def close(self) -> None:
-        """Nothing to release (the connection belongs to the storage)."""
+        """Nothing to release (the connections belong to the storage)."""
 
 
 class SnapshotStorage:
     """The files of one snapshot as ``load`` reads them: this node's from its shm root,
-    the others' from their keepers."""
+    the others' from their keepers, a lost node's decoded from its parity groups as they
+    are read (:mod:`.degraded`)."""
 
-    def __init__(self, snap: Snapshotter, where: dict[str, list[Any]], manifest: Manifest) -> None:
-        self.snap, self.where, self.manifest = snap, where, manifest  # the manifest, parsed once for the load
+    def __init__(self, snap: Snapshotter, plan: dict[str, Any], manifest: Manifest) -> None:
+        self.snap, self.where, self.manifest = snap, plan["where"], manifest  # the manifest, parsed once for the load
         self.sizes = {name: int(size) for name, size in manifest.files.items()}
         self.peers = Peers(snap.table)
+        self.source = Source(self.peers, snap.node, snap.jdir, int(plan["step"]))
+        self.rebuild = plan["rebuild"]
+        self.lost = {name: int(x) for x, rec in (self.rebuild or {}).get("info", {}).items() for name, _ in rec["files"]}
         self._readers: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -323,13 +208,16 @@ class SnapshotStorage:
     def _reader(self, name: str):
         r = self._readers.get(name)
         if r is None:
-            if name not in self.where:
-                raise CorruptionError(f"data file {name} of the snapshot is held by no surviving node")
-            node, rel = self.where[name]
-            if node == self.snap.node:
-                r = FileReader(Path(self.snap.jdir) / rel)
+            if name in self.where:
+                node, rel = self.where[name]
+                if node == self.snap.node:
+                    r = FileReader(Path(self.snap.jdir) / rel)
+                else:
+                    r = RemoteReader(self.peers, node, rel, self.sizes[name])
+            elif name in self.lost:
+                r = DegradedReader(self.source, self.rebuild, self.lost[name], name)
             else:
-                r = RemoteReader(self.peers.get(node), rel, self.sizes[name])
+                raise CorruptionError(f"data file {name} of the snapshot is held by no surviving node")
             self._readers[name] = r
         return r
 
@@ -368,21 +256,10 @@ def _reset_keeper(snap: Snapshotter, keep_upto: int) -> None:
 
 
 def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: dict[str, float]) -> tuple[int | None, str]:
-    """Rebuild (if needed) and load one planned step; (step, how) or (None, why not)."""
+    """Load one planned step (a lost node's bytes decoded as they are read); (step, how)
+    or (None, why not)."""
     step = plan["step"]
-    where = dict(plan["where"])
-    error = None
     t0 = time.perf_counter()
-    if plan["rebuild"] is not None and snap.group.rank == 0:
-        try:
-            where.update(rebuild(plan, snap))
-        except UnickptError as e:
-            error = str(e)
-    if plan["rebuild"] is not None:
-        error = _agree(snap, error)
-        if error is not None:
-            return None, f"step {step}: {error}"
-        where = _share(snap, where)
     rdir = os.path.join(snap.jdir, f"recover_{step:08d}")
     if snap.local_rank == 0:
         os.makedirs(rdir, exist_ok=True)
@@ -392,7 +269,7 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     t1 = time.perf_counter()
     error, storage = None, None
     try:
-        storage = SnapshotStorage(snap, where, Manifest.from_json(plan["manifest"]))
+        storage = SnapshotStorage(snap, plan, Manifest.from_json(plan["manifest"]))
         got = load(rdir, storage)
         if got != step:
             error = f"the snapshot says step {got}, its directory step {step}"
@@ -404,11 +281,11 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
         if storage is not None:
             storage.close()
     error = _agree(snap, error)
-    timings.update(rebuild=t1 - t0, load=time.perf_counter() - t1)
+    timings.update(prepare=t1 - t0, load=time.perf_counter() - t1)
+    if error is not None and plan["rebuild"] is not None:
+        error = _diagnosed(snap, plan) or error
     if snap.local_rank == 0:
         paths.remove_tree(rdir)
-    if snap.group.rank == 0:
-        paths.remove_tree(os.path.join(snap.jdir, f"rebuilt_{step:08d}"))
     if error is not None:
         return None, f"step {step}: {error}"
     if plan["rebuild"] is None:
@@ -418,6 +295,21 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(map(str, lost))}"
     return step, (f"{who} of {rb['nodes']} lost: {'its' if len(lost) == 1 else 'their'} files rebuilt from "
                   f"{rb['how']} on {held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
+
+
+def _diagnosed(snap: Snapshotter, plan: dict[str, Any]) -> str | None:
+    """Collective, after a failed load of a rebuilt step: rank 0 names the corrupt input
+    block (a parity block or data stripe failing its own crc32c), or None."""
+    why = None
+    if snap.group.rank == 0:
+        peers = Peers(snap.table)
+        try:
+            why = diagnose(plan["rebuild"], Source(peers, snap.node, snap.jdir, int(plan["step"])))
+        except UnickptError as e:
+            why = str(e)
+        finally:
+            peers.close()
+    return _share(snap, why)
 
 
 def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] | None] | None = None,

@@ -1,0 +1,231 @@
+"""Reading a lost node's files straight from the survivors' data and parity (degraded reads).
+
+After a node loss, nothing is rebuilt ahead of the load: a rank whose read plan needs
+bytes of a lost node's file gets them from a :class:`DegradedReader`, which computes
+exactly those bytes from the same byte range of the other blocks of their parity group
+(the surviving data stripes and the parity blocks, RAID style): XOR for ``m = 1``,
+zfec's Reed-Solomon decoding for ``m >= 2``, a plain read of the neighbour's copy for
+replicas. The work is spread over the ranks that need the bytes (each decodes only what
+its own shards need, in parallel, in chunks of ``CHUNK`` bytes), the rebuilt bytes land
+in the load's own buffers (no rebuilt file is written to memory and read again), and
+every one of them is then checked by the load against its block's crc32c, like any
+read. When such a check fails, :func:`diagnose` checks each input block against its own
+crc32c to name the corrupt one.
+
+Blocks held by the reading rank's own node are read from its shm root; the others come
+from their keepers (``blob``/``read`` requests, one connection per thread and node).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc
+import numpy as np
+
+from ..storage.local import FileReader
+from . import paths, wire
+from .parity import decode, group_of, read_blob, stripe_range, xor_into
+
+CHUNK = 4 << 20  # bytes decoded at a time: the inputs stay in cache between read and use
+
+
+class Peers:
+    """Connections to the keepers of the current job's nodes, pooled by node: a request
+    takes an idle connection (or opens one), so the load's threads read in parallel."""
+
+    def __init__(self, table: list[dict[str, Any]]) -> None:
+        self.table = table
+        self.idle: dict[int, list[wire.Connection]] = {}
+        self.opened: list[wire.Connection] = []
+        self._lock = threading.Lock()
+
+    def read_views(self, node: int, header: dict[str, Any], views: list[memoryview]) -> None:
+        """One ranged request (``read`` or ``blob``) to node ``node``'s keeper, received
+        into ``views`` (see :meth:`wire.Connection.read_views`)."""
+        with self._lock:
+            pool = self.idle.setdefault(node, [])
+            conn = pool.pop() if pool else None
+        if conn is None:
+            peer = self.table[node]
+            conn = wire.Connection(peer["host"], int(peer["port"]))
+            with self._lock:
+                self.opened.append(conn)
+        conn.read_views(header, views)  # a failed request leaves its connection out of the pool
+        with self._lock:
+            self.idle[node].append(conn)
+
+    def close(self) -> None:
+        """Close every connection."""
+        with self._lock:
+            conns, self.opened, self.idle = self.opened, [], {}
+        for c in conns:
+            c.close()
+
+
+class Source:
+    """Where the blocks of a snapshot step are: this node's shm root, other nodes' keepers."""
+
+    def __init__(self, peers: Peers, node: int, jdir: str, step: int) -> None:
+        self.peers, self.node, self.jdir, self.step = peers, node, jdir, step
+        self.sdir = os.path.join(jdir, paths.step_name(step))
+
+    def blob(self, node: int, files: list[tuple[str, int]], offset: int, out: memoryview) -> None:
+        """Bytes ``offset..`` of the blob of rank files ``files`` held by ``node``."""
+        if node == self.node:
+            read_blob(self.sdir, [(str(n), int(s)) for n, s in files], offset, out)
+        else:
+            self.peers.read_views(node, {"op": "blob", "step": self.step, "offset": offset}, [out])
+
+    def parity(self, node: int, g: int, r: int, offset: int, out: memoryview) -> None:
+        """Bytes ``offset..`` of parity block ``r`` of group ``g`` held by ``node``."""
+        name = paths.parity_name(g, r, "bin")
+        if node == self.node:
+            reader = FileReader(Path(self.sdir) / name)
+            try:
+                reader.pread_into(offset, out)
+            finally:
+                reader.close()
+        else:
+            rel = f"{paths.step_name(self.step)}/{name}"
+            self.peers.read_views(node, {"op": "read", "path": rel, "offset": offset}, [out])
+
+
+class _Scratch(threading.local):
+    """Per-thread chunk buffers, reused from one chunk to the next."""
+
+    bufs: list[np.ndarray] | None = None
+    spare: np.ndarray | None = None
+
+    def get(self, count: int) -> list[np.ndarray]:
+        """``count`` chunk buffers for the inputs of a decode."""
+        if self.bufs is None or len(self.bufs) < count:
+            self.bufs = [np.empty(CHUNK, np.uint8) for _ in range(count)]
+        return self.bufs
+
+    def out(self) -> np.ndarray:
+        """A chunk buffer for a decoded chunk that spans several of the caller's buffers."""
+        if self.spare is None:
+            self.spare = np.empty(CHUNK, np.uint8)
+        return self.spare
+
+
+class DegradedReader:
+    """A lost node's rank file, read by decoding each asked range from its parity group."""
+
+    def __init__(self, source: Source, rebuild: dict[str, Any], node: int, name: str) -> None:
+        self.source, self.node = source, node
+        self.k, self.m, self.n = int(rebuild["k"]), int(rebuild["m"]), int(rebuild["nodes"])
+        self.groups = rebuild["groups"]
+        rec = rebuild["info"][str(node)]
+        self.blob = int(rec["blob"])
+        self.start, self.size = 0, 0
+        for f, size in rec["files"]:
+            if f == name:
+                self.size = int(size)
+                break
+            self.start += int(size)
+        self.stripe = -(-self.blob // self.k)
+        self._scratch = _Scratch()
+
+    def pread_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes at ``offset``, decoded chunk by chunk."""
+        self.preadv_into(offset, [out])
+
+    def preadv_into(self, offset: int, views: list[memoryview]) -> None:
+        """Fill the buffers one after the other from ``offset`` on: the whole range is
+        decoded in chunks of at most ``CHUNK`` bytes (one request per input block and
+        chunk, however many buffers), straight into a buffer that holds a whole chunk,
+        else into scratch and copied out."""
+        views = [memoryview(v).cast("B") for v in views]
+        at = self.start + offset
+        k, pos = 0, 0  # the buffer and the byte in it where the next chunk lands
+        left = sum(v.nbytes for v in views)
+        while left:
+            s, off = divmod(at, self.stripe)
+            n = min(left, self.stripe - off, CHUNK)
+            while views[k].nbytes == pos:
+                k, pos = k + 1, 0
+            if views[k].nbytes - pos >= n:
+                self._chunk(s, off, views[k][pos : pos + n])
+                pos += n
+            else:
+                tmp = memoryview(self._scratch.out())[:n]
+                self._chunk(s, off, tmp)
+                done = 0
+                while done < n:
+                    while views[k].nbytes == pos:
+                        k, pos = k + 1, 0
+                    c = min(n - done, views[k].nbytes - pos)
+                    views[k][pos : pos + c] = tmp[done : done + c]
+                    pos, done = pos + c, done + c
+            at, left = at + n, left - n
+
+    def _chunk(self, s: int, off: int, out: memoryview) -> None:
+        """Bytes ``[off, off + len(out))`` of this node's stripe ``s``, from its group."""
+        g = group_of(self.node, s, self.n)
+        spec = self.groups[str(g)]
+        n = out.nbytes
+        target = np.frombuffer(out, np.uint8)
+        if self.k == 1:  # a copy: the parity block is the stripe
+            node, meta = spec["parity"][0]
+            self.source.parity(int(node), g, int(meta["r"]), off, out)
+            return
+        if self.m == 1:  # XOR: the parity chunk straight into the output, the data chunks XORed onto it
+            node, meta = spec["parity"][0]
+            self.source.parity(int(node), g, int(meta["r"]), off, out)
+            buf = self._scratch.get(1)[0]
+            for _, s_i, node_i, rec in spec["data"]:
+                got = self._data(rec, int(s_i), int(node_i), off, buf[:n])
+                if got:
+                    xor_into(target, buf[:got])
+            return
+        bufs = self._scratch.get(self.k)
+        blocks: dict[int, np.ndarray] = {}
+        for j, (_, s_i, node_i, rec) in enumerate(spec["data"]):
+            b = bufs[j][:n]
+            got = self._data(rec, int(s_i), int(node_i), off, b)
+            b[got:] = 0  # a shorter stripe is zero-padded inside the code
+            blocks[int(s_i)] = b
+        for j, (node, meta) in enumerate(spec["parity"], len(spec["data"])):
+            b = bufs[j][:n]
+            self.source.parity(int(node), g, int(meta["r"]), off, memoryview(b))
+            blocks[self.k + int(meta["r"])] = b
+        target[:] = decode(blocks, self.k, self.m, [s])[s][:n]
+
+    def _data(self, rec: dict[str, Any], s_i: int, node_i: int, off: int, buf: np.ndarray) -> int:
+        """Read bytes ``off..`` of a surviving member's stripe ``s_i`` into ``buf``; returns
+        how many it has there (a shorter stripe ends early)."""
+        lo, hi = stripe_range(int(rec["blob"]), s_i, self.k)
+        got = max(0, min(buf.size, hi - lo - off))
+        if got:
+            self.source.blob(node_i, rec["files"], lo + off, memoryview(buf[:got]))
+        return got
+
+    def close(self) -> None:
+        """Nothing to release (the connections belong to the storage)."""
+
+
+def diagnose(rebuild: dict[str, Any], source: Source) -> str | None:
+    """After a rebuilt byte failed its check: the first input block of the rebuild that
+    fails its own crc32c, named (a parity block or a data stripe), or None."""
+    k = int(rebuild["k"])
+    step = source.step
+    for g, spec in sorted(rebuild["groups"].items(), key=lambda kv: int(kv[0])):
+        for node, meta in spec["parity"]:
+            buf = np.empty(int(meta["nbytes"]), np.uint8)
+            source.parity(int(node), int(g), int(meta["r"]), 0, memoryview(buf))
+            if _crc.crc32c(buf) != int(meta["crc"]):
+                return (f"the parity of step {step} held by node {meta['holder']} (group {g}, block {meta['r']}) "
+                        f"fails its crc32c")
+        for i, s, node, rec in spec["data"]:
+            lo, hi = stripe_range(int(rec["blob"]), int(s), k)
+            buf = np.empty(hi - lo, np.uint8)
+            source.blob(int(node), rec["files"], lo, memoryview(buf))
+            if _crc.crc32c(buf) != int(rec["crc"]):
+                return f"data stripe {s} of node {i} (step {step}) fails its crc32c"
+    return None
+
