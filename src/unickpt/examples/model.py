@@ -30,6 +30,8 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (Llama's)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -54,6 +56,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Causal self-attention with grouped key/value heads and rotary embeddings."""
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.head_dim = a.dim // a.heads
@@ -77,6 +81,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``."""
+
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -88,6 +94,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """One pre-norm transformer layer: attention then feed-forward, each residual."""
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
