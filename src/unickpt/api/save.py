@@ -30,7 +30,7 @@ from ..plan.save_plan import replica_shares
 from ..storage.base import Storage
 from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import DirectoryWrite
-from ..engine.writer import WRITE_CHUNK_BYTES, DataFileWriter, as_bytes  # noqa: F401  (WRITE_CHUNK_BYTES: used by convert)
+from ..engine.writer import DataFileWriter, as_bytes
 from ..engine.items import Holders, TensorItem, cut_rows, is_dtensor, row_slice, sharded_item, tensor_item
 from ..engine.state import PerRank, Sharded, flatten
 from ..engine.gc_pause import gc_paused
