@@ -26,6 +26,11 @@ stages 1, 2 and 3); DeepSpeed's own objects (loss scaler) are not written, so th
 job keeps its own; ``module`` in the model-states file is empty (a universal load restores
 weights from ``zero/`` only); nothing is staged in temporary per-fragment files.
 
+Torch is not imported: whole tensors are assembled as bytes from the source's fragments
+(:func:`unickpt.engine.byte_reads.read_whole`) and each file is written as ``torch.save``
+writes it by :mod:`unickpt.adapters.torch_save` (``torch.load`` returns the same objects;
+``unickpt convert --to deepspeed`` of a DeepSpeed checkpoint runs without torch).
+
 Memory: at most ``max_bytes_in_flight`` of tensors (or the largest tensor) plus, per
 thread, a reused buffer of at most ``max_bytes_in_flight / (2 * threads)``, whatever the
 model size. Files are written by several threads and fsynced
@@ -35,6 +40,7 @@ together once, before the marker.
 from __future__ import annotations
 
 import collections
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,17 +51,15 @@ from math import prod
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import torch
-
-from ..errors import SaveError, UnickptError
-from ..format.dtypes import dtype_from_name
+from ..errors import LayoutError, SaveError, UnickptError
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.files import DurableBatch, cleans_up_output
+from ..engine.byte_reads import read_whole
 from ..engine.reads import Scratch
-from ..engine.tensor_reads import read_tensors
 from ..storage.open import open_storage
 from .checkpoint import Checkpoint, open_checkpoint
+from .torch_save import Size, TensorData, write_archive
 
 UNIVERSAL_CHECKPOINT_VERSION = 0.4
 DS_VERSION_FALLBACK = "0.19.0"  # ds_version written when the source is not a DeepSpeed checkpoint
@@ -136,23 +140,61 @@ def _value(manifest: Manifest, key: str, default: Any = None) -> Any:
 
 def _save(batch: DurableBatch, name: str, obj: Any) -> int:
     with batch.file(name) as f:
-        torch.save(obj, f)
-        return f.tell()
+        return write_archive(f, obj)
 
 
-def _reusable(buffers: threading.local, e: TensorEntry, limit: int) -> torch.Tensor:
-    """An uninitialised tensor for ``e``: in this thread's reused memory when it is at most
-    ``limit`` bytes (writing into touched pages is about 3x faster here than into fresh
-    ones), else freshly allocated. Valid until the thread's next call."""
+def _reusable(buffers: threading.local, e: TensorEntry, limit: int) -> memoryview | bytearray:
+    """Memory of exactly ``e.nbytes`` for the tensor of ``e``: in this thread's reused
+    memory when it is at most ``limit`` bytes (writing into touched pages is about 3x
+    faster here than into fresh ones), else freshly allocated. Valid until the thread's
+    next call."""
     nbytes = e.nbytes
-    dtype = dtype_from_name(e.dtype)
     if nbytes > limit or nbytes == 0:
-        return torch.empty(e.shape, dtype=dtype)
+        return bytearray(nbytes)
     own = getattr(buffers, "out", None)
     if own is None or len(own) < nbytes:
         own = buffers.out = bytearray(max(nbytes, 1 << 20))
-    # a tensor over exactly nbytes of the buffer: torch.save writes its whole storage
-    return torch.frombuffer(memoryview(own)[:nbytes], dtype=dtype).view(e.shape)
+    return memoryview(own)[:nbytes]  # exactly nbytes: the archive holds the whole buffer
+
+
+def _as_float32(data: Any, dtype: str) -> Any:
+    """The elements of ``data`` (of dtype ``dtype``) as float32 bytes, as torch's
+    ``.float()`` converts them (bf16 widened bit for bit; others by the C cast)."""
+    import numpy as np
+
+    if dtype == "BF16":
+        return (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    kinds = {"F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+             "U8": np.uint8, "BOOL": np.bool_, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
+    if dtype in kinds:
+        return np.frombuffer(data, kinds[dtype]).astype(np.float32)
+    import torch  # float8: numpy has no such dtype
+
+    from ..format.dtypes import dtype_from_name
+
+    return torch.frombuffer(bytearray(data), dtype=dtype_from_name(dtype)).float().numpy()
+
+
+_SCALARS = {"F32": "<f", "F64": "<d", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b", "U8": "<B"}
+
+
+def _scalar(t: TensorData) -> float:
+    """The value of a one-element tensor (as ``.item()``)."""
+    raw = bytes(memoryview(t.data).cast("B"))
+    if t.numel != 1:
+        raise LayoutError(f"a step of {t.numel} elements, expected one")
+    if t.dtype == "BF16":
+        return struct.unpack("<f", b"\0\0" + raw)[0]
+    if t.dtype == "BOOL":
+        return float(raw != b"\0")
+    if t.dtype not in _SCALARS:
+        raise LayoutError(f"a step of dtype {t.dtype}")
+    return struct.unpack(_SCALARS[t.dtype], raw)[0]
+
+
+def _float_scalar(x: float) -> TensorData:
+    """A 0-d float32 tensor (as ``torch.tensor(x)``)."""
+    return TensorData("F32", (), struct.pack("<f", x))
 
 
 class _ByteBudget:
@@ -229,38 +271,40 @@ def write_universal(
         marker.unlink()  # a crash midway must not leave a marker naming a half-rewritten directory
 
     jobs = [(param, key, e) for param, states in params.items() for key, e in states.items()]
-    shapes = collections.OrderedDict((p, torch.Size(st["fp32"].shape)) for p, st in params.items())
+    shapes = collections.OrderedDict((p, Size(st["fp32"].shape)) for p, st in params.items())
     batch = DurableBatch(dst, threads=max(8, threads))
     budget = _ByteBudget(max_bytes_in_flight)
     reuse_limit = max_bytes_in_flight // (2 * threads)
     buffers = threading.local()
     scratch = Scratch()
     lock = threading.Lock()
-    steps: dict[int, torch.Tensor] = {}
+    steps: dict[int, TensorData] = {}
 
     def write_one(index: int) -> int | None:
         """Write one state file; its size, or None for a value that is not a number."""
         param, key, e = jobs[index]
         if isinstance(e, TensorEntry):
-            with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "float32" else 0)):
-                t = _reusable(buffers, e, reuse_limit)
-                if t.numel():
-                    read_tensors(source, [(e, t)], 16 << 20, verify, None, scratch)
-                return _write_state(param, key, t.float() if key == "fp32" else t, index)
+            with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "F32" else 0)):
+                data = _reusable(buffers, e, reuse_limit)
+                if e.nbytes:
+                    read_whole(source, [(e, data)], 16 << 20, verify, None, scratch)
+                if key == "fp32" and e.dtype != "F32":
+                    return _write_state(param, key, TensorData("F32", e.shape, _as_float32(data, e.dtype)), index)
+                return _write_state(param, key, TensorData(e.dtype, e.shape, data), index)
         if isinstance(e, (int, float)):
-            return _write_state(param, key, torch.tensor(float(e)), index)
+            return _write_state(param, key, _float_scalar(float(e)), index)
         return None
 
-    def _write_state(param: str, key: str, t: torch.Tensor, index: int) -> int:
-        if key == "step":
-            t = (t.reshape(()) if t.numel() == 1 else t).clone()  # kept after the buffer is reused
+    def _write_state(param: str, key: str, t: TensorData, index: int) -> int:
+        if key == "step":  # a copy, kept after the buffer is reused
+            t = TensorData(t.dtype, () if t.numel == 1 else t.shape, bytes(memoryview(t.data).cast("B")))
             steps[index] = obj = t
         else:
             obj: Any = {"cat_dim": 0, "param": t}
         size = _save(batch, f"zero/{param}/{key}.pt", obj)
         if progress is not None:
             with lock:
-                progress(t.numel() * t.element_size())
+                progress(t.nbytes)
         return size
 
     try:
@@ -281,7 +325,7 @@ def write_universal(
     if global_steps is None:
         global_steps = _value(manifest, "deepspeed.global_steps", _value(manifest, "train.step"))
     if global_steps is None and first_step is not None:
-        global_steps = int(first_step.item())
+        global_steps = int(_scalar(first_step))
     global_steps = int(global_steps or 0)
 
     groups = param_groups if param_groups is not None else _value(manifest, "optim.param_groups")
@@ -298,7 +342,7 @@ def write_universal(
             optim_state[key] = v
     optim_state["ds_version"] = ds_version
     optim_state["param_groups"] = groups
-    step_tensor = first_step if first_step is not None else torch.tensor(float(global_steps))
+    step_tensor = first_step if first_step is not None else _float_scalar(float(global_steps))
     # what a ZeRO-3 job reads (the step and the hyperparameters of the first group)
     optim_state["optimizer_state_dict"] = {"state": {0: {"step": step_tensor}}, "param_groups": groups}
     written += _save(batch, "zero/optimizer_state.pt", optim_state)

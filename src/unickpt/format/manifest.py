@@ -136,6 +136,12 @@ class Manifest:
     # manifest has none (format 1.0) or was built in memory
     digest: str | None = field(default=None, compare=False)
 
+    def tensor_bytes(self) -> int:
+        """Bytes of tensor data a consolidation writes (global and per-rank tensors that
+        have fragments): the total for a progress bar."""
+        n = sum(e.nbytes for e in self.tensors.values() if e.fragments)
+        return n + sum(e.nbytes for row in self.rank_tensors.values() for e in row if e is not None and e.fragments)
+
     def to_json(self) -> str:
         """Serialise to the JSON text stored in ``manifest.json``, sealed with its digest."""
         doc = {
