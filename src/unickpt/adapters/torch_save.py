@@ -10,9 +10,10 @@ small pieces by hand, as ``torch.save`` (protocol 2, torch 2.x) lays them out:
 
 * :func:`dumps`: a pickle of plain data, ``collections.OrderedDict``, :class:`Size`
   (``torch.Size``) and :class:`TensorData` (a CPU tensor rebuilt by
-  ``torch._utils._rebuild_tensor_v2`` from a typed storage named by a persistent id);
-  objects met twice are written once and referenced (memo), as ``pickle`` does, so
-  ``torch.load`` gives back the same sharing;
+  ``torch._utils._rebuild_tensor_v2`` from a typed storage named by a persistent id),
+  opcode for opcode and memo entry for memo entry what Python's pickler writes under
+  ``torch.save`` (the test compares the bytes): objects met twice are written once and
+  referenced, so ``torch.load`` gives back the same sharing;
 * :func:`write_archive`: the zip (``ZIP_STORED``) of ``torch.save``: ``data.pkl``,
   ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/<key>`` per storage,
   ``version``, ``.data/serialization_id``, every record's data aligned to 64 bytes (what
@@ -83,11 +84,14 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Pickler:
-    """Protocol-2 opcodes for the types :func:`dumps` accepts."""
+    """Protocol-2 opcodes for the types :func:`dumps` accepts, in the order and with the
+    memo entries Python's ``pickle`` writes for them (so ``data.pkl`` is byte for byte
+    what ``torch.save`` writes for the same objects)."""
 
     def __init__(self) -> None:
         self.out = bytearray(b"\x80\x02")
-        self.memo: dict[int, int] = {}
+        self.memo: dict[Any, int] = {}  # id(obj) or (module, name) of a global -> memo index
+        self.size = 0  # memo entries written (some are never referenced again)
         self.keep: list[Any] = []  # objects memoized by id stay alive until the end
         self.storages: list[TensorData] = []
 
@@ -100,37 +104,44 @@ class _Pickler:
             self._int(obj)
         elif isinstance(obj, float):
             self.out += b"G" + struct.pack(">d", obj)
-        elif isinstance(obj, str):
-            self._memoized(obj, self._str)
         elif id(obj) in self.memo:
             self._get(self.memo[id(obj)])
+        elif isinstance(obj, str):
+            raw = obj.encode("utf-8", "surrogatepass")
+            self.out += b"X" + struct.pack("<L", len(raw)) + raw
+            self._put(obj)
         elif isinstance(obj, TensorData):
             self._tensor(obj)
-        elif isinstance(obj, Size):
+        elif isinstance(obj, Size):  # torch.Size.__reduce__: (torch.Size, (tuple(self),))
             self._global("torch", "Size")
-            self._tuple(tuple(obj), memo=False)
-            self.out += b"\x85R"
+            self._tuple(tuple(obj))
+            self.out += b"\x85"
+            self._put()
+            self.out += b"R"
             self._put(obj)
         elif isinstance(obj, tuple):
             self._tuple(obj)
         elif isinstance(obj, list):
             self.out += b"]"
             self._put(obj)
-            self._batched(obj, b"e", b"a", pairs=False)
+            self._batched(obj, pairs=False)
         elif isinstance(obj, collections.OrderedDict):
             self._global("collections", "OrderedDict")
             self.out += b")R"
             self._put(obj)
-            self._batched(list(obj.items()), b"u", b"s", pairs=True)
+            self._batched(list(obj.items()), pairs=True)
         elif type(obj) is dict:
             self.out += b"}"
             self._put(obj)
-            self._batched(list(obj.items()), b"u", b"s", pairs=True)
-        elif isinstance(obj, (set, frozenset)):
+            self._batched(list(obj.items()), pairs=True)
+        elif type(obj) in (set, frozenset):  # protocol 2: (set, (list(obj),))
             self._global("__builtin__", type(obj).__name__)
             self.out += b"]"
-            self._batched(list(obj), b"e", b"a", pairs=False)
-            self.out += b"\x85R"
+            self._put()
+            self._batched(list(obj), pairs=False)
+            self.out += b"\x85"
+            self._put()
+            self.out += b"R"
             self._put(obj)
         else:
             raise LayoutError(f"cannot write a {type(obj).__name__} into a torch.save archive")
@@ -142,44 +153,35 @@ class _Pickler:
             self.out += b"M" + struct.pack("<H", n)
         elif -(1 << 31) <= n < (1 << 31):
             self.out += b"J" + struct.pack("<i", n)
-        else:
-            raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+        else:  # LONG1: little-endian two's complement, shortest form
+            raw = n.to_bytes((n.bit_length() >> 3) + 1, "little", signed=True)
+            if n < 0 and len(raw) > 1 and raw[-1] == 0xFF and raw[-2] & 0x80:
+                raw = raw[:-1]
             if len(raw) > 255:
                 raise LayoutError("an integer too large for a torch.save archive")
             self.out += b"\x8a" + bytes((len(raw),)) + raw
 
-    def _str(self, s: str) -> None:
-        raw = s.encode("utf-8", "surrogatepass")
-        self.out += b"X" + struct.pack("<L", len(raw)) + raw
-
     def _global(self, module: str, name: str) -> None:
         key = (module, name)
-        if key in self.memo:  # keyed by value: a global is one object
-            self._get(self.memo[key])  # type: ignore[index]
+        if key in self.memo:
+            self._get(self.memo[key])
             return
         self.out += f"c{module}\n{name}\n".encode()
-        self.memo[key] = len(self.memo)  # type: ignore[index]
-        self._put_index(self.memo[key])  # type: ignore[index]
+        self.memo[key] = self.size
+        self._put()
 
-    def _memoized(self, obj: Any, write: Any) -> None:
-        if id(obj) in self.memo:
-            self._get(self.memo[id(obj)])
-            return
-        write(obj)
-        self._put(obj)
-
-    def _put(self, obj: Any) -> None:
-        self.memo[id(obj)] = index = len(self.memo)
-        self.keep.append(obj)
-        self._put_index(index)
-
-    def _put_index(self, index: int) -> None:
+    def _put(self, obj: Any = None) -> None:
+        """Memoize the object just written (``obj`` None: one never referenced again)."""
+        if obj is not None:
+            self.memo[id(obj)] = self.size
+            self.keep.append(obj)
+        index, self.size = self.size, self.size + 1
         self.out += b"q" + bytes((index,)) if index < 256 else b"r" + struct.pack("<L", index)
 
     def _get(self, index: int) -> None:
         self.out += b"h" + bytes((index,)) if index < 256 else b"j" + struct.pack("<L", index)
 
-    def _tuple(self, t: tuple, memo: bool = True) -> None:
+    def _tuple(self, t: tuple) -> None:
         if not t:
             self.out += b")"
             return
@@ -192,10 +194,9 @@ class _Pickler:
             for x in t:
                 self.dump(x)
             self.out += b"t"
-        if memo:
-            self._put(t)
+        self._put(t)
 
-    def _batched(self, items: list, many: bytes, one: bytes, pairs: bool) -> None:
+    def _batched(self, items: list, pairs: bool) -> None:
         for i in range(0, len(items), 1000):  # as pickle: MARK ... APPENDS/SETITEMS per 1000 items
             chunk = items[i : i + 1000]
             if len(chunk) > 1:
@@ -206,13 +207,18 @@ class _Pickler:
                     self.dump(x[1])
                 else:
                     self.dump(x)
-            self.out += many if len(chunk) > 1 else one
+            if pairs:
+                self.out += b"u" if len(chunk) > 1 else b"s"
+            else:
+                self.out += b"e" if len(chunk) > 1 else b"a"
 
     def _tensor(self, t: TensorData) -> None:
+        """``(torch._utils._rebuild_tensor_v2, (storage, 0, size, stride, False, OrderedDict()))``
+        with the storage as the persistent id ``("storage", <type>Storage, key, "cpu", numel)``."""
         if t.dtype not in _STORAGE_TYPES:
             raise LayoutError(f"cannot write a {t.dtype} tensor into a torch.save archive without torch")
-        if len(memoryview(t.data).cast("B")) != t.nbytes:
-            raise LayoutError(f"tensor data of {len(memoryview(t.data).cast('B'))} bytes for shape {t.shape} of {t.dtype}")
+        if memoryview(t.data).nbytes != t.nbytes:
+            raise LayoutError(f"tensor data of {memoryview(t.data).nbytes} bytes for shape {t.shape} of {t.dtype}")
         key = str(len(self.storages))
         self.storages.append(t)
         self._global("torch._utils", "_rebuild_tensor_v2")
@@ -222,13 +228,18 @@ class _Pickler:
         self.dump(key)
         self.dump("cpu")
         self.dump(t.numel)
-        self.out += b"tQ"
+        self.out += b"t"
+        self._put()
+        self.out += b"Q"
         self.dump(0)
-        self._tuple(tuple(t.shape), memo=False)
-        self._tuple(contiguous_strides(t.shape), memo=False)
+        self._tuple(tuple(t.shape))
+        self._tuple(contiguous_strides(t.shape))
         self.out += b"\x89"
         self._global("collections", "OrderedDict")
-        self.out += b")Rt"  # an empty OrderedDict (backward hooks), then the argument tuple
+        self.out += b")R"
+        self._put()
+        self.out += b"t"
+        self._put()
         self.out += b"R"
         self._put(t)
 
