@@ -32,7 +32,7 @@ writes it by :mod:`unickpt.adapters.torch_save` (``torch.load`` returns the same
 ``unickpt convert --to deepspeed`` of a DeepSpeed checkpoint runs without torch).
 
 Memory: at most ``max_bytes_in_flight`` of tensors (or the largest tensor) plus, per
-thread, a reused buffer of at most ``max_bytes_in_flight / (2 * threads)``, whatever the
+thread, a reused buffer of at most ``max_bytes_in_flight / threads``, whatever the
 model size. Files are written by several threads and fsynced
 together once, before the marker.
 """
@@ -40,6 +40,7 @@ together once, before the marker.
 from __future__ import annotations
 
 import collections
+import mmap
 import struct
 import threading
 import time
@@ -59,7 +60,8 @@ from ..engine.byte_reads import read_whole
 from ..engine.reads import Scratch
 from ..storage.open import open_storage
 from .checkpoint import Checkpoint, open_checkpoint
-from .torch_save import Size, TensorData, write_archive
+from ..storage.local import DIRECT_ALIGNMENT
+from .torch_save import Size, TensorData, archive, write_archive
 
 UNIVERSAL_CHECKPOINT_VERSION = 0.4
 DS_VERSION_FALLBACK = "0.19.0"  # ds_version written when the source is not a DeepSpeed checkpoint
@@ -143,18 +145,49 @@ def _save(batch: DurableBatch, name: str, obj: Any) -> int:
         return write_archive(f, obj)
 
 
-def _reusable(buffers: threading.local, e: TensorEntry, limit: int) -> memoryview | bytearray:
-    """Memory of exactly ``e.nbytes`` for the tensor of ``e``: in this thread's reused
-    memory when it is at most ``limit`` bytes (writing into touched pages is about 3x
-    faster here than into fresh ones), else freshly allocated. Valid until the thread's
-    next call."""
-    nbytes = e.nbytes
-    if nbytes > limit or nbytes == 0:
-        return bytearray(nbytes)
-    own = getattr(buffers, "out", None)
-    if own is None or len(own) < nbytes:
-        own = buffers.out = bytearray(max(nbytes, 1 << 20))
-    return memoryview(own)[:nbytes]  # exactly nbytes: the archive holds the whole buffer
+# a file's image in memory: its zip headers (4 KiB-aligned, at most HEAD_ROOM), the tensor's
+# bytes, the records after them (at most TAIL_ROOM less the rounding to 4 KiB)
+HEAD_ROOM = 16 << 10
+TAIL_ROOM = 12 << 10
+DIRECT_MIN = 1 << 20  # smaller files go through the page cache (a direct write waits for the disk)
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory (page-aligned; not shared memory, which faults more slowly)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _image(buffers: threading.local, nbytes: int, limit: int) -> mmap.mmap:
+    """Page-aligned memory for a file image around a tensor of ``nbytes`` (the tensor at
+    ``HEAD_ROOM``): this thread's reused memory when the tensor is at most ``limit`` bytes
+    (writing into touched pages is about 3x faster here than into fresh ones), else fresh
+    (unmapped when the last view of it goes). Valid until the thread's next call."""
+    need = HEAD_ROOM + nbytes + TAIL_ROOM
+    if nbytes > limit:
+        return _anonymous(need)
+    own = getattr(buffers, "image", None)
+    if own is None:  # room for the largest reused tensor at once: pages are touched as tensors need them
+        own = buffers.image = _anonymous(HEAD_ROOM + limit + TAIL_ROOM)
+    return own
+
+
+def _write_image(batch: DurableBatch, name: str, image: mmap.mmap, t: TensorData, obj: Any) -> int | None:
+    """Write ``obj`` (holding ``t``, whose bytes lie at ``HEAD_ROOM`` of ``image``) as the
+    archive ``name`` from ``image``, its headers and trailing records put around the
+    tensor: one direct write, no copy of the tensor (None when they do not fit around it)."""
+    a = archive(obj, data_alignment=DIRECT_ALIGNMENT)
+    if a.storages != [a.storages[0]] or memoryview(t.data).nbytes != a.chunks[a.storages[0]].nbytes:
+        return None
+    head = b"".join(a.chunks[: a.storages[0]])
+    tail = b"".join(a.chunks[a.storages[0] + 1 :])
+    if len(head) > HEAD_ROOM or len(tail) > TAIL_ROOM - DIRECT_ALIGNMENT or len(head) % DIRECT_ALIGNMENT:
+        return None
+    start, end = HEAD_ROOM - len(head), HEAD_ROOM + t.nbytes
+    image[start:HEAD_ROOM] = head
+    image[end : end + len(tail)] = tail
+    whole = -(-a.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
+    batch.write_whole(name, memoryview(image)[start : start + whole], a.size)
+    return a.size
 
 
 def _as_float32(data: Any, dtype: str) -> Any:
@@ -274,7 +307,7 @@ def write_universal(
     shapes = collections.OrderedDict((p, Size(st["fp32"].shape)) for p, st in params.items())
     batch = DurableBatch(dst, threads=max(8, threads))
     budget = _ByteBudget(max_bytes_in_flight)
-    reuse_limit = max_bytes_in_flight // (2 * threads)
+    reuse_limit = max_bytes_in_flight // threads
     buffers = threading.local()
     scratch = Scratch()
     lock = threading.Lock()
@@ -285,12 +318,21 @@ def write_universal(
         param, key, e = jobs[index]
         if isinstance(e, TensorEntry):
             with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "F32" else 0)):
-                data = _reusable(buffers, e, reuse_limit)
+                image = _image(buffers, e.nbytes, reuse_limit)
+                data = memoryview(image)[HEAD_ROOM : HEAD_ROOM + e.nbytes]
                 if e.nbytes:
                     read_whole(source, [(e, data)], 16 << 20, verify, None, scratch)
                 if key == "fp32" and e.dtype != "F32":
                     return _write_state(param, key, TensorData("F32", e.shape, _as_float32(data, e.dtype)), index)
-                return _write_state(param, key, TensorData(e.dtype, e.shape, data), index)
+                t = TensorData(e.dtype, e.shape, data)
+                size = _write_image(batch, f"zero/{param}/{key}.pt", image, t, {"cat_dim": 0, "param": t}) \
+                    if key != "step" and e.nbytes >= DIRECT_MIN else None
+                if size is None:
+                    return _write_state(param, key, t, index)
+                if progress is not None:
+                    with lock:
+                        progress(t.nbytes)
+                return size
         if isinstance(e, (int, float)):
             return _write_state(param, key, _float_scalar(float(e)), index)
         return None
