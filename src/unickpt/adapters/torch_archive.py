@@ -60,14 +60,18 @@ _STORAGE_DTYPES = {
     "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8",
     "BoolStorage": "BOOL", "ComplexFloatStorage": "C64", "ComplexDoubleStorage": "C128",
 }
-# torch attributes a pickle may name as plain values: dtypes (and their aliases), layouts, memory formats
+# torch attributes a pickle may name as plain values without torch imported: torch 2.13's
+# dtypes (and their aliases), layouts and memory formats (with torch imported: whichever
+# attributes of torch are such objects)
 _TORCH_NAMES = frozenset({
-    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int64", "long", "int32", "int", "int16",
-    "short", "int8", "uint8", "bool", "complex64", "cfloat", "complex128", "cdouble", "complex32", "chalf", "uint16",
-    "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
-    "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged",
-    "contiguous_format", "channels_last", "channels_last_3d", "preserve_format",
+    "_mkldnn", "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble", "cfloat",
+    "chalf", "channels_last", "channels_last_3d", "complex128", "complex32", "complex64", "contiguous_format",
+    "double", "float", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1", "int16", "int2", "int3", "int32",
+    "int4", "int5", "int6", "int64", "int7", "int8", "jagged", "legacy_contiguous_format", "long", "preserve_format",
+    "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "short", "sparse_bsc", "sparse_bsr", "sparse_coo",
+    "sparse_csc", "sparse_csr", "strided", "uint1", "uint16", "uint2", "uint3", "uint32", "uint4", "uint5", "uint6",
+    "uint64", "uint7", "uint8",
 })
 _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "bytearray": bytearray, "range": range}
 # allowed callables whose result can be larger than what the pickle spells out (and torch.Size, see _is_growing)
@@ -219,10 +223,8 @@ def _torch_global(name: str) -> Any:
         return torch.Size if torch is not None else _size
     if name == "device":
         return torch.device if torch is not None else _device
-    if name not in _TORCH_NAMES:
-        return None
     if torch is None:
-        return TorchName(f"torch.{name}")
+        return TorchName(f"torch.{name}") if name in _TORCH_NAMES else None
     value = vars(torch).get(name)  # no getattr: torch's module __getattr__ would import submodules
     if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
         return value
