@@ -56,11 +56,11 @@ from ..errors import LayoutError, SaveError, UnickptError
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.files import DurableBatch, cleans_up_output
+from ..storage.local import DIRECT_ALIGNMENT
+from ..storage.open import open_storage
 from ..engine.byte_reads import read_whole
 from ..engine.reads import Scratch
-from ..storage.open import open_storage
 from .checkpoint import Checkpoint, open_checkpoint
-from ..storage.local import DIRECT_ALIGNMENT
 from .torch_save import Size, TensorData, archive, write_archive
 
 UNIVERSAL_CHECKPOINT_VERSION = 0.4

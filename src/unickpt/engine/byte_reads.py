@@ -115,15 +115,17 @@ def _span_read(entry: TensorEntry, sp: Span, out: memoryview, verify: bool) -> S
     direct = [_direct(c, first, size, out) for c in sp.copies]
     segments = fill_gaps(nbytes, [s for s in direct if s.stop > s.start]) if None not in direct else None  # type: ignore[union-attr]
     finish: Callable[[SpanRead], None] | None = None
-    if segments is None:
+    if segments is None:  # not one run on both sides: read into scratch, then copy box by box
         segments = [Segment(0, nbytes)]
 
-        def finish(read: SpanRead) -> None:
+        def copy_out(read: SpanRead) -> None:
             data = _element_array(read.segments[0].buffer, size)
             target = _element_array(out, size)
             for c in sp.copies:
                 _copy_box(c, data, first, target)
             read.segments = []  # let go of the scratch slice now
+
+        finish = copy_out
 
     checks = block_checks(frag.crc32c, frag.block_bytes, frag.nbytes(entry.dtype), sp.start, sp.first_block,
                           sp.end_block) if verify else []

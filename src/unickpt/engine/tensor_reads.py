@@ -16,7 +16,7 @@ from math import prod
 
 import torch
 
-from ..errors import CorruptionError, LayoutError
+from ..errors import LayoutError
 from ..format.checksum import block_crcs
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.manifest import TensorEntry
@@ -24,7 +24,7 @@ from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, Span
 from ..storage.base import Storage
-from .byte_reads import plan_fill, source_fragments  # noqa: F401 (source_fragments: re-exported)
+from .byte_reads import plan_fill
 from .reads import COALESCE_MAX, Scratch, Segment, SpanRead, block_checks, check_in_file, checksum_error, execute, fill_gaps
 
 
