@@ -14,9 +14,9 @@ reference), ZeRO-3 on 2 and 4 ranks. What is checked:
 * a checkpoint of the torch-native example trainer (one process) becomes a universal
   checkpoint that a 2-rank ZeRO-1 DeepSpeed job resumes from, its losses following the
   trainer's own;
-* ``unickpt convert --to deepspeed`` of each ZeRO checkpoint never imports torch, and what
-  it writes loads with ``torch.load(weights_only=True, mmap=True)`` bitwise equal to
-  ``ds_to_universal``'s output.
+* ``unickpt convert --to deepspeed`` of each ZeRO checkpoint never imports torch (nor do
+  ``inspect`` and ``verify``), and what it writes loads with
+  ``torch.load(weights_only=True, mmap=True)`` bitwise equal to ``ds_to_universal``'s output.
 """
 
 from __future__ import annotations
@@ -173,6 +173,11 @@ def test_cli_conversion_never_imports_torch(runs: dict[str, str], case: str, tmp
     assert n >= 3 * 21
     model = torch.load(os.path.join(out, "mp_rank_00_model_states.pt"), weights_only=True)
     assert model["global_steps"] == 4 and len(model["param_shapes"][0]) == 21
+    if case == "z2_4":  # inspect and verify of a DeepSpeed checkpoint go without torch too
+        for command in ("inspect", "verify"):
+            r = subprocess.run([sys.executable, "-c", _CLI_NO_TORCH, command, os.path.join(_ckpt(runs, case), TAG)],
+                               capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            assert r.returncode == 0 and r.stdout.strip().endswith("torch imported: False"), r.stdout[-2000:] + r.stderr
 
 
 def test_resume_on_other_dp_degree(runs: dict[str, str], tmp_path) -> None:
