@@ -176,7 +176,7 @@ def _write_image(batch: DurableBatch, name: str, image: mmap.mmap, t: TensorData
     archive ``name`` from ``image``, its headers and trailing records put around the
     tensor: one direct write, no copy of the tensor (None when they do not fit around it)."""
     a = archive(obj, data_alignment=DIRECT_ALIGNMENT)
-    if a.storages != [a.storages[0]] or memoryview(t.data).nbytes != a.chunks[a.storages[0]].nbytes:
+    if len(a.storages) != 1 or memoryview(t.data).nbytes != a.chunks[a.storages[0]].nbytes:
         return None
     head = b"".join(a.chunks[: a.storages[0]])
     tail = b"".join(a.chunks[a.storages[0] + 1 :])
