@@ -6,9 +6,10 @@ For each configuration, trains the example model for one step with DeepSpeed ZeR
 CPU ranks (tests/ds_train.py), saves, then converts the same checkpoint with both tools,
 each in its own process (``/usr/bin/time`` gives wall time and peak RSS), alternating,
 twice, with a ``sync`` before each and a timed ``sync`` after. Reports the best time and
-the highest peak RSS of each, their ratios, the floor set by the machine (importing torch,
-writing the output at the disk's measured speed), and checks that both outputs hold the
-same parameters and moments bitwise. Needs DeepSpeed (see README) and about 20 GB free.
+the highest peak RSS of each, their ratios, unickpt's floor on this machine (its start,
+``unickpt --help``, plus writing its output at the disk's measured speed), the load
+average around the conversions, and checks that both outputs hold the same parameters and
+moments bitwise. Needs DeepSpeed (see README) and about 20 GB free.
 """
 
 from __future__ import annotations
