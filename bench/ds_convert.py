@@ -6,9 +6,10 @@ For each configuration, trains the example model for one step with DeepSpeed ZeR
 CPU ranks (tests/ds_train.py), saves, then converts the same checkpoint with both tools,
 each in its own process (``/usr/bin/time`` gives wall time and peak RSS), alternating,
 twice, with a ``sync`` before each and a timed ``sync`` after. Reports the best time and
-the highest peak RSS of each, their ratios, the floor set by the machine (importing torch,
-writing the output at the disk's measured speed), and checks that both outputs hold the
-same parameters and moments bitwise. Needs DeepSpeed (see README) and about 20 GB free.
+the highest peak RSS of each, their ratios, unickpt's floor on this machine (its start,
+``unickpt --help``, plus writing its output at the disk's measured speed), the load
+average around the conversions, and checks that both outputs hold the same parameters and
+moments bitwise. Needs DeepSpeed (see README) and about 20 GB free.
 """
 
 from __future__ import annotations
@@ -99,9 +100,18 @@ def _measure(root: str, tag: str, reps: int) -> dict[str, tuple[float, float, fl
     return best
 
 
-def _import_seconds() -> float:
+def _compile_sources() -> None:
+    """Byte-compile unickpt's sources, as installing a package does (DeepSpeed's are, in
+    site-packages): run from a source tree under ``PYTHONDONTWRITEBYTECODE`` the tool would
+    otherwise compile every module on every run, a cost no installed copy pays."""
+    import compileall
+
+    compileall.compile_dir(os.path.join(REPO, "src", "unickpt"), quiet=1)
+
+
+def _seconds(cmd: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    subprocess.run(cmd, check=True, env=ENV, capture_output=True)
     return time.perf_counter() - t0
 
 
@@ -116,17 +126,23 @@ def main(argv: list[str] | None = None) -> None:
     base = os.path.abspath(args.dir or ".bench_tmp")
     os.makedirs(base, exist_ok=True)
     started = time.time()
+    _compile_sources()
     disk = write_bandwidth(base, 1 << 30)
-    imports = min(_import_seconds() for _ in range(2))
-    print(f"disk write+fsync {disk:.2f} GB/s; python -c 'import torch' {imports:.2f} s", flush=True)
+    imports = min(_seconds([sys.executable, "-c", "import torch"]) for _ in range(2))
+    startup = min(_seconds([sys.executable, "-m", "unickpt", "--help"]) for _ in range(2))
+    print(f"disk write+fsync {disk:.2f} GB/s; python -c 'import torch' {imports:.2f} s; unickpt --help {startup:.2f} s",
+          flush=True)
     rows = []
+    loads: dict[str, tuple[float, float]] = {}
     for cfg in args.configs.split(","):
         dim, layers, vocab = CONFIGS[cfg]
         root = tempfile.mkdtemp(prefix="ds_", dir=base)
         try:
             print(f"{cfg}: training one ZeRO-2 step on 2 ranks (dim {dim}, {layers} layers, vocabulary {vocab}) and saving ...", flush=True)
             tag = _train(os.path.join(root, "ckpt"), dim, layers, vocab)
+            load_before = os.getloadavg()[0]
             best = _measure(root, tag, args.reps)
+            loads[cfg] = (load_before, os.getloadavg()[0])
             compared = _same(os.path.join(root, "ds_to_universal_0"), os.path.join(root, "unickpt_0"))
             rows.append((cfg, dim, layers, vocab, _tree_bytes(tag), _tree_bytes(os.path.join(root, "unickpt_0")), best, compared))
         finally:
@@ -139,15 +155,18 @@ def main(argv: list[str] | None = None) -> None:
         f"DeepSpeed on 2 ranks, converted by each tool in its own process (imports included), best of {args.reps}. "
         f"`ds_to_universal` does not fsync its output, unickpt does: the \"+ sync\" column adds the `sync` run right "
         f"after each tool, what making the output durable still cost. Measured in the same run: the disk writes "
-        f"{disk:.2f} GB/s with fsync, and `python -c 'import torch'` takes {imports:.2f} s (both tools pay it).",
+        f"{disk:.2f} GB/s with fsync, `python -c 'import torch'` takes {imports:.2f} s (`ds_to_universal` pays it, "
+        f"unickpt's conversion imports no torch) and `unickpt --help` {startup:.2f} s. Load average (1 minute) "
+        "before / after the conversions: " + ", ".join(f"{c} {a:.1f} / {b:.1f}" for c, (a, b) in loads.items())
+        + " (other jobs shared the machine when well above 0).",
         "",
-        "| checkpoint | tool | wall time | + sync | peak RSS | floor: import + write at disk speed |",
+        "| checkpoint | tool | wall time | + sync | peak RSS | floor: start + write at disk speed |",
         "|---|---|---|---|---|---|",
     ]
     verdicts = []
     for cfg, dim, layers, vocab, size, out_size, best, compared in rows:
         (dt, ds, dm), (ut, us, um) = best["ds_to_universal"], best["unickpt"]
-        floor = imports + out_size / 1e9 / disk
+        floor = startup + out_size / 1e9 / disk
         what = f"{size / 2**30:.2f} GiB (dim {dim}, {layers} layers, vocab {vocab}; {compared} tensors bitwise equal)"
         lines += [
             f"| {what} | DeepSpeed `ds_to_universal` | {dt:.2f} s | {ds:.2f} s | {dm:.0f} MiB | |",

@@ -4,9 +4,12 @@ read path, nothing committed after a failure."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 import threading
 import time
+import zipfile
 
 import pytest
 import torch
@@ -44,8 +47,43 @@ def test_write_universal_is_exact_with_any_threads_and_budget(tmp_path, threads,
             # file must hold exactly this tensor's bytes
             assert torch.equal(saved, optim[n][key]) and saved.untyped_storage().nbytes() == t.numel() * 4
         assert torch.load(out / "zero" / n / "step.pt", weights_only=True).item() == 5.0
+        # files of 1 MiB and more are written whole from one image (O_DIRECT): their tensor starts
+        # on a 4 KiB boundary; the others on torch.save's 64 bytes; torch.load maps both
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = out / "zero" / n / f"{key}.pt"
+            at = _data_offset(path)
+            assert at % (4096 if t.numel() * 4 >= 1 << 20 else 64) == 0, (path, at)
+            assert torch.equal(torch.load(path, weights_only=True, mmap=True)["param"],
+                               t.float() if key == "fp32" else optim[n][key])
     assert (tmp_path / "uni" / "latest_universal").read_text() == "tag"
     assert not [f for _, _, fs in os.walk(out) for f in fs if f.endswith(".tmp")]
+
+
+def _data_offset(path) -> int:
+    """Where the tensor data record's bytes start in a torch.save archive."""
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        info = z.getinfo("archive/data/0")
+        f.seek(info.header_offset)
+        head = struct.unpack("<4s2B4HL2L2H", f.read(30))
+        return info.header_offset + 30 + head[-2] + head[-1]
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_write_whole_direct_or_not(tmp_path, aligned: bool) -> None:
+    """A file written whole from page-aligned memory (O_DIRECT, its rounding to 4 KiB
+    truncated away) or from unaligned memory (the direct write refused with EINVAL on this
+    file system, written through the page cache instead): the same bytes either way."""
+    size = (3 << 20) + 123
+    image = mmap.mmap(-1, size + 8192, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    payload = os.urandom(size + 4096)
+    image[: len(payload)] = payload
+    view = memoryview(image)[: size + 4096 - size % 4096] if aligned else memoryview(bytearray(payload))[1:]
+    want = bytes(view[:size])
+    batch = DurableBatch(tmp_path / "out")
+    batch.write_whole("d/file.bin", view, size)
+    batch.commit()
+    assert (tmp_path / "out" / "d" / "file.bin").read_bytes() == want
+    assert not [f for _, _, fs in os.walk(tmp_path / "out") for f in fs if f.endswith(".tmp")]
 
 
 def test_corrupt_source_fails_and_commits_nothing(tmp_path) -> None:

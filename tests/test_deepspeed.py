@@ -13,7 +13,10 @@ reference), ZeRO-3 on 2 and 4 ranks. What is checked:
   uninterrupted 4-rank run;
 * a checkpoint of the torch-native example trainer (one process) becomes a universal
   checkpoint that a 2-rank ZeRO-1 DeepSpeed job resumes from, its losses following the
-  trainer's own.
+  trainer's own;
+* ``unickpt convert --to deepspeed`` of each ZeRO checkpoint never imports torch (nor do
+  ``inspect`` and ``verify``), and what it writes loads with
+  ``torch.load(weights_only=True, mmap=True)`` bitwise equal to ``ds_to_universal``'s output.
 """
 
 from __future__ import annotations
@@ -138,6 +141,43 @@ def test_write_universal_equals_ds_to_universal(runs: dict[str, str], case: str,
     converted = tmp_path / "consolidated"
     unickpt.convert(str(out), str(converted))
     assert _compare_reads(str(converted), uni) >= 3 * 21
+
+
+# runs the command line as `python -m unickpt` does, then says whether torch was imported
+_CLI_NO_TORCH = "import sys; from unickpt.cli import main; sys.argv[0] = 'unickpt'\n" \
+                "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n" \
+                "print('torch imported:', 'torch' in sys.modules)"
+
+
+@pytest.mark.parametrize("case", ["z2_4", "z3_2", "z2_2_bf16"])
+def test_cli_conversion_never_imports_torch(runs: dict[str, str], case: str, tmp_path) -> None:
+    uni = _ds_universal(runs, case)
+    out = tmp_path / "cli" / TAG
+    allow = ["--allow-skip"] if case in BF16 else []  # the bf16 module copies have no universal equivalent
+    r = subprocess.run([sys.executable, "-c", _CLI_NO_TORCH, "convert", os.path.join(_ckpt(runs, case), TAG), str(out),
+                        "--to", "deepspeed", *allow], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "21 parameters (deepspeed -> deepspeed)" in r.stdout
+    assert r.stdout.strip().endswith("torch imported: False"), r.stdout[-2000:]
+    n = 0
+    for param in universal_params(uni):
+        for key in STATES:
+            ref = universal_tensor(uni, param, key)
+            if ref is None:
+                continue
+            got = torch.load(os.path.join(out, "zero", param, key + ".pt"), weights_only=True, mmap=True)
+            got = got["param"] if isinstance(got, dict) else got
+            assert bitwise_equal(got, ref), f"{param}/{key}.pt differs from ds_to_universal's"
+            n += 1
+    assert n >= 3 * 21
+    model = torch.load(os.path.join(out, "mp_rank_00_model_states.pt"), weights_only=True)
+    assert model["global_steps"] == 4 and len(model["param_shapes"][0]) == 21
+    if case == "z2_4":  # inspect and verify of a DeepSpeed checkpoint go without torch too
+        for command in ("inspect", "verify"):
+            r = subprocess.run([sys.executable, "-c", _CLI_NO_TORCH, command, os.path.join(_ckpt(runs, case), TAG)],
+                               capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            assert r.returncode == 0 and r.stdout.strip().endswith("torch imported: False"), r.stdout[-2000:] + r.stderr
 
 
 def test_resume_on_other_dp_degree(runs: dict[str, str], tmp_path) -> None:

@@ -116,6 +116,16 @@ def test_padded_group_equals_ds_to_universal(runs: dict[str, str], case: str, tm
     # the consolidated copy holds the same bytes
     unickpt.convert(ckpt, str(tmp_path / "converted"))
     assert _assert_equals_universal(str(tmp_path / "converted"), _universal(runs, case), frozen) == n
+    if frozen:  # unickpt's universal output: the bf16 frozen parameters widened to fp32 as torch's .float() does
+        from unickpt.adapters.deepspeed_writer import write_universal
+
+        out = tmp_path / "universal" / "tag"
+        write_universal(ckpt, str(out))
+        for name in FROZEN_NAMES:
+            got = torch.load(out / "zero" / name / "fp32.pt", weights_only=True, mmap=True)["param"]
+            want = unickpt.load_tensor(ckpt, f"model.{name}")
+            assert want.dtype == torch.bfloat16 and got.dtype == torch.float32
+            assert bitwise_equal(got, want.float()), name
 
 
 @pytest.mark.parametrize("case", ["z2_pad_frozen", "z3_frozen"])
@@ -189,6 +199,11 @@ def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) 
     assert unickpt.verify(ckpt).ok
     assert_every_byte(ckpt)  # the replicas' slices of the flat partitions and the module's shards included
     assert_every_byte(_universal(runs, "tp"))
+    # unickpt's universal output assembles the shards (column blocks copied through scratch) as DeepSpeed does
+    from unickpt.adapters.deepspeed_writer import write_universal
+
+    write_universal(ckpt, str(tmp_path / "universal" / "tag"))
+    assert _assert_equals_universal(str(tmp_path / "universal" / "tag"), _universal(runs, "tp")) == 4 * len(params)
     # the same checkpoint described by the name patterns alone (no affine map: DeepSpeed's older form)
     patterns_only = _edit_rules(ckpt, tmp_path / "patterns_only", lambda sd: sd["universal_checkpoint_info"].pop("affine_map"))
     assert _assert_equals_universal(patterns_only, _universal(runs, "tp")) == 4 * len(params)

@@ -511,19 +511,20 @@ def _convert(ckpt: Any, dst: Path, to: str, consolidate: bool, threads: int, buf
              allow_skip: bool) -> None:
     """``convert`` of an open checkpoint: its manifest and ledger are built once, here."""
     from .adapters.regions import source_ledger
-    from .api.convert import convert, total_bytes
 
     src, source_format, manifest = ckpt.location, ckpt.format, ckpt.manifest
     if to == "unickpt" and source_format == "unickpt" and not consolidate:
         raise _fail("nothing to do: pass --consolidate, or --to dcp / --to deepspeed")
     ledger = source_ledger(ckpt)
     _refuse_incomplete(ledger, allow_skip, "written")
-    total = total_bytes(manifest)
+    total = manifest.tensor_bytes()
     if to != "unickpt":
-        from .adapters.dcp_writer import left_out as dcp_left_out
-        from .adapters.deepspeed_writer import left_out as universal_left_out
+        if to == "dcp":  # the DCP writer imports torch, the DeepSpeed one does not
+            from .adapters.dcp_writer import left_out
+        else:
+            from .adapters.deepspeed_writer import left_out
 
-        dropped = (dcp_left_out if to == "dcp" else universal_left_out)(manifest)
+        dropped = left_out(manifest)
         if dropped and not allow_skip:
             _print_warnings(dropped)
             target = "PyTorch DCP" if to == "dcp" else "DeepSpeed's universal format"
@@ -532,6 +533,8 @@ def _convert(ckpt: Any, dst: Path, to: str, consolidate: bool, threads: int, buf
                               style="bold red"), soft_wrap=True)
             raise typer.Exit(EXIT_FAILED)
     if to == "unickpt":
+        from .api.convert import convert
+
         kwargs: dict[str, Any] = {"consolidate": True, "threads": threads, "buffer_bytes": buffer_mib << 20, "overwrite": overwrite}
         report = _with_byte_progress("converting", total, lambda progress: convert(ckpt, str(dst), progress=progress, ledger=ledger,
                                                                                        **kwargs))

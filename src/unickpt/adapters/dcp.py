@@ -34,9 +34,7 @@ from __future__ import annotations
 import re
 from math import prod
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LayoutError, ManifestError, UnickptError, UnsafePickleError
 from ..format.dtypes import dtype_name, itemsize
@@ -48,6 +46,9 @@ from ..storage.local import LocalStorage
 from ..storage.open import open_storage
 from .detect import check_relative_path
 from .torch_archive import StoredTensor, inert_records, loads_restricted, read_archive, stored_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -84,6 +85,8 @@ def rank_metadata_files(path: str) -> dict[int, str]:
 def _layout_by_name(name: Any) -> torch.layout:
     """Safe stand-in for ``torch.serialization._get_layout``: a layout from its name only
     (looked up among torch's layout objects, never through ``getattr`` on a module)."""
+    import torch
+
     layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
     if not isinstance(name, str) or name not in layouts:
         raise UnsafePickleError(f"unknown torch layout {name!r:.80}")
@@ -128,6 +131,8 @@ def read_metadata(path: str, name: str = METADATA_NAME) -> Any:
 
 def _check_metadata(md: Any, path: str, name: str = METADATA_NAME) -> None:
     metadata, filesystem = _dcp_modules()
+    import torch  # imported with torch.distributed.checkpoint above
+
     where = f"{path}/{name}"
     if not isinstance(md, metadata.Metadata):
         raise ManifestError(f"{where}: not DCP metadata (a {type(md).__name__})")

@@ -26,8 +26,13 @@ stages 1, 2 and 3); DeepSpeed's own objects (loss scaler) are not written, so th
 job keeps its own; ``module`` in the model-states file is empty (a universal load restores
 weights from ``zero/`` only); nothing is staged in temporary per-fragment files.
 
+Torch is not imported: whole tensors are assembled as bytes from the source's fragments
+(:func:`unickpt.engine.byte_reads.read_whole`) and each file is written as ``torch.save``
+writes it by :mod:`unickpt.adapters.torch_save` (``torch.load`` returns the same objects;
+``unickpt convert --to deepspeed`` of a DeepSpeed checkpoint runs without torch).
+
 Memory: at most ``max_bytes_in_flight`` of tensors (or the largest tensor) plus, per
-thread, a reused buffer of at most ``max_bytes_in_flight / (2 * threads)``, whatever the
+thread, a reused buffer of at most ``max_bytes_in_flight / threads``, whatever the
 model size. Files are written by several threads and fsynced
 together once, before the marker.
 """
@@ -35,6 +40,8 @@ together once, before the marker.
 from __future__ import annotations
 
 import collections
+import mmap
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,17 +52,16 @@ from math import prod
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import torch
-
-from ..errors import SaveError, UnickptError
-from ..format.dtypes import dtype_from_name
+from ..errors import LayoutError, SaveError, UnickptError
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.files import DurableBatch, cleans_up_output
-from ..engine.reads import Scratch
-from ..engine.tensor_reads import read_tensors
+from ..storage.local import DIRECT_ALIGNMENT
 from ..storage.open import open_storage
+from ..engine.byte_reads import read_whole
+from ..engine.reads import Scratch
 from .checkpoint import Checkpoint, open_checkpoint
+from .torch_save import Size, TensorData, archive, write_archive
 
 UNIVERSAL_CHECKPOINT_VERSION = 0.4
 DS_VERSION_FALLBACK = "0.19.0"  # ds_version written when the source is not a DeepSpeed checkpoint
@@ -136,23 +142,92 @@ def _value(manifest: Manifest, key: str, default: Any = None) -> Any:
 
 def _save(batch: DurableBatch, name: str, obj: Any) -> int:
     with batch.file(name) as f:
-        torch.save(obj, f)
-        return f.tell()
+        return write_archive(f, obj)
 
 
-def _reusable(buffers: threading.local, e: TensorEntry, limit: int) -> torch.Tensor:
-    """An uninitialised tensor for ``e``: in this thread's reused memory when it is at most
-    ``limit`` bytes (writing into touched pages is about 3x faster here than into fresh
-    ones), else freshly allocated. Valid until the thread's next call."""
-    nbytes = e.nbytes
-    dtype = dtype_from_name(e.dtype)
-    if nbytes > limit or nbytes == 0:
-        return torch.empty(e.shape, dtype=dtype)
-    own = getattr(buffers, "out", None)
-    if own is None or len(own) < nbytes:
-        own = buffers.out = bytearray(max(nbytes, 1 << 20))
-    # a tensor over exactly nbytes of the buffer: torch.save writes its whole storage
-    return torch.frombuffer(memoryview(own)[:nbytes], dtype=dtype).view(e.shape)
+# a file's image in memory: its zip headers (4 KiB-aligned, at most HEAD_ROOM), the tensor's
+# bytes, the records after them (at most TAIL_ROOM less the rounding to 4 KiB)
+HEAD_ROOM = 16 << 10
+TAIL_ROOM = 12 << 10
+DIRECT_MIN = 1 << 20  # smaller files go through the page cache (a direct write waits for the disk)
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory (page-aligned; not shared memory, which faults more slowly)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _image(buffers: threading.local, nbytes: int, limit: int) -> mmap.mmap:
+    """Page-aligned memory for a file image around a tensor of ``nbytes`` (the tensor at
+    ``HEAD_ROOM``): this thread's reused memory when the tensor is at most ``limit`` bytes
+    (writing into touched pages is about 3x faster here than into fresh ones), else fresh
+    (unmapped when the last view of it goes). Valid until the thread's next call."""
+    need = HEAD_ROOM + nbytes + TAIL_ROOM
+    if nbytes > limit:
+        return _anonymous(need)
+    own = getattr(buffers, "image", None)
+    if own is None:  # room for the largest reused tensor at once: pages are touched as tensors need them
+        own = buffers.image = _anonymous(HEAD_ROOM + limit + TAIL_ROOM)
+    return own
+
+
+def _write_image(batch: DurableBatch, name: str, image: mmap.mmap, t: TensorData, obj: Any) -> int | None:
+    """Write ``obj`` (holding ``t``, whose bytes lie at ``HEAD_ROOM`` of ``image``) as the
+    archive ``name`` from ``image``, its headers and trailing records put around the
+    tensor: one direct write, no copy of the tensor (None when they do not fit around it)."""
+    a = archive(obj, data_alignment=DIRECT_ALIGNMENT)
+    if len(a.storages) != 1 or memoryview(t.data).nbytes != a.chunks[a.storages[0]].nbytes:
+        return None
+    head = b"".join(a.chunks[: a.storages[0]])
+    tail = b"".join(a.chunks[a.storages[0] + 1 :])
+    if len(head) > HEAD_ROOM or len(tail) > TAIL_ROOM - DIRECT_ALIGNMENT or len(head) % DIRECT_ALIGNMENT:
+        return None
+    start, end = HEAD_ROOM - len(head), HEAD_ROOM + t.nbytes
+    image[start:HEAD_ROOM] = head
+    image[end : end + len(tail)] = tail
+    whole = -(-a.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
+    batch.write_whole(name, memoryview(image)[start : start + whole], a.size)
+    return a.size
+
+
+def _as_float32(data: Any, dtype: str) -> Any:
+    """The elements of ``data`` (of dtype ``dtype``) as float32 bytes, as torch's
+    ``.float()`` converts them (bf16 widened bit for bit; others by the C cast)."""
+    import numpy as np
+
+    if dtype == "BF16":
+        return (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    kinds = {"F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+             "U8": np.uint8, "BOOL": np.bool_, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
+    if dtype in kinds:
+        return np.frombuffer(data, kinds[dtype]).astype(np.float32)
+    import torch  # float8: numpy has no such dtype
+
+    from ..format.dtypes import dtype_from_name
+
+    return torch.frombuffer(bytearray(data), dtype=dtype_from_name(dtype)).float().numpy()
+
+
+_SCALARS = {"F32": "<f", "F64": "<d", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b", "U8": "<B"}
+
+
+def _scalar(t: TensorData) -> float:
+    """The value of a one-element tensor (as ``.item()``)."""
+    raw = bytes(memoryview(t.data).cast("B"))
+    if t.numel != 1:
+        raise LayoutError(f"a step of {t.numel} elements, expected one")
+    if t.dtype == "BF16":
+        return struct.unpack("<f", b"\0\0" + raw)[0]
+    if t.dtype == "BOOL":
+        return float(raw != b"\0")
+    if t.dtype not in _SCALARS:
+        raise LayoutError(f"a step of dtype {t.dtype}")
+    return struct.unpack(_SCALARS[t.dtype], raw)[0]
+
+
+def _float_scalar(x: float) -> TensorData:
+    """A 0-d float32 tensor (as ``torch.tensor(x)``)."""
+    return TensorData("F32", (), struct.pack("<f", x))
 
 
 class _ByteBudget:
@@ -229,38 +304,49 @@ def write_universal(
         marker.unlink()  # a crash midway must not leave a marker naming a half-rewritten directory
 
     jobs = [(param, key, e) for param, states in params.items() for key, e in states.items()]
-    shapes = collections.OrderedDict((p, torch.Size(st["fp32"].shape)) for p, st in params.items())
+    shapes = collections.OrderedDict((p, Size(st["fp32"].shape)) for p, st in params.items())
     batch = DurableBatch(dst, threads=max(8, threads))
     budget = _ByteBudget(max_bytes_in_flight)
-    reuse_limit = max_bytes_in_flight // (2 * threads)
+    reuse_limit = max_bytes_in_flight // threads
     buffers = threading.local()
     scratch = Scratch()
     lock = threading.Lock()
-    steps: dict[int, torch.Tensor] = {}
+    steps: dict[int, TensorData] = {}
 
     def write_one(index: int) -> int | None:
         """Write one state file; its size, or None for a value that is not a number."""
         param, key, e = jobs[index]
         if isinstance(e, TensorEntry):
-            with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "float32" else 0)):
-                t = _reusable(buffers, e, reuse_limit)
-                if t.numel():
-                    read_tensors(source, [(e, t)], 16 << 20, verify, None, scratch)
-                return _write_state(param, key, t.float() if key == "fp32" else t, index)
+            with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "F32" else 0)):
+                image = _image(buffers, e.nbytes, reuse_limit)
+                data = memoryview(image)[HEAD_ROOM : HEAD_ROOM + e.nbytes]
+                if e.nbytes:
+                    read_whole(source, [(e, data)], 16 << 20, verify, None, scratch)
+                if key == "fp32" and e.dtype != "F32":
+                    return _write_state(param, key, TensorData("F32", e.shape, _as_float32(data, e.dtype)), index)
+                t = TensorData(e.dtype, e.shape, data)
+                size = _write_image(batch, f"zero/{param}/{key}.pt", image, t, {"cat_dim": 0, "param": t}) \
+                    if key != "step" and e.nbytes >= DIRECT_MIN else None
+                if size is None:
+                    return _write_state(param, key, t, index)
+                if progress is not None:
+                    with lock:
+                        progress(t.nbytes)
+                return size
         if isinstance(e, (int, float)):
-            return _write_state(param, key, torch.tensor(float(e)), index)
+            return _write_state(param, key, _float_scalar(float(e)), index)
         return None
 
-    def _write_state(param: str, key: str, t: torch.Tensor, index: int) -> int:
-        if key == "step":
-            t = (t.reshape(()) if t.numel() == 1 else t).clone()  # kept after the buffer is reused
+    def _write_state(param: str, key: str, t: TensorData, index: int) -> int:
+        if key == "step":  # a copy, kept after the buffer is reused
+            t = TensorData(t.dtype, () if t.numel == 1 else t.shape, bytes(memoryview(t.data).cast("B")))
             steps[index] = obj = t
         else:
             obj: Any = {"cat_dim": 0, "param": t}
         size = _save(batch, f"zero/{param}/{key}.pt", obj)
         if progress is not None:
             with lock:
-                progress(t.numel() * t.element_size())
+                progress(t.nbytes)
         return size
 
     try:
@@ -281,7 +367,7 @@ def write_universal(
     if global_steps is None:
         global_steps = _value(manifest, "deepspeed.global_steps", _value(manifest, "train.step"))
     if global_steps is None and first_step is not None:
-        global_steps = int(first_step.item())
+        global_steps = int(_scalar(first_step))
     global_steps = int(global_steps or 0)
 
     groups = param_groups if param_groups is not None else _value(manifest, "optim.param_groups")
@@ -298,7 +384,7 @@ def write_universal(
             optim_state[key] = v
     optim_state["ds_version"] = ds_version
     optim_state["param_groups"] = groups
-    step_tensor = first_step if first_step is not None else torch.tensor(float(global_steps))
+    step_tensor = first_step if first_step is not None else _float_scalar(float(global_steps))
     # what a ZeRO-3 job reads (the step and the hyperparameters of the first group)
     optim_state["optimizer_state_dict"] = {"state": {0: {"step": step_tensor}}, "param_groups": groups}
     written += _save(batch, "zero/optimizer_state.pt", optim_state)

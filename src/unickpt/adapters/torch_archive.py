@@ -12,6 +12,13 @@ With ``unknown_as_records=True`` every other global becomes such a record too, s
 foreign object does not make a whole file unreadable; the caller then reports the values
 holding records as skipped.
 
+torch need not be imported: when it is not (the command line converting a DeepSpeed
+checkpoint), torch's globals become plain stand-ins: a dtype, layout or memory format is
+a :class:`TorchName` (a ``str``, ``"torch.float32"``, as ``str()`` of the real one), ``torch.Size``
+a tuple, ``torch.device`` its :class:`TorchName`; storages are ``(dtype name, key, numel)``
+records either way. When torch is already imported (library callers) the real objects are
+built, as before. The allow-list is the same in both cases.
+
 Tensors are not materialised: each becomes a :class:`StoredTensor` saying where its bytes
 lie in the file (the archive's data records are stored uncompressed), so a reader can
 read exactly the bytes it needs, in place, with the same planner as unickpt's own format.
@@ -32,29 +39,43 @@ import collections
 import functools
 import pickle
 import struct
+import sys
 import zipfile
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..engine.reads import Segment, SpanRead, execute
-from ..errors import CorruptionError, UnsafePickleError
-from ..format.dtypes import dtype_name, itemsize
+from ..errors import CorruptionError, LayoutError, UnsafePickleError
+from ..format.dtypes import DTYPE_ATTRS, dtype_name, itemsize
 from ..plan.box import row_major_strides
 from ..storage.local import LocalStorage
 
+if TYPE_CHECKING:
+    import torch
+
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+    "FloatStorage": "F32", "DoubleStorage": "F64", "HalfStorage": "F16", "BFloat16Storage": "BF16",
+    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8",
+    "BoolStorage": "BOOL", "ComplexFloatStorage": "C64", "ComplexDoubleStorage": "C128",
 }
+# torch attributes a pickle may name as plain values without torch imported: torch 2.13's
+# dtypes (and their aliases), layouts and memory formats (with torch imported: whichever
+# attributes of torch are such objects)
+_TORCH_NAMES = frozenset({
+    "_mkldnn", "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble", "cfloat",
+    "chalf", "channels_last", "channels_last_3d", "complex128", "complex32", "complex64", "contiguous_format",
+    "double", "float", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1", "int16", "int2", "int3", "int32",
+    "int4", "int5", "int6", "int64", "int7", "int8", "jagged", "legacy_contiguous_format", "long", "preserve_format",
+    "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "short", "sparse_bsc", "sparse_bsr", "sparse_coo",
+    "sparse_csc", "sparse_csr", "strided", "uint1", "uint16", "uint2", "uint3", "uint32", "uint4", "uint5", "uint6",
+    "uint64", "uint7", "uint8",
+})
 _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "bytearray": bytearray, "range": range}
-# allowed callables whose result can be larger than what the pickle spells out
-_GROWING = (set, frozenset, bytearray, collections.OrderedDict, torch.Size)
+# allowed callables whose result can be larger than what the pickle spells out (and torch.Size, see _is_growing)
+_GROWING = (set, frozenset, bytearray, collections.OrderedDict)
 _SIZED = (range, list, tuple, set, frozenset, dict, bytes, bytearray, str)
 BUILD_BUDGET_PER_BYTE = 8
 BUILD_BUDGET_MIN = 1 << 16
@@ -165,9 +186,31 @@ def records_in(obj: Any) -> list[InertRecord]:
     return out
 
 
+class TorchName(str):
+    """Stands for a torch dtype, layout, memory format or device in a pickle read without
+    torch imported: the ``str()`` of the real object (``"torch.float32"``, ``"cpu"``)."""
+
+
+def _size(dims: Any = ()) -> tuple:
+    """Stands for ``torch.Size`` without torch: the tuple of its dimensions."""
+    return tuple(dims)
+
+
+def _device(*args: Any) -> TorchName:
+    """Stands for ``torch.device`` without torch: its name (``"cpu"``, ``"cuda:0"``)."""
+    if not args or not isinstance(args[0], str) or len(args) > 2 or (len(args) == 2 and not isinstance(args[1], int)):
+        raise UnsafePickleError(f"a torch.device record with arguments {args!r:.80}")
+    return TorchName(args[0] if len(args) == 1 or ":" in args[0] else f"{args[0]}:{args[1]}")
+
+
+def _torch() -> Any:
+    """The torch module when something already imported it, else None (it is not imported here)."""
+    return sys.modules.get("torch")
+
+
 @dataclass(frozen=True)
 class _StorageRef:
-    dtype: torch.dtype
+    dtype: str  # unickpt's dtype name
     key: str
     numel: int
 
@@ -175,13 +218,32 @@ class _StorageRef:
 def _torch_global(name: str) -> Any:
     if name in _STORAGE_DTYPES:
         return ("storage-type", _STORAGE_DTYPES[name])
+    torch = _torch()
     if name == "Size":
-        return torch.Size
+        return torch.Size if torch is not None else _size
     if name == "device":
-        return torch.device
+        return torch.device if torch is not None else _device
+    if torch is None:
+        return TorchName(f"torch.{name}") if name in _TORCH_NAMES else None
     value = vars(torch).get(name)  # no getattr: torch's module __getattr__ would import submodules
     if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
         return value
+    return None
+
+
+def _is_growing(factory: Any) -> bool:
+    """Allowed callables whose result can be larger than what the pickle spells out."""
+    torch = _torch()
+    return any(factory is g for g in _GROWING) or factory is _size or (torch is not None and factory is torch.Size)
+
+
+def _tensor_dtype(dtype: Any) -> str | None:
+    """unickpt's name of a dtype given to ``_rebuild_tensor_v3`` (real or :class:`TorchName`)."""
+    if isinstance(dtype, TorchName):
+        return DTYPE_ATTRS.get(dtype[len("torch."):])
+    torch = _torch()
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return dtype_name(dtype)
     return None
 
 
@@ -197,7 +259,7 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._find(module, name)
-        return self._bounded(found) if any(found is g for g in _GROWING) else found
+        return self._bounded(found) if _is_growing(found) else found
 
     def _find(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
@@ -209,7 +271,7 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch" and (found := _torch_global(name)) is not None:
             return found
         if module == "torch.storage" and name == "UntypedStorage":  # storages of _rebuild_tensor_v3 (float8, uint16...)
-            return ("storage-type", torch.uint8)
+            return ("storage-type", "U8")
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_tensor_v3",
                                                    "_rebuild_parameter", "_rebuild_parameter_with_state"):
             return getattr(self, name)
@@ -270,16 +332,19 @@ class _Unpickler(pickle.Unpickler):
         at = self.storages.get(storage.key) if self.storages is not None else None
         if at is None:
             raise CorruptionError(f"{self.where}: tensor storage record {storage.key!r} is missing from the archive")
-        return StoredTensor(self.file, at, storage.numel * itemsize(dtype_name(storage.dtype)), dtype_name(storage.dtype),
+        if storage.dtype not in DTYPE_ATTRS.values():
+            raise LayoutError(f"{self.where}: a tensor of dtype {storage.dtype} cannot be stored in safetensors")
+        return StoredTensor(self.file, at, storage.numel * itemsize(storage.dtype), storage.dtype,
                             tuple(int(x) for x in size), tuple(int(x) for x in stride), int(storage_offset))
 
     def _rebuild_tensor_v3(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any, _requires_grad: Any = False,
                            _hooks: Any = None, dtype: Any = None, *_: Any) -> StoredTensor:
         # torch.save's form for dtypes without a typed storage: a byte storage plus the dtype
-        if not isinstance(dtype, torch.dtype):
-            raise UnsafePickleError(f"{self.where}: a tensor record without a dtype")
+        name = _tensor_dtype(dtype)
+        if name is None:
+            raise UnsafePickleError(f"{self.where}: a tensor record without a dtype unickpt reads")
         t = self._rebuild_tensor_v2(storage, storage_offset, size, stride)
-        return StoredTensor(t.file, t.storage_at, t.storage_bytes, dtype_name(dtype), t.shape, t.stride, t.storage_offset)
+        return StoredTensor(t.file, t.storage_at, t.storage_bytes, name, t.shape, t.stride, t.storage_offset)
 
     def _rebuild_tensor(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any) -> StoredTensor:
         return self._rebuild_tensor_v2(storage, storage_offset, size, stride)
@@ -424,6 +489,8 @@ def stored_tensors(obj: Any) -> list[StoredTensor]:
 
 def materialize(storage: LocalStorage, t: StoredTensor) -> torch.Tensor:
     """Read a stored tensor into a new CPU tensor (for small state: steps, scalars)."""
+    import torch
+
     from ..format.dtypes import dtype_from_name
 
     size = itemsize(t.dtype)

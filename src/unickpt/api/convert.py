@@ -75,9 +75,7 @@ class ConvertReport:
 
 def total_bytes(manifest: Manifest) -> int:
     """Bytes of tensor data a consolidation writes (the total for a progress bar)."""
-    n = sum(e.nbytes for e in manifest.tensors.values() if e.fragments)
-    n += sum(e.nbytes for row in manifest.rank_tensors.values() for e in row if e is not None and e.fragments)
-    return n
+    return manifest.tensor_bytes()
 
 
 @gc_paused()

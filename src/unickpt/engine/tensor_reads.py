@@ -16,14 +16,15 @@ from math import prod
 
 import torch
 
-from ..errors import CorruptionError, LayoutError
+from ..errors import LayoutError
 from ..format.checksum import block_crcs
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.manifest import TensorEntry
 from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
-from ..plan.read_plan import Copy, ReadPlan, SourceFragment, Span, plan_reads
+from ..plan.read_plan import Copy, Span
 from ..storage.base import Storage
+from .byte_reads import plan_fill
 from .reads import COALESCE_MAX, Scratch, Segment, SpanRead, block_checks, check_in_file, checksum_error, execute, fill_gaps
 
 
@@ -87,36 +88,6 @@ def direct_segments(entry: TensorEntry, sp: Span, local: torch.Tensor) -> list[S
             at = src.storage_offset() * size
             out.append(Segment(at, at + dst.numel() * size, dst.detach().reshape(-1).view(torch.uint8)))
     return out
-
-
-def source_fragments(entry: TensorEntry) -> list[SourceFragment]:
-    """What the read planner needs to know of each stored fragment of ``entry``."""
-    size = itemsize(entry.dtype)
-    return [
-        SourceFragment(f.file, f.offset, prod(f.shape) * size, f.block_bytes, tuple(f.pieces)) for f in entry.fragments
-    ]
-
-
-def plan_fill(entry: TensorEntry, pieces: list[Piece], max_span: int | None = None,
-              what: str = "this rank needs") -> tuple[TensorEntry, list[SourceFragment], ReadPlan]:
-    """The reads that fill ``pieces`` (a target's pieces of ``entry``'s global tensor),
-    after checking the checkpoint covers every element: the entry with only the fragments
-    considered (an indexed manifest reads only those near the pieces), what the planner
-    knew of them, and the plan (its spans index that entry's fragments). No I/O beyond
-    an indexed manifest's lines: loads and the scale simulation (``bench/scale.py``)
-    both call it."""
-    near = entry.fragments_touching([p.global_box for p in pieces])
-    if near is not entry.fragments:
-        entry = TensorEntry(entry.name, entry.shape, entry.dtype, near, entry.layout)
-    sources = source_fragments(entry)
-    plan = plan_reads(pieces, sources, itemsize(entry.dtype), *([max_span] if max_span else []))
-    for p, got in zip(pieces, plan.covered):
-        if got != p.global_box.volume:
-            raise CorruptionError(
-                f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "
-                f"{what} (box {p.global_box}); its fragments are incomplete"
-            )
-    return entry, sources, plan
 
 
 class TensorReads:

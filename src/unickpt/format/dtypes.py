@@ -33,6 +33,9 @@ _DTYPES: dict[str, tuple[str, int]] = {
     "U64": ("uint64", 8),
 }
 
+# torch attribute -> safetensors name (what a pickled dtype is called without torch)
+DTYPE_ATTRS: dict[str, str] = {attr: name for name, (attr, _) in _DTYPES.items()}
+
 
 @cache
 def _tables() -> tuple[dict[Any, str], dict[str, Any]]:

@@ -21,7 +21,7 @@ from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestE
 from ..plan.box import Box
 from ..plan.piece import Piece
 from .dtypes import _DTYPES as _DTYPE_NAMES  # names known without torch
-from .dtypes import dtype_from_name, itemsize
+from .dtypes import itemsize
 from .refs import BaseRef, check_base_path, check_digest_text, ref_key, split_key
 from .index import INDEX_NAME, INDEXED_VERSION, IndexReader, index_chunks, read_line
 from .values import check_text, decode_value
@@ -135,6 +135,12 @@ class Manifest:
     # the digest checked when the manifest was parsed ("sha256:<hex>"); None when the
     # manifest has none (format 1.0) or was built in memory
     digest: str | None = field(default=None, compare=False)
+
+    def tensor_bytes(self) -> int:
+        """Bytes of tensor data a consolidation writes (global and per-rank tensors that
+        have fragments): the total for a progress bar."""
+        n = sum(e.nbytes for e in self.tensors.values() if e.fragments)
+        return n + sum(e.nbytes for row in self.rank_tensors.values() for e in row if e is not None and e.fragments)
 
     def to_json(self) -> str:
         """Serialise to the JSON text stored in ``manifest.json``, sealed with its digest."""
