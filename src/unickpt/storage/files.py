@@ -17,7 +17,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, TypeVar
 
@@ -54,26 +54,14 @@ class DurableBatch:
     def file(self, name: str) -> Iterator[BinaryIO]:
         """A binary file object for ``root/name``, renamed into place when the block ends
         without an exception (and removed otherwise)."""
-        target = _target(self.root, name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
-        f = os.fdopen(create_file(tmp), "wb")
-        try:
-            yield f
-            f.flush()
-            start_writeback(f.fileno(), 0, f.tell())
-            f.close()
-            os.replace(tmp, target)
-        except BaseException:
-            f.close()
+        with self._renamed_into_place(name) as tmp:
+            f = os.fdopen(create_file(tmp), "wb")
             try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        with self._lock:
-            self._files.append(target)
-            self._dirs.update(_parents_below(target.parent, self.root))
+                yield f
+                f.flush()
+                start_writeback(f.fileno(), 0, f.tell())
+            finally:
+                f.close()
 
     def write_whole(self, name: str, image: memoryview, size: int) -> None:
         """Write ``root/name`` whole from ``image[:size]`` (page-aligned memory of ``size``
@@ -81,23 +69,29 @@ class DurableBatch:
         where the file system takes it, straight from this memory to the disk (no copy
         into the page cache, which on a loaded machine costs more CPU than everything
         else a conversion does; see docs/PERFORMANCE.md), else with ordinary writes."""
+        with self._renamed_into_place(name) as tmp:
+            fd = create_file(tmp, direct=True)
+            try:
+                write_direct(fd, image, size)
+            except BaseException:
+                with suppress(OSError):
+                    os.close(fd)
+                raise
+            os.close(fd)
+
+    @contextmanager
+    def _renamed_into_place(self, name: str) -> Iterator[Path]:
+        """A fresh temporary path beside ``root/name``: renamed to it (and recorded for
+        :meth:`commit`) when the block ends without an exception, removed otherwise."""
         target = _target(self.root, name)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
-        fd = create_file(tmp, direct=True)
         try:
-            write_direct(fd, image, size)
-            os.close(fd)
+            yield tmp
             os.replace(tmp, target)
         except BaseException:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            try:
+            with suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             raise
         with self._lock:
             self._files.append(target)
