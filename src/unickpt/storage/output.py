@@ -44,7 +44,11 @@ class OutputFolder:
 class _LocalOutput(OutputFolder):
     def __init__(self, write: DirectoryWrite) -> None:
         self._write = write
-        self.storage = open_storage(str(write.staging))
+        try:
+            self.storage = open_storage(str(write.staging))
+        except BaseException:
+            write.abort()
+            raise
 
     def commit(self, documents: dict[str, bytes]) -> None:
         self._write.commit(documents)
