@@ -55,7 +55,9 @@ if TYPE_CHECKING:
     import torch
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
-_STORAGE_DTYPES = {
+# torch.save's typed storage classes -> the dtype names of their elements (the writer,
+# adapters/torch_save.py, writes the same names)
+STORAGE_DTYPES = {
     "FloatStorage": "F32", "DoubleStorage": "F64", "HalfStorage": "F16", "BFloat16Storage": "BF16",
     "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8",
     "BoolStorage": "BOOL", "ComplexFloatStorage": "C64", "ComplexDoubleStorage": "C128",
@@ -216,8 +218,8 @@ class _StorageRef:
 
 
 def _torch_global(name: str) -> Any:
-    if name in _STORAGE_DTYPES:
-        return ("storage-type", _STORAGE_DTYPES[name])
+    if name in STORAGE_DTYPES:
+        return ("storage-type", STORAGE_DTYPES[name])
     torch = _torch()
     if name == "Size":
         return torch.Size if torch is not None else _size

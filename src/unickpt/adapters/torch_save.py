@@ -33,7 +33,8 @@ from math import prod
 from typing import Any, BinaryIO
 
 from ..errors import LayoutError
-from ..format.dtypes import itemsize
+from ..format.dtypes import DTYPE_ATTRS, itemsize
+from .torch_archive import STORAGE_DTYPES
 
 try:  # ISA-L's CRC-32 (the zip one, as zlib's): about 5x zlib's speed here, the GIL released
     from isal.isal_zlib import crc32
@@ -41,11 +42,9 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
     from zlib import crc32
 
 ALIGNMENT = 64  # torch.save's record alignment (kFieldAlignment)
-_STORAGE_TYPES = {
-    "F32": "FloatStorage", "F64": "DoubleStorage", "F16": "HalfStorage", "BF16": "BFloat16Storage",
-    "I64": "LongStorage", "I32": "IntStorage", "I16": "ShortStorage", "I8": "CharStorage", "U8": "ByteStorage",
-    "BOOL": "BoolStorage",
-}
+# dtype name -> the typed storage class torch.save names (those the reader knows, for
+# the dtypes unickpt stores)
+_STORAGE_TYPES = {dtype: storage for storage, dtype in STORAGE_DTYPES.items() if dtype in DTYPE_ATTRS.values()}
 _LOCAL = struct.Struct("<4s5H3L2H")
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
 _END = struct.Struct("<4s4H2LH")
