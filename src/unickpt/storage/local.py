@@ -147,12 +147,8 @@ class FileWriter:
     def pwrite(self, offset: int, data: memoryview | bytes) -> None:
         """Write all of ``data`` at ``offset`` (thread-safe) and start its writeback."""
         view = memoryview(data).cast("B")
-        start, total = offset, view.nbytes
-        while view.nbytes:
-            n = os.pwrite(self._fd, view, offset)
-            view = view[n:]
-            offset += n
-        start_writeback(self._fd, start, total)
+        _pwrite_all(self._fd, view, offset)
+        start_writeback(self._fd, offset, view.nbytes)
 
     def close(self, durable: bool = True) -> None:
         """Flush to stable storage (when ``durable``) and close (once: later calls do nothing)."""
