@@ -73,11 +73,6 @@ class ConvertReport:
     ledger: Ledger | None = None  # the source's: what was read, skipped, unaccounted
 
 
-def total_bytes(manifest: Manifest) -> int:
-    """Bytes of tensor data a consolidation writes (the total for a progress bar)."""
-    return manifest.tensor_bytes()
-
-
 @gc_paused()
 def convert(
     src: str | Checkpoint,
