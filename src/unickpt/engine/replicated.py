@@ -43,10 +43,8 @@ class ReplicatedReads:
         if not self.group.active:
             return
         names = hashlib.blake2b("\n".join(sorted(self.shared)).encode(), digest_size=8).digest()
-        reports = all_gather_fixed(self.group, names + (b"\x01" if failed else b"\x00"))
-        bad = [r for r, rep in enumerate(reports) if rep[8:] != b"\x00"]
-        if bad and not failed:
-            raise UnickptError(f"load failed on rank(s) {', '.join(map(str, bad))}; see their errors")
+        reports = all_gather_fixed(self.group, names + _flag(failed))
+        _raise_if_others_failed(reports, failed)
         if failed:
             return
         if any(rep[:8] != names for rep in reports):
@@ -54,6 +52,19 @@ class ReplicatedReads:
         for name in sorted(self.shared):
             target, owner = self.shared[name]
             dist.broadcast(target.detach(), src=self.group.global_rank(owner), group=self.group.pg)
+
+
+def _flag(failed: bool) -> bytes:
+    """The last byte of a rank's report: whether its part of the load failed."""
+    return b"\x01" if failed else b"\x00"
+
+
+def _raise_if_others_failed(reports: list[bytes], failed: bool) -> None:
+    """Every rank's report ends with its :func:`_flag`: when another rank failed and this
+    one did not, raise here too (a failed rank raises its own error)."""
+    bad = [r for r, rep in enumerate(reports) if rep[-1:] != b"\x00"]
+    if bad and not failed:
+        raise UnickptError(f"load failed on rank(s) {', '.join(map(str, bad))}; see their errors")
 
 
 _GROUPS: dict[tuple, Any] = {}  # process groups of replicas, made once per set of ranks
@@ -91,7 +102,7 @@ class ShardedReplicas:
         whole here, as without sharing."""
         line = sorted(self.items, key=lambda ei: (ei[1].name, ei[1].shard_key))
         digest = hashlib.blake2b(repr([(i.name, i.shard_key, i.replicas) for _, i in line]).encode(), digest_size=8).digest()
-        reports = all_gather_fixed(self.group, digest + (b"\x01" if failed else b"\x00"))
+        reports = all_gather_fixed(self.group, digest + _flag(failed))
         members = [r for r, rep in enumerate(reports) if rep[:8] == digest]
         if failed or any(rep[8:] != b"\x00" for rep in reports) or not line or len(members) != line[0][1].replicas \
                 or any(i.replicas != len(members) for _, i in line):
@@ -112,19 +123,13 @@ class ShardedReplicas:
         reader to the other replicas. Raises on every rank if any rank failed."""
         if not self.group.active:
             return
-        self._agree(failed)
+        _raise_if_others_failed(all_gather_fixed(self.group, _flag(failed)), failed)
         if failed or self.pg is None:
             return
         for share, member in enumerate(self.members):
             src = self.group.global_rank(member)
             for _, part in self.parts(share):
                 dist.broadcast(part.local, src=src, group=self.pg)
-
-    def _agree(self, failed: bool) -> None:
-        reports = all_gather_fixed(self.group, b"\x01" if failed else b"\x00")
-        bad = [r for r, rep in enumerate(reports) if rep != b"\x00"]
-        if bad and not failed:
-            raise UnickptError(f"load failed on rank(s) {', '.join(map(str, bad))}; see their errors")
 
 
 def shared_parts(line: list[tuple[Any, TensorItem]], replicas: int, share: int) -> list[tuple[Any, TensorItem]]:
