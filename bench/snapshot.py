@@ -12,8 +12,9 @@ Cold disk reads: the durable checkpoint is fsynced and its files evicted from th
 cache (``POSIX_FADV_DONTNEED``) before each load from disk; ``fincore`` reports what
 stayed resident. ``--frequency 1,2,5,10`` adds the step-time sweep of the example
 trainer (2 simulated nodes, a sleep standing in for accelerator compute). The
-shm roots are /dev/shm/unickpt-bench-<i> and the disk checkpoints under ``--dir``; both
-are removed at the end. Prints a markdown table (docs/PERFORMANCE.md, "In-memory snapshots").
+shm roots are <shm>/unickpt-bench-<i> (``--shm``, default /dev/shm; a tmpfs mounted with
+``huge=within_size`` shows what huge pages give) and the disk checkpoints under ``--dir``;
+both are removed at the end. Prints a markdown table (docs/PERFORMANCE.md, "In-memory snapshots").
 """
 
 from __future__ import annotations
@@ -281,13 +282,13 @@ def _fresh(roots: list[str]) -> None:
         shutil.rmtree(r, ignore_errors=True)
 
 
-def one_size(total: int, workdir: str, snaps: int, protections: bool = True) -> dict:
+def one_size(total: int, workdir: str, snaps: int, protections: bool = True, shm: str = "/dev/shm") -> dict:
     """Every figure for one state size: XOR parity (snapshots, recovery after a crash and
     after a node loss, against a cold load from disk), then Reed-Solomon m = 2 and copies
     on a neighbour (snapshots, memory, recovery after node losses)."""
     from unickpt.testing import run_ranks
 
-    roots = [f"/dev/shm/unickpt-bench-{i}" for i in range(NODES)]
+    roots = [os.path.join(shm, f"unickpt-bench-{i}") for i in range(NODES)]
     _fresh(roots)
     disk = os.path.join(workdir, "disk")
     os.makedirs(disk, exist_ok=True)
@@ -318,6 +319,22 @@ def one_size(total: int, workdir: str, snaps: int, protections: bool = True) -> 
     finally:
         _fresh(roots)
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def mount_of(path: str) -> str:
+    """The file system holding ``path`` and its huge-page option, from /proc/mounts."""
+    best, out = "", "unknown file system"
+    try:
+        lines = open("/proc/mounts").read().splitlines()
+    except OSError:
+        return out
+    real = os.path.realpath(path)
+    for line in lines:
+        dev, point, kind, opts = line.split()[:4]
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            huge = next((o for o in opts.split(",") if o.startswith("huge=")), "huge=never")
+            best, out = point, f"{kind} at {point}" + (f" ({huge})" if kind == "tmpfs" else "")
+    return out
 
 
 def table(rows: dict[int, dict]) -> str:
@@ -432,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--freq-model", default="--dim 512 --layers 4 --vocab 4096 --seq 64",
                    help="the example trainer's model flags for the sweep")
     p.add_argument("--dir", default=".bench_tmp", help="scratch directory for the disk checkpoints")
+    p.add_argument("--shm", default="/dev/shm", help="where the simulated nodes' shm roots go (a tmpfs)")
     args = p.parse_args(argv)
     sizes = [256 * MiB] if args.quick else [int(float(s) * GiB) for s in (args.sizes or "1,4").split(",") if float(s)]
     os.makedirs(args.dir, exist_ok=True)
@@ -439,9 +457,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         for total in sizes:  # 4 GiB and more: one snapshot (two would hold 2 x 1.33 x the state in tmpfs)
             big = total >= 4 * GiB
-            rows[total] = one_size(total, work, args.snaps if not big else 1, not (big or args.no_protections))
+            rows[total] = one_size(total, work, args.snaps if not big else 1, not (big or args.no_protections), args.shm)
             print(json.dumps({str(total): rows[total]}), flush=True)
         if rows:
+            print(f"shm roots under {args.shm}: {mount_of(args.shm)}")
             print(table(rows))
         if args.frequency:
             every = [int(x) for x in args.frequency.split(",")]

@@ -14,9 +14,29 @@ import unickpt
 from unickpt.engine.reads import Segment, SpanRead, block_checks, execute
 from unickpt.errors import CorruptionError
 from unickpt.format.checksum import block_crcs
+from unickpt.storage.local import LocalStorage, MappedReader
 from unickpt.storage.open import open_storage
 
 BLOCK = 256
+
+
+class _MappedStorage(LocalStorage):
+    """Files read through MappedReader, copied and checked in pieces of 100 bytes: pieces
+    that cut checksum blocks and caller buffers anywhere."""
+
+    def reader(self, name):
+        with self._lock:
+            r = self._readers.get(name)
+            if r is None:
+                r = self._readers[name] = MappedReader(self.root / name)
+                r.piece_bytes = 100
+            return r
+
+
+@pytest.fixture(params=["preadv", "mapped"])
+def opened(request):
+    """How the tests open their directory: ordinary ``preadv`` reads, or a map read in pieces."""
+    return (lambda p: open_storage(str(p))) if request.param == "preadv" else (lambda p: _MappedStorage(str(p)))
 
 
 def _file(tmp_path, nbytes: int = 4096) -> tuple[bytes, list[int]]:
@@ -36,9 +56,9 @@ def _reads(data: bytes, crcs: list[int], spans: list[tuple[int, int]], target: b
     return out
 
 
-def test_reads_land_in_caller_buffers_and_are_checked(tmp_path):
+def test_reads_land_in_caller_buffers_and_are_checked(tmp_path, opened):
     data, crcs = _file(tmp_path)
-    storage = open_storage(str(tmp_path))
+    storage = opened(tmp_path)
     target = bytearray(len(data))
     reads = _reads(data, crcs, [(0, 3), (3, 7), (9, 16)], target)
     seen = []
@@ -49,12 +69,27 @@ def test_reads_land_in_caller_buffers_and_are_checked(tmp_path):
     assert all(r.bytes_checked == r.nbytes for r in reads)
 
 
-def test_a_flipped_byte_is_raised_or_reported_with_file_tensor_and_bytes(tmp_path):
+def test_segments_of_caller_memory_and_scratch_in_one_span(tmp_path, opened):
+    """A span tiled by caller memory and scratch, read in pieces that cut both anywhere:
+    every byte lands where planned and each block is checked once."""
+    data, crcs = _file(tmp_path)
+    storage = opened(tmp_path)
+    a, b = bytearray(300), bytearray(len(data) - 700)
+    got = {}
+    segments = [Segment(0, 300, memoryview(a)), Segment(300, 700), Segment(700, len(data), memoryview(b))]
+    read = SpanRead("f.bin", 0, len(data), segments, tensor="t", checks=block_checks(crcs, BLOCK, len(data), 0, 0, 16),
+                    finish=lambda r: got.update(mid=bytes(r.segments[1].buffer)))
+    execute(storage, [read])
+    assert bytes(a) == data[:300] and got["mid"] == data[300:700] and bytes(b) == data[700:]
+    assert read.bytes_checked == len(data)
+
+
+def test_a_flipped_byte_is_raised_or_reported_with_file_tensor_and_bytes(tmp_path, opened):
     data, crcs = _file(tmp_path)
     with open(tmp_path / "f.bin", "r+b") as f:
         f.seek(5 * BLOCK + 17)
         f.write(bytes([data[5 * BLOCK + 17] ^ 0x10]))
-    storage = open_storage(str(tmp_path))
+    storage = opened(tmp_path)
     with pytest.raises(CorruptionError, match=rf"checksum mismatch in f\.bin \(tensor 't', bytes {5 * BLOCK}-{6 * BLOCK} "):
         execute(storage, _reads(data, crcs, [(0, 16)]))
     reads = _reads(data, crcs, [(0, 4), (4, 16)])
@@ -63,10 +98,10 @@ def test_a_flipped_byte_is_raised_or_reported_with_file_tensor_and_bytes(tmp_pat
     assert reads[1].bytes_checked == 11 * BLOCK
 
 
-def test_a_truncated_or_missing_file_names_the_tensor(tmp_path):
+def test_a_truncated_or_missing_file_names_the_tensor(tmp_path, opened):
     data, crcs = _file(tmp_path)
     os.truncate(tmp_path / "f.bin", 10 * BLOCK + 5)
-    storage = open_storage(str(tmp_path))
+    storage = opened(tmp_path)
     with pytest.raises(CorruptionError, match=r"f\.bin is truncated \(tensor 't', bytes 2565-4096 .* has 2565 bytes"):
         execute(storage, _reads(data, crcs, [(8, 16)]))
     reads = _reads(data, crcs, [(8, 16)])

@@ -215,11 +215,13 @@ def _keep_inside(read: SpanRead, size: int) -> None:
     read.segments = [Segment(0, read.nbytes)] if read.nbytes else []
 
 
-def _check(read: SpanRead, report: bool) -> None:
-    """Compare every checksum block of ``read`` (raise, or record when ``report``)."""
+def _check(read: SpanRead, report: bool, got: list[int] | None = None) -> None:
+    """Compare every checksum block of ``read`` (raise, or record when ``report``);
+    ``got``: the blocks' CRCs when already computed (as the bytes came in)."""
     if not read.checks:
         return
-    got = crc_blocks(read.segments, [(lo, hi) for lo, hi, _ in read.checks])
+    if got is None:
+        got = crc_blocks(read.segments, [(lo, hi) for lo, hi, _ in read.checks])
     for (lo, hi, expected), crc in zip(read.checks, got):
         if crc == expected:
             read.bytes_checked += hi - lo
@@ -227,6 +229,53 @@ def _check(read: SpanRead, report: bool) -> None:
             read.problems.append(("checksum", read.offset + lo, read.offset + hi, ""))
         else:
             raise checksum_error(read.file, read.tensor, read.offset + lo, read.offset + hi)
+
+
+def read_in_pieces(reader: Any, group: list[SpanRead], piece: int) -> list[list[int]]:
+    """Read ``group`` (touching spans of one file, in order) ``piece`` bytes at a time,
+    each piece's bytes added to the CRCs of their checksum blocks while they are still in
+    the cache (a reader of memory: copying and checking in one pass over the bytes instead
+    of two); the CRCs of each read's ``checks``."""
+    views = group_views(group)
+    checks = [(r.offset + lo, r.offset + hi) for r in group for lo, hi, _ in r.checks]
+    crcs = [0] * len(checks)
+    k, at = 0, group[0].offset
+    for part in _cut(views, piece):
+        reader.preadv_into(at, part)
+        for mv in part:
+            lo, hi = at, at + mv.nbytes
+            while k < len(checks) and checks[k][1] <= lo:
+                k += 1
+            j = k
+            while j < len(checks) and checks[j][0] < hi:
+                a, b = max(lo, checks[j][0]), min(hi, checks[j][1])
+                crcs[j] = _crc.crc32c(mv[a - lo : b - lo], crcs[j])
+                j += 1
+            at = hi
+    out, n = [], 0
+    for r in group:
+        out.append(crcs[n : n + len(r.checks)])
+        n += len(r.checks)
+    return out
+
+
+def _cut(views: list[memoryview], piece: int) -> Iterator[list[memoryview]]:
+    """The buffers ``views`` (one after the other) cut into runs of at most ``piece`` bytes."""
+    part: list[memoryview] = []
+    size = 0
+    for v in views:
+        v = memoryview(v).cast("B")
+        i = 0
+        while i < v.nbytes:
+            take = min(v.nbytes - i, piece - size)
+            part.append(v[i : i + take])
+            size += take
+            i += take
+            if size == piece:
+                yield part
+                part, size = [], 0
+    if part:
+        yield part
 
 
 def read_group(storage: Storage, group: list[SpanRead], report: bool = False, scratch: Scratch | None = None) -> None:
@@ -253,16 +302,21 @@ def read_group(storage: Storage, group: list[SpanRead], report: bool = False, sc
         return
     if scratch is not None:
         scratch.assign(live)
+    piece = getattr(reader, "piece_bytes", 0)
+    got: list[list[int] | None] = [None] * len(live)
     try:
-        reader.preadv_into(live[0].offset, group_views(live))
+        if piece:
+            got = read_in_pieces(reader, live, piece)
+        else:
+            reader.preadv_into(live[0].offset, group_views(live))
     except (UnickptError, OSError) as e:
         if not report:
             raise
         for r in live:
             r.problems.append(("unreadable", r.offset, r.offset + r.nbytes, f"cannot read: {e}"))
         return
-    for r in live:
-        _check(r, report)
+    for r, crcs in zip(live, got):
+        _check(r, report, crcs)
         if r.finish is not None:
             r.finish(r)
 

@@ -24,6 +24,8 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import numpy as np
+
 from ..errors import CorruptionError, NotACheckpointError, StorageError
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -206,6 +208,60 @@ class FileReader:
     def close(self) -> None:
         """Close the file."""
         os.close(self._fd)
+
+
+class MappedReader:
+    """A file held in memory (tmpfs, a snapshot's shm root) read by copying out of a
+    shared read-only map of it: a plain ``memcpy`` with the GIL released, about twice as
+    fast as ``preadv`` where the file system keeps huge pages, no slower where it does
+    not. ``piece_bytes`` asks :mod:`unickpt.engine.reads` to copy and check a group a
+    piece at a time, while the piece is still in the cache. The file must not be truncated
+    while it is mapped (touching the lost pages would raise SIGBUS); removing it is fine."""
+
+    piece_bytes = 1 << 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptionError(f"data file {path.name} is missing from {path.parent}") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if self.size else None
+        finally:
+            os.close(fd)
+        self._bytes = np.frombuffer(self._map, np.uint8) if self._map is not None else None  # read-only: its address
+        self._base = self._bytes.ctypes.data if self._bytes is not None else 0
+
+    def pread_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; past the end is a CorruptionError."""
+        self.preadv_into(offset, [out])
+
+    def preadv_into(self, offset: int, views: list[memoryview]) -> None:
+        """Fill the buffers ``views`` one after the other with the bytes from ``offset`` on."""
+        for v in views:
+            v = memoryview(v).cast("B")
+            if offset + v.nbytes > self.size:
+                raise CorruptionError(f"{self.path.name} is truncated: no data at byte {max(offset, self.size)} (file has {self.size})")
+            if v.nbytes:
+                _memmove(_address(v), self._base + offset, v.nbytes)
+            offset += v.nbytes
+
+    def close(self) -> None:
+        """Unmap the file."""
+        if self._map is not None:
+            self._bytes = None
+            self._map.close()
+            self._map = None
+
+
+def _address(view: memoryview) -> int:
+    """The address of the first byte of a writable buffer."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+_memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
 class RangeFile(io.RawIOBase):
