@@ -397,6 +397,20 @@ def test_reed_solomon_parity_2_rebuilds_two_lost_nodes_not_three(tmp_path, keepe
         os.environ.pop("UNICKPT_JOB_ID", None)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--snapshot-every", "-2"], "snapshot interval must be at least 1 step, not -2"),
+    (["--snapshot-every", "1", "--parity", "-1"], "parity must be 0 or more, not -1"),
+])
+def test_a_bad_snapshot_flag_is_one_error_line(tmp_path, capsys, flags, message):
+    """The trainer's entry point turns unickpt's errors into one line and exit status 2."""
+    from unickpt.examples.train import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*TINY, *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
 def test_replica_on_the_neighbour_node_resumes_a_lost_node(tmp_path, keepers_down, reference_losses):
     """--snapshot-replicas 2 on 2 nodes: each keeper holds a full copy of the other node's
     snapshot (memory 2x); node 1 lost, the relaunch on node 0 resumes from memory through

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -404,11 +405,16 @@ def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point (``python -m unickpt.examples.train``, usually under torchrun)."""
+    """Entry point (``python -m unickpt.examples.train``, usually under torchrun). An
+    error of unickpt's (a bad flag value, a corrupt checkpoint) is one ``error: ...`` line
+    on stderr and exit status 2, not a traceback."""
     try:
         run(argv)
         if dist.is_initialized():
             dist.barrier()  # no rank tears its connections down while a peer still uses them
+    except unickpt.UnickptError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
