@@ -212,13 +212,14 @@ class FileReader:
 
 class MappedReader:
     """A file held in memory (tmpfs, a snapshot's shm root) read by copying out of a
-    shared read-only map of it: a plain ``memcpy`` with the GIL released, about twice as
-    fast as ``preadv`` where the file system keeps huge pages, no slower where it does
-    not. ``piece_bytes`` asks :mod:`unickpt.engine.reads` to copy and check a group a
+    shared read-only map of it: a plain ``memcpy`` with the GIL released, its pages mapped
+    by one ``madvise`` per read; about 1.5x as fast as ``preadv`` where the file system
+    keeps huge pages, as fast where it does not. ``piece_bytes`` asks :mod:`unickpt.engine.reads` to copy and check a group a
     piece at a time, while the piece is still in the cache. The file must not be truncated
     while it is mapped (touching the lost pages would raise SIGBUS); removing it is fine."""
 
     piece_bytes = 1 << 20
+    _can_populate = hasattr(mmap.mmap, "madvise")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -240,13 +241,27 @@ class MappedReader:
 
     def preadv_into(self, offset: int, views: list[memoryview]) -> None:
         """Fill the buffers ``views`` one after the other with the bytes from ``offset`` on."""
+        views = [memoryview(v).cast("B") for v in views]
+        end = offset + sum(v.nbytes for v in views)
+        if end > self.size:
+            raise CorruptionError(f"{self.path.name} is truncated: no data at byte {max(offset, self.size)} (file has {self.size})")
+        self._populate(offset, end)
         for v in views:
-            v = memoryview(v).cast("B")
-            if offset + v.nbytes > self.size:
-                raise CorruptionError(f"{self.path.name} is truncated: no data at byte {max(offset, self.size)} (file has {self.size})")
             if v.nbytes:
                 _memmove(_address(v), self._base + offset, v.nbytes)
             offset += v.nbytes
+
+    def _populate(self, start: int, end: int) -> None:
+        """Map the pages of bytes ``[start, end)`` in one call (``MADV_POPULATE_READ``,
+        Linux >= 5.14) rather than one page fault per 4 KiB page; skipped where the kernel
+        lacks it (the copy then faults them in)."""
+        if not MappedReader._can_populate or end <= start:
+            return
+        lo = start - start % mmap.PAGESIZE
+        try:
+            self._map.madvise(_MADV_POPULATE_READ, lo, end - lo)
+        except OSError:
+            MappedReader._can_populate = False
 
     def close(self) -> None:
         """Unmap the file."""
@@ -262,6 +277,7 @@ def _address(view: memoryview) -> int:
 
 
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 class RangeFile(io.RawIOBase):
