@@ -397,6 +397,22 @@ def test_reed_solomon_parity_2_rebuilds_two_lost_nodes_not_three(tmp_path, keepe
         os.environ.pop("UNICKPT_JOB_ID", None)
 
 
+def test_a_keeper_whose_root_is_deleted_exits_and_another_jobs_keeper_is_named(tmp_path, keepers_down):
+    """A keeper of a job that crashed lingers to serve its recovery; it exits by itself
+    once its shm root is deleted (no orphan blocking the root). Another job meeting a live
+    keeper of a different job gets one error naming it and how to stop it."""
+    from unickpt.snapshot import client
+
+    root = str(tmp_path / "shm")
+    keepers_down.append(root)
+    doc = client.ensure_keeper(root, "job-a")
+    with pytest.raises(SnapshotError, match=rf"serves job 'job-a', not 'job-b'.*kill {doc['pid']}"):
+        client.ensure_keeper(root, "job-b")
+    proc = next(p for p in client._CHILDREN if p.pid == int(doc["pid"]))
+    shutil.rmtree(root)
+    assert proc.wait(10) == 0
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--snapshot-every", "-2"], "snapshot interval must be at least 1 step, not -2"),
     (["--snapshot-every", "1", "--parity", "-1"], "parity must be 0 or more, not -1"),

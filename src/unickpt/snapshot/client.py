@@ -109,7 +109,8 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
         if doc["job"] != job:
             raise SnapshotError(
                 f"the snapshot keeper (pid {doc['pid']}) in {root} serves job {doc['job']!r}, not {job!r}; "
-                f"give each job its own UNICKPT_SHM_ROOT, or stop that keeper"
+                f"give each job its own UNICKPT_SHM_ROOT, or stop that keeper (kill {doc['pid']}: the snapshots it "
+                f"holds are then deleted at the next keeper's start)"
             )
         return doc
     os.makedirs(paths.base_dir(root), exist_ok=True)

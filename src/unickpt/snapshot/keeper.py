@@ -42,6 +42,7 @@ from . import flush, paths, wire
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
 POLL_S = 0.02
+OWNER_CHECK_POLLS = 50  # about once a second
 
 
 def _log(msg: str) -> None:
@@ -117,16 +118,31 @@ class Keeper:
         _log(f"serving job {self.job!r} on {self.host}:{self.port}")
 
     def run(self) -> None:
-        """Watch for committed steps until stopped."""
+        """Watch for committed steps until stopped, or until the shm root no longer names
+        this keeper (the root deleted, by hand or as a lost node's: nothing is left to
+        serve, and the process must not linger and block the root for the next job)."""
+        polls = 0
         while not self.stopping.is_set():
             try:
                 self.poll()
             except Exception as e:  # a keeper must not die of one bad step
                 _log(f"error: {type(e).__name__}: {e}")
+            polls += 1
+            if polls % OWNER_CHECK_POLLS == 0 and not self.owns_root():
+                _log(f"{paths.pid_file(self.root)} no longer names this keeper: exiting")
+                return
             self.stopping.wait(POLL_S)
         for t in list(self.workers):  # a flush in flight is finished (or given up) first
             t.join(flush.FLUSH_TIMEOUT_S)
         self.shutdown()
+
+    def owns_root(self) -> bool:
+        """True while the shm root's pid file names this process."""
+        try:
+            with open(paths.pid_file(self.root)) as f:
+                return f.read().strip() == str(os.getpid())
+        except OSError:
+            return False
 
     def shutdown(self) -> None:
         """Delete the job's snapshots and this keeper's files (clean end of the job)."""
