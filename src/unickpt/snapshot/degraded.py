@@ -6,11 +6,12 @@ exactly those bytes from the same byte range of the other blocks of their parity
 (the surviving data stripes and the parity blocks, RAID style): XOR for ``m = 1``,
 zfec's Reed-Solomon decoding for ``m >= 2``, a plain read of the neighbour's copy for
 replicas. The work is spread over the ranks that need the bytes (each decodes only what
-its own shards need, in parallel, in chunks of ``CHUNK`` bytes), the rebuilt bytes land
-in the load's own buffers (no rebuilt file is written to memory and read again), and
-every one of them is then checked by the load against its block's crc32c, like any
-read. When such a check fails, :func:`diagnose` checks each input block against its own
-crc32c to name the corrupt one.
+its own shards need, in parallel, in chunks of ``CHUNK`` bytes, ``IN_FLIGHT`` chunks at
+once so that their requests overlap), the decoded bytes land in the load's own
+buffers (no rebuilt file is written to memory and read again), and every one of them
+is then checked by the load against its block's crc32c, like any read. When such a
+check fails, :func:`diagnose` checks each input block against its own crc32c to name
+the corrupt one.
 
 Blocks held by the reading rank's own node are read from its shm root; the others come
 from their keepers (``blob``/``read`` requests, one connection per thread and node).
