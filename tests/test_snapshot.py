@@ -195,7 +195,7 @@ def test_replacement_node_gets_its_shards_from_the_survivors(four_nodes, referen
     outs = wait_all(launch_nodes(tmp, nodes, [*flags, "--ckpt-dir", "ck_fresh", "--loss-log", log]), tmp)
     lines = resumed_lines(outs)
     assert len(lines) == 1 and lines[0].startswith(
-        "resumed step 6 from memory (node 2 of 4 lost: its files rebuilt from XOR parity on 3 nodes"), outs[0][-3000:]
+        "resumed step 6 from memory (node 2 of 4 lost: its files decoded from XOR parity during the load on 3 nodes"), outs[0][-3000:]
     _close_to(losses(log), reference_losses, [7, 8, 9, 10])
     for r in nodes:
         _no_leftovers(r)
@@ -382,8 +382,8 @@ def test_reed_solomon_parity_2_rebuilds_two_lost_nodes_not_three(tmp_path, keepe
         outs = wait_all(launch_nodes(tmp_path, roots[:2], [*flags, "--ckpt-dir", "ck", "--loss-log", log]), tmp_path)
         lines = resumed_lines(outs)
         assert len(lines) == 1 and lines[0].startswith(
-            "resumed step 6 from memory (nodes 2, 3 of 4 lost: their files rebuilt from Reed-Solomon parity (2+2) "
-            "on 2 nodes, every chunk's crc32c verified"), outs[0][-3000:]
+            "resumed step 6 from memory (nodes 2, 3 of 4 lost: their files decoded from Reed-Solomon parity (2+2) "
+            "during the load on 2 nodes, every chunk's crc32c verified"), outs[0][-3000:]
         _close_to(losses(log), reference_losses, [7, 8, 9, 10])
 
         shutil.rmtree(roots[0])
@@ -450,7 +450,7 @@ def test_replica_on_the_neighbour_node_resumes_a_lost_node(tmp_path, keepers_dow
     outs = wait_all(launch_nodes(tmp_path, roots[:1], [*flags, "--loss-log", log]), tmp_path)
     lines = resumed_lines(outs)
     assert len(lines) == 1 and lines[0].startswith(
-        "resumed step 6 from memory (node 1 of 2 lost: its files rebuilt from copies on neighbour nodes on 1 node"), \
+        "resumed step 6 from memory (node 1 of 2 lost: its files fetched from copies on neighbour nodes during the load on 1 node"), \
         outs[0][-3000:]
     _close_to(losses(log), reference_losses, [7, 8, 9, 10])
     _no_leftovers(roots[0])

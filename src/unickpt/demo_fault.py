@@ -155,7 +155,7 @@ def _plot(r: FaultDemo, path: str) -> None:
     ax.plot(list(r.after), list(r.after.values()), "x", color="#d62728", markersize=9, mew=2,
             label=f"{NODES - 1} survivors, resumed from memory at step {r.resumed_step}")
     ax.axvline(r.failed_at + 0.5, color="#d62728", linestyle=":", linewidth=1)
-    ax.annotate(f"node {LOST} lost after step {r.failed_at}\nrebuilt from parity, "
+    ax.annotate(f"node {LOST} lost after step {r.failed_at}\ndecoded from parity, "
                 f"recovered in {r.recovery_s:.2f} s", xy=(r.failed_at + 0.5, max(r.reference.values())),
                 xytext=(6, -4), textcoords="offset points", va="top", fontsize=8, color="#d62728")
     ax.set_xlabel("step")

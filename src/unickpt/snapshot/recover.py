@@ -293,8 +293,9 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     rb = plan["rebuild"]
     lost, held = rb["lost"], rb["nodes"] - len(rb["lost"])
     who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(map(str, lost))}"
-    return step, (f"{who} of {rb['nodes']} lost: {'its' if len(lost) == 1 else 'their'} files rebuilt from "
-                  f"{rb['how']} on {held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
+    verb = "fetched from" if int(rb["k"]) == 1 else "decoded from"  # nothing is rebuilt ahead of the load
+    return step, (f"{who} of {rb['nodes']} lost: {'its' if len(lost) == 1 else 'their'} files {verb} "
+                  f"{rb['how']} during the load on {held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
 
 
 def _diagnosed(snap: Snapshotter, plan: dict[str, Any]) -> str | None:
