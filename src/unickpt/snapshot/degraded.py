@@ -6,12 +6,11 @@ exactly those bytes from the same byte range of the other blocks of their parity
 (the surviving data stripes and the parity blocks, RAID style): XOR for ``m = 1``,
 zfec's Reed-Solomon decoding for ``m >= 2``, a plain read of the neighbour's copy for
 replicas. The work is spread over the ranks that need the bytes (each decodes only what
-its own shards need, in parallel, in chunks of ``CHUNK`` bytes, ``IN_FLIGHT`` chunks at
-once so that their requests overlap), the decoded bytes land in the load's own
-buffers (no rebuilt file is written to memory and read again), and every one of them
-is then checked by the load against its block's crc32c, like any read. When such a
-check fails, :func:`diagnose` checks each input block against its own crc32c to name
-the corrupt one.
+its own shards need, in parallel, in chunks of ``CHUNK`` bytes), the decoded bytes land
+in the load's own buffers (no rebuilt file is written to memory and read again), and
+every one of them is then checked by the load against its block's crc32c, like any
+read. When such a check fails, :func:`diagnose` checks each input block against its own
+crc32c to name the corrupt one.
 
 Blocks held by the reading rank's own node are read from its shm root; the others come
 from their keepers (``blob``/``read`` requests, one connection per thread and node).
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +31,6 @@ from . import paths, wire
 from .parity import decode, group_of, read_blob, stripe_range, xor_into
 
 CHUNK = 4 << 20  # bytes decoded at a time: the inputs stay in cache between read and use
-IN_FLIGHT = 4  # chunks decoded at once per process: their requests to the keepers overlap
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The process's decode threads (``IN_FLIGHT`` of them, made on first use, shared by
-    every degraded read so that several load threads do not multiply them)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=IN_FLIGHT, thread_name_prefix="unickpt-decode")
-        return _POOL
 
 
 class Peers:
@@ -152,46 +136,33 @@ class DegradedReader:
         self.preadv_into(offset, [out])
 
     def preadv_into(self, offset: int, views: list[memoryview]) -> None:
-        """Fill the buffers one after the other from ``offset`` on: the range is cut into
-        chunks of at most ``CHUNK`` bytes (one request per input block and chunk, however
-        many buffers), decoded ``IN_FLIGHT`` at a time on the shared decode threads (their
-        fetches and XORs overlap), each straight into the buffer that holds it whole, else
-        into scratch and copied out."""
+        """Fill the buffers one after the other from ``offset`` on: the whole range is
+        decoded in chunks of at most ``CHUNK`` bytes (one request per input block and
+        chunk, however many buffers), straight into a buffer that holds a whole chunk,
+        else into scratch and copied out."""
         views = [memoryview(v).cast("B") for v in views]
         at = self.start + offset
         k, pos = 0, 0  # the buffer and the byte in it where the next chunk lands
         left = sum(v.nbytes for v in views)
-        chunks: list[tuple[int, int, list[memoryview]]] = []
         while left:
             s, off = divmod(at, self.stripe)
             n = min(left, self.stripe - off, CHUNK)
-            parts, need = [], n
-            while need:
-                while views[k].nbytes == pos:
-                    k, pos = k + 1, 0
-                c = min(need, views[k].nbytes - pos)
-                parts.append(views[k][pos : pos + c])
-                pos, need = pos + c, need - c
-            chunks.append((s, off, parts))
+            while views[k].nbytes == pos:
+                k, pos = k + 1, 0
+            if views[k].nbytes - pos >= n:
+                self._chunk(s, off, views[k][pos : pos + n])
+                pos += n
+            else:
+                tmp = memoryview(self._scratch.out())[:n]
+                self._chunk(s, off, tmp)
+                done = 0
+                while done < n:
+                    while views[k].nbytes == pos:
+                        k, pos = k + 1, 0
+                    c = min(n - done, views[k].nbytes - pos)
+                    views[k][pos : pos + c] = tmp[done : done + c]
+                    pos, done = pos + c, done + c
             at, left = at + n, left - n
-        if len(chunks) == 1:
-            self._chunk_into(*chunks[0])
-            return
-        for f in [_pool().submit(self._chunk_into, *c) for c in chunks]:
-            f.result()
-
-    def _chunk_into(self, s: int, off: int, parts: list[memoryview]) -> None:
-        """Decode one chunk into ``parts`` (consecutive slices of the caller's buffers)."""
-        if len(parts) == 1:
-            self._chunk(s, off, parts[0])
-            return
-        n = sum(p.nbytes for p in parts)
-        tmp = memoryview(self._scratch.out())[:n]
-        self._chunk(s, off, tmp)
-        done = 0
-        for p in parts:
-            p[:] = tmp[done : done + p.nbytes]
-            done += p.nbytes
 
     def _chunk(self, s: int, off: int, out: memoryview) -> None:
         """Bytes ``[off, off + len(out))`` of this node's stripe ``s``, from its group."""

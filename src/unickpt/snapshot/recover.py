@@ -38,7 +38,7 @@ from typing import Any
 from ..dist import broadcast_bytes, gather_bytes
 from ..errors import CorruptionError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..storage.local import MappedReader
+from ..storage.local import memory_file_reader
 from . import paths, wire
 from .client import Snapshotter
 from .degraded import DegradedReader, Peers, Source, diagnose
@@ -211,7 +211,7 @@ class SnapshotStorage:
             if name in self.where:
                 node, rel = self.where[name]
                 if node == self.snap.node:
-                    r = MappedReader(Path(self.snap.jdir) / rel)
+                    r = memory_file_reader(Path(self.snap.jdir) / rel)
                 else:
                     r = RemoteReader(self.peers, node, rel, self.sizes[name])
             elif name in self.lost:

@@ -213,8 +213,8 @@ class FileReader:
 class MappedReader:
     """A file held in memory (tmpfs, a snapshot's shm root) read by copying out of a
     shared read-only map of it: a plain ``memcpy`` with the GIL released, its pages mapped
-    by one ``madvise`` per read; about 1.5x as fast as ``preadv`` where the file system
-    keeps huge pages, as fast where it does not. ``piece_bytes`` asks :mod:`unickpt.engine.reads` to copy and check a group a
+    by one ``madvise`` per read; about 1.3x as fast as ``preadv`` where the file system
+    keeps huge pages, slower where it does not (:func:`memory_file_reader` chooses). ``piece_bytes`` asks :mod:`unickpt.engine.reads` to copy and check a group a
     piece at a time, while the piece is still in the cache. The file must not be truncated
     while it is mapped (touching the lost pages would raise SIGBUS); removing it is fine."""
 
@@ -269,6 +269,22 @@ class MappedReader:
             self._bytes = None
             self._map.close()
             self._map = None
+
+
+HUGE_PAGE = 2 << 20
+
+
+def memory_file_reader(path: Path) -> "FileReader | MappedReader":
+    """The faster reader of a file held in memory (tmpfs): a :class:`MappedReader` where
+    the file system backs the file with huge pages (tmpfs then reports a huge page as
+    the file's ``st_blksize``), a :class:`FileReader` otherwise: with 4 KiB pages,
+    mapping them from the load's threads at once contends in the process's page tables
+    and runs ~1.5x slower than ``preadv`` (docs/PERFORMANCE.md)."""
+    try:
+        huge = os.stat(path).st_blksize >= HUGE_PAGE
+    except FileNotFoundError:
+        huge = False  # FileReader names the missing file
+    return MappedReader(path) if huge else FileReader(path)
 
 
 def _address(view: memoryview) -> int:
