@@ -280,6 +280,11 @@ def write_universal(
     ``threads`` files are read and written at once, holding at most ``max_bytes_in_flight``
     bytes of tensors (a larger tensor alone); the files are fsynced together at the end,
     before the marker. The first failure stops the files not yet started and is raised.
+
+    The files are written into a hidden staging directory inside ``dst`` under its lock
+    and swapped in at the end (:meth:`~unickpt.storage.transaction.DirectoryWrite.swap_in`):
+    a failure or a crash before that leaves an old universal checkpoint in ``dst`` and its
+    marker as they were.
     """
     if threads < 1:
         raise UnickptError("write_universal: threads must be >= 1")
