@@ -431,3 +431,112 @@ def test_a_failed_dcp_write_over_an_old_one_leaves_it_loadable(tmp_path):
     dcp.load(target, checkpoint_id=str(out))
     assert all(torch.equal(target["model"][k], _state(2, numel=1 << 16)["model"][k]) for k in "abc")
     assert not [n for n in os.listdir(out) if n.startswith(".unickpt")]
+
+
+# ------------------------------------------------------------------ convert --to deepspeed --overwrite
+
+
+def _universal_source(seed: int, tmp_path) -> str:
+    """A checkpoint with parameters of 1 MiB (written by direct whole-file writes) and their Adam state."""
+    g = torch.Generator().manual_seed(seed)
+    model = {k: torch.randn(1 << 18, generator=g) for k in "abc"}
+    state = {"model": model, "optim": {"state": {k: {"exp_avg": v * 2, "step": torch.tensor(3.0)} for k, v in model.items()}},
+             "train": {"step": 3}}
+    path = str(tmp_path / f"usrc{seed}")
+    unickpt.save(state, path)
+    return path
+
+
+def _tree(folder) -> dict[str, bytes]:
+    """Every file below ``folder`` (not the hidden leftovers of a killed write) and its bytes."""
+    out = {}
+    for d, dirs, files in os.walk(folder):
+        dirs[:] = [n for n in dirs if not n.startswith(".unickpt")]
+        for n in files:
+            if not n.startswith(".unickpt"):
+                out[os.path.relpath(os.path.join(d, n), folder)] = open(os.path.join(d, n), "rb").read()
+    return out
+
+
+def _universal_is(out, seed: int, tmp_path) -> None:
+    """``out`` loads (torch.load and our reader) as the universal checkpoint of source ``seed``."""
+    from unickpt.adapters.checkpoint import open_checkpoint
+
+    g = torch.Generator().manual_seed(seed)
+    for k in "abc":
+        assert torch.equal(torch.load(out / "zero" / k / "fp32.pt", weights_only=True)["param"],
+                           torch.randn(1 << 18, generator=g))
+    assert sorted(open_checkpoint(str(out)).manifest.tensors) == sorted(
+        [f"model.{k}" for k in "abc"] + [f"optim.state.{k}.exp_avg" for k in "abc"] + [f"optim.state.{k}.step" for k in "abc"])
+
+
+@pytest.mark.parametrize("exchange", ["renameat2", "aside"])
+def test_a_failed_universal_write_over_an_old_one_leaves_it_loadable(tmp_path, monkeypatch, exchange):
+    from unickpt.adapters.deepspeed_writer import write_universal
+
+    if exchange == "aside":
+        monkeypatch.setenv("UNICKPT_NO_RENAME_EXCHANGE", "1")
+    first, second = _universal_source(1, tmp_path), _universal_source(2, tmp_path)
+    bad = str(tmp_path / "bad")
+    _corrupt_last_tensor(second, bad)
+    out = tmp_path / "uni" / "step3"
+    write_universal(first, str(out))
+    (out / "notes.txt").write_text("mine")  # a file of the user's: never touched
+    before = _tree(out)
+    with pytest.raises(unickpt.CorruptionError):
+        write_universal(bad, str(out), overwrite=True)
+    assert _tree(out) == before and not [n for n in os.listdir(out) if n.startswith(".unickpt")]
+    assert (tmp_path / "uni" / "latest_universal").read_text() == "step3"
+    _universal_is(out, 1, tmp_path)
+    write_universal(second, str(out), overwrite=True)
+    _universal_is(out, 2, tmp_path)
+    assert (out / "notes.txt").read_text() == "mine" and not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+def _universal_then_hang(src: str, dst: str) -> None:
+    from unickpt.adapters.deepspeed_writer import write_universal
+
+    def stall(_n: int) -> None:
+        time.sleep(3600)  # killed here, after the first file of the new checkpoint is written
+
+    write_universal(src, dst, overwrite=True, progress=stall)
+
+
+def test_sigkill_during_a_universal_overwrite_leaves_the_old_one_whole(tmp_path):
+    from unickpt.adapters.deepspeed_writer import write_universal
+
+    first, second = _universal_source(1, tmp_path), _universal_source(2, tmp_path)
+    out = tmp_path / "uni" / "step3"
+    write_universal(first, str(out))
+    before = _tree(out)
+    p = multiprocessing.get_context("fork").Process(target=_universal_then_hang, args=(second, str(out)))
+    p.start()
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(".unickpt-") for n in os.listdir(out)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    assert _tree(out) == before  # the killed write's staging directory stays, hidden
+    assert (tmp_path / "uni" / "latest_universal").read_text() == "step3"
+    _universal_is(out, 1, tmp_path)
+    write_universal(second, str(out), overwrite=True)  # removes it
+    _universal_is(out, 2, tmp_path)
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+def test_the_next_universal_write_restores_a_tree_a_crashed_fallback_commit_moved_aside(tmp_path):
+    from unickpt.adapters.deepspeed_writer import write_universal
+
+    first = _universal_source(1, tmp_path)
+    out = tmp_path / "uni" / "step3"
+    write_universal(first, str(out))
+    before = _tree(out)
+    # the state a crash leaves between renaming the old zero/ aside and the new one in
+    aside = out / ".unickpt-0123456789abcdef" / ".aside"
+    aside.mkdir(parents=True)
+    os.rename(out / "zero", aside / "zero")
+    with pytest.raises(unickpt.SaveError, match="already holds"):
+        write_universal(first, str(out))  # without overwrite: it finds the old checkpoint back in place
+    assert _tree(out) == before and not [n for n in os.listdir(out) if n.startswith(".")]
+    _universal_is(out, 1, tmp_path)

@@ -55,9 +55,10 @@ from typing import Any
 from ..errors import LayoutError, SaveError, UnickptError
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
-from ..storage.files import DurableBatch, cleans_up_output
-from ..storage.local import DIRECT_ALIGNMENT
+from ..storage.files import DurableBatch
+from ..storage.local import DIRECT_ALIGNMENT, fsync_path
 from ..storage.open import open_storage
+from ..storage.transaction import DirectoryWrite
 from ..engine.byte_reads import read_whole
 from ..engine.reads import Scratch
 from .checkpoint import Checkpoint, open_checkpoint
@@ -254,7 +255,6 @@ class _ByteBudget:
                 self._cond.notify_all()
 
 
-@cleans_up_output
 def write_universal(
     src: str | Checkpoint,
     dst: str,
@@ -280,6 +280,11 @@ def write_universal(
     ``threads`` files are read and written at once, holding at most ``max_bytes_in_flight``
     bytes of tensors (a larger tensor alone); the files are fsynced together at the end,
     before the marker. The first failure stops the files not yet started and is raised.
+
+    The files are written into a hidden staging directory inside ``dst`` under its lock
+    and swapped in at the end (:meth:`~unickpt.storage.transaction.DirectoryWrite.swap_in`):
+    a failure or a crash before that leaves an old universal checkpoint in ``dst`` and its
+    marker as they were.
     """
     if threads < 1:
         raise UnickptError("write_universal: threads must be >= 1")
@@ -296,129 +301,141 @@ def write_universal(
         raise UnickptError(f"{src}: no model.<param> tensors to write (names: {sorted(manifest.tensors)[:5]} ...)")
     for p in params:
         _check_param_name(p)
-    dst_path.mkdir(parents=True, exist_ok=True)
-    marker_dir = dst_path.resolve().parent
-    tag = dst_path.resolve().name
+    # the files go to a staging directory inside dst, under dst's lock; the old checkpoint
+    # stays whole until swap_in below
+    write = DirectoryWrite.begin(dst, "zero/optimizer_state.pt", overwrite, lambda _: False, in_place=True)
+    marker_dir = write.root.parent
+    tag = write.root.name
     marker = marker_dir / "latest_universal"
-    if marker.is_file() and marker.read_text().strip() == tag:
-        marker.unlink()  # a crash midway must not leave a marker naming a half-rewritten directory
 
-    jobs = [(param, key, e) for param, states in params.items() for key, e in states.items()]
-    shapes = collections.OrderedDict((p, Size(st["fp32"].shape)) for p, st in params.items())
-    batch = DurableBatch(dst, threads=max(8, threads))
-    budget = _ByteBudget(max_bytes_in_flight)
-    reuse_limit = max_bytes_in_flight // threads
-    buffers = threading.local()
-    scratch = Scratch()
-    lock = threading.Lock()
-    steps: dict[int, TensorData] = {}
-
-    def write_one(index: int) -> int | None:
-        """Write one state file; its size, or None for a value that is not a number."""
-        param, key, e = jobs[index]
-        if isinstance(e, TensorEntry):
-            with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "F32" else 0)):
-                image = _image(buffers, e.nbytes, reuse_limit)
-                data = memoryview(image)[HEAD_ROOM : HEAD_ROOM + e.nbytes]
-                if e.nbytes:
-                    read_whole(source, [(e, data)], 16 << 20, verify, None, scratch)
-                if key == "fp32" and e.dtype != "F32":
-                    return _write_state(param, key, TensorData("F32", e.shape, _as_float32(data, e.dtype)), index)
-                t = TensorData(e.dtype, e.shape, data)
-                size = _write_image(batch, f"zero/{param}/{key}.pt", image, t, {"cat_dim": 0, "param": t}) \
-                    if key != "step" and e.nbytes >= DIRECT_MIN else None
-                if size is None:
-                    return _write_state(param, key, t, index)
-                if progress is not None:
-                    with lock:
-                        progress(t.nbytes)
-                return size
-        if isinstance(e, (int, float)):
-            return _write_state(param, key, _float_scalar(float(e)), index)
-        return None
-
-    def _write_state(param: str, key: str, t: TensorData, index: int) -> int:
-        if key == "step":  # a copy, kept after the buffer is reused
-            t = TensorData(t.dtype, () if t.numel == 1 else t.shape, bytes(memoryview(t.data).cast("B")))
-            steps[index] = obj = t
-        else:
-            obj: Any = {"cat_dim": 0, "param": t}
-        size = _save(batch, f"zero/{param}/{key}.pt", obj)
-        if progress is not None:
-            with lock:
-                progress(t.nbytes)
-        return size
+    def uncommit() -> None:
+        """Remove the marker when it names dst (durably): a crash while the new entries go
+        in must not leave a marker naming a half-swapped directory."""
+        if marker.is_file() and marker.read_text().strip() == tag:
+            marker.unlink()
+            fsync_path(marker_dir)
 
     try:
-        with ThreadPoolExecutor(max_workers=threads) as writers:
-            futures = [writers.submit(write_one, i) for i in range(len(jobs))]
-            try:
-                sizes = [f.result() for f in futures]
-            except BaseException:
-                writers.shutdown(cancel_futures=True)
-                raise
-    finally:
-        source.close()
-    written = sum(n for n in sizes if n is not None)
-    files = sum(n is not None for n in sizes)
-    first_step = steps[min(steps)] if steps else None
+        jobs = [(param, key, e) for param, states in params.items() for key, e in states.items()]
+        shapes = collections.OrderedDict((p, Size(st["fp32"].shape)) for p, st in params.items())
+        batch = DurableBatch(write.staging, threads=max(8, threads))
+        budget = _ByteBudget(max_bytes_in_flight)
+        reuse_limit = max_bytes_in_flight // threads
+        buffers = threading.local()
+        scratch = Scratch()
+        lock = threading.Lock()
+        steps: dict[int, TensorData] = {}
 
-    global_steps = step
-    if global_steps is None:
-        global_steps = _value(manifest, "deepspeed.global_steps", _value(manifest, "train.step"))
-    if global_steps is None and first_step is not None:
-        global_steps = int(_scalar(first_step))
-    global_steps = int(global_steps or 0)
+        def write_one(index: int) -> int | None:
+            """Write one state file; its size, or None for a value that is not a number."""
+            param, key, e = jobs[index]
+            if isinstance(e, TensorEntry):
+                with budget.hold(e.nbytes + (prod(e.shape) * 4 if key == "fp32" and e.dtype != "F32" else 0)):
+                    image = _image(buffers, e.nbytes, reuse_limit)
+                    data = memoryview(image)[HEAD_ROOM : HEAD_ROOM + e.nbytes]
+                    if e.nbytes:
+                        read_whole(source, [(e, data)], 16 << 20, verify, None, scratch)
+                    if key == "fp32" and e.dtype != "F32":
+                        return _write_state(param, key, TensorData("F32", e.shape, _as_float32(data, e.dtype)), index)
+                    t = TensorData(e.dtype, e.shape, data)
+                    size = _write_image(batch, f"zero/{param}/{key}.pt", image, t, {"cat_dim": 0, "param": t}) \
+                        if key != "step" and e.nbytes >= DIRECT_MIN else None
+                    if size is None:
+                        return _write_state(param, key, t, index)
+                    if progress is not None:
+                        with lock:
+                            progress(t.nbytes)
+                    return size
+            if isinstance(e, (int, float)):
+                return _write_state(param, key, _float_scalar(float(e)), index)
+            return None
 
-    groups = param_groups if param_groups is not None else _value(manifest, "optim.param_groups")
-    if not isinstance(groups, list) or not groups:
-        groups = [{"params": [0]}]
-    groups = [dict(g) for g in groups]
-    for g in groups:
-        g.setdefault("params", [0])
-    ds_version = _value(manifest, "deepspeed.ds_version", DS_VERSION_FALLBACK)
-    optim_state: dict[str, Any] = {}
-    for key in ("clip_grad", "zero_stage", "partition_count", "group_paddings"):
-        v = _value(manifest, f"deepspeed.{key}")
-        if v is not None:
-            optim_state[key] = v
-    optim_state["ds_version"] = ds_version
-    optim_state["param_groups"] = groups
-    step_tensor = first_step if first_step is not None else _float_scalar(float(global_steps))
-    # what a ZeRO-3 job reads (the step and the hyperparameters of the first group)
-    optim_state["optimizer_state_dict"] = {"state": {0: {"step": step_tensor}}, "param_groups": groups}
-    written += _save(batch, "zero/optimizer_state.pt", optim_state)
-    files += 1
+        def _write_state(param: str, key: str, t: TensorData, index: int) -> int:
+            if key == "step":  # a copy, kept after the buffer is reused
+                t = TensorData(t.dtype, () if t.numel == 1 else t.shape, bytes(memoryview(t.data).cast("B")))
+                steps[index] = obj = t
+            else:
+                obj: Any = {"cat_dim": 0, "param": t}
+            size = _save(batch, f"zero/{param}/{key}.pt", obj)
+            if progress is not None:
+                with lock:
+                    progress(t.nbytes)
+            return size
 
-    lr_scheduler = _value(manifest, "deepspeed.lr_scheduler")
-    model_state = {
-        "module": collections.OrderedDict(),
-        "buffer_names": [],
-        "optimizer": None,
-        "param_shapes": [shapes],
-        "frozen_param_shapes": collections.OrderedDict(),
-        "shared_params": {},
-        "frozen_param_fragments": collections.OrderedDict(),
-        "lr_scheduler": lr_scheduler if isinstance(lr_scheduler, dict) else None,
-        "data_sampler": None,
-        "random_ltd": None,
-        "sparse_tensor_module_names": set(),
-        "skipped_steps": int(_value(manifest, "deepspeed.skipped_steps", 0) or 0),
-        "global_steps": global_steps,
-        "global_samples": int(_value(manifest, "deepspeed.global_samples", 0) or 0),
-        "dp_world_size": int(_value(manifest, "deepspeed.dp_world_size", manifest.world_size) or 1),
-        "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-        "ds_version": ds_version,
-        "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION},
-    }
-    ds_config = _value(manifest, "deepspeed.ds_config")
-    if isinstance(ds_config, dict):
-        model_state["ds_config"] = ds_config
-    for name in MODEL_FILES:
-        written += _save(batch, name, model_state)
+        try:
+            with ThreadPoolExecutor(max_workers=threads) as writers:
+                futures = [writers.submit(write_one, i) for i in range(len(jobs))]
+                try:
+                    sizes = [f.result() for f in futures]
+                except BaseException:
+                    writers.shutdown(cancel_futures=True)
+                    raise
+        finally:
+            source.close()
+        written = sum(n for n in sizes if n is not None)
+        files = sum(n is not None for n in sizes)
+        first_step = steps[min(steps)] if steps else None
+
+        global_steps = step
+        if global_steps is None:
+            global_steps = _value(manifest, "deepspeed.global_steps", _value(manifest, "train.step"))
+        if global_steps is None and first_step is not None:
+            global_steps = int(_scalar(first_step))
+        global_steps = int(global_steps or 0)
+
+        groups = param_groups if param_groups is not None else _value(manifest, "optim.param_groups")
+        if not isinstance(groups, list) or not groups:
+            groups = [{"params": [0]}]
+        groups = [dict(g) for g in groups]
+        for g in groups:
+            g.setdefault("params", [0])
+        ds_version = _value(manifest, "deepspeed.ds_version", DS_VERSION_FALLBACK)
+        optim_state: dict[str, Any] = {}
+        for key in ("clip_grad", "zero_stage", "partition_count", "group_paddings"):
+            v = _value(manifest, f"deepspeed.{key}")
+            if v is not None:
+                optim_state[key] = v
+        optim_state["ds_version"] = ds_version
+        optim_state["param_groups"] = groups
+        step_tensor = first_step if first_step is not None else _float_scalar(float(global_steps))
+        # what a ZeRO-3 job reads (the step and the hyperparameters of the first group)
+        optim_state["optimizer_state_dict"] = {"state": {0: {"step": step_tensor}}, "param_groups": groups}
+        written += _save(batch, "zero/optimizer_state.pt", optim_state)
         files += 1
-    batch.commit()
+
+        lr_scheduler = _value(manifest, "deepspeed.lr_scheduler")
+        model_state = {
+            "module": collections.OrderedDict(),
+            "buffer_names": [],
+            "optimizer": None,
+            "param_shapes": [shapes],
+            "frozen_param_shapes": collections.OrderedDict(),
+            "shared_params": {},
+            "frozen_param_fragments": collections.OrderedDict(),
+            "lr_scheduler": lr_scheduler if isinstance(lr_scheduler, dict) else None,
+            "data_sampler": None,
+            "random_ltd": None,
+            "sparse_tensor_module_names": set(),
+            "skipped_steps": int(_value(manifest, "deepspeed.skipped_steps", 0) or 0),
+            "global_steps": global_steps,
+            "global_samples": int(_value(manifest, "deepspeed.global_samples", 0) or 0),
+            "dp_world_size": int(_value(manifest, "deepspeed.dp_world_size", manifest.world_size) or 1),
+            "mp_world_size": 1,
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            "ds_version": ds_version,
+            "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION},
+        }
+        ds_config = _value(manifest, "deepspeed.ds_config")
+        if isinstance(ds_config, dict):
+            model_state["ds_config"] = ds_config
+        for name in MODEL_FILES:
+            written += _save(batch, name, model_state)
+            files += 1
+        batch.commit()
+    except BaseException:
+        write.abort()
+        raise
+    write.swap_in(uncommit)
     # the marker last: DeepSpeed follows it only once every file above is durable
     open_storage(marker_dir).write_atomic("latest_universal", tag.encode())
     return UniversalReport(str(src), str(dst), len(params), files + 1, written, global_steps, time.perf_counter() - t0,

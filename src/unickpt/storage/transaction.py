@@ -19,6 +19,14 @@ short sequence leaves the directory uncommitted (never committed with mixed file
 Every file is created under a fresh name (``O_EXCL``), and renames replace a name,
 never follow it: a symbolic link planted in the directory is replaced, never written
 through.
+
+:meth:`DirectoryWrite.swap_in` commits an in-place staging directory whose entries are
+directories too (DeepSpeed's universal ``zero/`` tree): a directory that replaces an old
+one is exchanged with it in one ``RENAME_EXCHANGE``; where the file system refuses, the
+old one is first renamed aside into the staging directory (``.aside/<name>``), and the
+next write of the directory puts it back if a crash came before the new one was in.
+Setting ``UNICKPT_NO_RENAME_EXCHANGE=1`` takes that fallback everywhere (for tests, and
+for file systems that claim the exchange but do it wrong).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from .local import fsync_path, libc_function
 
 LOCK_NAME = ".unickpt.lock"
 _STAGING_TAG = ".unickpt-"
+_ASIDE = ".aside"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EBUSY, errno.ENOTSUP}
@@ -50,7 +59,7 @@ _renameat2 = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c
 def exchange(a: Path, b: Path) -> bool:
     """Atomically swap the names ``a`` and ``b`` (both must exist). False when the file
     system or platform cannot (then nothing changed)."""
-    if _renameat2 is None:
+    if _renameat2 is None or os.environ.get("UNICKPT_NO_RENAME_EXCHANGE") == "1":
         return False
     if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
@@ -142,10 +151,10 @@ class DirectoryWrite:
             raise SaveError(f"another save to {root} is in progress (it holds {root / LOCK_NAME}); nothing was written")
         write = cls(root, root, [lock], created, False, owned)
         try:
+            write._inside = in_place or os.path.ismount(root)
+            write._make_staging()  # first: it puts back what a crashed commit left aside
             if (root / manifest_name).exists() and not overwrite:
                 raise SaveError(f"{root} already holds a committed checkpoint; pass overwrite=True to replace it")
-            write._inside = in_place or os.path.ismount(root)
-            write._make_staging()
             if not write._inside:  # after the exchange this file is the directory's lock: hold it too
                 staging_lock = _try_lock(write.staging / LOCK_NAME)
                 if staging_lock is not None:
@@ -189,6 +198,7 @@ class DirectoryWrite:
         pattern = re.compile(re.escape(prefix) + r"[0-9a-f]{16}")
         for name in os.listdir(base):
             if pattern.fullmatch(name):
+                _restore_aside(base / name / _ASIDE, base)
                 shutil.rmtree(base / name, ignore_errors=True)
 
     def commit(self, documents: dict[str, bytes]) -> None:
@@ -223,6 +233,42 @@ class DirectoryWrite:
                 shutil.rmtree(old, ignore_errors=True)
         finally:
             self._release()
+
+    def swap_in(self, uncommit: Callable[[], None]) -> None:
+        """Commit an in-place staging directory whose entries (files and directories) are
+        already durable: call ``uncommit`` (which removes what marks the old checkpoint as
+        committed), then put every staged entry in place of the old one of the same name
+        (a directory by an atomic exchange, else renamed aside and the new one renamed
+        in), durably; remove the old entries and release the lock. Entries of the target
+        the staging directory does not hold are never touched. On failure before
+        ``uncommit``, everything written is removed."""
+        try:
+            fsync_path(self.staging)
+            new = [n for n in os.listdir(self.staging) if n not in (LOCK_NAME, _ASIDE)]
+            uncommit()
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError):
+                raise SaveError(f"cannot commit {self.root}: {e}") from None
+            raise
+        try:
+            for name in new:
+                source, target = self.staging / name, self.root / name
+                if source.is_dir() and target.is_dir() and not target.is_symlink():
+                    if exchange(source, target):
+                        continue
+                    aside = self.staging / _ASIDE
+                    aside.mkdir(exist_ok=True)
+                    os.rename(target, aside / name)
+                    fsync_path(self.staging)  # the old tree is recoverable before the new one goes in
+                os.rename(source, target)
+            fsync_path(self.root)
+        except OSError as e:
+            raise SaveError(f"cannot commit {self.root}: {e} (the next write to it restores or removes "
+                            "what this one left)") from None
+        finally:
+            self._release()
+        shutil.rmtree(self.staging, ignore_errors=True)
 
     def _move_in(self, manifest_name: str) -> None:
         """Commit without an exchange: uncommit the old checkpoint durably, rename the
@@ -305,6 +351,19 @@ def remove_abandoned(parent: str | os.PathLike) -> None:
             os.rmdir(target)  # the directory the crashed save made for itself, if it is empty
         except OSError:
             pass
+
+
+def _restore_aside(aside: Path, root: Path) -> None:
+    """Put back into ``root`` the old entries a crashed :meth:`DirectoryWrite.swap_in`
+    renamed aside and did not replace."""
+    try:
+        names = os.listdir(aside)
+    except OSError:
+        return
+    for name in names:
+        if not os.path.lexists(root / name):
+            os.rename(aside / name, root / name)
+            fsync_path(root)
 
 
 def _remove_entry(path: Path) -> None:
