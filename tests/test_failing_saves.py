@@ -388,6 +388,19 @@ def _export_then_hang(src: str, dst: str) -> None:
     export_hf(src, dst, max_shard_size="300KB", names="keep", overwrite=True, progress=stall)
 
 
+def _kill_once_staging(target, source, out) -> None:
+    """Run ``target(source, out)`` in a forked process and SIGKILL it once its hidden
+    staging directory appeared in ``out`` (and it had a moment to write into it)."""
+    p = multiprocessing.get_context("fork").Process(target=target, args=(source, str(out)))
+    p.start()
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(".unickpt-") for n in os.listdir(out)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+
+
 def test_sigkill_during_an_hf_export_over_an_old_one_leaves_the_old_one_whole(tmp_path):
     from unickpt.adapters.hf_export import export_hf
 
@@ -396,14 +409,7 @@ def test_sigkill_during_an_hf_export_over_an_old_one_leaves_the_old_one_whole(tm
     out = tmp_path / "hf"
     export_hf(first, str(out), max_shard_size="600KB", names="keep")
     before = _files(out)
-    p = multiprocessing.get_context("fork").Process(target=_export_then_hang, args=(second, str(out)))
-    p.start()
-    deadline = time.monotonic() + 60
-    while not any(n.startswith(".unickpt-") for n in os.listdir(out)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    os.kill(p.pid, signal.SIGKILL)
-    p.join()
+    _kill_once_staging(_export_then_hang, second, out)
     left = {n: d for n, d in _files(out).items() if not n.startswith(".unickpt")}  # the killed write's staging stays
     assert left == before
     export_hf(second, str(out), max_shard_size="300KB", names="keep", overwrite=True)  # and is removed by the next
@@ -509,14 +515,7 @@ def test_sigkill_during_a_universal_overwrite_leaves_the_old_one_whole(tmp_path)
     out = tmp_path / "uni" / "step3"
     write_universal(first, str(out))
     before = _tree(out)
-    p = multiprocessing.get_context("fork").Process(target=_universal_then_hang, args=(second, str(out)))
-    p.start()
-    deadline = time.monotonic() + 60
-    while not any(n.startswith(".unickpt-") for n in os.listdir(out)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    os.kill(p.pid, signal.SIGKILL)
-    p.join()
+    _kill_once_staging(_universal_then_hang, second, out)
     assert _tree(out) == before  # the killed write's staging directory stays, hidden
     assert (tmp_path / "uni" / "latest_universal").read_text() == "step3"
     _universal_is(out, 1, tmp_path)
