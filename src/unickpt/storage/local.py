@@ -214,9 +214,10 @@ class MappedReader:
     """A file held in memory (tmpfs, a snapshot's shm root) read by copying out of a
     shared read-only map of it: a plain ``memcpy`` with the GIL released, its pages mapped
     by one ``madvise`` per read; about 1.3x as fast as ``preadv`` where the file system
-    keeps huge pages, slower where it does not (:func:`memory_file_reader` chooses). ``piece_bytes`` asks :mod:`unickpt.engine.reads` to copy and check a group a
-    piece at a time, while the piece is still in the cache. The file must not be truncated
-    while it is mapped (touching the lost pages would raise SIGBUS); removing it is fine."""
+    keeps huge pages, slower where it does not (:func:`memory_file_reader` chooses).
+    ``piece_bytes`` asks :mod:`unickpt.engine.reads` to copy and check a group a piece at
+    a time, while the piece is still in the cache. The file must not be truncated while
+    it is mapped (touching the lost pages would raise SIGBUS); removing it is fine."""
 
     piece_bytes = 1 << 20
     _can_populate = hasattr(mmap.mmap, "madvise")
