@@ -164,15 +164,20 @@ class FileWriter:
             os.close(fd)
 
 
+def _open_data_file(path: Path) -> int:
+    """A descriptor of ``path`` open for reading; a missing file is a CorruptionError."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptionError(f"data file {path.name} is missing from {path.parent}") from None
+
+
 class FileReader:
     """A file open for positional reads from several threads."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptionError(f"data file {path.name} is missing from {path.parent}") from None
+        self._fd = _open_data_file(path)
         self.size = os.fstat(self._fd).st_size
 
     def pread_into(self, offset: int, out: memoryview) -> None:
@@ -224,10 +229,7 @@ class MappedReader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptionError(f"data file {path.name} is missing from {path.parent}") from None
+        fd = _open_data_file(path)
         try:
             self.size = os.fstat(fd).st_size
             self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if self.size else None
