@@ -255,6 +255,68 @@ class _ByteBudget:
                 self._cond.notify_all()
 
 
+def _write_documents(batch: DurableBatch, manifest: Manifest, shapes: collections.OrderedDict, first_step: TensorData | None,
+                     step: int | None, param_groups: list[dict[str, Any]] | None) -> tuple[int, int, int]:
+    """Write ``zero/optimizer_state.pt`` and the model-states files (what a DeepSpeed job
+    reads besides the parameters' states); (``global_steps``, files, bytes written)."""
+    global_steps = step
+    if global_steps is None:
+        global_steps = _value(manifest, "deepspeed.global_steps", _value(manifest, "train.step"))
+    if global_steps is None and first_step is not None:
+        global_steps = int(_scalar(first_step))
+    global_steps = int(global_steps or 0)
+
+    groups = param_groups if param_groups is not None else _value(manifest, "optim.param_groups")
+    if not isinstance(groups, list) or not groups:
+        groups = [{"params": [0]}]
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        g.setdefault("params", [0])
+    ds_version = _value(manifest, "deepspeed.ds_version", DS_VERSION_FALLBACK)
+    optim_state: dict[str, Any] = {}
+    for key in ("clip_grad", "zero_stage", "partition_count", "group_paddings"):
+        v = _value(manifest, f"deepspeed.{key}")
+        if v is not None:
+            optim_state[key] = v
+    optim_state["ds_version"] = ds_version
+    optim_state["param_groups"] = groups
+    step_tensor = first_step if first_step is not None else _float_scalar(float(global_steps))
+    # what a ZeRO-3 job reads (the step and the hyperparameters of the first group)
+    optim_state["optimizer_state_dict"] = {"state": {0: {"step": step_tensor}}, "param_groups": groups}
+    written = _save(batch, "zero/optimizer_state.pt", optim_state)
+    files = 1
+
+    lr_scheduler = _value(manifest, "deepspeed.lr_scheduler")
+    model_state = {
+        "module": collections.OrderedDict(),
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": [shapes],
+        "frozen_param_shapes": collections.OrderedDict(),
+        "shared_params": {},
+        "frozen_param_fragments": collections.OrderedDict(),
+        "lr_scheduler": lr_scheduler if isinstance(lr_scheduler, dict) else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": int(_value(manifest, "deepspeed.skipped_steps", 0) or 0),
+        "global_steps": global_steps,
+        "global_samples": int(_value(manifest, "deepspeed.global_samples", 0) or 0),
+        "dp_world_size": int(_value(manifest, "deepspeed.dp_world_size", manifest.world_size) or 1),
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_version": ds_version,
+        "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION},
+    }
+    ds_config = _value(manifest, "deepspeed.ds_config")
+    if isinstance(ds_config, dict):
+        model_state["ds_config"] = ds_config
+    for name in MODEL_FILES:
+        written += _save(batch, name, model_state)
+        files += 1
+    return global_steps, files, written
+
+
 def write_universal(
     src: str | Checkpoint,
     dst: str,
@@ -376,61 +438,9 @@ def write_universal(
         files = sum(n is not None for n in sizes)
         first_step = steps[min(steps)] if steps else None
 
-        global_steps = step
-        if global_steps is None:
-            global_steps = _value(manifest, "deepspeed.global_steps", _value(manifest, "train.step"))
-        if global_steps is None and first_step is not None:
-            global_steps = int(_scalar(first_step))
-        global_steps = int(global_steps or 0)
-
-        groups = param_groups if param_groups is not None else _value(manifest, "optim.param_groups")
-        if not isinstance(groups, list) or not groups:
-            groups = [{"params": [0]}]
-        groups = [dict(g) for g in groups]
-        for g in groups:
-            g.setdefault("params", [0])
-        ds_version = _value(manifest, "deepspeed.ds_version", DS_VERSION_FALLBACK)
-        optim_state: dict[str, Any] = {}
-        for key in ("clip_grad", "zero_stage", "partition_count", "group_paddings"):
-            v = _value(manifest, f"deepspeed.{key}")
-            if v is not None:
-                optim_state[key] = v
-        optim_state["ds_version"] = ds_version
-        optim_state["param_groups"] = groups
-        step_tensor = first_step if first_step is not None else _float_scalar(float(global_steps))
-        # what a ZeRO-3 job reads (the step and the hyperparameters of the first group)
-        optim_state["optimizer_state_dict"] = {"state": {0: {"step": step_tensor}}, "param_groups": groups}
-        written += _save(batch, "zero/optimizer_state.pt", optim_state)
-        files += 1
-
-        lr_scheduler = _value(manifest, "deepspeed.lr_scheduler")
-        model_state = {
-            "module": collections.OrderedDict(),
-            "buffer_names": [],
-            "optimizer": None,
-            "param_shapes": [shapes],
-            "frozen_param_shapes": collections.OrderedDict(),
-            "shared_params": {},
-            "frozen_param_fragments": collections.OrderedDict(),
-            "lr_scheduler": lr_scheduler if isinstance(lr_scheduler, dict) else None,
-            "data_sampler": None,
-            "random_ltd": None,
-            "sparse_tensor_module_names": set(),
-            "skipped_steps": int(_value(manifest, "deepspeed.skipped_steps", 0) or 0),
-            "global_steps": global_steps,
-            "global_samples": int(_value(manifest, "deepspeed.global_samples", 0) or 0),
-            "dp_world_size": int(_value(manifest, "deepspeed.dp_world_size", manifest.world_size) or 1),
-            "mp_world_size": 1,
-            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-            "ds_version": ds_version,
-            "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION},
-        }
-        ds_config = _value(manifest, "deepspeed.ds_config")
-        if isinstance(ds_config, dict):
-            model_state["ds_config"] = ds_config
-        for name in MODEL_FILES:
-            written += _save(batch, name, model_state)
-            files += 1
+        global_steps, doc_files, doc_bytes = _write_documents(batch, manifest, shapes, first_step, step, param_groups)
+        files += doc_files
+        written += doc_bytes
         batch.commit()
     except BaseException:
         write.abort()
