@@ -84,8 +84,23 @@ BUILD_BUDGET_MIN = 1 << 16
 MAX_TENSOR_NDIM = 64
 
 
+class Elements:
+    """``numel`` and ``nbytes`` of a tensor record with a ``shape`` and a unickpt
+    ``dtype`` name (its own elements: a view's, not its storage's)."""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return prod(self.shape)  # type: ignore[attr-defined]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's own elements."""
+        return self.numel * itemsize(self.dtype)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
-class StoredTensor:
+class StoredTensor(Elements):
     """A tensor inside a pickle archive: where its storage lies in ``file`` and how the
     tensor views it (``storage_offset`` and ``stride`` in elements)."""
 
@@ -96,16 +111,6 @@ class StoredTensor:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int = 0
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor's own elements."""
-        return self.numel * itemsize(self.dtype)
 
     @property
     def offset(self) -> int:

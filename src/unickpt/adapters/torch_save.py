@@ -29,12 +29,11 @@ import collections
 import secrets
 import struct
 from dataclasses import dataclass
-from math import prod
 from typing import Any, BinaryIO
 
 from ..errors import LayoutError
-from ..format.dtypes import DTYPE_ATTRS, itemsize
-from .torch_archive import STORAGE_DTYPES
+from ..format.dtypes import DTYPE_ATTRS
+from .torch_archive import STORAGE_DTYPES, Elements
 
 try:  # ISA-L's CRC-32 (the zip one, as zlib's): about 5x zlib's speed here, the GIL released
     from isal.isal_zlib import crc32
@@ -58,23 +57,13 @@ class Size(tuple):
 
 
 @dataclass(frozen=True)
-class TensorData:
+class TensorData(Elements):
     """A contiguous CPU tensor to write: its unickpt dtype name (``"F32"``, ``"BF16"``...),
     shape, and its bytes in row-major order (any buffer of exactly ``nbytes`` bytes)."""
 
     dtype: str
     shape: tuple[int, ...]
     data: Any
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor."""
-        return self.numel * itemsize(self.dtype)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
