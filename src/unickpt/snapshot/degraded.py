@@ -41,6 +41,7 @@ class Peers:
         self.table = table
         self.idle: dict[int, list[wire.Connection]] = {}
         self.opened: list[wire.Connection] = []
+        self.received = 0  # payload bytes received from the keepers so far
         self._lock = threading.Lock()
 
     def read_views(self, node: int, header: dict[str, Any], views: list[memoryview]) -> None:
@@ -57,6 +58,7 @@ class Peers:
         conn.read_views(header, views)  # a failed request leaves its connection out of the pool
         with self._lock:
             self.idle[node].append(conn)
+            self.received += sum(memoryview(v).nbytes for v in views)
 
     def close(self) -> None:
         """Close every connection."""

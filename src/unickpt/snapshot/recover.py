@@ -56,7 +56,8 @@ class Outcome:
     line: str
     seconds: float
     tried: bool = False  # a memory load was attempted (when it failed, the job's state is partly overwritten)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, rebuild, load (of the last step tried)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, prepare, load (of the last step tried)
+    fetched: int = 0  # bytes this rank received from other nodes' keepers while loading the resumed step
 
 
 # -- what a node holds ------------------------------------------------------------------
@@ -255,9 +256,10 @@ def _reset_keeper(snap: Snapshotter, keep_upto: int) -> None:
         conn.close()
 
 
-def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: dict[str, float]) -> tuple[int | None, str]:
-    """Load one planned step (a lost node's bytes decoded as they are read); (step, how)
-    or (None, why not)."""
+def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn,
+              timings: dict[str, float]) -> tuple[int | None, str, int]:
+    """Load one planned step (a lost node's bytes decoded as they are read); (step, how,
+    bytes received from other nodes' keepers) or (None, why not, bytes)."""
     step = plan["step"]
     t0 = time.perf_counter()
     rdir = os.path.join(snap.jdir, f"recover_{step:08d}")
@@ -267,7 +269,7 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
             f.write(plan["manifest"])
     _agree(snap, None)  # the manifest is in place on every node
     t1 = time.perf_counter()
-    error, storage = None, None
+    error, storage, fetched = None, None, 0
     try:
         storage = SnapshotStorage(snap, plan, Manifest.from_json(plan["manifest"]))
         got = load(rdir, storage)
@@ -279,6 +281,7 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
         error = f"{type(e).__name__}: {e}"
     finally:
         if storage is not None:
+            fetched = storage.peers.received
             storage.close()
     error = _agree(snap, error)
     timings.update(prepare=t1 - t0, load=time.perf_counter() - t1)
@@ -287,15 +290,15 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn, timings: di
     if snap.local_rank == 0:
         paths.remove_tree(rdir)
     if error is not None:
-        return None, f"step {step}: {error}"
+        return None, f"step {step}: {error}", fetched
     if plan["rebuild"] is None:
-        return step, f"all {plan['files']} files held by the surviving nodes, checksums verified"
+        return step, f"all {plan['files']} files held by the surviving nodes, checksums verified", fetched
     rb = plan["rebuild"]
     lost, held = rb["lost"], rb["nodes"] - len(rb["lost"])
     who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(map(str, lost))}"
     verb = "fetched from" if int(rb["k"]) == 1 else "decoded from"  # nothing is rebuilt ahead of the load
     return step, (f"{who} of {rb['nodes']} lost: {'its' if len(lost) == 1 else 'their'} files {verb} "
-                  f"{rb['how']} during the load on {held} node{'s' if held != 1 else ''}, every chunk's crc32c verified")
+                  f"{rb['how']} during the load on {held} node{'s' if held != 1 else ''}, every chunk's crc32c verified"), fetched
 
 
 def _diagnosed(snap: Snapshotter, plan: dict[str, Any]) -> str | None:
@@ -337,11 +340,12 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
         if disk_step is not None and plan["step"] < disk_step:
             reasons.append(f"step {plan['step']}: older than the durable checkpoint of step {disk_step}")
             break
-        step, how = _try_step(snap, plan, load, timings)
+        step, how, fetched = _try_step(snap, plan, load, timings)
         if step is not None:
             _reset_keeper(snap, step)
             took = time.perf_counter() - t0
-            return Outcome(step, "memory", f"resumed step {step} from memory ({how}; {took:.2f} s)", took, True, timings)
+            return Outcome(step, "memory", f"resumed step {step} from memory ({how}; {took:.2f} s)", took, True, timings,
+                           fetched)
         reasons.append(how)
     why = "; ".join(reasons) if reasons else "no snapshot in memory"
     got = disk() if disk is not None else None
