@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("unickpt.adapters", "unickpt.rules"),
     ("unickpt.engine",),
     ("unickpt.format", "unickpt.plan", "unickpt.storage"),
-    ("unickpt.errors", "unickpt.dist", "unickpt.version"),
+    ("unickpt.errors", "unickpt.dist", "unickpt.version", "unickpt.units"),
 ]
 
 

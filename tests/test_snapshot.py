@@ -260,9 +260,10 @@ def test_killed_keeper_is_recreated_and_a_corrupt_snapshot_never_used(tmp_path, 
     assert "step 8: checksum mismatch in rank_00000.safetensors" in lines[0]
 
 
-def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down):
+def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down, capsys):
     """A snapshot above max_bytes is refused before anything is written; copies and parity
-    together, or more parity than nodes, are refused."""
+    together, or more parity than nodes, are refused; parity asked of a single node is
+    said to protect nothing against a lost node."""
     from unickpt.snapshot import Snapshotter
 
     root = str(tmp_path / "shm")
@@ -275,10 +276,14 @@ def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down):
         layout(3, -1)
     assert layout(3, 3) == (1, 2) and layout(4, 2) == (2, 2) and layout(4, 1) == (3, 1) and layout(4, 0, 2) == (1, 1) and layout(1, 2) == (1, 0)
     snap = Snapshotter("cap", 1, 0, root=root, max_bytes=1000)
-    with pytest.raises(SnapshotError, match=r"above the cap of 0\.0 MiB"):
+    with pytest.raises(SnapshotError, match=r"above the cap of 1000 B; raise max_bytes"):
         snap.snapshot({"w": torch.zeros(1000)}, 1)
     assert not os.path.exists(os.path.join(root, "unickpt", "cap", "step_00000001"))
     snap.close()
+    assert "unickpt:" not in capsys.readouterr().err  # --parity 0: nothing asked, nothing to say
+    Snapshotter("cap", 1, root=root).close()  # the default, XOR parity, on one node
+    assert capsys.readouterr().err == ("unickpt: one node: snapshots survive a crashed process, not the loss of the node "
+                                       "(protection against lost nodes needs 2 nodes or more)\n")
     _no_leftovers(root)
 
 

@@ -29,6 +29,7 @@ from rich.text import Text
 
 from .version import __version__
 from .errors import UnickptError
+from .units import human_bytes
 
 if TYPE_CHECKING:
     from .format.ledger import Ledger
@@ -110,16 +111,6 @@ def _root(
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError  # pragma: no cover
 
 
 def _short_repr(value: Any, width: int = 60) -> str:

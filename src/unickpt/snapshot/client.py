@@ -34,6 +34,7 @@ from ..engine.state import PerRank, Sharded, flatten
 from ..dist import all_gather_fixed, resolve_group
 from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME
+from ..units import human_bytes
 from . import paths, wire
 from .parity import layout
 
@@ -209,9 +210,12 @@ class Snapshotter:
         self.table = self._exchange(0)[0]
         self.k, self.parity = layout(len(self.table), parity, replicas)
         asked = replicas - 1 if replicas > 1 else parity
-        if self.parity < asked and self.nodes > 1 and self.group.rank == 0:
-            print(f"unickpt: {self.nodes} nodes hold at most {self.parity} parity block(s) per group: "
-                  f"snapshots protected against {self.parity} lost node(s), not {asked}", file=sys.stderr, flush=True)
+        if self.parity < asked and self.group.rank == 0:
+            what = (f"{self.nodes} nodes hold at most {self.parity} parity block(s) per group: snapshots protected "
+                    f"against {self.parity} lost node(s), not {asked}" if self.nodes > 1 else
+                    "one node: snapshots survive a crashed process, not the loss of the node (protection "
+                    "against lost nodes needs 2 nodes or more)")
+            print(f"unickpt: {what}", file=sys.stderr, flush=True)
         self.handle: AsyncSaveHandle | None = None
         self.stall_s = 0.0  # seconds the training loop spent in snapshot() and before_update()
         self.taken = 0
@@ -275,9 +279,9 @@ class Snapshotter:
             need = used + node_bytes + (node_bytes * self.parity) // k
             if need > cap:
                 raise SnapshotError(
-                    f"snapshot of step {step} would hold {need / 2**20:.1f} MiB of host memory on node {n} "
-                    f"({used / 2**20:.1f} MiB held now + {node_bytes / 2**20:.1f} MiB of state, parity {self.parity}), "
-                    f"above the cap of {cap / 2**20:.1f} MiB; raise max_bytes or snapshot less state"
+                    f"snapshot of step {step} would hold {human_bytes(need)} of host memory on node {n} "
+                    f"({human_bytes(used)} held now + {human_bytes(node_bytes)} of state, parity {self.parity}), "
+                    f"above the cap of {human_bytes(cap)}; raise max_bytes or snapshot less state"
                 )
         meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "k": self.k,
                              "replicas": self.replicas, "nodes": self.table}}
