@@ -76,3 +76,31 @@ def test_any_range_of_a_lost_file_decodes_exactly(tmp_path, monkeypatch, n, pari
                 got = np.concatenate(views) if views else np.zeros(0, np.uint8)
                 assert np.array_equal(got, want[lo : lo + got.size]), (name, lo, lens)
             at += size
+
+
+def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
+    """What a recovery fetched from other nodes (``Outcome.fetched``) is counted by
+    ``Peers`` as a real keeper sends it: every payload byte received, once."""
+    from unickpt.snapshot.client import ensure_keeper, stop_keeper
+
+    from snapshot_helpers import kill_keeper
+
+    root = str(tmp_path / "shm")
+    doc = ensure_keeper(root, "count")
+    try:
+        sdir = os.path.join(paths.job_dir(root, "count"), "step_00000001")
+        os.makedirs(sdir)
+        data = np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8)
+        data.tofile(os.path.join(sdir, "x.bin"))
+        peers = degraded.Peers([{"host": doc["host"], "port": doc["port"]}])
+        try:
+            a, b = np.zeros(1000, np.uint8), np.zeros(3000, np.uint8)
+            peers.read_views(0, {"op": "read", "path": "step_00000001/x.bin", "offset": 10}, [memoryview(a), memoryview(b)])
+            assert np.array_equal(np.concatenate([a, b]), data[10:4010]) and peers.received == 4000
+            peers.read_views(0, {"op": "read", "path": "step_00000001/x.bin", "offset": 0}, [memoryview(a)])
+            assert peers.received == 5000
+        finally:
+            peers.close()
+    finally:
+        stop_keeper(root)
+        kill_keeper(root)
