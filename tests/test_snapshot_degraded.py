@@ -87,12 +87,14 @@ def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
 
     root = str(tmp_path / "shm")
     doc = ensure_keeper(root, "count")
+    secret = b"s" * paths.SECRET_BYTES
+    paths.write_secret(root, "count", secret)
     try:
         sdir = os.path.join(paths.job_dir(root, "count"), "step_00000001")
         os.makedirs(sdir)
         data = np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8)
         data.tofile(os.path.join(sdir, "x.bin"))
-        peers = degraded.Peers([{"host": doc["host"], "port": doc["port"]}])
+        peers = degraded.Peers([{"host": doc["host"], "port": doc["port"]}], secret)
         try:
             a, b = np.zeros(1000, np.uint8), np.zeros(3000, np.uint8)
             peers.read_views(0, {"op": "read", "path": "step_00000001/x.bin", "offset": 10}, [memoryview(a), memoryview(b)])

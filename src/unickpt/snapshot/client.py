@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import signal
 import socket
 import struct
 import subprocess
@@ -42,7 +44,9 @@ KEEPER_START_S = 60.0
 # The snapshots' own async-save channel: staging buffer, gloo group and save in flight
 # apart from the trainer's durable saves, so a snapshot never waits for one.
 CHANNEL = "snapshot"
-_INFO = struct.Struct("<iiiiiqqq4s")  # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4
+# node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, and the
+# job secret the node proposes (1: stored on the node already, 0: freshly drawn)
+_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s")
 
 
 def job_id(ckpt_dir: str | None = None) -> str:
@@ -114,8 +118,9 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
                 f"holds are then deleted at the next keeper's start)"
             )
         return doc
-    os.makedirs(paths.base_dir(root), exist_ok=True)
-    log = open(os.path.join(paths.base_dir(root), "keeper.log"), "ab")
+    paths.make_private(root)
+    fd = os.open(os.path.join(paths.base_dir(root), "keeper.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    log = os.fdopen(fd, "ab")
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-c", _KEEPER_BOOT, package, "--root", root, "--job", job, "--host", host]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
@@ -207,7 +212,10 @@ class Snapshotter:
             self.keeper = ensure_keeper(self.root, job, self.host)
         self.max_bytes = max_bytes
         self.requested_parity, self.replicas = parity, replicas
-        self.table = self._exchange(0)[0]
+        self.secret: bytes | None = None
+        self.table = self._exchange(0)[0]  # also agrees on the job's secret (self.secret)
+        if self.local_rank == 0 and paths.read_secret(self.root, job) != self.secret:
+            paths.write_secret(self.root, job, self.secret)
         self.k, self.parity = layout(len(self.table), parity, replicas)
         asked = replicas - 1 if replicas > 1 else parity
         if self.parity < asked and self.group.rank == 0:
@@ -237,19 +245,26 @@ class Snapshotter:
         return bool(self.flush_every) and step % (self.every * self.flush_every) == 0
 
     def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[tuple[int, ...]]]:
-        """Collective: every rank's node, keeper and memory figures; the keeper table by node."""
-        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4)
+        """Collective: every rank's node, keeper and memory figures; the keeper table by node.
+        The first time, also the job's secret: the one stored on the lowest node that holds
+        one (a relaunch keeps it, whichever nodes survived), else one the first node drew."""
+        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES)
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
             cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root)
             pending = in_progress(self.jdir, getattr(self, "table", []))
+            stored = self.secret or paths.read_secret(self.root, self.job)
+            proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
             mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
-                    cap, socket.inet_aton(self.keeper["host"]))
+                    cap, socket.inet_aton(self.keeper["host"]), *proposal)
         rows = [_INFO.unpack(b) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
         keepers = {r[0]: r for r in rows if r[1]}
         if sorted(keepers) != list(range(len(keepers))) or {r[0] for r in rows} != set(keepers):
             raise SnapshotError(f"every node needs one local rank 0; got nodes {sorted({r[0] for r in rows})}")
+        if self.secret is None:
+            proposals = [keepers[n] for n in sorted(keepers)]
+            self.secret = next((r[10] for r in proposals if r[9]), proposals[0][10])
         table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
         return table, rows
 
@@ -330,13 +345,17 @@ def stop_keeper(root: str, timeout: float = 30.0) -> None:
     doc = running_keeper(root)
     if doc is None:
         return
+    secret = paths.read_secret(root, str(doc["job"]))
     try:
-        conn = wire.Connection(doc["host"], int(doc["port"]))
-        try:
-            conn.request({"op": "stop"})
-        finally:
-            conn.close()
-    except SnapshotError:
+        if secret is None:  # a keeper never given its job's secret (a start that failed): it holds nothing
+            os.kill(int(doc["pid"]), signal.SIGTERM)
+        else:
+            conn = wire.Connection(doc["host"], int(doc["port"]), secret)
+            try:
+                conn.request({"op": "stop"})
+            finally:
+                conn.close()
+    except (SnapshotError, ProcessLookupError):
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and _alive(int(doc["pid"])):

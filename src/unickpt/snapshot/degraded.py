@@ -37,8 +37,8 @@ class Peers:
     """Connections to the keepers of the current job's nodes, pooled by node: a request
     takes an idle connection (or opens one), so the load's threads read in parallel."""
 
-    def __init__(self, table: list[dict[str, Any]]) -> None:
-        self.table = table
+    def __init__(self, table: list[dict[str, Any]], secret: bytes) -> None:
+        self.table, self.secret = table, secret
         self.idle: dict[int, list[wire.Connection]] = {}
         self.opened: list[wire.Connection] = []
         self.received = 0  # payload bytes received from the keepers so far
@@ -52,7 +52,7 @@ class Peers:
             conn = pool.pop() if pool else None
         if conn is None:
             peer = self.table[node]
-            conn = wire.Connection(peer["host"], int(peer["port"]))
+            conn = wire.Connection(peer["host"], int(peer["port"]), self.secret)
             with self._lock:
                 self.opened.append(conn)
         conn.read_views(header, views)  # a failed request leaves its connection out of the pool

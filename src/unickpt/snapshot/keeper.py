@@ -14,7 +14,8 @@ in its own session, so it outlives a crashed trainer. It
   (``have``); a step is *whole* when all keepers said so, then older steps are deleted
   (retention: the newest whole step plus the steps in progress);
 * serves byte ranges of its files to recovering trainers of any node (``read``/``blob``,
-  sent with ``sendfile``);
+  sent with ``sendfile``), like every request only on a connection that proved the job's
+  secret (:func:`.wire.challenge`; docs/SNAPSHOT.md, Security);
 * flushes every whole step whose manifest names a durable directory into an ordinary
   checkpoint there, in the background (:mod:`.flush`): each keeper copies its node's
   files, the keeper of the step's node 0 commits the manifest once all are durable;
@@ -37,6 +38,7 @@ from typing import Any
 import crc32c as _crc
 import numpy as np
 
+from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
@@ -95,7 +97,8 @@ class Keeper:
     def start(self) -> None:
         """Reap other jobs' snapshots, listen, publish the address and pid."""
         base = paths.base_dir(self.root)
-        os.makedirs(self.jdir, exist_ok=True)
+        paths.make_private(self.root)
+        os.makedirs(self.jdir, mode=0o700, exist_ok=True)
         for name in os.listdir(base):
             full = os.path.join(base, name)
             if name != self.job and os.path.isdir(full):
@@ -221,6 +224,11 @@ class Keeper:
         """This keeper's node index in a step's keeper table, or None."""
         return next((i for i, p in enumerate(nodes) if p["port"] == self.port and p["pid"] == os.getpid()), None)
 
+    def secret(self) -> bytes | None:
+        """The job's secret, as the job's trainers stored it in this shm root (read again
+        each time: a relaunched job may store it after this keeper started)."""
+        return paths.read_secret(self.root, self.job)
+
     def call(self, peer: dict[str, Any], header: dict[str, Any], payload=None) -> dict[str, Any]:
         """One request to a peer keeper (connections are cached; a broken one is retried once)."""
         addr = (peer["host"], int(peer["port"]))
@@ -228,7 +236,10 @@ class Keeper:
             conn = self.conns.get(addr)
             try:
                 if conn is None:
-                    conn = self.conns[addr] = wire.Connection(*addr)
+                    secret = self.secret()
+                    if secret is None:
+                        raise SnapshotError("this keeper holds no job secret to call its peers with")
+                    conn = self.conns[addr] = wire.Connection(*addr, secret)
                 return conn.request(header, payload)[0]
             except Exception:
                 self.conns.pop(addr, None)
@@ -258,8 +269,13 @@ class Keeper:
 
     # -- requests ---------------------------------------------------------------------
     def handle_connection(self, sock) -> None:
-        """Serve requests on one connection until it closes."""
+        """Serve requests on one connection until it closes, once the client proved the
+        job's secret."""
         try:
+            refused = wire.challenge(sock, self.secret())
+            if refused is not None:
+                _log(f"connection from {_peer_name(sock)} refused: {refused}")
+                return
             while True:
                 header = wire.recv_header(sock)
                 if header is None:
@@ -504,6 +520,9 @@ class Keeper:
         with self.lock:
             if not os.path.isdir(sdir):
                 raise FileNotFoundError(f"step {step} is not held here")
+            target = _snapshot_meta(sdir).get("flush")
+            if not target or not _inside(str(h["staging"]), os.path.dirname(str(target))):
+                raise ValueError(f"refused: staging {h['staging']!r} is not beside step {step}'s flush target {target!r}")
             self.copying.add(step)
         self._spawn(self.serve_flush, step, sdir, str(h["staging"]), int(h["node"]), h["reply"])
 
@@ -532,6 +551,20 @@ class Keeper:
             if self.pinned == step:
                 self.pinned = None
         self.retain()
+
+
+def _peer_name(sock) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a closed socket"
+
+
+def _inside(path: str, parent: str) -> bool:
+    """True when ``path`` is ``parent`` or lies under it (symbolic links resolved)."""
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return os.path.commonpath([path, parent]) == parent
 
 
 def _snapshot_meta(sdir: str) -> dict[str, Any]:

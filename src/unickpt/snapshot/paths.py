@@ -20,6 +20,7 @@ import re
 import shutil
 
 SHM_ROOT_ENV = "UNICKPT_SHM_ROOT"
+SECRET_BYTES = 32
 PARITY_PREFIX = "parity_"
 WHOLE = "whole"
 _STEP = re.compile(r"^step_(\d+)$")
@@ -48,6 +49,43 @@ def address_file(root: str) -> str:
 def job_dir(root: str, job: str) -> str:
     """The directory of one job's snapshots."""
     return os.path.join(base_dir(root), job)
+
+
+def secret_file(root: str, job: str) -> str:
+    """The job's secret (mode 0600), which every connection to its keepers must prove."""
+    return os.path.join(job_dir(root, job), "secret")
+
+
+def read_secret(root: str, job: str) -> bytes | None:
+    """The job's secret stored under ``root``, or None when there is none yet."""
+    try:
+        with open(secret_file(root, job), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    return data if len(data) == SECRET_BYTES else None
+
+
+def write_secret(root: str, job: str, secret: bytes) -> None:
+    """Store the job's secret under ``root``, readable by this user only (atomically)."""
+    path = secret_file(root, job)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secret)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def make_private(root: str) -> None:
+    """Create ``<root>/unickpt`` readable by this user only (and make it so if it exists):
+    the snapshots, the keeper's log and the job's secret lie under it."""
+    base = base_dir(root)
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    if os.stat(base).st_mode & 0o077:
+        os.chmod(base, 0o700)
 
 
 def step_name(step: int) -> str:

@@ -194,7 +194,7 @@ class SnapshotStorage:
     def __init__(self, snap: Snapshotter, plan: dict[str, Any], manifest: Manifest) -> None:
         self.snap, self.where, self.manifest = snap, plan["where"], manifest  # the manifest, parsed once for the load
         self.sizes = {name: int(size) for name, size in manifest.files.items()}
-        self.peers = Peers(snap.table)
+        self.peers = Peers(snap.table, snap.secret)
         self.source = Source(self.peers, snap.node, snap.jdir, int(plan["step"]))
         self.rebuild = plan["rebuild"]
         self.lost = {name: int(x) for x, rec in (self.rebuild or {}).get("info", {}).items() for name, _ in rec["files"]}
@@ -249,7 +249,7 @@ def _reset_keeper(snap: Snapshotter, keep_upto: int) -> None:
     """This node's keeper forgets and deletes every snapshot newer than ``keep_upto``."""
     if snap.local_rank != 0 or snap.keeper is None:
         return
-    conn = wire.Connection(snap.keeper["host"], int(snap.keeper["port"]))
+    conn = wire.Connection(snap.keeper["host"], int(snap.keeper["port"]), snap.secret)
     try:
         conn.request({"op": "reset", "keep_upto": keep_upto})
     finally:
@@ -306,7 +306,7 @@ def _diagnosed(snap: Snapshotter, plan: dict[str, Any]) -> str | None:
     block (a parity block or data stripe failing its own crc32c), or None."""
     why = None
     if snap.group.rank == 0:
-        peers = Peers(snap.table)
+        peers = Peers(snap.table, snap.secret)
         try:
             why = diagnose(plan["rebuild"], Source(peers, snap.node, snap.jdir, int(plan["step"])))
         except UnickptError as e:

@@ -8,12 +8,20 @@ under the keeper's job directory), ``blob`` (a byte range of a node's blob of a 
 step into a durable checkpoint's staging directory) and ``flushed`` (a keeper's report
 to the flush's coordinator), ``ping`` and ``stop``. Every reply has ``ok``; a failed
 one carries ``error``.
+
+Every connection starts with a challenge: the keeper sends a random nonce, the client
+answers with HMAC-SHA256 of it under the job's secret, and the keeper serves the
+connection only when that is right (:func:`challenge`, :func:`answer_challenge`). The
+payloads are not encrypted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -90,16 +98,56 @@ def recv_payload(sock: socket.socket, header: dict[str, Any], into: memoryview |
     return out
 
 
-class Connection:
-    """A client connection to one keeper (thread-safe: one request at a time)."""
+def _mac(secret: bytes, nonce: bytes) -> str:
+    return hmac.new(secret, nonce, hashlib.sha256).hexdigest()
 
-    def __init__(self, host: str, port: int, timeout: float = TIMEOUT) -> None:
+
+def challenge(sock: socket.socket, secret: bytes | None) -> str | None:
+    """The keeper's side of a new connection: send a nonce, check the answer against
+    ``secret`` (None: the job's secret is not stored yet, nobody is let in) and say so.
+    Returns None when the client proved the secret, else why it was refused."""
+    nonce = secrets.token_bytes(16)
+    send(sock, {"nonce": nonce.hex()})
+    answer = recv_header(sock)
+    if answer is None:
+        return "closed before answering"
+    if secret is None:
+        why = "this keeper holds no job secret yet"
+    elif answer.get("op") == "auth" and hmac.compare_digest(str(answer.get("mac", "")), _mac(secret, nonce)):
+        why = None
+    else:
+        why = "wrong job secret"
+    send(sock, {"ok": why is None} if why is None else {"ok": False, "error": f"refused: {why}"})
+    return why
+
+
+def answer_challenge(sock: socket.socket, secret: bytes) -> None:
+    """The client's side: prove ``secret`` to the keeper; a refusal is a SnapshotError."""
+    nonce = recv_header(sock)
+    if nonce is None or "nonce" not in nonce:
+        raise SnapshotError("no challenge from the keeper (not a unickpt keeper, or an older one)")
+    send(sock, {"op": "auth", "mac": _mac(secret, bytes.fromhex(str(nonce["nonce"])))})
+    reply = recv_header(sock)
+    if reply is None or not reply.get("ok"):
+        raise SnapshotError((reply or {}).get("error") or "refused")
+
+
+class Connection:
+    """A client connection to one keeper, which it proves the job's ``secret`` to
+    (thread-safe: one request at a time)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float = TIMEOUT) -> None:
         self.address = (host, port)
         try:
             self.sock = socket.create_connection(self.address, timeout=timeout)
         except OSError as e:
             raise SnapshotError(f"cannot reach the snapshot keeper at {host}:{port}: {e}") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            answer_challenge(self.sock, secret)
+        except (OSError, SnapshotError) as e:
+            self.sock.close()
+            raise SnapshotError(f"snapshot keeper at {host}:{port}: {e}") from None
         self.lock = threading.Lock()
 
     def request(self, header: dict[str, Any], payload=None, into: memoryview | None = None) -> tuple[dict[str, Any], memoryview]:
