@@ -270,6 +270,16 @@ def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down, 
     keepers_down.append(root)
     with pytest.raises(SnapshotError, match="exclude each other"):
         Snapshotter("cap", 1, 1, root=root, replicas=2)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for bad, why in ((afile, "not a directory"), (afile / "sub", "Not a directory")):
+        with pytest.raises(SnapshotError, match=rf"the shm root {bad} \(\$UNICKPT_SHM_ROOT\) cannot hold snapshots: {why}$"):
+            Snapshotter("cap", 1, 0, root=str(bad))
+    from unickpt.snapshot.client import ensure_keeper
+
+    with pytest.raises(SnapshotError, match=r"the snapshot keeper exited at start \(code 1: OSError: .*Cannot assign requested "
+                       r"address\); see .*keeper\.log$"):
+        ensure_keeper(str(tmp_path / "shm_elsewhere"), "cap", host="192.0.2.1")  # an address of no interface here
     from unickpt.snapshot.parity import layout
 
     with pytest.raises(SnapshotError, match="parity must be 0 or more"):

@@ -119,8 +119,8 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
             )
         return doc
     paths.make_private(root)
-    fd = os.open(os.path.join(paths.base_dir(root), "keeper.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    log = os.fdopen(fd, "ab")
+    log_path = os.path.join(paths.base_dir(root), "keeper.log")
+    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-c", _KEEPER_BOOT, package, "--root", root, "--job", job, "--host", host]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
@@ -132,9 +132,21 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
         if doc is not None and int(doc["pid"]) == proc.pid:
             return doc
         if proc.poll() is not None:
-            raise SnapshotError(f"the snapshot keeper exited at start (code {proc.returncode}); see {log.name}")
+            raise SnapshotError(f"the snapshot keeper exited at start (code {proc.returncode}: {_last_line(log_path)}); "
+                                f"see {log_path}")
         time.sleep(0.01)
-    raise SnapshotError(f"the snapshot keeper did not start within {KEEPER_START_S:.0f} s; see {log.name}")
+    raise SnapshotError(f"the snapshot keeper did not start within {KEEPER_START_S:.0f} s; see {log_path}")
+
+
+def _last_line(path: str) -> str:
+    """The last line of a log file (what a keeper that died at start said last)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "no log"
 
 
 def state_bytes(state: dict[str, Any]) -> int:
@@ -208,7 +220,14 @@ class Snapshotter:
         self.node, self.local_rank = node_position()
         self.keeper: dict[str, Any] | None = None
         if self.local_rank == 0:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                if os.path.exists(self.root) and not os.path.isdir(self.root):
+                    raise NotADirectoryError(0, "not a directory")
+                os.makedirs(self.root, exist_ok=True)
+                paths.make_private(self.root)
+            except OSError as e:
+                raise SnapshotError(f"the shm root {self.root} (${paths.SHM_ROOT_ENV}) cannot hold snapshots: "
+                                    f"{e.strerror or e}") from None
             self.keeper = ensure_keeper(self.root, job, self.host)
         self.max_bytes = max_bytes
         self.requested_parity, self.replicas = parity, replicas
