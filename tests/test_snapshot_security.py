@@ -58,6 +58,10 @@ def test_a_keeper_serves_only_who_proves_the_job_secret(tmp_path):
         for header in (read, {"op": "stop"}, {"op": "auth", "mac": "00" * 32}):
             reply, rest = _intrude(doc, header)
             assert reply == {"ok": False, "error": "refused: wrong job secret", "nbytes": 0} and rest == b""
+        with socket.create_connection((doc["host"], int(doc["port"])), timeout=10) as s:  # a 2 GiB "answer"
+            assert "nonce" in wire.recv_header(s)
+            s.sendall((1 << 31).to_bytes(4, "big"))
+            assert s.recv(1) == b""  # dropped at once, nothing allocated for it
         assert running_keeper(root) is not None  # the intruder's stop did nothing
         conn = wire.Connection(doc["host"], int(doc["port"]), secret)
         try:

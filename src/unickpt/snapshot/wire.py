@@ -31,6 +31,7 @@ from ..errors import SnapshotError
 
 _LEN = struct.Struct(">I")
 TIMEOUT = 30.0
+CHALLENGE_LIMIT = 4096  # bytes of the answer to a challenge at most
 
 
 def send(sock: socket.socket, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
@@ -74,8 +75,9 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def recv_header(sock: socket.socket) -> dict[str, Any] | None:
-    """The next message's header (its payload is still to be read), None at a clean end."""
+def recv_header(sock: socket.socket, limit: int | None = None) -> dict[str, Any] | None:
+    """The next message's header (its payload is still to be read), None at a clean end;
+    a header longer than ``limit`` bytes is a SnapshotError (nothing allocated for it)."""
     head = bytearray(_LEN.size)
     n = sock.recv_into(head)
     if n == 0:
@@ -83,6 +85,8 @@ def recv_header(sock: socket.socket) -> dict[str, Any] | None:
     if n < _LEN.size:
         recv_exact(sock, memoryview(head)[n:])
     (size,) = _LEN.unpack(head)
+    if limit is not None and size > limit:
+        raise SnapshotError(f"a header of {size} bytes, above the {limit} expected")
     doc = bytearray(size)
     recv_exact(sock, memoryview(doc))
     return json.loads(doc)
@@ -108,7 +112,7 @@ def challenge(sock: socket.socket, secret: bytes | None) -> str | None:
     Returns None when the client proved the secret, else why it was refused."""
     nonce = secrets.token_bytes(16)
     send(sock, {"nonce": nonce.hex()})
-    answer = recv_header(sock)
+    answer = recv_header(sock, CHALLENGE_LIMIT)  # nobody unauthenticated makes the keeper allocate more
     if answer is None:
         return "closed before answering"
     if secret is None:
