@@ -212,3 +212,17 @@ def world2(rank: int, world: int, root: str) -> None:
         assert "rank 1" in str(e) and "'obj'" in str(e), str(e)
     else:
         raise AssertionError("a failing rank did not fail the save")
+
+
+_KEPT: list = []
+
+
+def start_manager(rank: int, world: int, out: str) -> None:
+    """Leave a multiprocessing Manager server running, as Megatron-Core's async writer
+    does, and write its pid to ``out/rank<r>.pid``."""
+    import multiprocessing
+
+    manager = multiprocessing.get_context("spawn").Manager()
+    _KEPT.append(manager.Queue())  # referenced from a global, so never shut down by collection
+    with open(f"{out}/rank{rank}.pid", "w") as f:
+        f.write(str(manager._process.pid))

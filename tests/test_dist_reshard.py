@@ -10,7 +10,7 @@ import torch
 import unickpt
 from unickpt.testing import run_ranks
 
-from dist_cases import LAYOUTS, VALUES, build_state, check_state, reference, world2, world3, world4
+from dist_cases import LAYOUTS, VALUES, build_state, check_state, reference, start_manager, world2, world3, world4
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,16 @@ def test_manifest_is_plain_json(root):
     doc = json.loads((root / "a4" / "manifest.json").read_text())
     assert doc["format"] == "unickpt" and doc["version"].startswith("1.")
     assert doc["values"]["meta.step"] == VALUES["step"]
+
+
+def test_run_ranks_leaves_no_process_behind(tmp_path):
+    """A rank that leaves a library's helper process running (a Manager server) does not
+    leave it behind when it exits."""
+    run_ranks(start_manager, 2, str(tmp_path), preload=["torch", "torch.distributed", "unickpt.testing"])
+    for r in range(2):
+        pid = int((tmp_path / f"rank{r}.pid").read_text())
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state == "Z", f"rank {r}'s Manager server (pid {pid}) outlived the rank"
