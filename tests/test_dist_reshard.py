@@ -10,7 +10,7 @@ import torch
 import unickpt
 from unickpt.testing import run_ranks
 
-from dist_cases import LAYOUTS, VALUES, build_state, check_state, reference, start_manager, world2, world3, world4
+from dist_cases import VALUES, build_state, check_state, start_manager, world2, world3, world4
 
 
 @pytest.fixture(scope="module")
