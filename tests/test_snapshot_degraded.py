@@ -106,3 +106,44 @@ def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
     finally:
         stop_keeper(root)
         kill_keeper(root)
+
+
+def test_a_keeper_queues_every_rank_connecting_at_once(tmp_path):
+    """After a failure every rank of a job may connect to a keeper at once: while the
+    keeper cannot accept (stopped here), the kernel completes the handshakes of 64
+    connections for it. With a short accept queue the excess attempts are dropped and
+    retried a second later (1 s stalls seen in node-loss recoveries)."""
+    import select
+    import signal
+    import socket
+
+    from unickpt.snapshot.client import ensure_keeper, stop_keeper
+
+    from snapshot_helpers import kill_keeper
+
+    root = str(tmp_path / "shm")
+    doc = ensure_keeper(root, "queue")
+    pid = int(doc["pid"])
+    socks: list[socket.socket] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(64):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((doc["host"], int(doc["port"])))
+            socks.append(s)
+        pending = set(socks)
+        deadline = 0.5
+        while pending and deadline > 0:
+            _, ready, _ = select.select([], list(pending), [], 0.05)
+            deadline -= 0.05
+            for s in ready:
+                assert s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+                pending.discard(s)
+        assert not pending, f"{len(pending)} of 64 connections not taken within 0.5 s"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        for s in socks:
+            s.close()
+        stop_keeper(root)
+        kill_keeper(root)

@@ -63,6 +63,16 @@ def node_files(sdir: str) -> list[tuple[str, int]]:
     return [(n, os.path.getsize(os.path.join(sdir, n))) for n in paths.data_files(sdir)]
 
 
+class _Server(socketserver.ThreadingTCPServer):
+    """The keeper's TCP server: a thread per connection, and an accept queue deep enough
+    for every rank of the job connecting at once after a failure (at the default of 5,
+    the kernel drops the excess connection attempts, each then retried a second later)."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+    request_queue_size = 1024
+
+
 class Keeper:
     """The keeper's state: stripes received, steps announced and whole, the server."""
 
@@ -90,7 +100,7 @@ class Keeper:
         self.peers: dict[int, list[dict[str, Any]]] = {}
         self.conns: dict[tuple[str, int], wire.Connection] = {}
         self.stopping = threading.Event()
-        self.server: socketserver.ThreadingTCPServer | None = None
+        self.server: _Server | None = None
         self.port = 0
 
     # -- life cycle -------------------------------------------------------------------
@@ -110,9 +120,7 @@ class Keeper:
             def handle(self) -> None:
                 keeper.handle_connection(self.request)
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        socketserver.ThreadingTCPServer.daemon_threads = True
-        self.server = socketserver.ThreadingTCPServer((self.host, 0), Handler)
+        self.server = _Server((self.host, 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="keeper-server", daemon=True).start()
         doc = {"pid": os.getpid(), "host": self.host, "port": self.port, "job": self.job}
