@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+from unickpt.errors import SnapshotError
 from unickpt.snapshot import degraded, paths
 from unickpt.snapshot.parity import encode, group_of, holders, layout, members, stripe_range
 
@@ -101,6 +102,20 @@ def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
             assert np.array_equal(np.concatenate([a, b]), data[10:4010]) and peers.received == 4000
             peers.read_views(0, {"op": "read", "path": "step_00000001/x.bin", "offset": 0}, [memoryview(a)])
             assert peers.received == 5000
+            # several requests in flight at once (each on its own connection), the local work meanwhile
+            c, d, ran = np.zeros(2000, np.uint8), np.zeros(7, np.uint8), []
+            peers.read_all([(0, {"op": "read", "path": "step_00000001/x.bin", "offset": 3000}, [memoryview(c)]),
+                            (0, {"op": "read", "path": "step_00000001/x.bin", "offset": 4993}, [memoryview(d)])],
+                           lambda: ran.append(True))
+            assert np.array_equal(c, data[3000:]) and np.array_equal(d, data[4993:]) and ran == [True]
+            assert peers.received == 7007 and len(peers.idle[0]) == 2
+            # a failed request: an error, and neither its connection nor the other one's pooled
+            with pytest.raises(SnapshotError, match="no-such.bin"):
+                peers.read_all([(0, {"op": "read", "path": "step_00000001/x.bin", "offset": 0}, [memoryview(c)]),
+                                (0, {"op": "read", "path": "step_00000001/no-such.bin", "offset": 0}, [memoryview(d)])])
+            assert len(peers.idle[0]) == 1  # the first one came back before the failure
+            peers.read_views(0, {"op": "read", "path": "step_00000001/x.bin", "offset": 1}, [memoryview(d)])
+            assert np.array_equal(d, data[1:8])
         finally:
             peers.close()
     finally:

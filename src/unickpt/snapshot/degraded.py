@@ -13,7 +13,9 @@ read. When such a check fails, :func:`diagnose` checks each input block against 
 crc32c to name the corrupt one.
 
 Blocks held by the reading rank's own node are read from its shm root; the others come
-from their keepers (``blob``/``read`` requests, one connection per thread and node).
+from their keepers (``blob``/``read`` requests on pooled connections): the requests for
+one chunk's inputs are all sent at once and the local blocks read while the keepers
+answer, so a chunk waits for the slowest input, not for the sum of them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import crc32c as _crc
@@ -47,18 +50,47 @@ class Peers:
     def read_views(self, node: int, header: dict[str, Any], views: list[memoryview]) -> None:
         """One ranged request (``read`` or ``blob``) to node ``node``'s keeper, received
         into ``views`` (see :meth:`wire.Connection.read_views`)."""
+        self.read_all([(node, header, views)])
+
+    def read_all(self, requests: list[tuple[int, dict[str, Any], list[memoryview]]],
+                 meanwhile: Callable[[], None] | None = None) -> None:
+        """Ranged requests ``(node, header, views)`` in flight at once, each on its own
+        connection: all are sent, ``meanwhile`` runs (reads of this node's own blocks)
+        while the keepers answer, then every reply is received into its views. A
+        connection whose request failed, or was cut short by another's failure, is
+        closed, never pooled."""
+        started: list[tuple[int, wire.Connection, list[memoryview]]] = []
+        try:
+            for node, header, views in requests:
+                conn = self._take(node)
+                views = [memoryview(v).cast("B") for v in views]
+                conn.start_read(header, sum(v.nbytes for v in views))
+                started.append((node, conn, views))
+            if meanwhile is not None:
+                meanwhile()
+            while started:
+                node, conn, views = started[0]
+                conn.finish_read(views)
+                started.pop(0)
+                with self._lock:
+                    self.idle[node].append(conn)
+                    self.received += sum(v.nbytes for v in views)
+        except BaseException:
+            for _, conn, _ in started:
+                conn.close()
+            raise
+
+    def _take(self, node: int) -> wire.Connection:
+        """An idle connection to ``node``'s keeper, or a new one."""
         with self._lock:
             pool = self.idle.setdefault(node, [])
-            conn = pool.pop() if pool else None
-        if conn is None:
-            peer = self.table[node]
-            conn = wire.Connection(peer["host"], int(peer["port"]), self.secret)
-            with self._lock:
-                self.opened.append(conn)
-        conn.read_views(header, views)  # a failed request leaves its connection out of the pool
+            if pool:
+                return pool.pop()
+        peer = self.table[node]
+        conn = wire.Connection(peer["host"], int(peer["port"]), self.secret)
         with self._lock:
-            self.idle[node].append(conn)
-            self.received += sum(memoryview(v).nbytes for v in views)
+            self.opened.append(conn)
+        return conn
 
     def close(self) -> None:
         """Close every connection."""
@@ -77,23 +109,40 @@ class Source:
 
     def blob(self, node: int, files: list[tuple[str, int]], offset: int, out: memoryview) -> None:
         """Bytes ``offset..`` of the blob of rank files ``files`` held by ``node``."""
-        if node == self.node:
-            read_blob(self.sdir, [(str(n), int(s)) for n, s in files], offset, out)
-        else:
-            self.peers.read_views(node, {"op": "blob", "step": self.step, "offset": offset}, [out])
+        self.fetch([("blob", node, files, offset, out)])
 
     def parity(self, node: int, g: int, r: int, offset: int, out: memoryview) -> None:
         """Bytes ``offset..`` of parity block ``r`` of group ``g`` held by ``node``."""
-        name = paths.parity_name(g, r, "bin")
-        if node == self.node:
-            reader = FileReader(Path(self.sdir) / name)
-            try:
-                reader.pread_into(offset, out)
-            finally:
-                reader.close()
+        self.fetch([("parity", node, (g, r), offset, out)])
+
+    def fetch(self, jobs: list[tuple[str, int, Any, int, memoryview]]) -> None:
+        """Fill each job's ``out``: ``("blob", node, files, offset, out)`` or ``("parity",
+        node, (group, block), offset, out)``. The other nodes' keepers are all asked at
+        once and this node's own blocks read while they answer."""
+        remote = [(node, self._request(kind, what, offset), [out]) for kind, node, what, offset, out in jobs if node != self.node]
+        mine = [job for job in jobs if job[1] == self.node]
+
+        def read_mine() -> None:
+            for kind, _, what, offset, out in mine:
+                if kind == "blob":
+                    read_blob(self.sdir, [(str(n), int(s)) for n, s in what], offset, out)
+                    continue
+                reader = FileReader(Path(self.sdir) / paths.parity_name(what[0], what[1], "bin"))
+                try:
+                    reader.pread_into(offset, out)
+                finally:
+                    reader.close()
+
+        if remote:
+            self.peers.read_all(remote, read_mine)
         else:
-            rel = f"{paths.step_name(self.step)}/{name}"
-            self.peers.read_views(node, {"op": "read", "path": rel, "offset": offset}, [out])
+            read_mine()
+
+    def _request(self, kind: str, what: Any, offset: int) -> dict[str, Any]:
+        """The keeper request for a ``fetch`` job."""
+        if kind == "blob":
+            return {"op": "blob", "step": self.step, "offset": offset}
+        return {"op": "read", "path": f"{paths.step_name(self.step)}/{paths.parity_name(what[0], what[1], 'bin')}", "offset": offset}
 
 
 class _Scratch(threading.local):
@@ -176,36 +225,32 @@ class DegradedReader:
             node, meta = spec["parity"][0]
             self.source.parity(int(node), g, int(meta["r"]), off, out)
             return
+        bufs = self._scratch.get(self.k)
+        jobs, inputs = [], []
+        for j, (_, s_i, node_i, rec) in enumerate(spec["data"]):
+            lo, hi = stripe_range(int(rec["blob"]), int(s_i), self.k)
+            got = max(0, min(n, hi - lo - off))  # a shorter stripe ends early
+            if got:
+                jobs.append(("blob", int(node_i), rec["files"], lo + off, memoryview(bufs[j][:got])))
+            inputs.append((int(s_i), bufs[j][:n], got))
         if self.m == 1:  # XOR: the parity chunk straight into the output, the data chunks XORed onto it
             node, meta = spec["parity"][0]
-            self.source.parity(int(node), g, int(meta["r"]), off, out)
-            buf = self._scratch.get(1)[0]
-            for _, s_i, node_i, rec in spec["data"]:
-                got = self._data(rec, int(s_i), int(node_i), off, buf[:n])
+            self.source.fetch([("parity", int(node), (g, int(meta["r"])), off, out), *jobs])
+            for _, b, got in inputs:
                 if got:
-                    xor_into(target, buf[:got])
+                    xor_into(target, b[:got])
             return
-        bufs = self._scratch.get(self.k)
         blocks: dict[int, np.ndarray] = {}
-        for j, (_, s_i, node_i, rec) in enumerate(spec["data"]):
-            b = bufs[j][:n]
-            got = self._data(rec, int(s_i), int(node_i), off, b)
-            b[got:] = 0  # a shorter stripe is zero-padded inside the code
-            blocks[int(s_i)] = b
+        for s_i, b, got in inputs:
+            blocks[s_i] = b
         for j, (node, meta) in enumerate(spec["parity"], len(spec["data"])):
             b = bufs[j][:n]
-            self.source.parity(int(node), g, int(meta["r"]), off, memoryview(b))
+            jobs.append(("parity", int(node), (g, int(meta["r"])), off, memoryview(b)))
             blocks[self.k + int(meta["r"])] = b
+        self.source.fetch(jobs)
+        for _, b, got in inputs:
+            b[got:] = 0  # a shorter stripe is zero-padded inside the code
         target[:] = decode(blocks, self.k, self.m, [s])[s][:n]
-
-    def _data(self, rec: dict[str, Any], s_i: int, node_i: int, off: int, buf: np.ndarray) -> int:
-        """Read bytes ``off..`` of a surviving member's stripe ``s_i`` into ``buf``; returns
-        how many it has there (a shorter stripe ends early)."""
-        lo, hi = stripe_range(int(rec["blob"]), s_i, self.k)
-        got = max(0, min(buf.size, hi - lo - off))
-        if got:
-            self.source.blob(node_i, rec["files"], lo + off, memoryview(buf[:got]))
-        return got
 
     def close(self) -> None:
         """Nothing to release (the connections belong to the storage)."""

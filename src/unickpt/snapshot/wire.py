@@ -176,21 +176,39 @@ class Connection:
         """One ranged request (``read`` or ``blob``) for the total length of ``views``,
         its reply received straight into them, one after the other."""
         views = [memoryview(v).cast("B") for v in views]
+        self.start_read(header, sum(v.nbytes for v in views))
+        self.finish_read(views)
+
+    def start_read(self, header: dict[str, Any], total: int) -> None:
+        """Send a ranged request for ``total`` bytes without waiting for its reply, which
+        :meth:`finish_read` receives: requests to several keepers are then in flight at
+        once. The connection is the caller's until then."""
+        self.lock.acquire()
+        try:
+            send(self.sock, dict(header, length=total))
+        except OSError as e:
+            self.lock.release()
+            raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {e}") from None
+
+    def finish_read(self, views: list[memoryview]) -> None:
+        """Receive the reply to the request :meth:`start_read` sent, straight into
+        ``views``, one after the other."""
+        views = [memoryview(v).cast("B") for v in views]
         total = sum(v.nbytes for v in views)
-        with self.lock:
-            try:
-                send(self.sock, dict(header, length=total))
-                reply = recv_header(self.sock)
-                if reply is None:
-                    raise SnapshotError("keeper closed the connection")
-                if not reply.get("ok"):
-                    raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {reply.get('error')}")
-                if int(reply.get("nbytes", 0)) != total:
-                    raise SnapshotError(f"keeper sent {reply.get('nbytes')} bytes, {total} asked")
-                for v in views:
-                    recv_exact(self.sock, v)
-            except OSError as e:
-                raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {e}") from None
+        try:
+            reply = recv_header(self.sock)
+            if reply is None:
+                raise SnapshotError("keeper closed the connection")
+            if not reply.get("ok"):
+                raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {reply.get('error')}")
+            if int(reply.get("nbytes", 0)) != total:
+                raise SnapshotError(f"keeper sent {reply.get('nbytes')} bytes, {total} asked")
+            for v in views:
+                recv_exact(self.sock, v)
+        except OSError as e:
+            raise SnapshotError(f"keeper at {self.address[0]}:{self.address[1]}: {e}") from None
+        finally:
+            self.lock.release()
 
     def close(self) -> None:
         """Close the connection."""
