@@ -175,3 +175,40 @@ def snapshots_during_slow_save(rank: int, world: int, env: dict[str, str], url: 
                        "step": outcome.step, "bitwise": all(torch.equal(got[k], want[k]) for k in want),
                        "durable_bitwise": torch.equal(back["big"].value, durable["big"].value)
                        and torch.equal(back["w"], durable["w"])}, f)
+
+
+def two_machines_rank(rank: int, world: int, roots: list[str], master: str, out: str) -> None:
+    """Rank ``rank`` as node ``rank`` (its own shm root) of a job whose rendezvous is at
+    ``master``: one snapshot protected by XOR parity across the 2 nodes, made whole by
+    the keepers, then recovered from memory into zeroed tensors. Rank 0 writes the
+    keepers' addresses, the recovery line and whether the state came back bitwise."""
+    import torch
+
+    import unickpt
+    from unickpt.snapshot import Snapshotter, recover
+
+    os.environ.update(UNICKPT_SHM_ROOT=roots[rank], UNICKPT_JOB_ID="hosts", GROUP_RANK=str(rank), LOCAL_RANK="0",
+                      MASTER_ADDR=master)
+    os.environ.pop("UNICKPT_KEEPER_HOST", None)
+    want = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    state = {"w": unickpt.PerRank(want.clone())}
+    snap = Snapshotter("hosts", 1, 1)
+    snap.snapshot(state, 1).result()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(snap.jdir, "step_00000001", "whole")):  # parity exchanged
+        if time.monotonic() > deadline:
+            raise TimeoutError("step 1 not whole")
+        time.sleep(0.01)
+    state["w"].value.zero_()
+
+    def load(path, storage):
+        unickpt.load(state, path, storage=storage, manifest=storage.manifest)
+        return 1
+
+    outcome = recover(snap, load)
+    ok = torch.tensor([int(torch.equal(state["w"].value, want))])
+    torch.distributed.all_reduce(ok)
+    snap.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"hosts": [t["host"] for t in snap.table], "line": outcome.line, "bitwise": int(ok) == world}, f)

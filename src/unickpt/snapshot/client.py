@@ -17,6 +17,7 @@ rank's shard for each).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import secrets
@@ -26,6 +27,7 @@ import struct
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -44,9 +46,58 @@ KEEPER_START_S = 60.0
 # The snapshots' own async-save channel: staging buffer, gloo group and save in flight
 # apart from the trainer's durable saves, so a snapshot never waits for one.
 CHANNEL = "snapshot"
-# node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, and the
-# job secret the node proposes (1: stored on the node already, 0: freshly drawn)
-_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s")
+KEEPER_HOST_ENV = "UNICKPT_KEEPER_HOST"
+# node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, the job
+# secret the node proposes (1: stored on the node already, 0: freshly drawn), the machine
+_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s16s")
+
+
+def keeper_host(host: str | None = None) -> str:
+    """The IPv4 address this node's keeper listens on: ``host`` or $UNICKPT_KEEPER_HOST (an
+    address, or a name that resolves to one); else, when the job's rendezvous host
+    ($MASTER_ADDR, which torchrun sets) is not a loopback address, this machine's address
+    on the route to it (other machines reach the keeper where they reach the rendezvous);
+    else 127.0.0.1 (all nodes on one machine)."""
+    named = host or os.environ.get(KEEPER_HOST_ENV)
+    if named:
+        try:
+            return socket.gethostbyname(named)
+        except OSError as e:
+            raise SnapshotError(f"the keeper host {named!r} (${KEEPER_HOST_ENV}) is not an IPv4 address or a name "
+                                f"that resolves to one: {e.strerror or e}") from None
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            addr = socket.gethostbyname(master)
+            if not ipaddress.ip_address(addr).is_loopback:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                    probe.connect((addr, 9))  # UDP: picks the route and its source address, sends nothing
+                    return probe.getsockname()[0]
+        except (OSError, ValueError):
+            pass
+    return "127.0.0.1"
+
+
+def machine_id() -> bytes:
+    """16 bytes naming this machine (its boot id; a hash of its host name where there is none)."""
+    try:
+        return uuid.UUID(open("/proc/sys/kernel/random/boot_id").read().strip()).bytes
+    except (OSError, ValueError):
+        return hashlib.sha256(socket.gethostname().encode()).digest()[:16]
+
+
+def unreachable_keepers(hosts: list[str], machines: list[bytes]) -> str | None:
+    """Why keepers at ``hosts`` (by node) on ``machines`` cannot all reach each other, or
+    None: a keeper listening on a loopback address serves only its own machine."""
+    if len(set(machines)) < 2:
+        return None
+    local = [n for n, h in enumerate(hosts) if ipaddress.ip_address(h).is_loopback]
+    if not local:
+        return None
+    which = ", ".join(map(str, local))
+    return (f"the job's nodes run on {len(set(machines))} machines, but the snapshot keeper of node{'s' if len(local) > 1 else ''} "
+            f"{which} listens on {hosts[local[0]]}, which the other machines cannot reach: set ${KEEPER_HOST_ENV} to each "
+            f"node's address on the cluster network (or give torchrun a rendezvous endpoint that is not a loopback address)")
 
 
 def job_id(ckpt_dir: str | None = None) -> str:
@@ -209,7 +260,7 @@ class Snapshotter:
         self.job, self.every = job, every
         self.flush_every = flush_every
         self.flush_dir = os.path.abspath(flush_dir) if flush_dir else None
-        self.host = host or os.environ.get("UNICKPT_KEEPER_HOST") or "127.0.0.1"
+        self.host = keeper_host(host)
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
         if parity is None:  # XOR by default; none with copies on neighbours
@@ -267,7 +318,7 @@ class Snapshotter:
         """Collective: every rank's node, keeper and memory figures; the keeper table by node.
         The first time, also the job's secret: the one stored on the lowest node that holds
         one (a relaunch keeps it, whichever nodes survived), else one the first node drew."""
-        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES)
+        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES, b"\0" * 16)
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
@@ -276,7 +327,7 @@ class Snapshotter:
             stored = self.secret or paths.read_secret(self.root, self.job)
             proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
             mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
-                    cap, socket.inet_aton(self.keeper["host"]), *proposal)
+                    cap, socket.inet_aton(self.keeper["host"]), *proposal, machine_id())
         rows = [_INFO.unpack(b) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
         keepers = {r[0]: r for r in rows if r[1]}
         if sorted(keepers) != list(range(len(keepers))) or {r[0] for r in rows} != set(keepers):
@@ -285,6 +336,9 @@ class Snapshotter:
             proposals = [keepers[n] for n in sorted(keepers)]
             self.secret = next((r[10] for r in proposals if r[9]), proposals[0][10])
         table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
+        why = unreachable_keepers([t["host"] for t in table], [keepers[n][11] for n in sorted(keepers)])
+        if why:
+            raise SnapshotError(why)
         return table, rows
 
     def snapshot(self, state: dict[str, Any], step: int, flush: bool = True) -> AsyncSaveHandle | None:
