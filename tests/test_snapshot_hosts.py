@@ -72,3 +72,28 @@ def test_a_network_rendezvous_puts_the_keepers_on_the_network(tmp_path):
     seen = json.loads(out.read_text())
     assert seen["hosts"] == [own, own] and seen["bitwise"], seen
     assert seen["line"].startswith("resumed step 1 from memory"), seen
+
+
+def test_a_keeper_on_another_address_is_replaced_and_the_snapshots_kept(tmp_path):
+    """A relaunch that wants its keeper elsewhere (its nodes now on several machines)
+    replaces the running keeper of the job; the snapshots in the shm root stay."""
+    import os
+
+    from unickpt.snapshot import paths
+    from unickpt.snapshot.client import ensure_keeper, running_keeper
+
+    root = str(tmp_path / "shm")
+    try:
+        first = ensure_keeper(root, "moved", "127.0.0.1")
+        step = os.path.join(paths.job_dir(root, "moved"), "step_00000003")
+        os.makedirs(step)
+        open(os.path.join(step, "rank_00000.safetensors"), "wb").write(b"x" * 100)
+        assert ensure_keeper(root, "moved", "127.0.0.1")["pid"] == first["pid"]
+        second = ensure_keeper(root, "moved", "127.0.0.2")
+        assert second["host"] == "127.0.0.2" and second["pid"] != first["pid"]
+        with pytest.raises(ProcessLookupError):  # gone (and reaped)
+            os.kill(int(first["pid"]), 0)
+        assert running_keeper(root)["pid"] == second["pid"]
+        assert open(os.path.join(step, "rank_00000.safetensors"), "rb").read() == b"x" * 100
+    finally:
+        kill_keeper(root)

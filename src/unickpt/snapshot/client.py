@@ -155,8 +155,9 @@ _KEEPER_BOOT = (
 
 
 def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any]:
-    """The node's keeper for ``job`` (started, detached in its own session, when none runs).
-    A live keeper of another job on the same root is a SnapshotError."""
+    """The node's keeper for ``job`` listening on ``host`` (started, detached in its own
+    session, when none runs; one of the job on another address is replaced). A live keeper
+    of another job on the same root is a SnapshotError."""
     for p in list(_CHILDREN):  # reap keepers this process started that have died
         if p.poll() is not None:
             _CHILDREN.remove(p)
@@ -168,7 +169,9 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
                 f"give each job its own UNICKPT_SHM_ROOT, or stop that keeper (kill {doc['pid']}: the snapshots it "
                 f"holds are then deleted at the next keeper's start)"
             )
-        return doc
+        if doc["host"] == host:
+            return doc
+        _replace_keeper(doc)
     paths.make_private(root)
     log_path = os.path.join(paths.base_dir(root), "keeper.log")
     log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
@@ -187,6 +190,24 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
                                 f"see {log_path}")
         time.sleep(0.01)
     raise SnapshotError(f"the snapshot keeper did not start within {KEEPER_START_S:.0f} s; see {log_path}")
+
+
+def _replace_keeper(doc: dict[str, Any]) -> None:
+    """Stop a keeper of the job that listens on another address than this start asks for
+    (a relaunch whose nodes are now on other machines); the snapshots it holds stay in the
+    shm root for the keeper started in its place."""
+    pid = int(doc["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + KEEPER_START_S
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise SnapshotError(f"the snapshot keeper (pid {pid}) listening on {doc['host']} did not exit on SIGTERM")
+        for p in _CHILDREN:
+            p.poll()
+        time.sleep(0.01)
 
 
 def _last_line(path: str) -> str:
