@@ -202,12 +202,17 @@ def _replace_keeper(doc: dict[str, Any]) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + KEEPER_START_S
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            raise SnapshotError(f"the snapshot keeper (pid {pid}) listening on {doc['host']} did not exit on SIGTERM")
-        for p in _CHILDREN:
-            p.poll()
-        time.sleep(0.01)
+    mine = [p for p in _CHILDREN if p.pid == pid]
+    try:
+        if mine:  # this process started it: wait for (and reap) it
+            mine[0].wait(KEEPER_START_S)
+            _CHILDREN.remove(mine[0])
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(pid), KEEPER_START_S)
+            time.sleep(0.01)
+    except subprocess.TimeoutExpired:
+        raise SnapshotError(f"the snapshot keeper (pid {pid}) listening on {doc['host']} did not exit on SIGTERM") from None
 
 
 def _last_line(path: str) -> str:
