@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import crc32c as _crc
