@@ -177,19 +177,18 @@ def snapshots_during_slow_save(rank: int, world: int, env: dict[str, str], url: 
                        and torch.equal(back["w"], durable["w"])}, f)
 
 
-def two_machines_rank(rank: int, world: int, roots: list[str], master: str, out: str) -> None:
-    """Rank ``rank`` as node ``rank`` (its own shm root) of a job whose rendezvous is at
-    ``master``: one snapshot protected by XOR parity across the 2 nodes, made whole by
-    the keepers, then recovered from memory into zeroed tensors. Rank 0 writes the
-    keepers' addresses, the recovery line and whether the state came back bitwise."""
+def two_machines_rank(rank: int, world: int, roots: list[str], host: str, out: str) -> None:
+    """Rank ``rank`` as node ``rank`` (its own shm root) whose keeper listens on ``host``:
+    one snapshot protected by XOR parity across the 2 nodes, made whole by the keepers,
+    then recovered from memory into zeroed tensors. Rank 0 writes the keepers'
+    addresses, the recovery line and whether the state came back bitwise."""
     import torch
 
     import unickpt
     from unickpt.snapshot import Snapshotter, recover
 
     os.environ.update(UNICKPT_SHM_ROOT=roots[rank], UNICKPT_JOB_ID="hosts", GROUP_RANK=str(rank), LOCAL_RANK="0",
-                      MASTER_ADDR=master)
-    os.environ.pop("UNICKPT_KEEPER_HOST", None)
+                      UNICKPT_KEEPER_HOST=host)
     want = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
     state = {"w": unickpt.PerRank(want.clone())}
     snap = Snapshotter("hosts", 1, 1)

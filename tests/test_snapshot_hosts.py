@@ -1,7 +1,7 @@
-"""Where the snapshot keepers listen: a job whose rendezvous is on the network gets
-keepers on the network (other machines must reach them) without any setting, and a job
-over several machines with a keeper on a loopback address is one clear error instead of
-snapshots that never become whole."""
+"""Where the snapshot keepers listen: a job over several machines (network namespaces)
+gets keepers on each machine's network address without any setting, one machine keeps
+them on loopback, and a job over several machines with a keeper on a loopback address is
+one clear error instead of snapshots that never become whole."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from unickpt.errors import SnapshotError
-from unickpt.snapshot.client import keeper_host, unreachable_keepers
+from unickpt.snapshot.client import keeper_host, network_identity, unreachable_keepers
 from unickpt.testing import run_ranks
 
 from snapshot_helpers import kill_keeper, two_machines_rank
@@ -28,22 +28,44 @@ def _own_address() -> str | None:
     return None if addr.startswith("127.") else addr
 
 
-def test_the_keeper_host_follows_the_rendezvous(monkeypatch):
+def test_the_keeper_host(monkeypatch):
+    """One machine: loopback, whatever the rendezvous. Several: this machine's network
+    address, also where the rendezvous host's name resolves to a loopback address on its
+    own machine (Debian's /etc/hosts). A named host wins; one that does not resolve is one
+    error."""
     monkeypatch.delenv("UNICKPT_KEEPER_HOST", raising=False)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    assert keeper_host() == "127.0.0.1"
-    monkeypatch.setenv("MASTER_ADDR", "localhost")
-    assert keeper_host() == "127.0.0.1"
     own = _own_address()
+    assert keeper_host() == "127.0.0.1"
     if own:
         monkeypatch.setenv("MASTER_ADDR", own)
-        assert keeper_host() == own
+        assert keeper_host() == "127.0.0.1"  # simulated nodes of one machine stay private
+        assert keeper_host(several_machines=True) == own
+        monkeypatch.setenv("MASTER_ADDR", "localhost")
+        assert keeper_host(several_machines=True) == own
     monkeypatch.setenv("UNICKPT_KEEPER_HOST", "localhost")  # named: wins, resolved
-    assert keeper_host() == "127.0.0.1"
+    assert keeper_host(several_machines=True) == "127.0.0.1"
     assert keeper_host("127.0.0.2") == "127.0.0.2"
     monkeypatch.setenv("UNICKPT_KEEPER_HOST", "no-such-host.invalid")
     with pytest.raises(SnapshotError, match=r"the keeper host 'no-such-host.invalid' \(\$UNICKPT_KEEPER_HOST\) is not"):
         keeper_host()
+
+
+def test_the_network_identity_tells_network_namespaces_apart():
+    """Processes that share a loopback share the identity; a process in another network
+    namespace (a container on the same kernel) does not."""
+    import shutil
+    import subprocess
+    import sys
+
+    code = "from unickpt.snapshot.client import network_identity as n; print(n().hex())"
+    here = network_identity().hex()
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == here
+    unshare = shutil.which("unshare")
+    other = subprocess.run([unshare, "--net", sys.executable, "-c", code], capture_output=True, text=True) if unshare else None
+    if other is None or other.returncode:
+        pytest.skip("cannot make a network namespace here")
+    assert other.stdout.strip() not in ("", here)
 
 
 def test_keepers_on_loopback_across_machines_are_refused():
@@ -56,9 +78,9 @@ def test_keepers_on_loopback_across_machines_are_refused():
         "other machines cannot reach: set $UNICKPT_KEEPER_HOST"), why
 
 
-def test_a_network_rendezvous_puts_the_keepers_on_the_network(tmp_path):
-    """2 simulated nodes whose rendezvous names this machine's network address: both
-    keepers listen there, exchange parity over it and serve the recovery."""
+def test_keepers_on_a_network_address_exchange_parity_and_serve_the_recovery(tmp_path):
+    """2 simulated nodes whose keepers listen on this machine's network address
+    ($UNICKPT_KEEPER_HOST): the parity crosses it and the recovery is served over it."""
     own = _own_address()
     if own is None:
         pytest.skip("no IPv4 address besides loopback")

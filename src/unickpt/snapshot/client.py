@@ -27,7 +27,6 @@ import struct
 import subprocess
 import sys
 import time
-import uuid
 from typing import Any
 
 import torch
@@ -47,17 +46,17 @@ KEEPER_START_S = 60.0
 # apart from the trainer's durable saves, so a snapshot never waits for one.
 CHANNEL = "snapshot"
 KEEPER_HOST_ENV = "UNICKPT_KEEPER_HOST"
-# node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, the job
-# secret the node proposes (1: stored on the node already, 0: freshly drawn), the machine
-_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s16s")
+# node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, and the
+# job secret the node proposes (1: stored on the node already, 0: freshly drawn)
+_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s")
+_WHERE = struct.Struct("<i16s")  # node, network identity
 
 
-def keeper_host(host: str | None = None) -> str:
+def keeper_host(host: str | None = None, several_machines: bool = False) -> str:
     """The IPv4 address this node's keeper listens on: ``host`` or $UNICKPT_KEEPER_HOST (an
-    address, or a name that resolves to one); else, when the job's rendezvous host
-    ($MASTER_ADDR, which torchrun sets) is not a loopback address, this machine's address
-    on the route to it (other machines reach the keeper where they reach the rendezvous);
-    else 127.0.0.1 (all nodes on one machine)."""
+    address, or a name that resolves to one); else 127.0.0.1 when the job runs on one
+    machine (one loopback: the simulated nodes); else this machine's network address
+    (:func:`network_address`)."""
     named = host or os.environ.get(KEEPER_HOST_ENV)
     if named:
         try:
@@ -65,25 +64,52 @@ def keeper_host(host: str | None = None) -> str:
         except OSError as e:
             raise SnapshotError(f"the keeper host {named!r} (${KEEPER_HOST_ENV}) is not an IPv4 address or a name "
                                 f"that resolves to one: {e.strerror or e}") from None
+    if not several_machines:
+        return "127.0.0.1"
+    addr = network_address()
+    if addr is None:
+        raise SnapshotError(f"the job's nodes run on several machines and this one has no network address to offer "
+                            f"its snapshot keeper on: set ${KEEPER_HOST_ENV} to its address on the cluster network")
+    return addr
+
+
+def network_address() -> str | None:
+    """This machine's IPv4 address where the other machines reach it: on the route to the
+    job's rendezvous host ($MASTER_ADDR, which torchrun sets) when that resolves to another
+    machine, else on the default route (the rendezvous host's own machine, whose host name
+    may resolve to a loopback address there); None without either."""
+    targets = []
     master = os.environ.get("MASTER_ADDR")
     if master:
         try:
-            addr = socket.gethostbyname(master)
-            if not ipaddress.ip_address(addr).is_loopback:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                    probe.connect((addr, 9))  # UDP: picks the route and its source address, sends nothing
-                    return probe.getsockname()[0]
-        except (OSError, ValueError):
+            targets.append(socket.gethostbyname(master))
+        except OSError:
             pass
-    return "127.0.0.1"
+    targets.append("198.51.100.1")  # a documentation address: only the default route's choice matters
+    for target in targets:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # UDP: picks the route and its source address, sends nothing
+                addr = probe.getsockname()[0]
+        except OSError:
+            continue
+        if not ipaddress.ip_address(addr).is_loopback:
+            return addr
+    return None
 
 
-def machine_id() -> bytes:
-    """16 bytes naming this machine (its boot id; a hash of its host name where there is none)."""
+def network_identity() -> bytes:
+    """16 bytes that exactly the processes sharing one loopback interface share: this
+    kernel's boot id and the network namespace (containers on one host have their own)."""
     try:
-        return uuid.UUID(open("/proc/sys/kernel/random/boot_id").read().strip()).bytes
-    except (OSError, ValueError):
-        return hashlib.sha256(socket.gethostname().encode()).digest()[:16]
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = ""
+    return hashlib.sha256(f"{boot}/{netns}".encode()).digest()[:16]
 
 
 def unreachable_keepers(hosts: list[str], machines: list[bytes]) -> str | None:
@@ -286,7 +312,6 @@ class Snapshotter:
         self.job, self.every = job, every
         self.flush_every = flush_every
         self.flush_dir = os.path.abspath(flush_dir) if flush_dir else None
-        self.host = keeper_host(host)
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
         if parity is None:  # XOR by default; none with copies on neighbours
@@ -295,6 +320,9 @@ class Snapshotter:
         self.process_group = process_group
         self.group = checkpoint_group(resolve_group(process_group), CHANNEL)
         self.node, self.local_rank = node_position()
+        where = [_WHERE.unpack(b) for b in all_gather_fixed(self.group, _WHERE.pack(self.node, network_identity()))]
+        self.machines = dict(where)  # node -> network identity
+        self.host = keeper_host(host, len(set(self.machines.values())) > 1)
         self.keeper: dict[str, Any] | None = None
         if self.local_rank == 0:
             try:
@@ -344,7 +372,7 @@ class Snapshotter:
         """Collective: every rank's node, keeper and memory figures; the keeper table by node.
         The first time, also the job's secret: the one stored on the lowest node that holds
         one (a relaunch keeps it, whichever nodes survived), else one the first node drew."""
-        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES, b"\0" * 16)
+        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES)
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
@@ -353,7 +381,7 @@ class Snapshotter:
             stored = self.secret or paths.read_secret(self.root, self.job)
             proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
             mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
-                    cap, socket.inet_aton(self.keeper["host"]), *proposal, machine_id())
+                    cap, socket.inet_aton(self.keeper["host"]), *proposal)
         rows = [_INFO.unpack(b) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
         keepers = {r[0]: r for r in rows if r[1]}
         if sorted(keepers) != list(range(len(keepers))) or {r[0] for r in rows} != set(keepers):
@@ -362,7 +390,7 @@ class Snapshotter:
             proposals = [keepers[n] for n in sorted(keepers)]
             self.secret = next((r[10] for r in proposals if r[9]), proposals[0][10])
         table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
-        why = unreachable_keepers([t["host"] for t in table], [keepers[n][11] for n in sorted(keepers)])
+        why = unreachable_keepers([t["host"] for t in table], [self.machines.get(n, b"") for n in sorted(keepers)])
         if why:
             raise SnapshotError(why)
         return table, rows
