@@ -13,7 +13,8 @@ import torch
 
 from unickpt.errors import SnapshotError
 from unickpt.snapshot import paths, wire
-from unickpt.snapshot.client import Snapshotter, ensure_keeper, running_keeper, stop_keeper
+from unickpt.snapshot.client import Snapshotter
+from unickpt.snapshot.keepers import ensure_keeper, running_keeper, stop_keeper
 
 from snapshot_helpers import kill_keeper
 

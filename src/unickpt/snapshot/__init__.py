@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Snapshotter": "client", "ensure_keeper": "client", "stop_keeper": "client", "job_id": "client",
+    "Snapshotter": "client", "ensure_keeper": "keepers", "stop_keeper": "keepers", "job_id": "client",
     "recover": "recover", "Outcome": "recover",
 }
 __all__ = sorted(_EXPORTS)

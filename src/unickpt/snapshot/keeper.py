@@ -1,6 +1,6 @@
 """The snapshot keeper: one process per node that owns the node's snapshots in host memory.
 
-Started by the first local rank of a job (:func:`unickpt.snapshot.client.ensure_keeper`),
+Started by the first local rank of a job (:func:`unickpt.snapshot.keepers.ensure_keeper`),
 in its own session, so it outlives a crashed trainer. It
 
 * reaps the snapshot directories of other (dead) jobs under its shm root at start;

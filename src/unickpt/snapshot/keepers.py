@@ -1,0 +1,230 @@
+"""The keeper processes seen from the trainers: where a node's keeper listens, starting
+it (detached, so it outlives a crashed trainer), finding it, replacing and stopping it.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..errors import SnapshotError
+from . import paths, wire
+
+KEEPER_START_S = 60.0
+KEEPER_HOST_ENV = "UNICKPT_KEEPER_HOST"
+
+
+def keeper_host(host: str | None = None, several_machines: bool = False) -> str:
+    """The IPv4 address this node's keeper listens on: ``host`` or $UNICKPT_KEEPER_HOST (an
+    address, or a name that resolves to one); else 127.0.0.1 when the job runs on one
+    machine (one loopback: the simulated nodes); else this machine's network address
+    (:func:`network_address`)."""
+    named = host or os.environ.get(KEEPER_HOST_ENV)
+    if named:
+        try:
+            return socket.gethostbyname(named)
+        except OSError as e:
+            raise SnapshotError(f"the keeper host {named!r} (${KEEPER_HOST_ENV}) is not an IPv4 address or a name "
+                                f"that resolves to one: {e.strerror or e}") from None
+    if not several_machines:
+        return "127.0.0.1"
+    addr = network_address()
+    if addr is None:
+        raise SnapshotError(f"the job's nodes run on several machines and this one has no network address to offer "
+                            f"its snapshot keeper on: set ${KEEPER_HOST_ENV} to its address on the cluster network")
+    return addr
+
+
+def network_address() -> str | None:
+    """This machine's IPv4 address where the other machines reach it: on the route to the
+    job's rendezvous host ($MASTER_ADDR, which torchrun sets) when that resolves to another
+    machine, else on the default route (the rendezvous host's own machine, whose host name
+    may resolve to a loopback address there); None without either."""
+    targets = []
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            targets.append(socket.gethostbyname(master))
+        except OSError:
+            pass
+    targets.append("198.51.100.1")  # a documentation address: only the default route's choice matters
+    for target in targets:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # UDP: picks the route and its source address, sends nothing
+                addr = probe.getsockname()[0]
+        except OSError:
+            continue
+        if not ipaddress.ip_address(addr).is_loopback:
+            return addr
+    return None
+
+
+def network_identity() -> bytes:
+    """16 bytes that exactly the processes sharing one loopback interface share: this
+    kernel's boot id and the network namespace (containers on one host have their own)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = ""
+    return hashlib.sha256(f"{boot}/{netns}".encode()).digest()[:16]
+
+
+def unreachable_keepers(hosts: list[str], machines: list[bytes]) -> str | None:
+    """Why keepers at ``hosts`` (by node) on ``machines`` cannot all reach each other, or
+    None: a keeper listening on a loopback address serves only its own machine."""
+    if len(set(machines)) < 2:
+        return None
+    local = [n for n, h in enumerate(hosts) if ipaddress.ip_address(h).is_loopback]
+    if not local:
+        return None
+    which = ", ".join(map(str, local))
+    return (f"the job's nodes run on {len(set(machines))} machines, but the snapshot keeper of node{'s' if len(local) > 1 else ''} "
+            f"{which} listens on {hosts[local[0]]}, which the other machines cannot reach: set ${KEEPER_HOST_ENV} to each "
+            f"node's address on the cluster network (or give torchrun a rendezvous endpoint that is not a loopback address)")
+
+
+def _alive(pid: int) -> bool:
+    """True when ``pid`` is a running (not zombie) keeper process."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"unickpt.snapshot.keeper" in f.read()
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def running_keeper(root: str) -> dict[str, Any] | None:
+    """The address document of the live keeper of this shm root, or None."""
+    try:
+        with open(paths.address_file(root)) as f:
+            doc = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return doc if _alive(int(doc["pid"])) else None
+
+
+_CHILDREN: list[subprocess.Popen] = []
+
+# The keeper needs neither torch nor the rest of unickpt: it is started with a bare
+# ``unickpt`` package (its __init__, which imports torch, is skipped), so it starts in a
+# fraction of a second and holds no torch runtime in memory.
+_KEEPER_BOOT = (
+    "import sys, types; pkg = types.ModuleType('unickpt'); pkg.__path__ = [sys.argv.pop(1)]; "
+    "sys.modules['unickpt'] = pkg; from unickpt.snapshot.keeper import main; main(sys.argv[1:])"
+)
+
+
+def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any]:
+    """The node's keeper for ``job`` listening on ``host`` (started, detached in its own
+    session, when none runs; one of the job on another address is replaced). A live keeper
+    of another job on the same root is a SnapshotError."""
+    for p in list(_CHILDREN):  # reap keepers this process started that have died
+        if p.poll() is not None:
+            _CHILDREN.remove(p)
+    doc = running_keeper(root)
+    if doc is not None:
+        if doc["job"] != job:
+            raise SnapshotError(
+                f"the snapshot keeper (pid {doc['pid']}) in {root} serves job {doc['job']!r}, not {job!r}; "
+                f"give each job its own UNICKPT_SHM_ROOT, or stop that keeper (kill {doc['pid']}: the snapshots it "
+                f"holds are then deleted at the next keeper's start)"
+            )
+        if doc["host"] == host:
+            return doc
+        _replace_keeper(doc)
+    paths.make_private(root)
+    log_path = os.path.join(paths.base_dir(root), "keeper.log")
+    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-c", _KEEPER_BOOT, package, "--root", root, "--job", job, "--host", host]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+    log.close()
+    _CHILDREN.append(proc)
+    deadline = time.monotonic() + KEEPER_START_S
+    while time.monotonic() < deadline:
+        doc = running_keeper(root)
+        if doc is not None and int(doc["pid"]) == proc.pid:
+            return doc
+        if proc.poll() is not None:
+            raise SnapshotError(f"the snapshot keeper exited at start (code {proc.returncode}: {_last_line(log_path)}); "
+                                f"see {log_path}")
+        time.sleep(0.01)
+    raise SnapshotError(f"the snapshot keeper did not start within {KEEPER_START_S:.0f} s; see {log_path}")
+
+
+def _replace_keeper(doc: dict[str, Any]) -> None:
+    """Stop a keeper of the job that listens on another address than this start asks for
+    (a relaunch whose nodes are now on other machines); the snapshots it holds stay in the
+    shm root for the keeper started in its place."""
+    pid = int(doc["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + KEEPER_START_S
+    mine = [p for p in _CHILDREN if p.pid == pid]
+    try:
+        if mine:  # this process started it: wait for (and reap) it
+            mine[0].wait(KEEPER_START_S)
+            _CHILDREN.remove(mine[0])
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(pid), KEEPER_START_S)
+            time.sleep(0.01)
+    except subprocess.TimeoutExpired:
+        raise SnapshotError(f"the snapshot keeper (pid {pid}) listening on {doc['host']} did not exit on SIGTERM") from None
+
+
+def _last_line(path: str) -> str:
+    """The last line of a log file (what a keeper that died at start said last)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "no log"
+
+
+def stop_keeper(root: str, timeout: float = 30.0) -> None:
+    """Ask the keeper of ``root`` to delete its job's snapshots and exit, and wait for it."""
+    doc = running_keeper(root)
+    if doc is None:
+        return
+    secret = paths.read_secret(root, str(doc["job"]))
+    try:
+        if secret is None:  # a keeper never given its job's secret (a start that failed): it holds nothing
+            os.kill(int(doc["pid"]), signal.SIGTERM)
+        else:
+            conn = wire.Connection(doc["host"], int(doc["port"]), secret)
+            try:
+                conn.request({"op": "stop"})
+            finally:
+                conn.close()
+    except (SnapshotError, ProcessLookupError):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(int(doc["pid"])):
+        for p in _CHILDREN:
+            p.poll()
+        time.sleep(0.01)
