@@ -73,7 +73,8 @@ def network_identity() -> bytes:
     """16 bytes that exactly the processes sharing one loopback interface share: this
     kernel's boot id and the network namespace (containers on one host have their own)."""
     try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
     except OSError:
         boot = socket.gethostname()
     try:
@@ -94,7 +95,7 @@ def unreachable_keepers(hosts: list[str], machines: list[bytes]) -> str | None:
     which = ", ".join(map(str, local))
     return (f"the job's nodes run on {len(set(machines))} machines, but the snapshot keeper of node{'s' if len(local) > 1 else ''} "
             f"{which} listens on {hosts[local[0]]}, which the other machines cannot reach: set ${KEEPER_HOST_ENV} to each "
-            f"node's address on the cluster network (or give torchrun a rendezvous endpoint that is not a loopback address)")
+            f"node's address on the cluster network, or leave it unset (each machine's network address is then used)")
 
 
 def _alive(pid: int) -> bool:
