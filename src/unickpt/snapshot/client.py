@@ -152,6 +152,9 @@ class Snapshotter:
         self.requested_parity, self.replicas = parity, replicas
         self.secret: bytes | None = None
         self.table = self._exchange(0)[0]  # also agrees on the job's secret (self.secret)
+        why = unreachable_keepers([t["host"] for t in self.table], [self.machines[n] for n in range(len(self.table))])
+        if why:  # every keeper listens on self.host for the Snapshotter's life: checked once
+            raise SnapshotError(why)
         if self.local_rank == 0 and paths.read_secret(self.root, job) != self.secret:
             paths.write_secret(self.root, job, self.secret)
         self.k, self.parity = layout(len(self.table), parity, replicas)
@@ -204,9 +207,6 @@ class Snapshotter:
             proposals = [keepers[n] for n in sorted(keepers)]
             self.secret = next((r[10] for r in proposals if r[9]), proposals[0][10])
         table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
-        why = unreachable_keepers([t["host"] for t in table], [self.machines.get(n, b"") for n in sorted(keepers)])
-        if why:
-            raise SnapshotError(why)
         return table, rows
 
     def snapshot(self, state: dict[str, Any], step: int, flush: bool = True) -> AsyncSaveHandle | None:

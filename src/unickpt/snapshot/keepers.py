@@ -182,18 +182,26 @@ def _replace_keeper(doc: dict[str, Any]) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + KEEPER_START_S
+    if not _wait_gone(pid, KEEPER_START_S):
+        raise SnapshotError(f"the snapshot keeper (pid {pid}) listening on {doc['host']} did not exit on SIGTERM")
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for keeper ``pid`` to exit (reaped when this process
+    started it); True once it is gone."""
+    deadline = time.monotonic() + timeout
     mine = [p for p in _CHILDREN if p.pid == pid]
-    try:
-        if mine:  # this process started it: wait for (and reap) it
-            mine[0].wait(KEEPER_START_S)
-            _CHILDREN.remove(mine[0])
-        while _alive(pid):
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(pid), KEEPER_START_S)
-            time.sleep(0.01)
-    except subprocess.TimeoutExpired:
-        raise SnapshotError(f"the snapshot keeper (pid {pid}) listening on {doc['host']} did not exit on SIGTERM") from None
+    if mine:
+        try:
+            mine[0].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        _CHILDREN.remove(mine[0])
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _last_line(path: str) -> str:
@@ -224,8 +232,4 @@ def stop_keeper(root: str, timeout: float = 30.0) -> None:
                 conn.close()
     except (SnapshotError, ProcessLookupError):
         return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(int(doc["pid"])):
-        for p in _CHILDREN:
-            p.poll()
-        time.sleep(0.01)
+    _wait_gone(int(doc["pid"]), timeout)
