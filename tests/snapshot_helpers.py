@@ -22,14 +22,17 @@ def env_for(root: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=root)
 
 
-def launch_nodes(cwd, roots: list[str], flags: list[str], nproc: int = 1) -> list[subprocess.Popen]:
+def launch_nodes(cwd, roots: list[str], flags: list[str], nproc: int = 1, script: str | None = None,
+                 agent: list[str] = ()) -> list[subprocess.Popen]:
     """One torchrun agent per shm root, all meeting at one c10d rendezvous on localhost;
-    each agent in its own session (so a node's processes can be killed together)."""
+    each agent in its own session (so a node's processes can be killed together). The
+    example trainer runs, or ``script`` (a path) when given; ``agent``: more torchrun flags."""
     port = free_port()
     procs = []
+    what = [script] if script else ["-m", "unickpt.examples.train"]
     for i, root in enumerate(roots):
         cmd = [TORCHRUN, f"--nnodes={len(roots)}", f"--node-rank={i}", f"--nproc-per-node={nproc}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "unickpt.examples.train", *flags]
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", *agent, *what, *flags]
         out = open(os.path.join(cwd, f"node{i}.log"), "w")
         procs.append(subprocess.Popen(cmd, cwd=cwd, env=env_for(root), stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True))

@@ -38,7 +38,7 @@ from ..errors import SaveError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from ..storage.local import list_subdirs, remove_checkpoint
 from ..storage.transaction import remove_abandoned
-from .manager import CheckpointManager
+from .checkpoints import Checkpoints
 from .save import save
 
 DELTAS_DIR = "deltas"
@@ -63,7 +63,7 @@ class DeltaLog:
                  covered: Callable[[], int | None] | None = None, max_pending: int = 2, threads: int = 1) -> None:
         self.root = str(root)
         self.threads = threads  # an entry is small: one writer thread, no pool to start per step
-        self.entries = CheckpointManager(self.root)
+        self.entries = Checkpoints(self.root)
         group = resolve_group(process_group)
         self.rank = group.rank
         self._pg = None
@@ -209,9 +209,9 @@ def replayable(ckpt_root: str, log_root: str, verify_entries: bool = True) -> Re
     checksum holds; the first one that fails ends the run, and the reason is noted."""
     from .verify import verify
 
-    full = CheckpointManager(ckpt_root).latest()
+    full = Checkpoints(ckpt_root).latest()
     plan = Replay(full, step_of(full) if full is not None else 0)
-    log = CheckpointManager(log_root)
+    log = Checkpoints(log_root)
     on_disk = sorted(int(n[5:]) for n in list_subdirs(log_root) if n.startswith("step_") and n[5:].isdigit())
     staged = _abandoned_steps(log_root)
     step = plan.base_step + 1
@@ -233,7 +233,7 @@ def replayable(ckpt_root: str, log_root: str, verify_entries: bool = True) -> Re
     return plan
 
 
-def _entry_problem(log: CheckpointManager, path: str, step: int, verify: Callable, full_check: bool) -> str:
+def _entry_problem(log: Checkpoints, path: str, step: int, verify: Callable, full_check: bool) -> str:
     if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
         return "no commit marker"
     try:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..dist import resolve_group
-from ..errors import LayoutError, ManifestError, MismatchError
+from ..errors import LayoutError, ManifestError, MismatchError, UnickptError
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..adapters.checkpoint import open_checkpoint
 from ..format.manifest import Manifest, TensorEntry
@@ -64,6 +64,7 @@ def load(
     storage: Storage | None = None,
     storage_options: dict[str, Any] | None = None,
     manifest: Manifest | None = None,
+    per_rank: str = "error",
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -93,8 +94,12 @@ def load(
     be a URL (``s3://...``, any fsspec file system; ``storage_options`` for it): each rank
     then fetches only the byte ranges it needs, with ranged GETs. ``manifest``, when given,
     is the checkpoint's manifest already read (and validated) by the caller: it is not
-    parsed again.
+    parsed again. ``per_rank``: what a :class:`~unickpt.PerRank` target gets when the
+    checkpoint was saved by another number of ranks: ``"error"`` (a ``LayoutError``), or
+    ``"keep"``: its value is left as it is (its name is added to ``stats["per_rank_kept"]``).
     """
+    if per_rank not in ("error", "keep"):
+        raise UnickptError(f"per_rank must be 'error' or 'keep', not {per_rank!r}")
     if manifest is None:
         ckpt = open_checkpoint(path, storage_options)
         manifest = ckpt.manifest
@@ -120,6 +125,10 @@ def load(
         for leaf in flatten(state_dict, on_stateful):
             v = leaf.value
             if isinstance(v, PerRank):
+                if per_rank == "keep" and group.size != manifest.world_size:
+                    if stats is not None:
+                        stats.setdefault("per_rank_kept", []).append(leaf.name)
+                    continue
                 _load_per_rank(storage, manifest, leaf.name, v, group.rank, group.size, strict, threads, verify)
             elif isinstance(v, Sharded):
                 entry = manifest.tensors.get(leaf.name)

@@ -1,57 +1,74 @@
-"""CheckpointManager: numbered checkpoints under one root (a directory or an object-store
-URL), resume from the latest valid one, retention; optionally a second, durable tier
-(an object store) that every Mth checkpoint is copied to in the background; retention
-that follows the references of incremental checkpoints."""
+"""``unickpt.CheckpointManager``: fault tolerance for any training loop in a few lines.
+
+    manager = unickpt.CheckpointManager("ckpt", keep=3, save_every=50, async_save=True,
+                                        snapshot_every=1, parity=1, log_deltas=True)
+    start = manager.restore(state)          # collective; 0 when there is nothing to restore
+    for step in range(start + 1, total + 1):
+        loss = forward_backward(batch)
+        manager.before_update()             # right before optimizer.step()
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+        manager.maybe_save(state, step)     # whatever is due at this step
+    manager.close()
+
+It owns every tier and the order of recovery: the in-memory snapshots held by the
+node's keeper (:mod:`unickpt.snapshot`), the durable checkpoints of :class:`Checkpoints`
+(fast tier, optional ``durable=`` tier, retention, incremental saves) and the per-step
+delta log (:mod:`.step_deltas`). Training never stops for a failed snapshot or save: a
+warning, a counter in :meth:`CheckpointManager.stats`, and the next one tries again.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import warnings
+import time
 from typing import Any
 
-from ..dist import broadcast_bytes, resolve_group
-from ..errors import CorruptionError, UnickptError
-from ..storage.open import open_storage
-from ..storage.transaction import remove_abandoned
-from .incremental import prune
-from .load import load, read_manifest
-from .save import checkpoint_file, save
-from .tiers import Tier
+from ..dist import all_true, broadcast_bytes, resolve_group
+from ..errors import UnickptError
+from ..storage.open import is_remote
+from .async_save import AsyncSaveHandle, async_save
+from .checkpoints import Checkpoints, TierFallbackWarning, fallback
+from .delta_log import Replay, step_of
+from .load import load
+from .state_copy import StateCopy
+from .step_deltas import StepDeltas, replay_line, replay_refusal
 
 log = logging.getLogger("unickpt")
 
-
-class TierFallbackWarning(UserWarning):
-    """A checkpoint was loaded from the durable tier because the fast tier's copy was
-    missing or failed its checks."""
+__all__ = ["CheckpointManager", "TierFallbackWarning"]
 
 
-class CheckpointManager:
-    """Checkpoints ``root/step_00000100`` ...; keeps the newest ``keep`` (all when None).
-    ``root`` may be a URL (``s3://bucket/run``; ``storage_options`` for its file system).
+class CheckpointManager(Checkpoints):
+    """Numbered checkpoints ``root/step_00000100`` (a directory or a URL, ``storage_options``
+    for its file system) keeping the newest ``keep`` (all when None), and, for a training
+    loop, every tier of fault tolerance behind four calls: :meth:`restore`,
+    :meth:`before_update`, :meth:`maybe_save`, :meth:`close`.
 
-    ``latest()`` is the newest checkpoint that is committed and whose manifest and data
-    files are intact (sizes checked; pass ``verify=True`` to re-check every checksum), so
-    a run resumes from the last good checkpoint even after a crash during a save.
+    Durable checkpoints: ``save_every`` N saves the state every N steps (``async_save``:
+    in the background, the loop stalls only for the copy into host memory). ``durable``
+    (a URL or directory) gets a copy of every ``durable_every``-th checkpoint, keeping
+    ``durable_keep``; ``incremental`` saves only what changed since the latest checkpoint
+    (a full one every ``full_every``).
 
-    Two tiers: with ``durable`` (a URL, or another directory) every ``durable_every``-th
-    checkpoint this manager saves is copied there in the background by rank 0, from the
-    committed copy under ``root`` (the fast tier: local or node-local disk, visible to
-    rank 0), keeping the newest ``durable_keep`` there. ``latest()`` is then the newest
-    whole checkpoint of either tier; ``load`` prefers the fast tier's copy and falls back
-    to the durable one when the fast copy is missing or fails its checksums, saying so
-    (a :class:`TierFallbackWarning` and a log line). A failed copy is logged and kept in
-    ``durable_errors``; ``wait()`` waits for the copy in flight.
+    Memory: ``snapshot_every`` N snapshots the state into host shared memory every N steps,
+    held by a keeper process per node that outlives a crashed trainer; ``parity`` M parity
+    blocks per group across nodes (default 1: XOR; 0: local only) or
+    ``snapshot_replicas`` R full copies on neighbour nodes; ``flush_every`` F: the keepers
+    write every Fth snapshot as an ordinary checkpoint under ``root``;
+    ``snapshot_max_bytes`` caps the host memory per node (default half the shm file system).
 
-    ``incremental=True``: every save after the first is incremental against the latest
-    valid checkpoint (only changed fragments are written, the others referenced), and
-    every ``full_every``-th save is a full one (None: only the first). Retention then
-    keeps, besides the newest ``keep``, every checkpoint one of them references, and
-    deletes in an order that a kill at any point leaves every committed checkpoint whole
-    (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
-    bytes of kept ones; they go once nothing kept references them).
+    Delta log: ``log_deltas`` logs every step's applied gradients (and what else the step
+    changed) so that a restore replays the steps after the last full checkpoint (needs
+    ``save_every``); ``delta_dtype="bf16"`` halves the bytes, the replay is then close, not
+    bitwise.
+
+    ``process_group``: the job's group (default: the default group). Construction is
+    local (no collective); the tiers start at the first :meth:`restore` or
+    :meth:`maybe_save`, which are collective. ``save``, ``load``, ``latest``,
+    ``path_for``, ``prune``, ``steps`` and ``wait`` work as on a plain manager (see
+    :class:`Checkpoints`): ``save``/``load`` are collective, ``latest``, ``path_for`` and
+    ``steps`` local, ``prune`` and the durable copy rank 0's.
     """
 
     def __init__(
@@ -59,6 +76,15 @@ class CheckpointManager:
         root: str | os.PathLike,
         keep: int | None = None,
         *,
+        save_every: int = 0,
+        async_save: bool = False,
+        snapshot_every: int = 0,
+        parity: int | None = None,
+        snapshot_replicas: int = 1,
+        flush_every: int = 0,
+        snapshot_max_bytes: int | None = None,
+        log_deltas: bool = False,
+        delta_dtype: str = "exact",
         storage_options: dict[str, Any] | None = None,
         durable: str | os.PathLike | None = None,
         durable_every: int = 1,
@@ -66,219 +92,369 @@ class CheckpointManager:
         durable_storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         full_every: int | None = None,
+        process_group: Any = None,
     ) -> None:
-        if full_every is not None and full_every < 1:
-            raise UnickptError(f"full_every must be at least 1, not {full_every}")
-        if incremental and (durable is not None or "://" in str(root) and not str(root).startswith("file://")):
-            raise UnickptError("incremental=True needs a local root and no durable tier (incremental checkpoints "
-                               "reference their bases by relative paths; an object store holds whole checkpoints)")
-        if durable_every < 1:
-            raise UnickptError(f"durable_every must be at least 1, not {durable_every}")
-        self.fast = Tier(root, keep, storage_options)
-        self.durable = Tier(durable, durable_keep, durable_storage_options) if durable is not None else None
-        self.durable_every = durable_every
-        self.durable_errors: list[BaseException] = []
-        self._saves = 0
-        self._copy: threading.Thread | None = None
-        self._copying: int | None = None
-        self.incremental = incremental
-        self.full_every = full_every
+        super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,
+                         durable_keep=durable_keep, durable_storage_options=durable_storage_options,
+                         incremental=incremental, full_every=full_every)
+        _check_options(str(root), save_every, snapshot_every, parity, snapshot_replicas, flush_every,
+                       snapshot_max_bytes, log_deltas, delta_dtype)
+        self.save_every, self.async_save, self.snapshot_every = save_every, async_save, snapshot_every
+        self.parity, self.snapshot_replicas, self.flush_every = parity, snapshot_replicas, flush_every
+        self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snapshot_max_bytes, log_deltas, delta_dtype
+        self.process_group = process_group
+        self.restored_line: str | None = None
+        self._started = False
+        self._closed = False
+        self._snap: Any = None
+        self._deltas: StepDeltas | None = None
+        self._state: dict[str, Any] | None = None
+        self._pending: tuple[AsyncSaveHandle, int, dict[str, int]] | None = None
+        self._counts = {"saves": 0, "saves_failed": 0, "snapshots_failed": 0, "delta_steps_missed": 0}
+        self._stall_s = 0.0
+        self._last_error: str | None = None
 
-    @property
-    def root(self) -> str:
-        """The fast tier's root."""
-        return self.fast.root
+    # -- the training loop's calls -----------------------------------------------------
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load the newest whole, verified state into ``state`` and return its step (0 when
+        there is nothing to restore); collective.
 
-    @property
-    def keep(self) -> int | None:
-        """How many checkpoints the fast tier keeps (None: all)."""
-        return self.fast.keep
-
-    def path_for(self, step: int) -> str:
-        """Location of the checkpoint of ``step`` in the fast tier."""
-        return self.fast.path_for(step)
-
-    def steps(self) -> list[int]:
-        """Steps of the committed checkpoints of the fast tier, oldest first."""
-        return self.fast.steps()
-
-    def is_valid(self, path: str, verify: bool = False) -> bool:
-        """True when ``path`` is a committed checkpoint whose files are all there, whole."""
-        tier = self.durable if self.durable is not None and _under(path, self.durable) else self.fast
-        return tier.is_valid(path, verify)
-
-    def _candidates(self) -> list[tuple[int, list[tuple[Tier, str]]]]:
-        """Every committed step of either tier, newest first, with its copies (fast first)."""
-        tiers = [self.fast] + ([self.durable] if self.durable is not None else [])
-        found: dict[int, list[tuple[Tier, str]]] = {}
-        for tier in tiers:
-            for step in tier.steps():
-                found.setdefault(step, []).append((tier, tier.path_for(step)))
-        return sorted(found.items(), reverse=True)
-
-    def latest(self, verify: bool = False) -> str | None:
-        """The newest valid checkpoint of either tier (the fast tier's copy when both are
-        valid), or None."""
-        for _, copies in self._candidates():
-            for tier, path in copies:
-                if tier.is_valid(path, verify):
-                    return path
-        return None
-
-    def base_for(self, step: int) -> str | None:
-        """The base of an incremental save of ``step``: the latest valid checkpoint, unless
-        the save is to be a full one (the first, every ``full_every``-th, or no base)."""
-        if not self.incremental:
-            return None
-        base = self.latest()
-        if base is None or os.path.abspath(base) == os.path.abspath(self.path_for(step)):
-            return None
-        try:
-            depth = (read_manifest(base).incremental or {}).get("depth", 0)
-        except UnickptError:
-            return None
-        if self.full_every is not None and depth + 1 >= self.full_every:
-            return None
-        return base
-
-    def save(self, state_dict: dict[str, Any], step: int, **kwargs: Any) -> str:
-        """Save ``state_dict`` as the checkpoint of ``step`` (collective) into the fast
-        tier, then apply retention; every ``durable_every``-th save also starts its copy
-        to the durable tier (in the background, on rank 0)."""
-        path = self.path_for(step)
-        group = resolve_group(kwargs.get("process_group"))
-        if self.incremental and "base" not in kwargs:  # rank 0 chooses, so every rank has the same base
-            chosen = self.base_for(step) if group.rank == 0 else None
-            kwargs["base"] = broadcast_bytes(group, (chosen or "").encode(), 0).decode() or None
-        save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
-        if group.rank == 0:
-            self._saves += 1
-            pinned = {self._copying} if self._copying is not None else set()
-            if self.durable is not None and self._saves % self.durable_every == 0:
-                self.wait()
-                pinned = {step}
-                self._start_copy(path, step)
-            if self.fast.remote or self.durable is not None:
-                self.fast.apply_retention(pinned)
-                self.fast.clean_leftovers({step})  # what saves killed midway left: their space comes back
+        Memory first (after a crash; after a lost node, decoded from parity or copies, onto
+        whatever ranks run now), else the durable checkpoints (the fast tier's copy, else
+        the ``durable`` tier's) plus the delta log's steps after them. Rank 0 prints one
+        line saying from where and why the newer sources were passed over, also logged on
+        the ``unickpt`` logger and kept in :attr:`restored_line`: ``resumed step S from
+        memory (...)``, ``resumed step S from disk (...)`` (``from disk + D logged steps``)
+        or ``starting fresh (...)``. On the same layout ``state`` is then bitwise what it
+        was after step S of the broken run; on another number of ranks per-rank entries
+        (:class:`unickpt.RNGState`) keep their values, as the line says."""
+        t0 = time.perf_counter()
+        self._state = state
+        if self.log_deltas:
+            why = replay_refusal(state)
+            if why:
+                raise UnickptError(f"log_deltas=True cannot replay this state's steps exactly: {why}; "
+                                   "turn log_deltas off (snapshots and checkpoints still protect the run)")
+        self._start()
+        group = resolve_group(self.process_group)
+        kept: list[str] = []
+        plan = self._deltas.plan() if self._deltas is not None else None
+        latest = broadcast_bytes(group, (self.latest() or "").encode() if group.rank == 0 else None, 0).decode() or None
+        disk_step = plan.step if plan is not None and plan.usable else (step_of(latest) if latest else None)
+        if self._snap is None:
+            got = self._durable(state, plan, latest, kept)
+            seconds = time.perf_counter() - t0
+            if got is None:
+                step, line = 0, f"starting fresh ({self._nothing_on_disk(plan)})"
             else:
-                self.prune()
-        return path
+                step, line = got[0], f"resumed step {got[0]} from disk{_logged(plan)} ({got[1]}; {seconds:.2f} s)"
+        else:
+            step, line = self._recover(state, plan, latest, disk_step, kept)
+        if kept:
+            line = line[:-1] + f"; per-rank state left as it is: saved by another number of ranks ({', '.join(kept[:3])}" \
+                + (f" and {len(kept) - 3} more" if len(kept) > 3 else "") + "))"
+        if self._deltas is not None:
+            self._deltas.started(step)
+            self._deltas.watch(state)
+        self.restored_line = line
+        if group.rank == 0:
+            print(line, flush=True)
+            log.info("%s", line)
+        return step
 
-    def prune(self) -> list[str]:
-        """Apply retention to a local root without a durable tier now (``save`` does after
-        each save): delete the checkpoints beyond the newest ``keep`` that no kept
-        checkpoint references (incremental checkpoints), and what saves and deletions
-        killed midway left. Returns the checkpoint directories deleted."""
-        deleted: list[str] = []
-        if self.keep is not None:
-            committed = [self.path_for(s) for s in self.steps()]
-            deleted = prune(committed, self.keep, self._interrupted())
-        if os.path.isdir(self.root):
-            remove_abandoned(self.root)  # what saves killed midway left: their space comes back
-        return deleted
+    def before_update(self) -> None:
+        """Right before ``optimizer.step()``: wait until a lazy snapshot has copied the
+        state, and capture the step's gradients for the delta log. Costs nothing when
+        neither is on."""
+        if self._snap is None and self._deltas is None:
+            return
+        t0 = time.perf_counter()
+        if self._snap is not None:
+            self._snap.before_update()
+        if self._deltas is not None and self._state is not None:
+            self._deltas.capture(self._state)
+        self._stall_s += time.perf_counter() - t0
 
-    def _interrupted(self) -> list[str]:
-        """Step directories without a manifest holding nothing but checkpoint files: what a
-        deletion killed midway left."""
-        out = []
-        for name in self.fast.uncommitted():
-            path = os.path.join(self.root, name)
-            names = open_storage(path).names()
-            if all(checkpoint_file(n) or n.startswith(".") for n in names) and all(
-                os.path.isfile(os.path.join(path, n)) for n in names
-            ):
-                out.append(path)
+    def maybe_save(self, state: dict[str, Any], step: int) -> None:
+        """After the optimizer (and scheduler) step of ``step``: whatever is due — a durable
+        checkpoint every ``save_every`` steps (async: started here, written in the
+        background), the step's delta log entry, a snapshot every ``snapshot_every`` steps.
+        Collective. A failure is a warning and a count in :meth:`stats`, never an
+        exception: the next save or snapshot tries again."""
+        t0 = time.perf_counter()
+        self._state = state
+        if not self._started:
+            self._start()
+            if self._deltas is not None:
+                self._deltas.watch(state)
+        saved = bool(self.save_every) and step % self.save_every == 0
+        if saved:
+            self._save_step(state, step)
+        elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending[0].done():
+            self._housekeep()
+        if self._deltas is not None and not self._deltas.commit(state, step):
+            self._counts["delta_steps_missed"] += 1
+            self._warn(f"step {step} is not in the delta log: before_update() was not called before optimizer.step()")
+        if self._snap is not None and self._snap.due(step):
+            try:
+                self._snap.snapshot(state, step, flush=not saved)
+            except UnickptError as e:
+                self._counts["snapshots_failed"] += 1
+                self._warn(f"snapshot of step {step} failed, training goes on: {e}")
+        self._stall_s += time.perf_counter() - t0
+
+    def close(self, keep_snapshots: bool = False) -> None:
+        """Wait for what is in flight (a durable save, the delta log's writes, the durable
+        copy, a snapshot) and clean up: the keepers stop and delete the job's snapshots,
+        leaving no process and no shared memory behind; collective. ``keep_snapshots=True``
+        leaves the snapshots and keepers for a relaunch (a planned stop that is to resume
+        from memory). A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finish_pending()
+        if self._deltas is not None:
+            try:
+                self._deltas.close()
+            except UnickptError as e:
+                self._counts["delta_close_failed"] = 1
+                self._warn(f"the delta log's last writes failed: {e}")
+        self.wait()
+        if self._snap is not None:
+            self._snap.close(clean=not keep_snapshots)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this run: ``saves`` committed and ``saves_failed``, ``snapshots``
+        taken, ``snapshots_skipped`` (the keepers still encoding earlier ones) and
+        ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
+        ``delta_steps_missed``, ``durable_copies_failed``, ``stall_s`` (seconds the loop
+        spent in ``before_update`` and ``maybe_save``) and ``last_error``."""
+        snap = self._snap
+        out = dict(self._counts)
+        out.update(snapshots=snap.taken if snap else 0, snapshots_skipped=snap.skipped if snap else 0,
+                   delta_entries=self._deltas.log.stats["entries"] if self._deltas else 0,
+                   delta_entries_failed=self._deltas.failures if self._deltas else 0,
+                   durable_copies_failed=len(self.durable_errors), stall_s=self._stall_s, last_error=self._last_error)
+        if snap is not None:
+            out["snapshots_failed"] += len(snap.failures)
         return out
 
-    def _start_copy(self, path: str, step: int) -> None:
-        durable = self.durable
-        assert durable is not None
-        self._copying = step
+    # -- inside ------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Collective, once: the snapshot tier (the node's keeper) and the delta log."""
+        if self._started:
+            return
+        self._started = True
+        if self.snapshot_every:
+            from ..snapshot.client import Snapshotter, job_id
 
-        def run() -> None:
-            try:
-                durable.copy_in(path, step, src_options=self.fast.storage_options)
-                durable.apply_retention()
-                durable.clean_leftovers()
-                log.info("unickpt: copied step %d to the durable tier %s", step, durable.path_for(step))
-            except BaseException as e:  # noqa: BLE001  (kept for the caller; training goes on)
-                self.durable_errors.append(e)
-                log.warning("unickpt: copying step %d to the durable tier %s failed: %s", step, durable.root, e)
+            self._snap = Snapshotter(job_id(self.root), self.snapshot_every, self.parity,
+                                     max_bytes=self.snapshot_max_bytes, process_group=self.process_group,
+                                     flush_every=self.flush_every, flush_dir=self.root if self.flush_every else None,
+                                     replicas=self.snapshot_replicas)
+        if self.log_deltas:
+            self._deltas = StepDeltas(self.root, self._covered, self.delta_dtype, self.process_group)
 
-        self._copy = threading.Thread(target=run, name=f"unickpt-durable-copy-{step}", daemon=True)
-        self._copy.start()
+    def _covered(self) -> int | None:
+        """The step of the newest valid full checkpoint (the delta log folds entries up to
+        it after each of its writes)."""
+        steps = self.steps()
+        newest = steps[-1] if steps else None
+        if newest != getattr(self, "_newest_seen", None):
+            latest = self.latest()
+            self._newest_seen, self._covers = newest, None if latest is None else step_of(latest)
+        return getattr(self, "_covers", None)
 
-    def wait(self) -> None:
-        """Wait for the copy to the durable tier in flight, if any."""
-        if self._copy is not None:
-            self._copy.join()
-            self._copy, self._copying = None, None
-
-    def load(self, state_dict: dict[str, Any], path: str | None = None, **kwargs: Any) -> str | None:
-        """Load ``path`` (default: the latest valid checkpoint of either tier) into
-        ``state_dict``; when the fast tier's copy of that step is missing or fails its
-        checksums, the durable tier's copy is loaded instead, with a warning. Returns the
-        location loaded, or None when there is no checkpoint yet."""
-        if path is not None:
-            step = self._step_of(path)
-            if step is None or self.durable is None:
-                load(state_dict, path, storage_options=self._options_for(path), **kwargs)
-                return path
-            return self._load_step(state_dict, step, [(self.fast, self.fast.path_for(step)), (self.durable, self.durable.path_for(step))],
-                                   kwargs)
-        for step, copies in self._candidates():
-            if self.durable is not None and all(tier is not self.fast for tier, _ in copies):
-                copies = [(self.fast, self.fast.path_for(step))] + copies  # named in the fallback warning
-            loaded = self._load_step(state_dict, step, copies, kwargs, quiet_missing=True)
-            if loaded is not None:
-                return loaded
-        return None
-
-    def _load_step(self, state_dict: dict[str, Any], step: int, copies: list[tuple[Tier, str]], kwargs: dict[str, Any],
-                   quiet_missing: bool = False) -> str | None:
-        """Load the first usable copy of ``step``; warn for each fast copy passed over."""
+    def _load_disk(self, state: dict[str, Any], path: str, kept: list[str]) -> str:
+        """Collective: load the checkpoint of ``path``'s step, the fast tier's copy first,
+        the durable tier's when the fast one is missing or fails its checks on any rank
+        (every rank loads the same copy); returns the copy loaded."""
+        group = resolve_group(self.process_group)
+        step = step_of(path)
+        tiers = [self.fast] + ([self.durable] if self.durable is not None else [])
         why = None
-        for k, (tier, path) in enumerate(copies):
-            last = k == len(copies) - 1
-            if not tier.is_valid(path):
-                why = f"{path} is missing or incomplete"
-                if last and not quiet_missing:
-                    load(state_dict, path, storage_options=tier.storage_options, **kwargs)  # raises what is wrong
+        for k, tier in enumerate(tiers):
+            copy = tier.path_for(step)
+            valid = broadcast_bytes(group, bytes([tier.is_valid(copy)]) if group.rank == 0 else None, 0) == b"\x01"
+            if not valid:
+                why = f"{copy} is missing or incomplete"
                 continue
-            if why is not None:
-                _fallback(f"step {step}: {why}; loading the durable copy {path}")
+            if why is not None and group.rank == 0:
+                fallback(f"step {step}: {why}; loading the durable copy {copy}")
+            stats: dict[str, Any] = {}
+            error = None
             try:
-                load(state_dict, path, storage_options=tier.storage_options, **kwargs)
-                return path
-            except CorruptionError as e:
-                if last:
-                    raise
-                why = f"{path} failed its checks ({e})"
-        return None
+                load(state, copy, process_group=self.process_group, per_rank="keep", stats=stats,
+                     storage_options=tier.storage_options)
+            except UnickptError as e:
+                error = e
+            if all_true(group, error is None):
+                kept[:] = stats.get("per_rank_kept", [])
+                return copy
+            if k == len(tiers) - 1:
+                raise error or UnickptError(f"{copy} failed its checks on another rank")
+            why = f"{copy} failed its checks ({error or 'on another rank'})"
+        raise UnickptError(f"no usable copy of step {step}: {why}")
 
-    def _step_of(self, path: str) -> int | None:
-        from .tiers import STEP
+    def _durable(self, state: dict[str, Any], plan: Replay | None, latest: str | None,
+                 kept: list[str]) -> tuple[int, str] | None:
+        """Collective: resume from the durable tiers (plus the delta log); (step, what the
+        line says) or None when they hold nothing."""
+        if plan is not None and plan.usable:
+            where: list[str] = []
+            step = self._deltas.replay(state, plan, lambda p: where.append(self._load_disk(state, p, kept)))
+            if where:
+                plan.base = where[0]  # the durable tier's copy when the fast one failed
+            return step, replay_line(plan)
+        if latest is None:
+            return None
+        path = self._load_disk(state, latest, kept)
+        return step_of(path), path
 
-        for tier in [self.fast] + ([self.durable] if self.durable is not None else []):
-            if _under(path, tier):
-                m = STEP.match(str(path).rstrip("/").rsplit("/", 1)[-1])
-                return int(m.group(1)) if m else None
-        return None
+    def _nothing_on_disk(self, plan: Replay | None) -> str:
+        notes = "; ".join(plan.notes) if plan is not None and plan.notes else ""
+        return f"no checkpoint in {self.root}" + (f"; {notes}" if notes else "")
 
-    def _options_for(self, path: str) -> dict[str, Any] | None:
-        if self.durable is not None and _under(path, self.durable):
-            return self.durable.storage_options
-        return self.fast.storage_options if _under(path, self.fast) else None
+    def _recover(self, state: dict[str, Any], plan: Replay | None, latest: str | None, disk_step: int | None,
+                 kept: list[str]) -> tuple[int, str]:
+        """Collective: memory first, then the durable tiers; (step, line)."""
+        from ..snapshot import paths
+        from ..snapshot.recover import recover
+
+        snap = self._snap
+        group = resolve_group(self.process_group)
+        # A rejected snapshot may have been partly loaded: where nothing on disk can
+        # overwrite it (no checkpoint, or a replay from the initial state), the initial
+        # state is kept aside first.
+        initial = None
+        holds = snap.local_rank == 0 and bool(paths.steps(snap.jdir))
+        needs_initial = disk_step is None or (plan is not None and plan.usable and plan.base is None)
+        if needs_initial and not all_true(group, not holds):
+            initial = StateCopy(state)
+
+        def from_memory(path: str, storage: Any) -> int:
+            stats: dict[str, Any] = {}
+            load(state, path, storage=storage, manifest=storage.manifest, process_group=self.process_group,
+                 per_rank="keep", stats=stats)
+            kept[:] = stats.get("per_rank_kept", [])
+            return int(storage.manifest.metadata["snapshot"]["step"])
+
+        def from_disk() -> tuple[int, str] | None:
+            if initial is not None:
+                initial.put_back()
+            return self._durable(state, plan, latest, kept)
+
+        outcome = recover(snap, from_memory, from_disk, disk_step)
+        if outcome.source == "fresh":
+            kept.clear()
+            if initial is not None:
+                initial.put_back()
+            if not outcome.line.endswith(")"):
+                return 0, outcome.line
+            return 0, outcome.line[:-1].replace("no checkpoint on disk", self._nothing_on_disk(plan)) + ")"
+        line = outcome.line
+        if outcome.source == "disk" and plan is not None and plan.usable:
+            line = line.replace(" from disk (", f" from disk{_logged(plan)} (", 1)
+        return outcome.step, line
+
+    def _save_step(self, state: dict[str, Any], step: int) -> None:
+        """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""
+        group = resolve_group(self.process_group)
+        versions = self._deltas.versions() if self._deltas is not None else {}
+        if not self.async_save:
+            try:
+                self.save(state, step, process_group=self.process_group)
+            except UnickptError as e:
+                self._counts["saves_failed"] += 1
+                self._warn(f"checkpoint of step {step} failed, training goes on: {e}")
+                return
+            self._counts["saves"] += 1
+            if self._deltas is not None:
+                self._deltas.rebase(versions)
+            return
+        self._finish_pending()
+        base = self.shared_base(step, group) if self.incremental else None
+        try:
+            handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
+                                storage_options=self.fast.storage_options)
+        except UnickptError as e:
+            self._counts["saves_failed"] += 1
+            self._warn(f"checkpoint of step {step} failed, training goes on: {e}")
+            return
+        self._pending = (handle, step, versions)
+
+    def _finish_pending(self) -> None:
+        """Wait for the async save in flight (collective: every rank waits at the same
+        call); on success its retention and durable copy, and the delta log's new base."""
+        if self._pending is None:
+            return
+        handle, step, versions = self._pending
+        try:
+            handle.result()
+        except UnickptError as e:
+            self._pending = None
+            self._counts["saves_failed"] += 1
+            self._warn(f"checkpoint of step {step} failed, training goes on: {e}")
+            return
+        self._housekeep()
+        self._pending = None
+        self._counts["saves"] += 1
+        if self._deltas is not None:
+            self._deltas.rebase(versions)
+
+    def _housekeep(self) -> None:
+        """Rank 0, once the async save in flight has committed: retention, durable copy
+        (once per save)."""
+        if self._pending is None or resolve_group(self.process_group).rank != 0:
+            return
+        handle, step, _ = self._pending
+        if getattr(handle, "_housekept", False):
+            return
+        try:
+            handle.result(timeout=0)
+        except UnickptError:
+            return
+        handle._housekept = True  # type: ignore[attr-defined]
+        self.committed(step)
+
+    def _warn(self, message: str) -> None:
+        self._last_error = message
+        if resolve_group(self.process_group).rank == 0:
+            log.warning("unickpt: %s", message)
 
 
-def _under(path: str, tier: Tier) -> bool:
-    p = str(path).rstrip("/")
-    if tier.remote:
-        return p.startswith(tier.root + "/")
-    return os.path.dirname(os.path.realpath(p)) == os.path.realpath(tier.root)
+def _logged(plan: Replay | None) -> str:
+    return f" + {len(plan.entries)} logged steps" if plan is not None and plan.usable else ""
 
 
-def _fallback(message: str) -> None:
-    log.warning("unickpt: %s", message)
-    warnings.warn(message, TierFallbackWarning, stacklevel=4)
+def _check_options(root: str, save_every: int, snapshot_every: int, parity: int | None, replicas: int, flush_every: int,
+                   max_bytes: int | None, log_deltas: bool, delta_dtype: str) -> None:
+    """One clear error for a bad value or combination, before anything starts."""
+    for name, value in (("save_every", save_every), ("snapshot_every", snapshot_every), ("flush_every", flush_every)):
+        if not isinstance(value, int) or value < 0:
+            raise UnickptError(f"{name} must be a whole number >= 0 (0: never), not {value!r}")
+    if replicas < 1:
+        raise UnickptError(f"snapshot_replicas must be at least 1, not {replicas}")
+    if parity is not None and parity < 0:
+        raise UnickptError(f"parity must be >= 0, not {parity}")
+    if not snapshot_every:
+        for name, value in (("parity", parity), ("flush_every", flush_every or None),
+                            ("snapshot_max_bytes", max_bytes), ("snapshot_replicas", replicas if replicas > 1 else None)):
+            if value is not None:
+                raise UnickptError(f"{name}={value} configures the memory snapshots: set snapshot_every too")
+    if replicas > 1 and parity:
+        raise UnickptError(f"snapshot_replicas={replicas} and parity={parity} exclude each other: a node's snapshot is "
+                           "protected by copies on neighbours or by parity, not both")
+    if max_bytes is not None and max_bytes < 1:
+        raise UnickptError(f"snapshot_max_bytes must be positive, not {max_bytes}")
+    if flush_every and is_remote(root):
+        raise UnickptError("flush_every needs a local root: the keepers write files (use durable= for an object store)")
+    if delta_dtype not in ("exact", "bf16"):
+        raise UnickptError(f"delta_dtype must be 'exact' or 'bf16', not {delta_dtype!r}")
+    if delta_dtype != "exact" and not log_deltas:
+        raise UnickptError(f"delta_dtype={delta_dtype!r} is the delta log's: set log_deltas=True too")
+    if log_deltas and not save_every:
+        raise UnickptError("log_deltas=True needs save_every: the log replays onto the last full checkpoint")
+    if log_deltas and is_remote(root):
+        raise UnickptError("log_deltas=True needs a local root (the log's entries are files beside the checkpoints)")
+

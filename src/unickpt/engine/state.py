@@ -146,3 +146,41 @@ def find_modules(state: dict[str, Any]) -> list[tuple[str, torch.nn.Module]]:
 
     visit("", state)
     return found
+
+
+def optimizers_of(state: dict[str, Any]) -> list[tuple[str, torch.optim.Optimizer]]:
+    """The torch optimizers of ``state`` with their flattened keys, in order."""
+    found: list[tuple[str, torch.optim.Optimizer]] = []
+
+    def visit(name: str, value: Any) -> None:
+        if is_optimizer(value):
+            found.append((name, value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{name}.{k}" if name else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                visit(f"{name}.{k}" if name else str(k), v)
+
+    visit("", state)
+    return found
+
+
+def without_optimizers(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every optimizer left out (same structure otherwise)."""
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if not is_optimizer(v)}
+        return value
+
+    return strip(state)
+
+
+def write_back(state: dict[str, Any], stripped: dict[str, Any]) -> None:
+    """Put the plain values a load replaced in ``stripped`` (made by
+    :func:`without_optimizers`) back into ``state``."""
+    for k, v in stripped.items():
+        if isinstance(v, dict) and isinstance(state.get(k), dict):
+            write_back(state[k], v)
+        else:
+            state[k] = v

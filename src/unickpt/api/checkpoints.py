@@ -1,0 +1,296 @@
+"""Numbered checkpoints under one root (a directory or an object-store URL): resume from
+the latest valid one, retention; optionally a second, durable tier (an object store) that
+every Mth checkpoint is copied to in the background; retention that follows the
+references of incremental checkpoints. :class:`Checkpoints` is the durable part of the
+public :class:`unickpt.CheckpointManager` (``api/manager.py``), which adds the training
+loop's tiers on top; the delta log keeps its entries in one too."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from typing import Any
+
+from ..dist import broadcast_bytes, resolve_group
+from ..errors import CorruptionError, UnickptError
+from ..storage.open import open_storage
+from ..storage.transaction import remove_abandoned
+from .incremental import prune
+from .load import load, read_manifest
+from .save import checkpoint_file, save
+from .tiers import Tier
+
+log = logging.getLogger("unickpt")
+
+
+class TierFallbackWarning(UserWarning):
+    """A checkpoint was loaded from the durable tier because the fast tier's copy was
+    missing or failed its checks."""
+
+
+class Checkpoints:
+    """Checkpoints ``root/step_00000100`` ...; keeps the newest ``keep`` (all when None).
+    ``root`` may be a URL (``s3://bucket/run``; ``storage_options`` for its file system).
+
+    ``latest()`` is the newest checkpoint that is committed and whose manifest and data
+    files are intact (sizes checked; pass ``verify=True`` to re-check every checksum), so
+    a run resumes from the last good checkpoint even after a crash during a save.
+
+    Two tiers: with ``durable`` (a URL, or another directory) every ``durable_every``-th
+    checkpoint this manager saves is copied there in the background by rank 0, from the
+    committed copy under ``root`` (the fast tier: local or node-local disk, visible to
+    rank 0), keeping the newest ``durable_keep`` there. ``latest()`` is then the newest
+    whole checkpoint of either tier; ``load`` prefers the fast tier's copy and falls back
+    to the durable one when the fast copy is missing or fails its checksums, saying so
+    (a :class:`TierFallbackWarning` and a log line). A failed copy is logged and kept in
+    ``durable_errors``; ``wait()`` waits for the copy in flight.
+
+    ``incremental=True``: every save after the first is incremental against the latest
+    valid checkpoint (only changed fragments are written, the others referenced), and
+    every ``full_every``-th save is a full one (None: only the first). Retention then
+    keeps, besides the newest ``keep``, every checkpoint one of them references, and
+    deletes in an order that a kill at any point leaves every committed checkpoint whole
+    (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
+    bytes of kept ones; they go once nothing kept references them).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        keep: int | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        durable: str | os.PathLike | None = None,
+        durable_every: int = 1,
+        durable_keep: int | None = None,
+        durable_storage_options: dict[str, Any] | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
+    ) -> None:
+        if full_every is not None and full_every < 1:
+            raise UnickptError(f"full_every must be at least 1, not {full_every}")
+        if incremental and (durable is not None or "://" in str(root) and not str(root).startswith("file://")):
+            raise UnickptError("incremental=True needs a local root and no durable tier (incremental checkpoints "
+                               "reference their bases by relative paths; an object store holds whole checkpoints)")
+        if durable_every < 1:
+            raise UnickptError(f"durable_every must be at least 1, not {durable_every}")
+        self.fast = Tier(root, keep, storage_options)
+        self.durable = Tier(durable, durable_keep, durable_storage_options) if durable is not None else None
+        self.durable_every = durable_every
+        self.durable_errors: list[BaseException] = []
+        self._saves = 0
+        self._copy: threading.Thread | None = None
+        self._copying: int | None = None
+        self.incremental = incremental
+        self.full_every = full_every
+
+    @property
+    def root(self) -> str:
+        """The fast tier's root."""
+        return self.fast.root
+
+    @property
+    def keep(self) -> int | None:
+        """How many checkpoints the fast tier keeps (None: all)."""
+        return self.fast.keep
+
+    def path_for(self, step: int) -> str:
+        """Location of the checkpoint of ``step`` in the fast tier."""
+        return self.fast.path_for(step)
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints of the fast tier, oldest first."""
+        return self.fast.steps()
+
+    def is_valid(self, path: str, verify: bool = False) -> bool:
+        """True when ``path`` is a committed checkpoint whose files are all there, whole."""
+        tier = self.durable if self.durable is not None and _under(path, self.durable) else self.fast
+        return tier.is_valid(path, verify)
+
+    def _candidates(self) -> list[tuple[int, list[tuple[Tier, str]]]]:
+        """Every committed step of either tier, newest first, with its copies (fast first)."""
+        tiers = [self.fast] + ([self.durable] if self.durable is not None else [])
+        found: dict[int, list[tuple[Tier, str]]] = {}
+        for tier in tiers:
+            for step in tier.steps():
+                found.setdefault(step, []).append((tier, tier.path_for(step)))
+        return sorted(found.items(), reverse=True)
+
+    def latest(self, verify: bool = False) -> str | None:
+        """The newest valid checkpoint of either tier (the fast tier's copy when both are
+        valid), or None."""
+        for _, copies in self._candidates():
+            for tier, path in copies:
+                if tier.is_valid(path, verify):
+                    return path
+        return None
+
+    def base_for(self, step: int) -> str | None:
+        """The base of an incremental save of ``step``: the latest valid checkpoint, unless
+        the save is to be a full one (the first, every ``full_every``-th, or no base)."""
+        if not self.incremental:
+            return None
+        base = self.latest()
+        if base is None or os.path.abspath(base) == os.path.abspath(self.path_for(step)):
+            return None
+        try:
+            depth = (read_manifest(base).incremental or {}).get("depth", 0)
+        except UnickptError:
+            return None
+        if self.full_every is not None and depth + 1 >= self.full_every:
+            return None
+        return base
+
+    def save(self, state_dict: dict[str, Any], step: int, **kwargs: Any) -> str:
+        """Save ``state_dict`` as the checkpoint of ``step`` (collective) into the fast
+        tier, then apply retention; every ``durable_every``-th save also starts its copy
+        to the durable tier (in the background, on rank 0). Returns its location."""
+        path = self.path_for(step)
+        group = resolve_group(kwargs.get("process_group"))
+        if self.incremental and "base" not in kwargs:
+            kwargs["base"] = self.shared_base(step, group)
+        save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
+        if group.rank == 0:
+            self.committed(step)
+        return path
+
+    def shared_base(self, step: int, group: Any) -> str | None:
+        """Collective: the base of an incremental save of ``step``, chosen by rank 0."""
+        chosen = self.base_for(step) if group.rank == 0 else None
+        return broadcast_bytes(group, (chosen or "").encode(), 0).decode() or None
+
+    def committed(self, step: int) -> None:
+        """Rank 0, once the checkpoint of ``step`` is committed in the fast tier: start its
+        copy to the durable tier when due, apply retention, clean what killed saves left."""
+        self._saves += 1
+        pinned = {self._copying} if self._copying is not None else set()
+        if self.durable is not None and self._saves % self.durable_every == 0:
+            self.wait()
+            pinned = {step}
+            self._start_copy(self.path_for(step), step)
+        if self.fast.remote or self.durable is not None:
+            self.fast.apply_retention(pinned)
+            self.fast.clean_leftovers({step})  # what saves killed midway left: their space comes back
+        else:
+            self.prune()
+
+    def prune(self) -> list[str]:
+        """Apply retention to a local root without a durable tier now (``save`` does after
+        each save): delete the checkpoints beyond the newest ``keep`` that no kept
+        checkpoint references (incremental checkpoints), and what saves and deletions
+        killed midway left. Returns the checkpoint directories deleted."""
+        deleted: list[str] = []
+        if self.keep is not None:
+            committed = [self.path_for(s) for s in self.steps()]
+            deleted = prune(committed, self.keep, self._interrupted())
+        if os.path.isdir(self.root):
+            remove_abandoned(self.root)  # what saves killed midway left: their space comes back
+        return deleted
+
+    def _interrupted(self) -> list[str]:
+        """Step directories without a manifest holding nothing but checkpoint files: what a
+        deletion killed midway left."""
+        out = []
+        for name in self.fast.uncommitted():
+            path = os.path.join(self.root, name)
+            names = open_storage(path).names()
+            if all(checkpoint_file(n) or n.startswith(".") for n in names) and all(
+                os.path.isfile(os.path.join(path, n)) for n in names
+            ):
+                out.append(path)
+        return out
+
+    def _start_copy(self, path: str, step: int) -> None:
+        durable = self.durable
+        assert durable is not None
+        self._copying = step
+
+        def run() -> None:
+            try:
+                durable.copy_in(path, step, src_options=self.fast.storage_options)
+                durable.apply_retention()
+                durable.clean_leftovers()
+                log.info("unickpt: copied step %d to the durable tier %s", step, durable.path_for(step))
+            except BaseException as e:  # noqa: BLE001  (kept for the caller; training goes on)
+                self.durable_errors.append(e)
+                log.warning("unickpt: copying step %d to the durable tier %s failed: %s", step, durable.root, e)
+
+        self._copy = threading.Thread(target=run, name=f"unickpt-durable-copy-{step}", daemon=True)
+        self._copy.start()
+
+    def wait(self) -> None:
+        """Wait for the copy to the durable tier in flight, if any."""
+        if self._copy is not None:
+            self._copy.join()
+            self._copy, self._copying = None, None
+
+    def load(self, state_dict: dict[str, Any], path: str | None = None, **kwargs: Any) -> str | None:
+        """Load ``path`` (default: the latest valid checkpoint of either tier) into
+        ``state_dict``; when the fast tier's copy of that step is missing or fails its
+        checksums, the durable tier's copy is loaded instead, with a warning. Returns the
+        location loaded, or None when there is no checkpoint yet."""
+        if path is not None:
+            step = self._step_of(path)
+            if step is None or self.durable is None:
+                load(state_dict, path, storage_options=self._options_for(path), **kwargs)
+                return path
+            return self._load_step(state_dict, step, [(self.fast, self.fast.path_for(step)), (self.durable, self.durable.path_for(step))],
+                                   kwargs)
+        for step, copies in self._candidates():
+            if self.durable is not None and all(tier is not self.fast for tier, _ in copies):
+                copies = [(self.fast, self.fast.path_for(step))] + copies  # named in the fallback warning
+            loaded = self._load_step(state_dict, step, copies, kwargs, quiet_missing=True)
+            if loaded is not None:
+                return loaded
+        return None
+
+    def _load_step(self, state_dict: dict[str, Any], step: int, copies: list[tuple[Tier, str]], kwargs: dict[str, Any],
+                   quiet_missing: bool = False) -> str | None:
+        """Load the first usable copy of ``step``; warn for each fast copy passed over."""
+        why = None
+        for k, (tier, path) in enumerate(copies):
+            last = k == len(copies) - 1
+            if not tier.is_valid(path):
+                why = f"{path} is missing or incomplete"
+                if last and not quiet_missing:
+                    load(state_dict, path, storage_options=tier.storage_options, **kwargs)  # raises what is wrong
+                continue
+            if why is not None:
+                fallback(f"step {step}: {why}; loading the durable copy {path}")
+            try:
+                load(state_dict, path, storage_options=tier.storage_options, **kwargs)
+                return path
+            except CorruptionError as e:
+                if last:
+                    raise
+                why = f"{path} failed its checks ({e})"
+        return None
+
+    def _step_of(self, path: str) -> int | None:
+        from .tiers import STEP
+
+        for tier in [self.fast] + ([self.durable] if self.durable is not None else []):
+            if _under(path, tier):
+                m = STEP.match(str(path).rstrip("/").rsplit("/", 1)[-1])
+                return int(m.group(1)) if m else None
+        return None
+
+    def _options_for(self, path: str) -> dict[str, Any] | None:
+        if self.durable is not None and _under(path, self.durable):
+            return self.durable.storage_options
+        return self.fast.storage_options if _under(path, self.fast) else None
+
+
+def _under(path: str, tier: Tier) -> bool:
+    p = str(path).rstrip("/")
+    if tier.remote:
+        return p.startswith(tier.root + "/")
+    return os.path.dirname(os.path.realpath(p)) == os.path.realpath(tier.root)
+
+
+def fallback(message: str) -> None:
+    """Say that a durable copy is loaded in place of the fast tier's (log and warning)."""
+    log.warning("unickpt: %s", message)
+    warnings.warn(message, TierFallbackWarning, stacklevel=4)

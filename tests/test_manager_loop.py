@@ -1,0 +1,287 @@
+"""``unickpt.CheckpointManager`` in a user's own loop (tests/user_loop.py: FSDP2, AdamW,
+an LR scheduler, clipping, dropout, a buffer no optimizer owns, a Stateful data loader),
+run under real torchrun agents, killed with real SIGKILL, relaunched: every tier resumes
+the run bitwise (same layout) or within 1e-4 (another number of nodes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+import unickpt
+from unickpt.testing import descendants
+
+from snapshot_helpers import kill_keeper, launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all
+
+LOOP = os.path.join(os.path.dirname(__file__), "user_loop.py")
+
+
+def _run(tmp_path, roots, flags, nproc=1, agent=(), check=True, timeout=240):
+    return wait_all(launch_nodes(tmp_path, roots, flags, nproc, script=LOOP, agent=list(agent)), tmp_path,
+                    timeout=timeout, check=check)
+
+
+def _wait(cond, procs, what, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a process ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _trainers(agent: subprocess.Popen) -> list[int]:
+    out = []
+    for pid in descendants(agent.pid):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"user_loop.py" in cmd and b"torchrun" not in cmd and b"torch.distributed.run" not in cmd:
+            out.append(pid)
+    return sorted(out)
+
+
+def _last(log: str) -> int:
+    return max(losses(log), default=0) if os.path.exists(log) else 0
+
+
+def _reference(tmp_path, nproc: int, steps: int, extra=()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """An unbroken run: its losses and final tensors."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    log, final = str(ref / "loss.jsonl"), str(ref / "final.pt")
+    _run(ref, [str(ref / "shm")], ["--steps", str(steps), "--ckpt-dir", "ck", "--loss-log", log, "--final", final, *extra],
+         nproc)
+    return losses(log), torch.load(final)
+
+
+def _same_final(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b) and any("exp_avg_sq" in k for k in a) and "model.1.calls" in a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _kill_one(procs, log: str, at: int, shm: str | None = None) -> int:
+    """SIGKILL one trainer once step ``at`` is logged (and, with snapshots, whole in memory);
+    returns the last step logged before the kill."""
+    _wait(lambda: _last(log) >= at and (shm is None or bool(steps_whole(shm))), procs, f"step {at}")
+    os.kill(_trainers(procs[0])[-1], signal.SIGKILL)
+    return _last(log)
+
+
+@pytest.fixture
+def shm_roots():
+    roots: list[str] = []
+    yield roots
+    for r in roots:
+        kill_keeper(r)
+
+
+def test_crash_resumes_from_memory_bitwise(tmp_path, shm_roots):
+    """2 ranks, snapshots every step, no durable checkpoint yet: a SIGKILLed trainer's
+    relaunch resumes from memory, and the run ends bitwise equal to an unbroken one
+    (weights, moments, the buffer, scheduler, data position, dropout's RNG)."""
+    steps = 14
+    want_losses, want = _reference(tmp_path, 2, steps)
+    shm = str(tmp_path / "shm")
+    shm_roots.append(shm)
+    log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
+    flags = ["--steps", str(steps), "--ckpt-dir", "ck", "--loss-log", log, "--snapshot-every", "1", "--save-every", "20"]
+    procs = launch_nodes(tmp_path, [shm], [*flags, "--compute-sleep", "0.3"], 2, script=LOOP)
+    try:
+        _kill_one(procs, log, 5, shm)
+    finally:
+        wait_all(procs, tmp_path, check=False)
+    outs = _run(tmp_path, [shm], [*flags, "--final", final], 2)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and re.fullmatch(r"resumed step \d+ from memory \(.+\)", lines[0]), outs[0][-2000:]
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1))
+    assert all(got[s] == want_losses[s] for s in got), (got, want_losses)
+    _same_final(torch.load(final), want)
+    assert not os.path.exists(os.path.join(shm, "unickpt")) or not os.listdir(os.path.join(shm, "unickpt"))
+
+
+def test_delta_log_loses_no_step_bitwise(tmp_path):
+    """Durable checkpoints every 10 steps, the delta log on, no snapshots: SIGKILL after
+    step 13; the relaunch resumes at the last logged step (no step lost) and ends bitwise."""
+    steps = 18
+    want_losses, want = _reference(tmp_path, 2, steps)
+    log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
+    flags = ["--steps", str(steps), "--ckpt-dir", "ck", "--loss-log", log, "--save-every", "10", "--log-deltas",
+             "--async-save"]
+    procs = launch_nodes(tmp_path, [str(tmp_path / "shm")], [*flags, "--compute-sleep", "0.3"], 2, script=LOOP)
+    try:
+        last = _kill_one(procs, log, 13)
+    finally:
+        wait_all(procs, tmp_path, check=False)
+    outs = _run(tmp_path, [str(tmp_path / "shm")], [*flags, "--final", final], 2)
+    lines = resumed_lines(outs)
+    m = re.fullmatch(r"resumed step (\d+) from disk \+ (\d+) logged steps \(.*step_00000010; replayed steps 11\.\.\d+.*\)",
+                     lines[0]) if len(lines) == 1 else None
+    assert m, outs[0][-2000:]
+    assert int(m.group(1)) >= last and int(m.group(2)) == int(m.group(1)) - 10
+    got = losses(log)
+    assert all(got[s] == want_losses[s] for s in got)
+    _same_final(torch.load(final), want)
+
+
+def test_node_lost_resumes_on_fewer_nodes(tmp_path, shm_roots):
+    """4 simulated nodes (one rank each), XOR parity: one node lost (keeper killed, memory
+    gone) -> the job resumes on the 3 others from memory, its files decoded from parity,
+    and the losses continue those of the unbroken 4-node run within 1e-4."""
+    steps = 16
+    flags0 = ["--steps", str(steps), "--dropout", "0"]
+    want_losses, _ = _reference(tmp_path, 4, steps, flags0)
+    roots = [str(tmp_path / f"shm{i}") for i in range(4)]
+    shm_roots.extend(roots)
+    log = str(tmp_path / "loss.jsonl")
+    flags = [*flags0, "--ckpt-dir", "ck", "--loss-log", log, "--snapshot-every", "1", "--parity", "1"]
+    procs = launch_nodes(tmp_path, roots, [*flags, "--compute-sleep", "0.3"], 1, script=LOOP)
+    try:
+        _wait(lambda: _last(log) >= 4 and bool(steps_whole(roots[3])), procs, "step 4")
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        wait_all(procs, tmp_path, check=False)
+    lose_node(roots[2])
+    outs = _run(tmp_path, [roots[0], roots[1], roots[3]], flags, 1)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and re.fullmatch(r"resumed step \d+ from memory \(node 2 of 4 lost: its files decoded from "
+                                            r"XOR parity during the load on 3 nodes.*\)", lines[0]), outs[0][-2000:]
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1))
+    for s in got:
+        assert abs(got[s] - want_losses[s]) <= 1e-4 * abs(want_losses[s]), (s, got[s], want_losses[s])
+
+
+def test_torchrun_restarts_recover_by_themselves(tmp_path, shm_roots):
+    """torchrun --max-restarts: three SIGKILLs in one run; torchrun restarts the workers,
+    each round resumes from memory, the job ends with exit 0, bitwise equal."""
+    steps = 16
+    want_losses, want = _reference(tmp_path, 2, steps)
+    shm = str(tmp_path / "shm")
+    shm_roots.append(shm)
+    log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
+    flags = ["--steps", str(steps), "--ckpt-dir", "ck", "--loss-log", log, "--snapshot-every", "1", "--save-every", "20",
+             "--final", final, "--compute-sleep", "0.3"]
+    procs = launch_nodes(tmp_path, [shm], flags, 2, script=LOOP, agent=["--max-restarts=3", "--monitor-interval=0.2"])
+    for at in (3, 7, 11):
+        _kill_one(procs, log, at, shm)
+        _wait(lambda: len(_trainers(procs[0])) == 2 and _last(log) > at + 1, procs, f"the restart after {at}")
+    outs = wait_all(procs, tmp_path)
+    assert procs[0].returncode == 0
+    lines = resumed_lines(outs)
+    assert len(lines) == 4 and lines[0].startswith("starting fresh"), lines
+    assert all(re.fullmatch(r"resumed step \d+ from memory \(.+\)", line) for line in lines[1:]), lines
+    got = losses(log)
+    assert all(got[s] == want_losses[s] for s in got)
+    _same_final(torch.load(final), want)
+
+
+def test_durable_tier_fallback(tmp_path):
+    """The fast tier's newest checkpoint corrupt: restore loads the durable tier's copy of
+    the same step (the line names it) and the run ends bitwise."""
+    steps = 14
+    want_losses, want = _reference(tmp_path, 2, steps)
+    log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
+    durable = str(tmp_path / "durable")
+    flags = ["--ckpt-dir", "ck", "--loss-log", log, "--save-every", "5", "--durable", durable]
+    _run(tmp_path, [str(tmp_path / "shm")], ["--steps", str(steps), "--stop-after", "11", *flags], 2)
+    data = tmp_path / "ck" / "step_00000010" / "rank_00001.safetensors"
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) - 9)
+        f.write(b"\xff")
+    outs = _run(tmp_path, [str(tmp_path / "shm")], ["--steps", str(steps), *flags, "--final", final], 2)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and lines[0].startswith("resumed step 10 from disk (") and "durable" in lines[0], outs[0][-2000:]
+    got = losses(log)
+    assert all(got[s] == want_losses[s] for s in got)
+    _same_final(torch.load(final), want)
+
+
+# -- construction and refusals (one process, no process group) -------------------------
+@pytest.mark.parametrize("kwargs, says", [
+    ({"parity": 1}, "set snapshot_every"),
+    ({"snapshot_every": 1, "parity": 1, "snapshot_replicas": 2}, "exclude each other"),
+    ({"log_deltas": True}, "needs save_every"),
+    ({"delta_dtype": "bf16"}, "set log_deltas"),
+    ({"save_every": -1}, "save_every must be"),
+    ({"snapshot_every": 1, "flush_every": 2, "save_every": 1, "root": "s3://bucket/run"}, "needs a local root"),
+    ({"log_deltas": True, "save_every": 5, "delta_dtype": "fp8"}, "delta_dtype must be"),
+])
+def test_bad_options_are_one_clear_error(tmp_path, kwargs, says):
+    root = kwargs.pop("root", str(tmp_path / "ck"))
+    with pytest.raises(unickpt.UnickptError, match=says):
+        unickpt.CheckpointManager(root, **kwargs)
+
+
+def test_steps_that_cannot_be_replayed_are_refused(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=5, log_deltas=True)
+    with pytest.raises(unickpt.UnickptError, match="LBFGS"):
+        manager.restore({"model": model, "optim": torch.optim.LBFGS(model.parameters())})
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(unickpt.UnickptError, match="GradScaler"):
+        manager.restore({"model": model, "optim": torch.optim.SGD(model.parameters()), "scaler": scaler})
+
+
+def test_single_process_loop_replays_deltas_bitwise(tmp_path, capsys):
+    """No process group at all: a loop checkpointing every 4 steps with the delta log; the
+    state after 'losing' everything since step 4 comes back bitwise by replay."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        return model, opt, sched, {"model": model, "optim": opt, "sched": sched, "rng": unickpt.RNGState(), "epoch": 0}
+
+    def train(state, manager, first, last):
+        model, opt, sched = state["model"], state["optim"], state["sched"]
+        for step in range(first, last + 1):
+            x = torch.randn(5, 4)
+            loss = model(torch.nn.functional.dropout(x, 0.2)).pow(2).mean()
+            loss.backward()
+            manager.before_update()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            state["epoch"] = step // 3
+            manager.maybe_save(state, step)
+
+    root = str(tmp_path / "ck")
+    _, _, _, state = make()
+    manager = unickpt.CheckpointManager(root, save_every=4, log_deltas=True)
+    assert manager.restore(state) == 0
+    train(state, manager, 1, 7)
+    manager._deltas.log.flush()
+    want = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    want_opt = state["optim"].state_dict()
+    want_rng = torch.get_rng_state()
+    # the job dies here (no close); a new process builds everything afresh
+    _, _, sched, again = make()
+    torch.manual_seed(99)
+    back = unickpt.CheckpointManager(root, save_every=4, log_deltas=True)
+    assert back.restore(again) == 7
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("resumed step 7 from disk + 3 logged steps (") and "replayed steps 5..7" in line, line
+    for k, v in again["model"].state_dict().items():
+        assert torch.equal(v, want[k]), k
+    got_opt = again["optim"].state_dict()
+    assert got_opt["param_groups"] == want_opt["param_groups"]
+    for k, st in want_opt["state"].items():
+        for name, v in st.items():
+            assert torch.equal(got_opt["state"][k][name], v), (k, name)
+    assert sched.state_dict() == state["sched"].state_dict() and again["epoch"] == 2
+    assert torch.equal(torch.get_rng_state(), want_rng)
+    back.close()
+    manager.close()
