@@ -4,7 +4,9 @@ by the one verified read (:func:`unickpt.engine.reads.execute`).
 :class:`TensorReads` fills target tensors (any layout: pieces of a DTensor, a flat shard,
 a whole tensor) from the fragments of checkpoint entries. A span whose bytes land
 unchanged in the target (CPU, same dtype, contiguous on both sides) is read straight
-into the target's memory; the rest goes through per-thread scratch and is copied. Every
+into the target's memory; the rest goes through per-thread scratch and is copied (cast
+there, span by span, when the target's dtype is not the saved one: ``load``'s widening;
+the caller decides which casts are allowed). Every
 block is checked against its checksum unless ``verify=False``. ``load``, ``load_tensor``,
 ``convert``, ``export`` and the ``--to dcp/deepspeed`` writers all read through here.
 """
