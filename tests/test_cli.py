@@ -287,6 +287,7 @@ def test_convert_to_dcp_refuses_to_drop_per_rank_state_unless_allowed(ckpt: Path
     assert "warning: per-rank state has no DCP equivalent and was left out: dataloader" in lines, r.stdout
     assert "warning: the checkpoint's metadata= has no DCP equivalent and was left out" in lines, r.stdout
     assert "NOT CONVERTED" in r.stdout and "--allow-skip" in r.stdout and "OK" not in r.stdout
+    assert lines[-1] == "source: 3 tensors, 704 B read", r.stdout  # the refusal also gives the source's ledger
     assert not (dst / ".metadata").exists()  # nothing written
 
     r = invoke("convert", str(ckpt), str(dst), "--to", "dcp", "--allow-skip")
@@ -324,7 +325,9 @@ def test_verify_counts_tensors_as_inspect_does(tmp_path: Path) -> None:
     path = _saved_with_rank_tensor(tmp_path)
     doc = json.loads(invoke("inspect", str(path), "--json").stdout)
     assert doc["totals"]["tensors"] == 2 and doc["totals"]["per_rank"] == 1
-    assert "totals: 2 tensors," in invoke("inspect", str(path)).stdout
+    out = invoke("inspect", str(path)).stdout
+    assert "totals: 2 tensors," in out and "1 per-rank entry" in out
+    assert re.search(r"^source: 2 tensors \+ 1 per-rank tensor, [\d.]+ KiB read$", out, re.M), out  # not "3 tensors"
     r = invoke("verify", str(path))
     assert r.exit_code == 0 and r.stdout.startswith("OK: 2 tensors + 1 per-rank tensor, "), r.stdout
 
@@ -340,6 +343,37 @@ def test_output_to_a_pipe_is_never_wrapped(tmp_path: Path) -> None:
     (row,) = [ln for ln in r.stdout.splitlines() if name in ln]  # the whole name, on one line
     assert "[4]" in row and "F32" in row, r.stdout
     assert any(ln.startswith("totals: 2 tensors, ") and ln.endswith(")") for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_piped_output_lists_every_item_left_out(tmp_path: Path) -> None:
+    """Issue 29: to a pipe or a file nothing is cut: export's ledger names each of its
+    left-out tensors, convert --to deepspeed each value; one grammar for what has no equivalent."""
+    path = tmp_path / "c"
+    optim = {f"w{i}": {"exp_avg": torch.zeros(2)} for i in range(12)}
+    values = {f"v{i:02d}": i for i in range(14)}
+    unickpt.save({"model": {"w": torch.ones(2)}, "optim": {"state": optim}, "run": values,
+                  "rng": unickpt.PerRank(torch.zeros(3, dtype=torch.uint8))}, str(path))
+    r = invoke("export", str(path), str(tmp_path / "hf"))
+    assert r.exit_code == 0, r.output
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("source: ")]
+    assert " more" not in line and all(f"optim.state.w{i}.exp_avg" in line for i in range(12)), line
+    assert line.startswith("source: 1 tensor, 8 B read; 13 left out: "), line  # rng: left out, not a tensor read
+    r = invoke("convert", str(path), str(tmp_path / "ds"), "--to", "deepspeed")
+    assert r.exit_code == 1, r.output
+    warnings = [ln for ln in r.stdout.splitlines() if ln.startswith("warning: ")]
+    assert warnings[1] == "warning: values have no DeepSpeed universal equivalent and were left out: " + \
+        ", ".join(f"run.v{i:02d}" for i in range(14)), warnings
+    assert warnings[2] == "warning: per-rank state has no DeepSpeed universal equivalent and was left out: rng", warnings
+    assert r.stdout.splitlines()[-1] == "source: 13 tensors + 1 per-rank tensor, 107 B read", r.stdout
+    # a terminal gets a few names per kind
+    from unickpt.adapters.regions import source_ledger
+    from unickpt.adapters.hf_export import export_ledger, plan_hf_export
+
+    manifest = unickpt.read_manifest(str(path))
+    ledger = export_ledger(str(path), manifest, plan_hf_export(manifest))
+    assert ledger.line().endswith(" and 7 more because export writes the model only: the tensors named 'model.'"
+                                  "... (--prefix); rng because export writes the model only, not per-rank state"), ledger.line()
+    assert source_ledger(str(path)).to_json()["per_rank"] == 1
 
 
 def test_demo_dirs_are_removed_on_failure_and_ctrl_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
