@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import unickpt
 from unickpt.api.verify import total_bytes
 from unickpt.cli import app
+from unickpt.testing import free_port
 
 ENV = {"COLUMNS": "250", "NO_COLOR": "1"}
 BLOCK = 64  # small checksum blocks, so a flipped byte is located to 64 bytes
@@ -246,6 +247,9 @@ def test_demo_end_to_end_slow(tmp_path: Path) -> None:
     assert re.search(r"optim\.exp_avg\.output\.weight\s*│\s*250x64\s*│\s*\(S\(0\), S\(0\)\) on mesh \(2, 2\)\s*│\s*4\s*│\s*\(S\(1\)\) on mesh \(2,\)", out), out
     assert re.search(r"model\.norm\.weight\s*│\s*64\s*│\s*\(R, R\) on mesh \(2, 2\)\s*│\s*1\s*│\s*\(R\) on mesh \(2,\)", out), out
     assert re.search(r"timings: save \d+\.\d+ s .* load \d+\.\d+ s", out), out
+    from unickpt.demo import LEGEND
+
+    assert LEGEND in out and "each writes an equal part" in LEGEND  # why (R, R) takes 1 or 2 fragments
     # --dir keeps the checkpoint, and it is a valid one
     ckpt = tmp_path / "step_000010"
     report = unickpt.verify(str(ckpt))
@@ -446,6 +450,48 @@ def _readme_blocks() -> list[str]:
     """The README's indented shell commands, continuation lines joined."""
     text = (Path(__file__).parents[1] / "README.md").read_text()
     return [ln.strip() for ln in text.replace("\\\n", " ").splitlines() if ln.startswith("    ") and ln.strip()]
+
+
+@pytest.mark.timeout(200)
+def test_readme_trainer_output_is_what_the_commands_print_slow(tmp_path: Path) -> None:
+    """SLOW (4 + 3 gloo ranks): the README's trainer commands, run as written (torchrun of
+    this interpreter), print the lines the README shows, times per step aside."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    shown = text.split("The two commands print")[1].split("\n\n")[1]
+    want = [ln.strip() for ln in shown.splitlines()]
+    assert len(want) == 3 and want[0].startswith("step 10/20  loss "), want
+    out = []
+    commands = [c for c in _readme_blocks() if "unickpt.examples.train" in c and "--ckpt-dir ckpt " in c]
+    assert len(commands) == 2, commands  # "lose" the job after step 10, resume on 3 ranks
+    for c in commands:
+        args = c.split()[1:]  # the torchrun arguments, as the README gives them
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *args],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        out += r.stdout.splitlines()
+    mask = re.compile(r"\d+\.\d{3} s/step")
+    assert [mask.sub("T s/step", ln) for ln in out] == [mask.sub("T s/step", ln) for ln in want], out
+
+
+def test_doc_links_stay_inside_the_repository() -> None:
+    """Every relative link of the README and docs/ names a file of this repository (a link
+    to ../shared/ or beyond is dead in any clone), and its #anchor a heading there."""
+    root = Path(__file__).parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    checked = 0
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve()
+            assert dest.is_relative_to(root) and dest.exists(), f"{page.name}: dead link {target}"
+            if anchor:
+                heads = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                         for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                assert anchor in heads, f"{page.name}: no heading #{anchor} in {path}"
+            checked += 1
+    assert checked > 10
 
 
 def test_readme_commands_run_from_the_venv_and_save_what_they_use() -> None:
