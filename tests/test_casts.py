@@ -145,3 +145,24 @@ def test_cast_on_every_layout(tmp_path) -> None:
     finally:
         storage.close()
     assert torch.equal(into, big.float())
+
+
+def test_cast_reads_through_bounded_scratch(tmp_path) -> None:
+    """A tensor cast on load goes through scratch memory of at most CAST_SPAN bytes, not
+    a copy of its whole saved bytes (32 MiB of bf16 here)."""
+    from unickpt.engine.tensor_reads import CAST_SPAN, TensorReads
+    from unickpt.plan.piece import whole_piece
+    from unickpt.storage.open import open_storage
+
+    saved = torch.randn(2048, 8192).to(torch.bfloat16)
+    unickpt.save({"w": saved}, str(tmp_path / "c"))
+    entry = unickpt.read_manifest(str(tmp_path / "c")).tensors["w"]
+    into = torch.empty(2048, 8192, dtype=torch.float32)
+    reads = TensorReads(open_storage(str(tmp_path / "c")), threads=1)  # one thread: the scratch is this one's
+    try:
+        reads.add(entry, into, [whole_piece(entry.shape)])
+        reads.run()
+    finally:
+        reads.storage.close()
+    assert torch.equal(into, saved.float())
+    assert 0 < len(reads.scratch.buf) <= CAST_SPAN < saved.numel() * 2
