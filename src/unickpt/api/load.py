@@ -110,7 +110,8 @@ def load(
     is (bf16 or fp16 -> fp32 or fp64, fp32 -> fp64, fp8 -> any wider float, an integer ->
     a wider integer that holds its range: ``unickpt.format.dtypes.WIDENINGS``); ``"any"``
     also narrowing or kind-changing casts, done as torch's ``Tensor.copy_`` does them
-    (rounding to nearest, integers wrapping); ``"none"`` no cast at all. A cast not allowed
+    (floats rounded to nearest, floats to integers truncated, integers wrapped); ``"none"``
+    no cast at all. A cast not allowed
     is a MismatchError naming both dtypes. A bool is never widened: bool -> integer is
     exact in value but not in meaning, so it needs ``cast="any"``.
     """
