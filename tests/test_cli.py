@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import unickpt
 from unickpt.api.verify import total_bytes
 from unickpt.cli import app
+from unickpt.testing import free_port
 
 ENV = {"COLUMNS": "250", "NO_COLOR": "1"}
 BLOCK = 64  # small checksum blocks, so a flipped byte is located to 64 bytes
@@ -246,6 +247,9 @@ def test_demo_end_to_end_slow(tmp_path: Path) -> None:
     assert re.search(r"optim\.exp_avg\.output\.weight\s*│\s*250x64\s*│\s*\(S\(0\), S\(0\)\) on mesh \(2, 2\)\s*│\s*4\s*│\s*\(S\(1\)\) on mesh \(2,\)", out), out
     assert re.search(r"model\.norm\.weight\s*│\s*64\s*│\s*\(R, R\) on mesh \(2, 2\)\s*│\s*1\s*│\s*\(R\) on mesh \(2,\)", out), out
     assert re.search(r"timings: save \d+\.\d+ s .* load \d+\.\d+ s", out), out
+    from unickpt.demo import LEGEND
+
+    assert LEGEND in out and "each writes an equal part" in LEGEND  # why (R, R) takes 1 or 2 fragments
     # --dir keeps the checkpoint, and it is a valid one
     ckpt = tmp_path / "step_000010"
     report = unickpt.verify(str(ckpt))
@@ -287,6 +291,7 @@ def test_convert_to_dcp_refuses_to_drop_per_rank_state_unless_allowed(ckpt: Path
     assert "warning: per-rank state has no DCP equivalent and was left out: dataloader" in lines, r.stdout
     assert "warning: the checkpoint's metadata= has no DCP equivalent and was left out" in lines, r.stdout
     assert "NOT CONVERTED" in r.stdout and "--allow-skip" in r.stdout and "OK" not in r.stdout
+    assert lines[-1] == "source: 3 tensors, 704 B read", r.stdout  # the refusal also gives the source's ledger
     assert not (dst / ".metadata").exists()  # nothing written
 
     r = invoke("convert", str(ckpt), str(dst), "--to", "dcp", "--allow-skip")
@@ -324,7 +329,9 @@ def test_verify_counts_tensors_as_inspect_does(tmp_path: Path) -> None:
     path = _saved_with_rank_tensor(tmp_path)
     doc = json.loads(invoke("inspect", str(path), "--json").stdout)
     assert doc["totals"]["tensors"] == 2 and doc["totals"]["per_rank"] == 1
-    assert "totals: 2 tensors," in invoke("inspect", str(path)).stdout
+    out = invoke("inspect", str(path)).stdout
+    assert "totals: 2 tensors," in out and "1 per-rank entry" in out
+    assert re.search(r"^source: 2 tensors \+ 1 per-rank tensor, [\d.]+ KiB read$", out, re.M), out  # not "3 tensors"
     r = invoke("verify", str(path))
     assert r.exit_code == 0 and r.stdout.startswith("OK: 2 tensors + 1 per-rank tensor, "), r.stdout
 
@@ -340,6 +347,37 @@ def test_output_to_a_pipe_is_never_wrapped(tmp_path: Path) -> None:
     (row,) = [ln for ln in r.stdout.splitlines() if name in ln]  # the whole name, on one line
     assert "[4]" in row and "F32" in row, r.stdout
     assert any(ln.startswith("totals: 2 tensors, ") and ln.endswith(")") for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_piped_output_lists_every_item_left_out(tmp_path: Path) -> None:
+    """Issue 29: to a pipe or a file nothing is cut: export's ledger names each of its
+    left-out tensors, convert --to deepspeed each value; one grammar for what has no equivalent."""
+    path = tmp_path / "c"
+    optim = {f"w{i}": {"exp_avg": torch.zeros(2)} for i in range(12)}
+    values = {f"v{i:02d}": i for i in range(14)}
+    unickpt.save({"model": {"w": torch.ones(2)}, "optim": {"state": optim}, "run": values,
+                  "rng": unickpt.PerRank(torch.zeros(3, dtype=torch.uint8))}, str(path))
+    r = invoke("export", str(path), str(tmp_path / "hf"))
+    assert r.exit_code == 0, r.output
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("source: ")]
+    assert " more" not in line and all(f"optim.state.w{i}.exp_avg" in line for i in range(12)), line
+    assert line.startswith("source: 1 tensor, 8 B read; 13 left out: "), line  # rng: left out, not a tensor read
+    r = invoke("convert", str(path), str(tmp_path / "ds"), "--to", "deepspeed")
+    assert r.exit_code == 1, r.output
+    warnings = [ln for ln in r.stdout.splitlines() if ln.startswith("warning: ")]
+    assert warnings[1] == "warning: values have no DeepSpeed universal equivalent and were left out: " + \
+        ", ".join(f"run.v{i:02d}" for i in range(14)), warnings
+    assert warnings[2] == "warning: per-rank state has no DeepSpeed universal equivalent and was left out: rng", warnings
+    assert r.stdout.splitlines()[-1] == "source: 13 tensors + 1 per-rank tensor, 107 B read", r.stdout
+    # a terminal gets a few names per kind
+    from unickpt.adapters.regions import source_ledger
+    from unickpt.adapters.hf_export import export_ledger, plan_hf_export
+
+    manifest = unickpt.read_manifest(str(path))
+    ledger = export_ledger(str(path), manifest, plan_hf_export(manifest))
+    assert ledger.line().endswith(" and 7 more because export writes the model only: the tensors named 'model.'"
+                                  "... (--prefix); rng because export writes the model only, not per-rank state"), ledger.line()
+    assert source_ledger(str(path)).to_json()["per_rank"] == 1
 
 
 def test_demo_dirs_are_removed_on_failure_and_ctrl_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,6 +450,48 @@ def _readme_blocks() -> list[str]:
     """The README's indented shell commands, continuation lines joined."""
     text = (Path(__file__).parents[1] / "README.md").read_text()
     return [ln.strip() for ln in text.replace("\\\n", " ").splitlines() if ln.startswith("    ") and ln.strip()]
+
+
+@pytest.mark.timeout(200)
+def test_readme_trainer_output_is_what_the_commands_print_slow(tmp_path: Path) -> None:
+    """SLOW (4 + 3 gloo ranks): the README's trainer commands, run as written (torchrun of
+    this interpreter), print the lines the README shows, times per step aside."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    shown = text.split("The two commands print")[1].split("\n\n")[1]
+    want = [ln.strip() for ln in shown.splitlines()]
+    assert len(want) == 3 and want[0].startswith("step 10/20  loss "), want
+    out = []
+    commands = [c for c in _readme_blocks() if "unickpt.examples.train" in c and "--ckpt-dir ckpt " in c]
+    assert len(commands) == 2, commands  # "lose" the job after step 10, resume on 3 ranks
+    for c in commands:
+        args = c.split()[1:]  # the torchrun arguments, as the README gives them
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *args],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        out += r.stdout.splitlines()
+    mask = re.compile(r"\d+\.\d{3} s/step")
+    assert [mask.sub("T s/step", ln) for ln in out] == [mask.sub("T s/step", ln) for ln in want], out
+
+
+def test_doc_links_stay_inside_the_repository() -> None:
+    """Every relative link of the README and docs/ names a file of this repository (a link
+    to ../shared/ or beyond is dead in any clone), and its #anchor a heading there."""
+    root = Path(__file__).parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    checked = 0
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve()
+            assert dest.is_relative_to(root) and dest.exists(), f"{page.name}: dead link {target}"
+            if anchor:
+                heads = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                         for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                assert anchor in heads, f"{page.name}: no heading #{anchor} in {path}"
+            checked += 1
+    assert checked > 10
 
 
 def test_readme_commands_run_from_the_venv_and_save_what_they_use() -> None:

@@ -8,6 +8,7 @@ module:
 * frozen parameters (``requires_grad=False``, bf16) under ZeRO-2 and ZeRO-3 (ZeRO-3 keeps
   them only in ``frozen_param_fragments`` of each rank's model-states file): every tensor
   bitwise equal to DeepSpeed's ``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``);
+  the ZeRO-3 one loads into the same model in fp32 (the bf16-only frozen parameters widened);
 * pipeline parallel (PipelineModule, 2 stages: ``mp_rank_01``, ``layer_XX-model_states.pt``):
   read in place, bitwise equal to ``ds_to_universal``;
 * tensor parallel (AutoTP, tp=2, ``universal_checkpoint_info``): read in place, bitwise equal
@@ -159,6 +160,34 @@ def test_frozen_parameters_equal_zero_to_fp32(runs: dict[str, str], case: str, t
         assert not any(f"model.{n}" in um.tensors for n in FROZEN_NAMES)
         assert_every_byte(_universal(runs, case), tuple(f"model.{n}" for n in FROZEN_NAMES))
     assert_every_byte(ckpt)  # each rank's frozen fragments, partition tails and group steps accounted for
+
+
+def test_zero3_bf16_frozen_loads_into_fp32_model(runs: dict[str, str]) -> None:
+    """Issue 29: a ZeRO-3 bf16 checkpoint whose frozen parameters exist only in bf16 loads
+    into the same model in fp32: the trained parameters are the fp32 master weights, the
+    frozen ones widened exactly (bf16 -> fp32), both bitwise equal to zero_to_fp32's."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from unickpt.examples.model import ModelArgs, Transformer
+
+    ckpt = runs["z3_frozen"]
+    model = Transformer(ModelArgs(32, 2, 4, 2, 64, 16))  # ds_train.py's defaults
+    model.frozen_table = torch.nn.Parameter(torch.zeros(7, 3), requires_grad=False)
+    for name in FREEZE:
+        model.get_parameter(name).requires_grad_(False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with pytest.raises(unickpt.MismatchError, match="saved dtype torch.bfloat16, target dtype torch.float32"):
+        unickpt.load({"model": model.state_dict()}, ckpt, cast="none")  # what every load did before
+    unickpt.load({"model": model.state_dict()}, ckpt)
+    ref = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    for name, got in model.state_dict().items():
+        want = ref[name]
+        assert (want.dtype == torch.bfloat16) == (name in FROZEN_NAMES), name
+        assert bitwise_equal(got, want.float()), f"{name}: differs from zero_to_fp32 (widened)"
+        if name in FROZEN_NAMES:  # widened exactly: back to bf16 gives the saved bits
+            assert bitwise_equal(got.bfloat16(), want), name
+    with pytest.raises(unickpt.MismatchError, match="saved dtype torch.float32, target dtype torch.bfloat16"):
+        unickpt.load({"model": model.bfloat16().state_dict()}, ckpt)  # the master weights are not narrowed unasked
 
 
 def test_pipeline_parallel_equals_ds_to_universal(runs: dict[str, str]) -> None:

@@ -151,12 +151,15 @@ def test_shape_mismatch_names_tensor_and_both_shapes(ckpt):
     assert "'model.w'" in str(e.value) and "[64, 33]" in str(e.value) and "[64, 32]" in str(e.value)
 
 
-def test_dtype_mismatch_is_an_error(ckpt):
+def test_dtype_mismatch_is_an_error_unless_an_exact_widening(ckpt):
     path, sd = ckpt
     target = _zeros_like(sd)
-    target["model"]["b"] = torch.zeros(33)
-    with pytest.raises(unickpt.MismatchError, match="'model.b'.*dtype"):
+    target["model"]["b"] = torch.zeros(33, dtype=torch.float16)  # bf16 -> fp16 can lose values: refused
+    with pytest.raises(unickpt.MismatchError, match="'model.b': saved dtype torch.bfloat16, target dtype torch.float16"):
         unickpt.load(target, str(path))
+    target["model"]["b"] = torch.zeros(33)  # bf16 -> fp32 keeps every value: loaded (tests/test_casts.py)
+    unickpt.load(target, str(path))
+    assert torch.equal(target["model"]["b"], sd["model"]["b"].float())
 
 
 def test_missing_key_strict_and_relaxed(ckpt):

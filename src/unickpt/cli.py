@@ -236,9 +236,12 @@ def _print_incremental(inc: dict[str, Any]) -> None:
 
 
 def _print_ledger(ledger: Ledger) -> None:
-    """The ledger's totals in one line, then each skipped item and unaccounted range."""
+    """The ledger's totals in one line, then each skipped item and unaccounted range. On a
+    terminal the line names a few items of each kind (``... and 112 more``); to a pipe or a
+    file it names every one, as the output there is never cut."""
     out = _out()
-    out.print(Text(f"source: {ledger.line()}", style="yellow" if not ledger.complete else ""), soft_wrap=True)
+    line = ledger.line() if out.is_terminal else ledger.line(names=None)
+    out.print(Text(f"source: {line}", style="yellow" if not ledger.complete else ""), soft_wrap=True)
     for name, reason in ledger.skipped.items():
         out.print(Text(f"  skipped {name}: {reason}", style="yellow"), soft_wrap=True)
     for r in ledger.unaccounted:
@@ -522,6 +525,7 @@ def _convert(ckpt: Any, dst: Path, to: str, consolidate: bool, threads: int, buf
             _out().print(Text(f"NOT CONVERTED: {target} cannot hold all of {src} (listed above); "
                               "nothing was written. Pass --allow-skip to write it without them.",
                               style="bold red"), soft_wrap=True)
+            _print_ledger(ledger)
             raise typer.Exit(EXIT_FAILED)
     if to == "unickpt":
         from .api.convert import convert

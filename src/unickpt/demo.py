@@ -33,6 +33,13 @@ STEP = 10
 SAVE_WORLD, LOAD_WORLD = 4, 2
 
 
+# the table's legend: why one placement is stored as 1, 2 or 4 fragments
+LEGEND = ("layouts: S(d) = Shard(d), R = Replicate(). frags: the fragments stored. Each shard is stored once, however "
+          "many ranks hold it: its replicas lay the tensors they share end to end and each writes an equal part, so a "
+          "tensor crossing a cut between parts is stored as several row ranges, and one placement can take 1, 2 or 4 "
+          "fragments (docs/FORMAT.md, \"Who writes replicas\").")
+
+
 @contextmanager
 def demo_dir(directory: str | os.PathLike | None) -> Iterator[Path]:
     """``directory`` (created if needed, kept: the user asked for it), or else a fresh
@@ -290,7 +297,7 @@ def run_demo(directory: str | os.PathLike | None = None, console: Any = None) ->
                 str(len(entry.fragments)), compact_layout(row["loaded_layout"]), "[green]✓[/]" if row["equal"] else "[bold red]✗[/]",
             )
         console.print(table)
-        console.print("layouts: S(d) = Shard(d), R = Replicate(); fragments are the distinct shards stored (replicas deduplicated)")
+        console.print(LEGEND, soft_wrap=True)
         n_equal = sum(r["equal"] for r in rows)
         stored = sum(manifest.files.values())
         console.print(

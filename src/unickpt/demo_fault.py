@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -89,11 +88,31 @@ def _whole(shm: str, step: int) -> bool:
     return os.path.exists(os.path.join(shm, "unickpt", "demo", f"step_{step:08d}", "whole"))
 
 
+def _logs(root: str, count: int) -> str:
+    """The last lines of the nodes' logs, for an error raised before ``root`` is removed."""
+    tails = []
+    for i in range(count):
+        try:
+            with open(os.path.join(root, f"node{i}.log"), errors="replace") as f:
+                tails.append(f"--- node {i} (last lines) ---\n" + "\n".join(f.read().splitlines()[-15:]))
+        except OSError:
+            pass
+    return "\n".join(tails)
+
+
 def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_fault.png", console: Any = None) -> FaultDemo:
-    """Run the story, print a table (with rich when ``console`` is given), write the PNG."""
+    """Run the story, print a table (with rich when ``console`` is given), write the PNG.
+    Checkpoints, logs and the nodes' shared-memory roots go under ``directory`` (kept), or
+    a temporary directory removed however the demo ends (a failure's error carries the
+    last lines of the nodes' logs)."""
+    from .demo import demo_dir
+
+    with demo_dir(directory) as base:
+        return _run(str(base), plot_path, console)
+
+
+def _run(root: str, plot_path: str, console: Any) -> FaultDemo:
     start = time.time()
-    root = directory or tempfile.mkdtemp(prefix="unickpt-demo-ft-")
-    os.makedirs(root, exist_ok=True)
     shm = [os.path.join(root, f"shm{i}") for i in range(NODES)]
     say = console.print if console is not None else print
     from .examples.train import run
@@ -109,7 +128,7 @@ def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_
         deadline = time.monotonic() + 600
         while not (max(_losses(log), default=0) >= FAIL_AFTER and all(_whole(r, FAIL_AFTER - 1) for r in shm)):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"the run did not reach step {FAIL_AFTER}; see {root}/node*.log")
+                raise RuntimeError(f"the run did not reach step {FAIL_AFTER}:\n{_logs(root, NODES)}")
             time.sleep(0.05)
         failed_at = max(_losses(log))
         say(f"3. node {LOST} lost after step {failed_at}: its trainer and keeper SIGKILLed, its shared memory deleted; "
@@ -126,7 +145,7 @@ def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_
             p.wait(600)
         outs = [open(os.path.join(root, f"node{i}.log")).read() for i in range(len(survivors))]
         if any(p.returncode for p in procs):
-            raise RuntimeError(f"the survivors failed; see {root}/node*.log")
+            raise RuntimeError(f"the survivors failed:\n{_logs(root, len(survivors))}")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -144,6 +163,15 @@ def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_
 
 
 def _plot(r: FaultDemo, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(r)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_figure(r: FaultDemo) -> Any:
+    """The demo's figure (a matplotlib Figure): both loss curves, the node loss marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,16 +183,19 @@ def _plot(r: FaultDemo, path: str) -> None:
     ax.plot(list(r.after), list(r.after.values()), "x", color="#d62728", markersize=9, mew=2,
             label=f"{NODES - 1} survivors, resumed from memory at step {r.resumed_step}")
     ax.axvline(r.failed_at + 0.5, color="#d62728", linestyle=":", linewidth=1)
+    # the note goes on the wider side of the line (the failure comes late in the run: text
+    # to its right would run past the frame)
+    late = r.failed_at + 0.5 > (min(r.reference) + max(r.reference)) / 2
     ax.annotate(f"node {LOST} lost after step {r.failed_at}\ndecoded from parity, "
                 f"recovered in {r.recovery_s:.2f} s", xy=(r.failed_at + 0.5, max(r.reference.values())),
-                xytext=(6, -4), textcoords="offset points", va="top", fontsize=8, color="#d62728")
+                xytext=(-6 if late else 6, -4), textcoords="offset points", ha="right" if late else "left", va="top",
+                fontsize=8, color="#d62728")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("unickpt: a lost node, the job continues on the survivors from memory")
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
 def _table(r: FaultDemo, say: Any, console: Any) -> None:
@@ -181,10 +212,10 @@ def _table(r: FaultDemo, say: Any, console: Any) -> None:
             note = "last whole snapshot"
         if step == r.failed_at:
             note = f"node {LOST} lost"
-        rel = "" if got is None or step not in r.after else f"{abs(got - ref) / abs(ref):.1e}"
+        rel = "" if got is None else f"{abs(got - ref) / abs(ref):.1e}"
         rows.append((str(step), f"{ref:.6f}", "" if got is None else f"{got:.6f}", where, rel, note))
     print_rows(say, console, "loss: unbroken run vs a run that loses a node",
-               ("step", "unbroken", "this run", "on", "rel. diff", ""), rows)
+               ("step", "unbroken", "this run", "on", "rel. diff", "note"), rows, left=("on", "note"))
     say(f"recovery: {r.line}")
     verdict = "OK" if r.ok else "MISMATCH"
     diff = f"{r.max_rel_diff:.1e}" if r.after else "n/a"

@@ -124,24 +124,25 @@ def run_resume_demo(directory: str | None = None, plot_path: str = "unickpt_demo
     return result
 
 
-def print_rows(say: Any, console: Any, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+def print_rows(say: Any, console: Any, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]],
+               left: tuple[str, ...] = ()) -> None:
     """A demo's table: the title on a line of its own (a table title would wrap in a
     narrow terminal), then the rows under ``columns`` (a rich table on a console, else
-    plain lines); a column with an empty name is left-aligned."""
+    plain lines); the columns named in ``left`` are left-aligned, the others right."""
     try:
         from rich.table import Table
     except ImportError:  # pragma: no cover
         Table = None
+    say(title)
     if console is not None and Table is not None:
-        say(title)
         t = Table()
         for col in columns:
-            t.add_column(col, justify="right" if col else "left")
+            t.add_column(col, justify="left" if col in left else "right")
         for r in rows:
             t.add_row(*r)
         console.print(t)
     else:
-        for r in rows:
+        for r in [columns, *rows]:
             say("  ".join(r))
 
 

@@ -42,6 +42,7 @@ import torch
 
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_from_name
+from ..format.ledger import no_equivalent
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.values import decode_value
 from ..engine.reads import Scratch
@@ -314,10 +315,7 @@ def left_out(manifest: Manifest) -> list[str]:
     out = []
     if manifest.rank_values or manifest.rank_tensors:
         keys = sorted(set(manifest.rank_values) | set(manifest.rank_tensors))
-        out.append(
-            f"per-rank state has no DCP equivalent and was left out: {', '.join(keys[:10])}"
-            + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
-        )
+        out.append(no_equivalent("per-rank state", False, "DCP", keys))
     if manifest.metadata:
         out.append("the checkpoint's metadata= has no DCP equivalent and was left out")
     out += [f"{e.name!r} has no stored data in the source; left out" for e in manifest.tensors.values() if not _has_data(e)]

@@ -53,6 +53,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import LayoutError, SaveError, UnickptError
+from ..format.ledger import no_equivalent
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.files import DurableBatch
@@ -117,12 +118,11 @@ def left_out(manifest: Manifest) -> list[str]:
     params = _param_states(manifest)
     kept = {f"model.{p}" for p in params} | {f"optim.state.{p}.{k}" for p, st in params.items() for k in st}
     kinds = [
-        ("tensors that are neither model.<param> nor its optim.state", [n for n in manifest.tensors if n not in kept]),
-        ("values", [n for n in manifest.values if n not in kept and n not in _CARRIED_VALUES]),
-        ("per-rank state", sorted(set(manifest.rank_values) | set(manifest.rank_tensors))),
+        ("tensors that are neither model.<param> nor its optim.state", True, [n for n in manifest.tensors if n not in kept]),
+        ("values", True, [n for n in manifest.values if n not in kept and n not in _CARRIED_VALUES]),
+        ("per-rank state", False, sorted(set(manifest.rank_values) | set(manifest.rank_tensors))),
     ]
-    out = [f"{what} have no DeepSpeed universal equivalent and were left out: {', '.join(names[:10])}"
-           + (f" and {len(names) - 10} more" if len(names) > 10 else "") for what, names in kinds if names]
+    out = [no_equivalent(what, plural, "DeepSpeed universal", names) for what, plural, names in kinds if names]
     user_metadata = sorted(k for k in manifest.metadata if k != "deepspeed")  # "deepspeed": the source's own tag
     if user_metadata:
         out.append(f"the checkpoint's metadata= ({', '.join(user_metadata)}) has no DeepSpeed universal equivalent "

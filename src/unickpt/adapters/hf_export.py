@@ -352,6 +352,7 @@ def export_ledger(src: str | Checkpoint, manifest: Manifest, plan: ExportPlan) -
     left out, or skipped (dropped by the prefix, or skipped by the source's reader)."""
     ledger = source_ledger(src)
     ledger.tensors = len(plan.tensors)
+    ledger.per_rank = 0  # per-rank state is never exported: it is among the left-out items
     ledger.bytes_read = sum(t.entry.nbytes for t in plan.tensors)
     ledger.left_out = dict(plan.left_out)
     ledger.skipped.update(plan.dropped)

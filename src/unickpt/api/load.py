@@ -12,7 +12,7 @@ import torch
 
 from ..dist import resolve_group
 from ..errors import LayoutError, ManifestError, MismatchError, UnickptError
-from ..format.dtypes import dtype_from_name, dtype_name
+from ..format.dtypes import CASTS, cast_allowed, dtype_from_name, dtype_name
 from ..adapters.checkpoint import open_checkpoint
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
@@ -39,14 +39,22 @@ def _fill(reader: TensorReads, entry: TensorEntry, local: torch.Tensor, pieces: 
     reader.add(entry, local, pieces)
 
 
-def _check_compatible(entry: TensorEntry, target: torch.Tensor, global_shape: tuple[int, ...] | None = None) -> None:
+def _check_compatible(entry: TensorEntry, target: torch.Tensor, global_shape: tuple[int, ...] | None = None,
+                      cast: str = "widen") -> None:
     shape = tuple(target.shape) if global_shape is None else tuple(global_shape)
     if shape != entry.shape:
         raise MismatchError(f"{entry.name!r}: saved shape {list(entry.shape)}, target shape {list(shape)}")
-    if dtype_name(target.dtype) != entry.dtype:
+    _check_dtype(entry, target, cast)
+
+
+def _check_dtype(entry: TensorEntry, target: torch.Tensor, cast: str) -> None:
+    """Refuse a target whose dtype the ``cast`` policy does not let ``entry`` be loaded into."""
+    if not cast_allowed(entry.dtype, dtype_name(target.dtype), cast):
+        saved = dtype_from_name(entry.dtype)
+        how = "a different dtype" if cast == "none" else "a cast that can change values (rounding, overflow, another kind)"
         raise MismatchError(
-            f"{entry.name!r}: saved dtype {dtype_from_name(entry.dtype)}, target dtype {target.dtype}; "
-            "cast after loading, or load into a tensor of the saved dtype"
+            f"{entry.name!r}: saved dtype {saved}, target dtype {target.dtype}: {how}; pass cast='any' to load it "
+            f"with torch's cast, or load into a tensor of the saved dtype {saved}"
         )
 
 
@@ -65,6 +73,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     manifest: Manifest | None = None,
     per_rank: str = "error",
+    cast: str = "widen",
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -94,12 +103,27 @@ def load(
     be a URL (``s3://...``, any fsspec file system; ``storage_options`` for it): each rank
     then fetches only the byte ranges it needs, with ranged GETs. ``manifest``, when given,
     is the checkpoint's manifest already read (and validated) by the caller: it is not
-    parsed again. ``per_rank``: what a :class:`~unickpt.PerRank` target gets when the
-    checkpoint was saved by another number of ranks: ``"error"`` (a ``LayoutError``), or
-    ``"keep"``: its value is left as it is (its name is added to ``stats["per_rank_kept"]``).
+    parsed again.
+
+    A target tensor of another dtype than the saved one is filled with the saved values
+    cast to it, span by span as they are read (no whole-tensor copy), as ``cast`` allows:
+    ``"widen"`` (the default) only exact widenings, where every saved value is kept as it
+    is (bf16 or fp16 -> fp32 or fp64, fp32 -> fp64, fp8 -> any wider float, an integer ->
+    a wider integer that holds its range: ``unickpt.format.dtypes.WIDENINGS``); ``"any"``
+    also narrowing or kind-changing casts, done as torch's ``Tensor.copy_`` does them
+    (floats rounded to nearest, floats to integers truncated, integers wrapped); ``"none"``
+    no cast at all. A cast not allowed
+    is a MismatchError naming both dtypes. A bool is never widened: bool -> integer is
+    exact in value but not in meaning, so it needs ``cast="any"``.
+
+    ``per_rank``: what a :class:`~unickpt.PerRank` target gets when the checkpoint was
+    saved by another number of ranks: ``"error"`` (a ``LayoutError``), or ``"keep"``: its
+    value is left as it is (its name is added to ``stats["per_rank_kept"]``).
     """
     if per_rank not in ("error", "keep"):
         raise UnickptError(f"per_rank must be 'error' or 'keep', not {per_rank!r}")
+    if cast not in CASTS:
+        raise UnickptError(f"cast={cast!r}: expected one of {', '.join(map(repr, CASTS))}")
     if manifest is None:
         ckpt = open_checkpoint(path, storage_options)
         manifest = ckpt.manifest
@@ -129,7 +153,7 @@ def load(
                     if stats is not None:
                         stats.setdefault("per_rank_kept", []).append(leaf.name)
                     continue
-                _load_per_rank(storage, manifest, leaf.name, v, group.rank, group.size, strict, threads, verify)
+                _load_per_rank(storage, manifest, leaf.name, v, group.rank, group.size, strict, threads, verify, cast)
             elif isinstance(v, Sharded):
                 entry = manifest.tensors.get(leaf.name)
                 if entry is None:
@@ -137,7 +161,7 @@ def load(
                         raise MismatchError(_missing(leaf.name, manifest))
                     continue
                 item = sharded_item(leaf.name, v)
-                _check_compatible(entry, v.local, item.global_shape)
+                _check_compatible(entry, v.local, item.global_shape, cast)
                 if replicas is None or not replicas.defer(entry, item):
                     _fill(reader, entry, item.local, item.pieces)
             elif isinstance(v, torch.Tensor):
@@ -146,7 +170,7 @@ def load(
                     if strict:
                         raise MismatchError(_missing(leaf.name, manifest))
                     continue
-                _check_compatible(entry, v)
+                _check_compatible(entry, v, None, cast)
                 if shared is not None and not is_dtensor(v) and not shared.read_here(leaf.name, v):
                     continue
                 item = tensor_item(leaf.name, v, None)
@@ -210,7 +234,7 @@ def _missing(name: str, manifest: Manifest) -> str:
 
 def _load_per_rank(
     storage: Storage, manifest: Manifest, name: str, target: PerRank, rank: int, world: int,
-    strict: bool, threads: int, verify: bool,
+    strict: bool, threads: int, verify: bool, cast: str,
 ) -> None:
     if name not in manifest.rank_values and name not in manifest.rank_tensors:
         if strict:
@@ -221,7 +245,11 @@ def _load_per_rank(
             f"{name!r} is per-rank state saved by {manifest.world_size} ranks and this job has {world}; "
             "read all ranks' values with unickpt.load_rank_values() and redistribute them"
         )
-    target.value = _rank_value(storage, manifest, name, rank, threads, verify, target.value)
+    into = target.value
+    entry = manifest.rank_tensors[name][rank] if name in manifest.rank_tensors else None
+    if entry is not None and isinstance(into, torch.Tensor) and tuple(into.shape) == entry.shape:
+        _check_dtype(entry, into, cast)  # filled in place, as a tensor target is; else replaced by the saved tensor
+    target.value = _rank_value(storage, manifest, name, rank, threads, verify, into)
 
 
 def _rank_value(storage: Storage, manifest: Manifest, name: str, rank: int, threads: int, verify: bool, into: Any = None) -> Any:

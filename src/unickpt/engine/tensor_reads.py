@@ -4,7 +4,9 @@ by the one verified read (:func:`unickpt.engine.reads.execute`).
 :class:`TensorReads` fills target tensors (any layout: pieces of a DTensor, a flat shard,
 a whole tensor) from the fragments of checkpoint entries. A span whose bytes land
 unchanged in the target (CPU, same dtype, contiguous on both sides) is read straight
-into the target's memory; the rest goes through per-thread scratch and is copied. Every
+into the target's memory; the rest goes through per-thread scratch and is copied (cast
+there, span by span, when the target's dtype is not the saved one: ``load``'s widening;
+the caller decides which casts are allowed). Every
 block is checked against its checksum unless ``verify=False``. ``load``, ``load_tensor``,
 ``convert``, ``export`` and the ``--to dcp/deepspeed`` writers all read through here.
 """
@@ -26,6 +28,12 @@ from ..plan.read_plan import Copy, Span
 from ..storage.base import Storage
 from .byte_reads import plan_fill
 from .reads import COALESCE_MAX, Scratch, Segment, SpanRead, block_checks, check_in_file, checksum_error, execute, fill_gaps
+
+# the most bytes one read of a tensor cast on load (a target of another dtype than the
+# saved one) takes, scratch memory per thread included: its saved bytes are read into
+# scratch and cast into the target, so smaller reads keep that memory small (a whole
+# large tensor would otherwise be read into scratch first); measured no slower than 8-16 MiB
+CAST_SPAN = 4 << 20
 
 
 def _region(data: torch.Tensor, piece: Piece, first_element: int, part_local_rows: tuple[int, int]) -> torch.Tensor:
@@ -108,8 +116,11 @@ class TensorReads:
 
     def add(self, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece], what: str = "this rank needs") -> None:
         """Plan the reads filling ``pieces`` of ``local`` from ``entry``'s fragments; a
-        CorruptionError when the fragments do not cover them."""
-        entry, _, plan = plan_fill(entry, pieces, self.max_span, what)
+        CorruptionError when the fragments do not cover them. A ``local`` of another
+        dtype than the entry's is filled with the values cast, in spans of at most
+        :data:`CAST_SPAN` bytes (which dtypes may be cast is the caller's decision)."""
+        span = min(self.max_span or CAST_SPAN, CAST_SPAN) if _cast(entry, local) else self.max_span
+        entry, _, plan = plan_fill(entry, pieces, span, what)
         self.jobs.extend((entry, sp, local) for sp in plan.spans)
 
     def span_read(self, entry: TensorEntry, sp: Span, local: torch.Tensor) -> SpanRead:
@@ -143,9 +154,17 @@ class TensorReads:
         jobs, self.jobs = self.jobs, []
         self.bytes_read += sum(sp.stop - sp.start for _, sp, _ in jobs)
         self.files_read.update(e.fragments[sp.fragment].file for e, sp, _ in jobs)
-        reads = [self.span_read(e, sp, local) for e, sp, local in jobs]
-        execute(self.storage, reads, threads=self.threads, pool=pool, max_group=self.max_span or COALESCE_MAX,
-                scratch=self.scratch)
+        same = [self.span_read(e, sp, local) for e, sp, local in jobs if not _cast(e, local)]
+        cast = [self.span_read(e, sp, local) for e, sp, local in jobs if _cast(e, local)]
+        # touching cast spans are not merged into large reads: each group goes through scratch
+        for reads, group in ((same, self.max_span or COALESCE_MAX), (cast, min(self.max_span or CAST_SPAN, CAST_SPAN))):
+            if reads:
+                execute(self.storage, reads, threads=self.threads, pool=pool, max_group=group, scratch=self.scratch)
+
+
+def _cast(entry: TensorEntry, local: torch.Tensor) -> bool:
+    """Whether ``local`` holds another dtype than ``entry`` was saved in."""
+    return dtype_name(local.dtype) != entry.dtype
 
 
 def read_entry(storage: Storage, entry: TensorEntry, threads: int = 4, verify: bool = True,

@@ -67,3 +67,34 @@ def itemsize(name: str) -> int:
         return _DTYPES[name][1]
     except KeyError:
         raise LayoutError(f"unknown dtype {name!r} in checkpoint") from None
+
+
+# saved dtype -> the dtypes it widens to exactly: every value of the saved dtype (NaN, the
+# infinities and -0.0 included) is a value of the wider one, so a cast there and back gives
+# the same bits. Only within one kind (floating, signed or unsigned integer into an integer
+# that holds its range): a bool, or an integer, is not silently turned into a number of
+# another kind, even where the values would survive, since the meaning does not.
+_F8 = ("F16", "BF16", "F32", "F64")
+WIDENINGS: dict[str, tuple[str, ...]] = {
+    "F8_E4M3": _F8,
+    "F8_E5M2": _F8,
+    "F16": ("F32", "F64"),
+    "BF16": ("F32", "F64"),
+    "F32": ("F64",),
+    "I8": ("I16", "I32", "I64"),
+    "I16": ("I32", "I64"),
+    "I32": ("I64",),
+    "U8": ("U16", "U32", "U64", "I16", "I32", "I64"),
+    "U16": ("U32", "U64", "I32", "I64"),
+    "U32": ("U64", "I64"),
+}
+
+CASTS = ("none", "widen", "any")
+
+
+def cast_allowed(saved: str, target: str, cast: str) -> bool:
+    """Whether a tensor saved as dtype ``saved`` may be loaded into one of dtype ``target``
+    (safetensors names) under the ``cast`` policy of ``unickpt.load``: ``"none"`` the same
+    dtype only, ``"widen"`` also an exact widening (:data:`WIDENINGS`), ``"any"`` any cast
+    (``cast`` is one of :data:`CASTS`, checked by the caller)."""
+    return saved == target or cast == "any" or (cast == "widen" and target in WIDENINGS.get(saved, ()))

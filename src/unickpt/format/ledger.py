@@ -51,7 +51,8 @@ class Region:
 class Ledger:
     """What a reader accounts for in a checkpoint's source (see the module docstring)."""
 
-    tensors: int = 0
+    tensors: int = 0  # global tensors
+    per_rank: int = 0  # per-rank tensor entries (each saved once per rank), counted apart as inspect and verify do
     bytes_read: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     replicas: dict[str, str] = field(default_factory=dict)
@@ -76,29 +77,31 @@ class Ledger:
         """Bytes neither read nor reported."""
         return sum(r.stop - r.start for r in self.unaccounted)
 
-    def line(self) -> str:
-        """The totals in one line: ``412 tensors, 1.13 GiB read; 3 skipped: a, b because ...``."""
-        parts = [f"{_n(self.tensors, 'tensor')}, {size_text(self.bytes_read)} read"]
+    def line(self, names: int | None = 5) -> str:
+        """The totals in one line: ``412 tensors, 1.13 GiB read; 3 skipped: a, b because ...``
+        (``412 tensors + 1 per-rank tensor, ...`` when there are per-rank ones); at most
+        ``names`` names per reason and per kind (``... and 112 more``), every one when None."""
+        rank = f" + {_n(self.per_rank, 'per-rank tensor')}" if self.per_rank else ""
+        parts = [f"{_n(self.tensors, 'tensor')}{rank}, {size_text(self.bytes_read)} read"]
         if self.skipped:
-            parts.append(f"{len(self.skipped)} skipped: {_because(self.skipped)}")
+            parts.append(f"{len(self.skipped)} skipped: {_because(self.skipped, names)}")
         if self.replicas:
             parts.append(f"{_n(len(self.replicas), 'replica')} read once from another copy")
         if self.left_out:
-            parts.append(f"{len(self.left_out)} left out: {_because(self.left_out)}")
+            parts.append(f"{len(self.left_out)} left out: {_because(self.left_out, names)}")
         if self.files_unchecked:
             parts.append(f"{_n(len(self.files_unchecked), 'file')} accounted for by tensor only, not byte by byte")
         if self.ignored_files:
-            parts.append(f"{_n(len(self.ignored_files), 'file')} ignored: {_because(self.ignored_files)}")
+            parts.append(f"{_n(len(self.ignored_files), 'file')} ignored: {_because(self.ignored_files, names)}")
         if self.unaccounted:
-            shown = ", ".join(str(r) for r in self.unaccounted[:3])
-            more = f" and {len(self.unaccounted) - 3} more" if len(self.unaccounted) > 3 else ""
-            parts.append(f"{size_text(self.unaccounted_bytes)} neither read nor reported: {shown}{more}")
+            regions = [str(r) for r in self.unaccounted]
+            parts.append(f"{size_text(self.unaccounted_bytes)} neither read nor reported: {_some(regions, None if names is None else 3)}")
         return "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the ledger."""
         return {
-            "tensors": self.tensors, "bytes_read": self.bytes_read, "skipped": dict(self.skipped), "replicas": dict(self.replicas),
+            "tensors": self.tensors, "per_rank": self.per_rank, "bytes_read": self.bytes_read, "skipped": dict(self.skipped), "replicas": dict(self.replicas),
             "left_out": dict(self.left_out), "ignored_files": dict(self.ignored_files),
             "unaccounted": [{"file": r.file, "start": r.start, "stop": r.stop, "owner": r.owner} for r in self.unaccounted],
             "unaccounted_bytes": self.unaccounted_bytes, "bytes_checked": self.bytes_checked,
@@ -123,17 +126,28 @@ def size_text(n: int) -> str:
     raise AssertionError  # pragma: no cover
 
 
-def _because(reasons: dict[str, str], names_per_reason: int = 5) -> str:
-    """``a, b because R1; c because R2``: names grouped by their reason."""
+def _some(names: list[str], limit: int | None) -> str:
+    """``a, b, c and 4 more``: the first ``limit`` of ``names`` (all of them when None)."""
+    if limit is None or len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
+def _because(reasons: dict[str, str], names_per_reason: int | None = 5) -> str:
+    """``a, b because R1; c because R2``: names grouped by their reason (at most
+    ``names_per_reason`` of each, every one when None)."""
     groups: dict[str, list[str]] = {}
     for name, reason in reasons.items():
         groups.setdefault(reason, []).append(name)
-    out = []
-    for reason, names in groups.items():
-        shown = ", ".join(names[:names_per_reason])
-        more = f" and {len(names) - names_per_reason} more" if len(names) > names_per_reason else ""
-        out.append(f"{shown}{more} because {reason}")
-    return "; ".join(out)
+    return "; ".join(f"{_some(names, names_per_reason)} because {reason}" for reason, names in groups.items())
+
+
+def no_equivalent(what: str, plural: bool, target: str, names: list[str]) -> str:
+    """The warning of a writer that leaves out what ``target`` cannot hold, every name
+    listed: ``per-rank state has no DCP equivalent and was left out: rng`` (``plural``:
+    ``values have ... were ...``)."""
+    verbs = ("have", "were") if plural else ("has", "was")
+    return f"{what} {verbs[0]} no {target} equivalent and {verbs[1]} left out: {', '.join(names)}"
 
 
 def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -188,7 +202,8 @@ def build_ledger(
     skipped = manifest.provenance.get("skipped")
     replicas = manifest.provenance.get("replicas")
     led = Ledger(
-        tensors=len(manifest.tensors) + len(manifest.rank_tensors),
+        tensors=len(manifest.tensors),
+        per_rank=len(manifest.rank_tensors),
         bytes_read=sum(b - a for spans in merged.values() for a, b in spans),
         skipped={str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {},
         replicas={str(k): str(v) for k, v in replicas.items()} if isinstance(replicas, dict) else {},
