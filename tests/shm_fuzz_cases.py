@@ -9,12 +9,13 @@ import json
 import os
 import shutil
 
-CORRUPTIONS = ("flipped", "truncated", "emptied", "deleted", "directory")
+CORRUPTIONS = ("flipped", "digit", "truncated", "emptied", "deleted", "directory")
 
 
 def corrupt(path: str, how: str) -> None:
     """Damage one file: ``flipped`` (three bytes XORed, at a quarter, half and three
-    quarters of it; an empty file stays empty), ``truncated`` (to half), ``emptied``,
+    quarters of it; an empty file stays empty), ``digit`` (the first decimal digit from
+    the middle on changed: a JSON file stays valid JSON), ``truncated`` (to half), ``emptied``,
     ``deleted``, or ``directory`` (replaced by a directory holding one file)."""
     if how == "flipped":
         with open(path, "r+b") as f:
@@ -24,6 +25,13 @@ def corrupt(path: str, how: str) -> None:
                 b = f.read(1)
                 f.seek(at)
                 f.write(bytes([b[0] ^ 0x5A]))
+    elif how == "digit":
+        with open(path, "r+b") as f:
+            data = f.read()
+            at = next((i for i in range(len(data) // 2, len(data)) if data[i:i + 1].isdigit()), None)
+            if at is not None:
+                f.seek(at)
+                f.write(str((int(data[at:at + 1]) + 1) % 10).encode())
     elif how == "truncated":
         os.truncate(path, os.path.getsize(path) // 2)
     elif how == "emptied":

@@ -102,17 +102,18 @@ def _kinds():
         "deleted": ("memory", 6, None)}  # no copy anywhere: a step never committed, nothing to say
     yield "node 0's rank file of step 7", [RANKS0[2]], {
         **{c: ("memory", 6, f"step 7: {NO_PARITY}") for c in CORRUPTIONS},
-        "flipped": ("memory", 6, "step 7: checksum mismatch in rank_00000.safetensors")}
+        **{c: ("memory", 6, "step 7: checksum mismatch in rank_00000.safetensors") for c in ("flipped", "digit")}}
     yield "node 0's rank files of every step", RANKS0, {
         **{c: ("memory", 5, f"step 7: {NO_PARITY}; step 6: {NO_PARITY}") for c in CORRUPTIONS},
-        "flipped": ("disk", 4, "step 5: checksum mismatch in rank_00000.safetensors")}
+        **{c: ("disk", 4, "step 5: checksum mismatch in rank_00000.safetensors") for c in ("flipped", "digit")}}
     yield "node 1's copy of node 0's blob (node 0's data lost)", [(1, f"{COPY_OF_NODE0}.bin")], {
         **{c: ("disk", 4, "step 5: node 1's parity record parity_g1_r0.json: its block is missing, or not of its")
            for c in CORRUPTIONS},
-        "flipped": ("disk", 4, "parity of step 5 held by node 1 (group 1, block 0) fails its crc32c")}
+        **{c: ("disk", 4, "parity of step 5 held by node 1 (group 1, block 0) fails its crc32c") for c in ("flipped", "digit")}}
     yield "node 1's record of that copy (node 0's data lost)", [(1, f"{COPY_OF_NODE0}.json")], {
         **{c: ("disk", 4, "step 5: node 1's parity record parity_g1_r0.json: ") for c in CORRUPTIONS},
-        **{c: ("disk", 4, f"step 5: {NO_PARITY}") for c in ("deleted", "directory")}}  # a directory is no record
+        **{c: ("disk", 4, f"step 5: {NO_PARITY}") for c in ("deleted", "directory")},  # a directory is no record
+        "digit": ("disk", 4, "parity_g1_r0.json: its digest does not match its content")}
     yield "node 0's keeper files, secret and whole marker", KEEPER_FILES0, {c: ("memory", 7, None) for c in everywhere}
 
 
@@ -186,3 +187,90 @@ def test_every_file_of_a_killed_jobs_shm_root_damaged_resumes_from_disk(tmp_path
                 os.kill(keeper, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _fake_keeper(messages: list[bytes]):
+    """A server that answers one connection with raw ``messages`` (then reads what it is
+    sent, and closes): a keeper whose bytes are damaged or hostile. Returns its port."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with server:
+            conn, _ = server.accept()
+            with conn:
+                for m in messages:
+                    conn.sendall(m)
+                    conn.settimeout(2)
+                    try:
+                        conn.recv(1 << 16)
+                    except OSError:
+                        return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1]
+
+
+def _frame(doc: bytes) -> bytes:
+    return len(doc).to_bytes(4, "big") + doc
+
+
+@pytest.mark.parametrize("messages", [
+    [_frame(b"not json")],
+    [_frame(b"[1, 2]")],
+    [_frame(b"\xff\xfe")],
+    [_frame(b'{"nonce": "zz"}')],
+    [(1 << 31).to_bytes(4, "big")],  # a 2 GiB challenge: refused, nothing allocated
+    [_frame(b'{"nonce": "00"}'), _frame(b'{"ok": true}'), _frame(b'{"ok": true, "nbytes": -5}')],
+    [_frame(b'{"nonce": "00"}'), _frame(b'{"ok": true}'), _frame(b'"ok"')],
+], ids=["not-json", "a-list", "not-utf8", "bad-nonce", "huge", "negative-payload", "reply-not-an-object"])
+def test_damaged_keeper_messages_are_one_snapshot_error(messages):
+    """The trainers' side of the keepers' protocol: whatever a keeper sends (not JSON, not
+    an object, a nonce that is not hex, a header larger than any, a negative payload size)
+    is a SnapshotError, which recovery turns into a skipped step: never another exception."""
+    from unickpt.errors import SnapshotError
+    from unickpt.snapshot import wire
+
+    port = _fake_keeper(messages)
+    with pytest.raises(SnapshotError):
+        conn = wire.Connection("127.0.0.1", port, b"s" * 32, timeout=10)
+        try:
+            conn.request({"op": "ping"})
+        finally:
+            conn.close()
+
+
+def test_damaged_delta_log_entries_end_the_replay_with_a_reason(tmp_path):
+    """The delta log's entries on disk are untrusted too: an entry whose manifest or data
+    file is flipped, truncated, emptied, deleted or a directory ends the replay before it,
+    with the reason (never a traceback); a damaged full checkpoint is no base."""
+    import torch
+
+    import unickpt
+    from unickpt.api.delta_log import DeltaLog, replayable
+
+    ck = tmp_path / "orig" / "ck"
+    unickpt.CheckpointManager(str(ck)).save({"w": torch.ones(10)}, 2)
+    log = DeltaLog(str(ck / "deltas"))
+    for s in (3, 4, 5):
+        log.append(s, {"g": torch.arange(1000.0) + s})
+    log.close()
+    assert len(replayable(str(ck), str(ck / "deltas")).entries) == 3
+    entry = ck / "deltas" / "step_00000004"
+    for rel in ["deltas/step_00000004/manifest.json", *(f"deltas/step_00000004/{n}" for n in os.listdir(entry) if n.startswith("rank_")),
+                "step_00000002/manifest.json"]:
+        for how in CORRUPTIONS:
+            work = tmp_path / "work"
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(tmp_path / "orig", work)
+            corrupt(str(work / "ck" / rel), how)
+            plan = replayable(str(work / "ck"), str(work / "ck" / "deltas"))
+            if rel.startswith("step_"):  # no valid full checkpoint: no base, nothing replayed
+                assert (plan.base, plan.entries) == (None, []), (rel, how, plan)
+                assert plan.notes == ["3 later entries (steps 3..5) not replayed: no full checkpoint or entry of step 1 "
+                                      "comes before them"], (rel, how, plan.notes)
+            else:
+                assert [os.path.basename(e) for e in plan.entries] == ["step_00000003"], (rel, how, plan)
+                assert plan.notes[0].startswith("step 4: torn entry (") and len(plan.notes) == 2, (rel, how, plan.notes)
