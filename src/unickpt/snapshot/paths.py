@@ -122,20 +122,21 @@ def parity_name(group: int, r: int, ext: str) -> str:
 
 def parity_metas(sdir: str) -> list[str]:
     """The parity records (``parity_*.json``) a node holds in a snapshot directory, sorted
-    (regular files only)."""
-    return sorted(n for n in _regular_files(sdir) if n.startswith(PARITY_PREFIX) and n.endswith(".json"))
+    (directories of such a name are no record)."""
+    return sorted(n for n in _entries(sdir) if n.startswith(PARITY_PREFIX) and n.endswith(".json"))
 
 
 def data_files(sdir: str) -> list[str]:
-    """The rank files a node holds in a snapshot directory, sorted (its parity blob's order):
-    regular files only (a directory or link of such a name holds nothing)."""
-    return sorted(n for n in _regular_files(sdir) if n.startswith("rank_") and n.endswith(".safetensors"))
+    """The rank files a node holds in a snapshot directory, sorted (its parity blob's order);
+    a directory of such a name holds nothing (other files are checked by size and checksum)."""
+    return sorted(n for n in _entries(sdir) if n.startswith("rank_") and n.endswith(".safetensors"))
 
 
-def _regular_files(sdir: str) -> list[str]:
+def _entries(sdir: str) -> list[str]:
+    """Names in ``sdir`` that are not directories (nor links to one); [] when it cannot be listed."""
     try:
         with os.scandir(sdir) as it:
-            return [e.name for e in it if e.is_file(follow_symlinks=False)]
+            return [e.name for e in it if not e.is_dir()]
     except OSError:
         return []
 
@@ -162,14 +163,20 @@ def seal(doc: dict[str, Any]) -> bytes:
 def unseal(raw: bytes) -> dict[str, Any]:
     """The document :func:`seal` stored, its digest checked (and removed); a SnapshotError
     says what is wrong."""
+    doc = json_object(raw)
+    if doc.pop("digest", None) != _digest(doc):
+        raise SnapshotError("its digest does not match its content (changed after it was written)")
+    return doc
+
+
+def json_object(raw: bytes | bytearray, what: str = "") -> dict[str, Any]:
+    """The JSON object ``raw`` holds; a SnapshotError when it is not JSON or not an object."""
     try:
         doc = json.loads(raw)
     except ValueError as e:
-        raise SnapshotError(f"not JSON ({e})") from None
+        raise SnapshotError(f"{what}not JSON ({e})") from None
     if not isinstance(doc, dict):
-        raise SnapshotError("not a JSON object")
-    if doc.pop("digest", None) != _digest(doc):
-        raise SnapshotError("its digest does not match its content (changed after it was written)")
+        raise SnapshotError(f"{what}not a JSON object")
     return doc
 
 

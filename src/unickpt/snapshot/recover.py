@@ -354,7 +354,7 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn,
     if snap.local_rank == 0:
         paths.clear(rdir)
     if error is not None:
-        return None, f"step {step}: {error}", fetched
+        return None, error, fetched
     if plan["rebuild"] is None:
         return step, f"all {plan['files']} files held by the surviving nodes, checksums verified", fetched
     rb = plan["rebuild"]
@@ -428,4 +428,4 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
 def _reasons(reasons: list[list[Any]], since: int) -> str:
     """The reasons about steps ``>= since``, newest step first, for the log line."""
     ordered = sorted((r for r in reasons if r[0] >= since), key=lambda r: -r[0])
-    return "; ".join(why if why.startswith(f"step {s}: ") else f"step {s}: {why}" for s, why in ordered)
+    return "; ".join(f"step {s}: {why}" for s, why in ordered)

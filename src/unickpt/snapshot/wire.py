@@ -28,6 +28,7 @@ import threading
 from typing import Any
 
 from ..errors import SnapshotError
+from .paths import json_object
 
 _LEN = struct.Struct(">I")
 TIMEOUT = 30.0
@@ -92,12 +93,7 @@ def recv_header(sock: socket.socket, limit: int = HEADER_LIMIT) -> dict[str, Any
         raise SnapshotError(f"a header of {size} bytes, above the {limit} expected")
     doc = bytearray(size)
     recv_exact(sock, memoryview(doc))
-    try:
-        header = json.loads(doc)
-    except ValueError as e:
-        raise SnapshotError(f"a message header that is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise SnapshotError("a message header that is not a JSON object")
+    header = json_object(doc, "a message header that is ")
     nbytes = header.get("nbytes", 0)
     if type(nbytes) is not int or nbytes < 0:
         raise SnapshotError(f"a message announcing {nbytes!r:.40} bytes of payload")
