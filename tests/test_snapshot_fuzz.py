@@ -3,8 +3,8 @@ flipped, truncated, emptied, deleted, replaced by a directory) of any kind a nod
 root holds makes that copy, step or tier skipped with the reason in the one recovery
 line, and the next candidate tried: never a traceback, never a silent use.
 
-One real 2-node job (torchrun agents as simulated nodes, one rank each, XOR-free
-``--parity 1``: each node's keeper holds a copy of the other node's snapshot) is frozen
+One real 2-node job (torchrun agents as simulated nodes, one rank each, ``--parity 1``,
+which on 2 nodes is a copy of each node's snapshot held by the other's keeper) is frozen
 with three steps in memory: its keepers are stopped (SIGSTOP, as a hung keeper would be)
 once step 5 is whole on both nodes, so steps 6 and 7 are committed without parity and
 step 8's snapshot is skipped (two steps still in progress); the job stops after step 9,
