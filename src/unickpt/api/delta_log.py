@@ -215,11 +215,14 @@ def replayable(ckpt_root: str, log_root: str, verify_entries: bool = True) -> Re
     on_disk = sorted(int(n[5:]) for n in list_subdirs(log_root) if n.startswith("step_") and n[5:].isdigit())
     staged = _abandoned_steps(log_root)
     step = plan.base_step + 1
+    gap = False
     while True:
         path = log.path_for(step)
         if step not in on_disk:
             if step in staged:
                 plan.notes.append(f"step {step}: torn entry (killed mid-write, no commit marker), not replayed")
+            else:
+                gap = True
             break
         why = _entry_problem(log, path, step, verify, verify_entries)
         if why:
@@ -229,7 +232,8 @@ def replayable(ckpt_root: str, log_root: str, verify_entries: bool = True) -> Re
         step += 1
     later = [s for s in on_disk if s > step]
     if later:
-        plan.notes.append(f"{len(later)} later entries (steps {later[0]}..{later[-1]}) not replayed: they follow the torn one")
+        why = f"no full checkpoint or entry of step {step} comes before them" if gap else "they follow the torn one"
+        plan.notes.append(f"{len(later)} later entries (steps {later[0]}..{later[-1]}) not replayed: {why}")
     return plan
 
 
@@ -244,7 +248,8 @@ def _entry_problem(log: Checkpoints, path: str, step: int, verify: Callable, ful
             have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else None
             if have != size:
                 return f"{name}: {have if have is not None else 'no'} of {size} bytes" if have is not None else f"{name} missing"
-        if (manifest.metadata.get("delta_log") or {}).get("step") != step:
+        entry = manifest.metadata.get("delta_log")
+        if not isinstance(entry, dict) or entry.get("step") != step:
             return "its manifest names another step"
         if full_check:
             report = verify(path)
@@ -252,6 +257,8 @@ def _entry_problem(log: Checkpoints, path: str, step: int, verify: Callable, ful
                 return str(report.problems[0])
     except UnickptError as e:
         return str(e).splitlines()[0]
+    except OSError as e:  # the log's files are untrusted: a manifest or data file that is a directory, unreadable
+        return f"unreadable: {e}"
     return ""
 
 

@@ -87,7 +87,7 @@ class Tier:
 
                 return verify_checkpoint(path, storage_options=self.storage_options).ok
             return True
-        except UnickptError:
+        except (UnickptError, OSError):  # a manifest that is a directory, an unreadable file: not valid
             return False
 
     def remove(self, step: int) -> None:

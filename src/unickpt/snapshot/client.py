@@ -93,12 +93,12 @@ def in_progress(jdir: str, keepers: list[dict[str, Any]]) -> int:
     for s in paths.steps(jdir):
         if s <= newest_whole:
             continue
-        try:
-            with open(os.path.join(jdir, paths.step_name(s), MANIFEST_NAME)) as f:
-                nodes = ((json.load(f).get("metadata") or {}).get("snapshot") or {}).get("nodes", [])
-        except (FileNotFoundError, json.JSONDecodeError):
+        try:  # the shm root's bytes are not trusted: an unreadable manifest is no step in progress
+            doc = json.loads(paths.read_regular(os.path.join(jdir, paths.step_name(s), MANIFEST_NAME)))
+            nodes = doc["metadata"]["snapshot"]["nodes"]
+            count += all((int(k["port"]), int(k["pid"])) in live for k in nodes)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue
-        count += all((int(k["port"]), int(k["pid"])) in live for k in nodes)
     return count
 
 

@@ -41,6 +41,7 @@ import numpy as np
 from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
+from .keepers import _alive
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
 POLL_S = 0.02
@@ -52,10 +53,15 @@ def _log(msg: str) -> None:
 
 
 def _write_atomic(path: str, data: bytes | memoryview) -> None:
+    """Write ``path`` whole or not at all; whatever is in its place (a directory too) is replaced."""
     tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
     with open(tmp, "wb") as f:
         f.write(data)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except IsADirectoryError:
+        paths.clear(path)
+        os.replace(tmp, path)
 
 
 def node_files(sdir: str) -> list[tuple[str, int]]:
@@ -124,7 +130,7 @@ class Keeper:
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="keeper-server", daemon=True).start()
         doc = {"pid": os.getpid(), "host": self.host, "port": self.port, "job": self.job}
-        _write_atomic(paths.address_file(self.root), json.dumps(doc).encode())
+        _write_atomic(paths.address_file(self.root), paths.seal(doc))
         _write_atomic(paths.pid_file(self.root), f"{os.getpid()}\n".encode())
         _log(f"serving job {self.job!r} on {self.host}:{self.port}")
 
@@ -148,12 +154,23 @@ class Keeper:
         self.shutdown()
 
     def owns_root(self) -> bool:
-        """True while the shm root's pid file names this process."""
-        try:
-            with open(paths.pid_file(self.root)) as f:
-                return f.read().strip() == str(os.getpid())
-        except OSError:
+        """True while the shm root is this keeper's: its pid file is there and names this
+        process, or names no live keeper (a garbled pid file: it is written again). False
+        once the pid file is gone or names another live keeper (one started in its place)."""
+        path = paths.pid_file(self.root)
+        if not os.path.lexists(path):
             return False
+        try:
+            text = paths.read_regular(path, 64).decode("ascii").strip()
+            if text == str(os.getpid()):
+                return True
+            if text.isdigit() and _alive(int(text)):
+                return False
+        except (OSError, ValueError):
+            pass
+        _log(f"{path} was garbled: written again")
+        _write_atomic(path, f"{os.getpid()}\n".encode())
+        return True
 
     def shutdown(self) -> None:
         """Delete the job's snapshots and this keeper's files (clean end of the job)."""
@@ -165,11 +182,9 @@ class Keeper:
             pass
         for f in (paths.address_file(self.root), paths.pid_file(self.root)):
             try:
-                with open(f) as fh:
-                    mine = str(os.getpid()) in fh.read()
-                if mine:
+                if str(os.getpid()).encode() in paths.read_regular(f, 4096):
                     os.unlink(f)
-            except FileNotFoundError:
+            except OSError:
                 pass
         try:
             os.rmdir(paths.base_dir(self.root))
@@ -190,9 +205,9 @@ class Keeper:
 
     def process(self, step: int, sdir: str) -> None:
         """Send this node's stripes of a committed step to the holders of their groups' parity."""
-        with open(os.path.join(sdir, "manifest.json"), "rb") as f:
-            snap = (json.load(f).get("metadata") or {}).get("snapshot")
+        snap = _snapshot_meta(sdir)
         if not snap:
+            _log(f"step {step}: its manifest is unreadable or names no snapshot, left alone")
             return
         nodes, m = snap["nodes"], int(snap["parity"])
         me = self.my_index(nodes)
@@ -378,7 +393,7 @@ class Keeper:
                 return
             os.makedirs(sdir, exist_ok=True)
             _write_atomic(os.path.join(sdir, paths.parity_name(g, r, "bin")), data.data)
-            _write_atomic(os.path.join(sdir, paths.parity_name(g, r, "json")), json.dumps(meta).encode())
+            _write_atomic(os.path.join(sdir, paths.parity_name(g, r, "json")), paths.seal(meta))
         with self.lock:
             got = self.groups_stored.setdefault(step, set())
             got.add((g, r))
@@ -578,10 +593,11 @@ def _inside(path: str, parent: str) -> bool:
 def _snapshot_meta(sdir: str) -> dict[str, Any]:
     """The ``snapshot`` metadata of a committed step's manifest ({} when unreadable)."""
     try:
-        with open(os.path.join(sdir, flush.MANIFEST), "rb") as f:
-            return (json.load(f).get("metadata") or {}).get("snapshot") or {}
-    except (OSError, ValueError):
+        doc = json.loads(paths.read_regular(os.path.join(sdir, flush.MANIFEST)))
+        snap = doc.get("metadata", {}).get("snapshot") if isinstance(doc, dict) else None
+    except (OSError, ValueError, AttributeError):
         return {}
+    return snap if isinstance(snap, dict) else {}
 
 
 def main(argv: list[str] | None = None) -> None:

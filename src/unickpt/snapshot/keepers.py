@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
 import os
 import signal
 import socket
@@ -115,13 +114,15 @@ def _alive(pid: int) -> bool:
 
 
 def running_keeper(root: str) -> dict[str, Any] | None:
-    """The address document of the live keeper of this shm root, or None."""
+    """The address document of the live keeper of this shm root, or None (also when the
+    document is unreadable or fails its digest: a keeper is then started in its place,
+    and the old one, if alive, exits once the pid file names the new one)."""
     try:
-        with open(paths.address_file(root)) as f:
-            doc = json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+        doc = paths.unseal(paths.read_regular(paths.address_file(root), 1 << 16))
+        doc = {"pid": int(doc["pid"]), "host": str(doc["host"]), "port": int(doc["port"]), "job": str(doc["job"])}
+    except (OSError, SnapshotError, KeyError, TypeError, ValueError):
         return None
-    return doc if _alive(int(doc["pid"])) else None
+    return doc if doc["pid"] > 0 and _alive(doc["pid"]) else None
 
 
 _CHILDREN: list[subprocess.Popen] = []
@@ -155,6 +156,8 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
         _replace_keeper(doc)
     paths.make_private(root)
     log_path = os.path.join(paths.base_dir(root), "keeper.log")
+    if os.path.isdir(log_path):  # what is in the shm root is not trusted: a log that cannot be appended to
+        paths.clear(log_path)
     log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-c", _KEEPER_BOOT, package, "--root", root, "--job", job, "--host", host]

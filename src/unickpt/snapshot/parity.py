@@ -24,10 +24,12 @@ Stripes of different lengths are zero-padded to the group's longest inside the c
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
 from ..errors import SnapshotError
+from .paths import unseal
 
 
 def check_parity(parity: int, nodes: int) -> int:
@@ -194,3 +196,31 @@ def xor_into(acc: np.ndarray, data: memoryview | bytes | np.ndarray) -> None:
     if src.size > acc.size:
         raise SnapshotError(f"stripe of {src.size} bytes is longer than its parity ({acc.size})")
     np.bitwise_xor(acc[: src.size], src, out=acc[: src.size])
+
+
+_INT_FIELDS = ("step", "group", "r", "k", "m", "holder", "nodes", "nbytes", "crc")
+_MEMBER_FIELDS = ("stripe", "len", "crc", "blob")
+
+
+def open_record(raw: bytes) -> dict[str, Any]:
+    """A parity block's record (``parity_g<group>_r<block>.json``, stored with
+    :func:`.paths.seal`), checked: its digest, and the type and range of every field
+    recovery reads (the members' stripes, lengths, crc32c, files and blob sizes). A
+    SnapshotError says what is wrong."""
+    meta = unseal(raw)
+    if not all(_is_count(meta.get(f)) for f in _INT_FIELDS):
+        raise SnapshotError(f"one of {', '.join(_INT_FIELDS)} is not a count")
+    members = meta.get("members")
+    if not isinstance(members, dict) or not members:
+        raise SnapshotError("no members")
+    for i, rec in members.items():
+        if not (i.isdigit() and isinstance(rec, dict) and all(_is_count(rec.get(f)) for f in _MEMBER_FIELDS)
+                and isinstance(rec.get("files"), list)
+                and all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and _is_count(f[1])
+                        for f in rec["files"])):
+            raise SnapshotError(f"member {i!r:.20} is malformed")
+    return meta
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 1 << 63

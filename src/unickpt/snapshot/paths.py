@@ -15,9 +15,15 @@ outlives the processes that wrote it).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
+import stat
+from typing import Any
+
+from ..errors import SnapshotError
 
 SHM_ROOT_ENV = "UNICKPT_SHM_ROOT"
 SECRET_BYTES = 32
@@ -57,11 +63,11 @@ def secret_file(root: str, job: str) -> str:
 
 
 def read_secret(root: str, job: str) -> bytes | None:
-    """The job's secret stored under ``root``, or None when there is none yet."""
+    """The job's secret stored under ``root``, or None when there is none yet, or none that
+    can be read (not a file, or not ``SECRET_BYTES`` long)."""
     try:
-        with open(secret_file(root, job), "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+        data = read_regular(secret_file(root, job), SECRET_BYTES + 1)
+    except OSError:
         return None
     return data if len(data) == SECRET_BYTES else None
 
@@ -76,6 +82,8 @@ def write_secret(root: str, job: str, secret: bytes) -> None:
         os.write(fd, secret)
     finally:
         os.close(fd)
+    if os.path.isdir(path) and not os.path.islink(path):
+        clear(path)
     os.replace(tmp, path)
 
 
@@ -113,19 +121,67 @@ def parity_name(group: int, r: int, ext: str) -> str:
 
 
 def parity_metas(sdir: str) -> list[str]:
-    """The parity records (``parity_*.json``) a node holds in a snapshot directory, sorted."""
-    try:
-        return sorted(n for n in os.listdir(sdir) if n.startswith(PARITY_PREFIX) and n.endswith(".json"))
-    except FileNotFoundError:
-        return []
+    """The parity records (``parity_*.json``) a node holds in a snapshot directory, sorted
+    (directories of such a name are no record)."""
+    return sorted(n for n in _entries(sdir) if n.startswith(PARITY_PREFIX) and n.endswith(".json"))
 
 
 def data_files(sdir: str) -> list[str]:
-    """The rank files a node holds in a snapshot directory, sorted (its parity blob's order)."""
+    """The rank files a node holds in a snapshot directory, sorted (its parity blob's order);
+    a directory of such a name holds nothing (other files are checked by size and checksum)."""
+    return sorted(n for n in _entries(sdir) if n.startswith("rank_") and n.endswith(".safetensors"))
+
+
+def _entries(sdir: str) -> list[str]:
+    """Names in ``sdir`` that are not directories (nor links to one); [] when it cannot be listed."""
     try:
-        return sorted(n for n in os.listdir(sdir) if n.startswith("rank_") and n.endswith(".safetensors"))
-    except FileNotFoundError:
+        with os.scandir(sdir) as it:
+            return [e.name for e in it if not e.is_dir()]
+    except OSError:
         return []
+
+
+def read_regular(path: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``); OSError when it is
+    missing, unreadable or not a regular file (a directory, a link, a pipe)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{os.path.basename(path)} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read() if limit is None else f.read(limit)
+    finally:
+        os.close(fd)
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """A JSON document as the keepers store it in the shm root (``keeper.json``, parity
+    records): with the SHA-256 of the rest of it as ``digest``, so a changed byte is seen."""
+    return json.dumps(dict(doc, digest=_digest(doc)), sort_keys=True).encode()
+
+
+def unseal(raw: bytes) -> dict[str, Any]:
+    """The document :func:`seal` stored, its digest checked (and removed); a SnapshotError
+    says what is wrong."""
+    doc = json_object(raw)
+    if doc.pop("digest", None) != _digest(doc):
+        raise SnapshotError("its digest does not match its content (changed after it was written)")
+    return doc
+
+
+def json_object(raw: bytes | bytearray, what: str = "") -> dict[str, Any]:
+    """The JSON object ``raw`` holds; a SnapshotError when it is not JSON or not an object."""
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise SnapshotError(f"{what}not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise SnapshotError(f"{what}not a JSON object")
+    return doc
+
+
+def _digest(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def dir_bytes(path: str) -> int:
@@ -143,3 +199,14 @@ def dir_bytes(path: str) -> int:
 def remove_tree(path: str) -> None:
     """Delete a directory tree, ignoring what is already gone."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def clear(path: str) -> None:
+    """Delete whatever is at ``path`` (a file, a link, a directory tree), if anything."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        remove_tree(path)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -36,15 +36,16 @@ from typing import Any
 
 
 from ..dist import broadcast_bytes, gather_bytes
-from ..errors import CorruptionError, UnickptError
+from ..errors import CorruptionError, SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import memory_file_reader
 from . import paths, wire
 from .client import Snapshotter
 from .degraded import DegradedReader, Peers, Source, diagnose
-from .parity import code_name, group_of, members
+from .parity import code_name, group_of, members, open_record
 
 LoadFn = Callable[[str, Any], int]
+MISSING = "missing"  # a node's copy of a step's manifest, when it holds rank files of the step
 
 
 @dataclass
@@ -62,39 +63,95 @@ class Outcome:
 
 # -- what a node holds ------------------------------------------------------------------
 def inventory(snap: Snapshotter) -> dict[str, Any]:
-    """This node's committed snapshots: manifest, rank files and parity of each step."""
+    """This node's snapshots: each step's copy of the manifest (checked), rank files and
+    parity records (checked). Every byte of the shm root is untrusted: a copy or record
+    that is unreadable, malformed or fails its digest is left out, and the reason kept
+    (``bad``: the manifest copy's, ``notes``: the parity records')."""
     steps: dict[str, Any] = {}
     for step in paths.steps(snap.jdir):
         sdir = paths.step_dir(snap.root, snap.job, step)
-        entry: dict[str, Any] = {"files": {n: os.path.getsize(os.path.join(sdir, n)) for n in paths.data_files(sdir)}}
-        try:
-            with open(os.path.join(sdir, MANIFEST_NAME)) as f:
-                entry["manifest"] = f.read()
-        except FileNotFoundError:
-            entry["manifest"] = None
-        entry["parity"] = []
+        if not os.path.isdir(sdir) or os.path.islink(sdir):
+            continue
+        files = {n: os.path.getsize(os.path.join(sdir, n)) for n in paths.data_files(sdir)}
+        manifest, bad = _manifest_copy(sdir, step, snap.job)
+        if manifest is None and bad is None and files:
+            bad = MISSING
+        entry: dict[str, Any] = {"files": files, "manifest": manifest, "bad": bad, "parity": [], "notes": []}
         for name in paths.parity_metas(sdir):
             try:
-                with open(os.path.join(sdir, name)) as f:
-                    entry["parity"].append(json.load(f))
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
+                entry["parity"].append(_parity_record(sdir, name, step))
+            except (OSError, UnickptError) as e:
+                entry["notes"].append(f"node {snap.node}'s parity record {name}: {e}")
         steps[str(step)] = entry
     return {"node": snap.node, "steps": steps}
 
 
+def _manifest_copy(sdir: str, step: int, job: str) -> tuple[str | None, str | None]:
+    """(text, None) of a node's valid copy of a step's manifest; (None, why) when it is
+    unreadable, malformed, fails its digest or describes another snapshot; (None, None)
+    when there is none."""
+    path = os.path.join(sdir, MANIFEST_NAME)
+    if not os.path.lexists(path):
+        return None, None
+    try:
+        raw = paths.read_regular(path)
+        doc = Manifest.from_json(raw).metadata.get("snapshot")
+        why = _snapshot_problem(doc, step, job)
+        return (None, why) if why else (raw.decode("utf-8"), None)
+    except UnickptError as e:
+        return None, str(e)
+    except (OSError, ValueError) as e:
+        return None, f"unreadable: {e}"
+
+
+def _snapshot_problem(doc: Any, step: int, job: str) -> str | None:
+    """Why a manifest's ``snapshot`` metadata does not describe step ``step`` of ``job``
+    as recovery reads it, or None."""
+    if not isinstance(doc, dict):
+        return "it describes no snapshot"
+    if doc.get("step") != step or doc.get("job") != job:
+        return f"it describes step {doc.get('step')!r:.20} of job {doc.get('job')!r:.40}, not step {step} of {job!r}"
+    nodes = doc.get("nodes")
+    if not (isinstance(nodes, list) and nodes and all(isinstance(n, dict) for n in nodes)
+            and all(type(doc.get(f, 1)) is int and 0 <= doc.get(f, 1) <= len(nodes) for f in ("parity", "k"))):
+        return "its nodes, parity or k are malformed"
+    return None
+
+
+def _parity_record(sdir: str, name: str, step: int) -> dict[str, Any]:
+    """A parity record of a step, checked (digest, fields, that it is the record of its
+    file name and step) together with its block (a regular file of the recorded size)."""
+    meta = open_record(paths.read_regular(os.path.join(sdir, name), 1 << 26))
+    if name != paths.parity_name(meta["group"], meta["r"], "json") or meta["step"] != step:
+        raise SnapshotError(f"it describes block {meta['r']} of group {meta['group']} of step {meta['step']}")
+    block = os.path.join(sdir, paths.parity_name(meta["group"], meta["r"], "bin"))
+    if not os.path.isfile(block) or os.path.islink(block) or os.path.getsize(block) != meta["nbytes"]:
+        raise SnapshotError(f"its block is missing, or not of its {meta['nbytes']} bytes")
+    return meta
+
+
 # -- planning (rank 0) ------------------------------------------------------------------
-def plan_candidates(nodes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def plan_candidates(nodes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[Any]]]:
     """Steps that can be recovered, newest first, each with where every file is (or how
-    to rebuild it); and the reasons the newer steps cannot."""
-    all_steps = sorted({int(s) for n in nodes for s, e in n["steps"].items() if e["manifest"]}, reverse=True)
+    to rebuild it); and ``[step, why]`` for every newer step that cannot be, and for every
+    copy of a manifest or parity record that was left out."""
+    committed = {int(s) for n in nodes for s, e in n["steps"].items() if e["manifest"] or e["bad"] not in (None, MISSING)}
+    all_steps = sorted(committed, reverse=True)  # a step no node holds a manifest of was never committed
     plans, reasons = [], []
     for step in all_steps:
-        plan, why = _plan_step(step, nodes)
+        key = str(step)
+        held = [(n["node"], n["steps"][key]) for n in nodes if key in n["steps"]]
+        notes = [f"node {node}'s copy of its manifest: {e['bad']}" for node, e in held if e["bad"]]
+        notes += [note for _, e in held for note in e["notes"]]
+        try:
+            plan, why = _plan_step(step, nodes)
+        except (KeyError, IndexError, TypeError, ValueError) as e:  # records that disagree with the manifest
+            plan, why = None, f"its parity records do not match its manifest ({type(e).__name__}: {e})"
         if plan is None:
-            reasons.append(f"step {step}: {why}")
+            reasons.append([step, why])
         else:
             plans.append(plan)
+        reasons += [[step, note] for note in notes]
     return plans, reasons
 
 
@@ -115,7 +172,9 @@ def _can_rebuild(snap: dict[str, Any]) -> str:
 
 def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
     key = str(step)
-    text = next(n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"])
+    text = next((n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"]), None)
+    if text is None:
+        return None, "no node holds a valid copy of its manifest"
     doc = json.loads(text)
     files: dict[str, int] = doc["files"]
     snap = (doc.get("metadata") or {}).get("snapshot") or {}
@@ -263,34 +322,39 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn,
     step = plan["step"]
     t0 = time.perf_counter()
     rdir = os.path.join(snap.jdir, f"recover_{step:08d}")
-    if snap.local_rank == 0:
-        os.makedirs(rdir, exist_ok=True)
-        with open(os.path.join(rdir, MANIFEST_NAME), "w") as f:
-            f.write(plan["manifest"])
-    _agree(snap, None)  # the manifest is in place on every node
-    t1 = time.perf_counter()
     error, storage, fetched = None, None, 0
-    try:
-        storage = SnapshotStorage(snap, plan, Manifest.from_json(plan["manifest"]))
-        got = load(rdir, storage)
-        if got != step:
-            error = f"the snapshot says step {got}, its directory step {step}"
-    except UnickptError as e:
-        error = str(e)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        if storage is not None:
-            fetched = storage.peers.received
-            storage.close()
-    error = _agree(snap, error)
+    if snap.local_rank == 0:
+        try:
+            paths.clear(rdir)  # whatever a killed recovery (or anything else) left there
+            os.makedirs(rdir)
+            with open(os.path.join(rdir, MANIFEST_NAME), "w") as f:
+                f.write(plan["manifest"])
+        except OSError as e:
+            error = f"cannot prepare {rdir}: {e}"
+    error = _agree(snap, error)  # the manifest is in place on every node
+    t1 = time.perf_counter()
+    if error is None:
+        try:
+            storage = SnapshotStorage(snap, plan, Manifest.from_json(plan["manifest"]))
+            got = load(rdir, storage)
+            if got != step:
+                error = f"the snapshot says step {got}, its directory step {step}"
+        except UnickptError as e:
+            error = str(e)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            if storage is not None:
+                fetched = storage.peers.received
+                storage.close()
+        error = _agree(snap, error)
     timings.update(prepare=t1 - t0, load=time.perf_counter() - t1)
     if error is not None and plan["rebuild"] is not None:
         error = _diagnosed(snap, plan) or error
     if snap.local_rank == 0:
-        paths.remove_tree(rdir)
+        paths.clear(rdir)
     if error is not None:
-        return None, f"step {step}: {error}", fetched
+        return None, error, fetched
     if plan["rebuild"] is None:
         return step, f"all {plan['files']} files held by the surviving nodes, checksums verified", fetched
     rb = plan["rebuild"]
@@ -329,7 +393,7 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     mine = json.dumps(inventory(snap) if snap.local_rank == 0 else None).encode()
     gathered = gather_bytes(snap.group, mine, 0)
     plans: list[dict[str, Any]] = []
-    reasons: list[str] = []
+    reasons: list[list[Any]] = []  # [step, why] of every step not resumed and every copy left out
     if gathered is not None:
         nodes = [d for d in (json.loads(g) for g in gathered) if d is not None]
         plans, reasons = plan_candidates(nodes)
@@ -338,16 +402,17 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     step: int | None = None
     for plan in plans:
         if disk_step is not None and plan["step"] < disk_step:
-            reasons.append(f"step {plan['step']}: older than the durable checkpoint of step {disk_step}")
+            reasons.append([plan["step"], f"older than the durable checkpoint of step {disk_step}"])
             break
         step, how, fetched = _try_step(snap, plan, load, timings)
         if step is not None:
             _reset_keeper(snap, step)
             took = time.perf_counter() - t0
-            return Outcome(step, "memory", f"resumed step {step} from memory ({how}; {took:.2f} s)", took, True, timings,
-                           fetched)
-        reasons.append(how)
-    why = "; ".join(reasons) if reasons else "no snapshot in memory"
+            skipped = _reasons(reasons, step)
+            return Outcome(step, "memory", f"resumed step {step} from memory ({how}; "
+                           f"{f'skipped: {skipped}; ' if skipped else ''}{took:.2f} s)", took, True, timings, fetched)
+        reasons.append([plan["step"], how])
+    why = _reasons(reasons, 0) or "no snapshot in memory"
     got = disk() if disk is not None else None
     if got is not None:
         step, path = got
@@ -358,3 +423,9 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     _reset_keeper(snap, 0)
     return Outcome(0, "fresh", f"starting fresh (memory: {why}; no checkpoint on disk)", time.perf_counter() - t0,
                    bool(plans), timings)
+
+
+def _reasons(reasons: list[list[Any]], since: int) -> str:
+    """The reasons about steps ``>= since``, newest step first, for the log line."""
+    ordered = sorted((r for r in reasons if r[0] >= since), key=lambda r: -r[0])
+    return "; ".join(f"step {s}: {why}" for s, why in ordered)

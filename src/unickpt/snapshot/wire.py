@@ -28,10 +28,12 @@ import threading
 from typing import Any
 
 from ..errors import SnapshotError
+from .paths import json_object
 
 _LEN = struct.Struct(">I")
 TIMEOUT = 30.0
 CHALLENGE_LIMIT = 4096  # bytes of the answer to a challenge at most
+HEADER_LIMIT = 1 << 24  # bytes of any other message's header at most (a stripe's lists its node's files)
 
 
 def send(sock: socket.socket, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
@@ -75,9 +77,11 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def recv_header(sock: socket.socket, limit: int | None = None) -> dict[str, Any] | None:
-    """The next message's header (its payload is still to be read), None at a clean end;
-    a header longer than ``limit`` bytes is a SnapshotError (nothing allocated for it)."""
+def recv_header(sock: socket.socket, limit: int = HEADER_LIMIT) -> dict[str, Any] | None:
+    """The next message's header (its payload is still to be read), None at a clean end.
+    Bytes from the network are untrusted: a header longer than ``limit`` bytes (nothing
+    allocated for it), not a JSON object, or announcing a payload size that is not a
+    count, is a SnapshotError."""
     head = bytearray(_LEN.size)
     n = sock.recv_into(head)
     if n == 0:
@@ -89,7 +93,11 @@ def recv_header(sock: socket.socket, limit: int | None = None) -> dict[str, Any]
         raise SnapshotError(f"a header of {size} bytes, above the {limit} expected")
     doc = bytearray(size)
     recv_exact(sock, memoryview(doc))
-    return json.loads(doc)
+    header = json_object(doc, "a message header that is ")
+    nbytes = header.get("nbytes", 0)
+    if type(nbytes) is not int or nbytes < 0:
+        raise SnapshotError(f"a message announcing {nbytes!r:.40} bytes of payload")
+    return header
 
 
 def recv_payload(sock: socket.socket, header: dict[str, Any], into: memoryview | None = None) -> memoryview:
@@ -127,11 +135,13 @@ def challenge(sock: socket.socket, secret: bytes | None) -> str | None:
 
 def answer_challenge(sock: socket.socket, secret: bytes) -> None:
     """The client's side: prove ``secret`` to the keeper; a refusal is a SnapshotError."""
-    nonce = recv_header(sock)
-    if nonce is None or "nonce" not in nonce:
-        raise SnapshotError("no challenge from the keeper (not a unickpt keeper, or an older one)")
-    send(sock, {"op": "auth", "mac": _mac(secret, bytes.fromhex(str(nonce["nonce"])))})
-    reply = recv_header(sock)
+    nonce = recv_header(sock, CHALLENGE_LIMIT)
+    try:
+        challenge_bytes = bytes.fromhex(str((nonce or {})["nonce"]))
+    except (KeyError, ValueError):
+        raise SnapshotError("no challenge from the keeper (not a unickpt keeper, or an older one)") from None
+    send(sock, {"op": "auth", "mac": _mac(secret, challenge_bytes)})
+    reply = recv_header(sock, CHALLENGE_LIMIT)
     if reply is None or not reply.get("ok"):
         raise SnapshotError((reply or {}).get("error") or "refused")
 
