@@ -179,7 +179,7 @@ def test_bf16_entries_replay_close_to_the_exact_run(tmp_path):
     flags = [*common, "--ckpt-dir", str(tmp_path / "ck"), "--log-deltas", "--delta-dtype", "bf16"]
     run([*flags, "--stop-after", "8"])
     entry = unickpt.read_manifest(str(tmp_path / "ck" / "deltas" / "step_00000008"))
-    grads = [e for n, e in entry.tensors.items() if n.startswith("grad.")]
+    grads = [e for n, e in entry.tensors.items() if n.startswith("unickpt_delta.grad.")]
     assert grads and all(e.dtype == "BF16" for e in grads)
     after = run(flags)
     assert [r["step"] for r in after] == [9, 10]

@@ -285,3 +285,22 @@ def test_single_process_loop_replays_deltas_bitwise(tmp_path, capsys):
     assert torch.equal(torch.get_rng_state(), want_rng)
     back.close()
     manager.close()
+
+
+def test_example_trainer_uses_only_public_names():
+    """The example trainer reads like what a user copies: it imports unickpt and its own
+    model and data modules, and uses only names unickpt exports."""
+    import ast
+
+    import unickpt.examples.train as train
+
+    tree = ast.parse(open(train.__file__).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 1 and node.module in ("data", "model") or (node.level == 0 and not (
+                node.module or "").startswith("unickpt")), ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert all(a.name == "unickpt" or not a.name.startswith("unickpt") for a in node.names), ast.dump(node)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "unickpt":
+            assert node.attr in unickpt.__all__, node.attr
+    assert not os.path.exists(os.path.join(os.path.dirname(train.__file__), "delta_replay.py"))

@@ -22,6 +22,7 @@ from ..errors import InconsistentStateError, SaveError
 from ..format.index import INDEX_FRAGMENTS, INDEX_NAME, INDEXED_VERSION, FragmentRows, manifest_documents, tensor_head
 from ..format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, seal
 from ..format.rank_message import Batch, decode_all, entry
+from ..format.values import decode_value
 from ..format.values import encode_value
 from ..version import __version__
 
@@ -49,6 +50,7 @@ def assemble(batch: Batch, world_size: int, metadata: dict[str, Any], indexed: b
     for p in heads:
         if "values" in p:
             values.update(p["values"])
+    values.update(_joined_groups(heads))
     for p in heads:
         if "files" in p:
             files.update(p["files"])
@@ -149,6 +151,34 @@ def _check_agreement(heads: list[dict[str, Any]]) -> None:
             "these entries differ between ranks; make them equal, or wrap per-rank state in unickpt.PerRank: "
             + "; ".join(problems[:10]) + (f" and {len(problems) - 10} more" if len(problems) > 10 else "")
         )
+
+
+def _joined_groups(heads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each optimizer's ``param_groups`` joined over the ranks: the hyperparameters of a
+    group must agree; its parameter names are every rank's, in rank order (a pipeline
+    stage holds a part of each group, data-parallel replicas the same names)."""
+    out: dict[str, Any] = {}
+    names = sorted({k for p in heads for k in p.get("group_values", ())})
+    problems = []
+    for name in names:
+        parts = [(p["rank"], decode_value(p["group_values"][name])) for p in heads if name in p.get("group_values", {})]
+        first_rank, first = parts[0]
+        joined = [dict(g) for g in first]
+        seen = [list(g.get("params", [])) for g in first]
+        for rank, groups in parts[1:]:
+            if len(groups) != len(joined) or any({k: v for k, v in a.items() if k != "params"}
+                                                 != {k: v for k, v in b.items() if k != "params"}
+                                                 for a, b in zip(groups, joined)):
+                problems.append(f"{name!r} (ranks {first_rank} and {rank} have other groups or hyperparameters)")
+                break
+            for held, g in zip(seen, groups):
+                held.extend(n for n in g.get("params", []) if n not in held)
+        for g, held in zip(joined, seen):
+            g["params"] = held
+        out[name] = encode_value(joined, name)
+    if problems:
+        raise InconsistentStateError("an optimizer's parameter groups differ between ranks: " + "; ".join(problems[:5]))
+    return out
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -16,8 +16,8 @@ Recovery (see :func:`replayable`) takes the newest full checkpoint and the unbro
 of committed, verified entries right after it. Entries a newer full checkpoint covers are
 folded away (deleted) as soon as it commits, so the log holds at most the steps since the
 newest full checkpoint plus the one in flight. Layer: an entry point beside ``save`` and
-``CheckpointManager``, on which it stands; what a step's state is, and how to replay it,
-belongs to the trainer (``unickpt.examples.delta_replay`` for the example trainer).
+the durable checkpoints, on which it stands; what a step's entry holds, and how to replay
+it in any loop, is :mod:`unickpt.api.step_deltas` (``CheckpointManager(log_deltas=True)``).
 """
 
 from __future__ import annotations

@@ -183,9 +183,10 @@ class CheckpointManager(Checkpoints):
         exception: the next save or snapshot tries again."""
         t0 = time.perf_counter()
         self._state = state
-        if not self._started:
+        if not self._started:  # restore() was not called (the state was loaded otherwise)
             self._start()
             if self._deltas is not None:
+                self._deltas.started(step - 1)
                 self._deltas.watch(state)
         saved = bool(self.save_every) and step % self.save_every == 0
         if saved:
@@ -228,13 +229,15 @@ class CheckpointManager(Checkpoints):
         taken, ``snapshots_skipped`` (the keepers still encoding earlier ones) and
         ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
         ``delta_steps_missed``, ``durable_copies_failed``, ``stall_s`` (seconds the loop
-        spent in ``before_update`` and ``maybe_save``) and ``last_error``."""
+        spent in ``before_update`` and ``maybe_save``), ``snapshot_stall_s`` (of which the
+        snapshots') and ``last_error``."""
         snap = self._snap
         out = dict(self._counts)
         out.update(snapshots=snap.taken if snap else 0, snapshots_skipped=snap.skipped if snap else 0,
                    delta_entries=self._deltas.log.stats["entries"] if self._deltas else 0,
                    delta_entries_failed=self._deltas.failures if self._deltas else 0,
                    durable_copies_failed=len(self.durable_errors), stall_s=self._stall_s, last_error=self._last_error)
+        out["snapshot_stall_s"] = snap.stall_s if snap else 0.0
         if snap is not None:
             out["snapshots_failed"] += len(snap.failures)
         return out

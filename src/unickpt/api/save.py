@@ -32,6 +32,7 @@ from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import DirectoryWrite
 from ..engine.writer import DataFileWriter, as_bytes
 from ..engine.items import Holders, TensorItem, cut_rows, is_dtensor, row_slice, sharded_item, tensor_item
+from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
 from ..engine.gc_pause import gc_paused
 from ..format.rank_message import FragmentRecord, decode as decode_message, encode as encode_message
@@ -57,6 +58,8 @@ class LocalState:
     rank_tensors: list[TensorItem] = field(default_factory=list)
     leader: bool = True
     digest_sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    # an optimizer's param_groups: each rank's, joined by rank 0 (pipeline stages hold parts of a group)
+    group_values: dict[str, Any] = field(default_factory=dict)
 
 
 def _stage(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +120,14 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
     and digests them itself)."""
     _stage_fn = (lambda t: t.detach()) if defer else _stage
     out = LocalState()
-    leaves = flatten(state_dict)
+    groups: set[str] = set()
+
+    def on_stateful(name: str, obj: Any) -> dict[str, Any]:
+        if isinstance(obj, NamedOptimizer) and obj.by_name:
+            groups.add(f"{name}.param_groups")
+        return obj.state_dict()
+
+    leaves = flatten(state_dict, on_stateful)
     holders = holders_of([leaf.name for leaf in leaves if not isinstance(leaf.value, PerRank)], group)
     out.leader = holders.members[0] == group.rank
     lines: dict[tuple, list[TensorItem]] = {}
@@ -161,6 +171,9 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
                 out.replicated.append(leaf.name)
             continue
         enc = encode_value(v, leaf.name)
+        if leaf.name in groups:
+            out.group_values[leaf.name] = enc
+            continue
         out.values[leaf.name] = enc
         out.digests[leaf.name] = hashlib.sha256(json.dumps(enc, sort_keys=True).encode()).hexdigest()
     for line in lines.values():
@@ -290,7 +303,7 @@ def rank_payload(
         "rank": group.rank, "error": None, "files": files, "fragments": frags,
         "declared": {k: [list(s), d, lay] for k, (s, d, lay) in local.declared.items()}, "replicated": local.replicated,
         "digests": local.digests, "values": local.values if local.leader else {},
-        "rank_values": local.rank_values, "rank_tensors": rank_frags,
+        "rank_values": local.rank_values, "rank_tensors": rank_frags, "group_values": local.group_values,
         "bases": holders_json(base), "incremental": None if base is None else base.lineage(),
     }
 

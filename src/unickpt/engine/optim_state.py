@@ -103,11 +103,25 @@ def parameter_keys(optimizer: torch.optim.Optimizer, modules: list[tuple[str, to
     return list(range(len(params)))
 
 
+def held_names(optimizer: torch.optim.Optimizer, modules: list[tuple[str, torch.nn.Module]]) -> set[str]:
+    """Every parameter name this rank's modules hold, by the naming :func:`parameter_keys`
+    uses for ``optimizer`` (empty when it names its parameters otherwise)."""
+    ids = [id(p) for p in _flat_params(optimizer)]
+    tables = [(key, _module_names(m)) for key, m in modules]
+    for _, names in tables:
+        if all(i in names for i in ids):
+            return set(names.values())
+    return {f"{key}.{n}" for key, names in tables for n in names.values()}
+
+
 class NamedOptimizer:
     """A torch optimizer seen as a Stateful object whose state is keyed by parameter keys
-    (names, or integer positions: see :func:`parameter_keys`)."""
+    (names, or integer positions: see :func:`parameter_keys`). ``held``: the names of
+    every parameter this rank's modules hold; saved state of parameters outside it belongs
+    to another rank's part of the model (a pipeline stage) and is not this optimizer's."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, keys: list[Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, keys: list[Any], held: set[str] | None = None) -> None:
+        self.held = held or set()
         self.optimizer = optimizer
         self.params = _flat_params(optimizer)
         self.keys = keys
@@ -155,7 +169,8 @@ class NamedOptimizer:
                 # groups): its hyperparameters go to the group at the same position
                 packed_groups.append({**s, "params": [position[n] for n in names]})
                 continue
-            if sorted(map(str, s["params"])) != sorted(names):
+            others = {str(p) for p in s["params"]} - set(names)  # another pipeline stage's part of the group
+            if not set(names) <= {str(p) for p in s["params"]} or any(_held_by(p + ".x", self.held) for p in others):
                 extra = sorted(set(map(str, s["params"])) - set(names))[:3]
                 lacking = sorted(set(names) - set(map(str, s["params"])))[:3]
                 raise MismatchError(
@@ -194,6 +209,8 @@ class NamedOptimizer:
             )
         sd = self.state_dict()
         matched, unmatched = _match(saved, state_prefix, [str(k) for k in self.keys])
+        if matched and self.held:  # another pipeline stage's parameters: not this optimizer's
+            unmatched = [n for n in unmatched if _held_by(n[len(state_prefix):], self.held)]
         if unmatched:
             msg = (
                 f"{where!r}: the checkpoint holds optimizer state for parameters this optimizer does not hold "
@@ -259,6 +276,13 @@ def _match(saved: list[str], prefix: str, keys: list[str]) -> tuple[dict[str, li
     return matched, unmatched
 
 
+def _held_by(rest: str, held: set[str]) -> bool:
+    """Whether the state name ``rest`` (``<parameter name>.<state key>``) is of a parameter
+    in ``held``."""
+    parts = rest.split(".")
+    return any(".".join(parts[:cut]) in held for cut in range(len(parts) - 1, 0, -1))
+
+
 def _place(node: dict[Any, Any], path: list[str], make: Any) -> None:
     """Put ``make()`` at ``path`` below ``node`` unless something is there already."""
     for part in path[:-1]:
@@ -314,4 +338,4 @@ def named_optimizer(optimizer: torch.optim.Optimizer, modules: list[tuple[str, t
     ``state_dict`` does not use integer ids (it names its parameters already)."""
     if not _keyed_by_ids(optimizer):
         return optimizer
-    return NamedOptimizer(optimizer, parameter_keys(optimizer, modules, where))
+    return NamedOptimizer(optimizer, parameter_keys(optimizer, modules, where), held_names(optimizer, modules))

@@ -220,51 +220,17 @@ def train_step(job: Job, step: int, before_update: Any = None) -> float:
     return float(loss)
 
 
-def checkpoint_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The state unickpt saves and loads: model, optimizer moments, step, data position,
-    this rank's RNG, the model's ModelArgs. Returns (state, model state dict, optimizer state dict)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(job.model, job.optimizer)
-    state = {
-        "model": msd,
-        "optim": {"state": osd["state"]},
-        "train": {"step": step, "loader": job.loader.state_dict(), "seed": job.args.seed},
-        "rng": unickpt.PerRank(torch.get_rng_state()),
-        "model_args": asdict(job.model.args),  # the architecture, for exports (config.json)
+def checkpoint_state(job: Job, step: int) -> dict[str, Any]:
+    """What unickpt saves and restores: the model and optimizer (live objects: unickpt
+    stores the optimizer's state by parameter name), the step and data position, this
+    rank's random generators, the model's ModelArgs (for exports: config.json)."""
+    return {
+        "model": job.model,
+        "optim": job.optimizer,
+        "train": {"step": step, "loader": job.loader, "seed": job.args.seed},
+        "rng": unickpt.RNGState(),
+        "model_args": asdict(job.model.args),
     }
-    return state, msd, osd
-
-
-def resume(job: Job, manager: unickpt.CheckpointManager | None, where: str, storage: Any = None,
-           say: bool = True) -> int:
-    """Load a checkpoint onto this job's layout; returns the step it was saved at (0 if none).
-    ``storage`` reads the files from elsewhere than ``where`` (a snapshot spread over nodes);
-    ``say=False`` prints nothing (the snapshot tier's recovery prints its own one line)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    path = manager.latest() if where == "latest" and manager is not None else where
-    if path is None:
-        if say:
-            _say(job, f"no checkpoint in {manager.root}: starting fresh")
-        return 0
-    state, msd, osd = checkpoint_state(job, 0)
-    del state["model_args"]  # set by the flags, not loaded (older checkpoints lack it)
-    manifest = getattr(storage, "manifest", None) or unickpt.read_manifest(path)  # a snapshot's: parsed once
-    if manifest.world_size != job.world:
-        del state["rng"]  # per-rank RNG only carries over to the same world size
-    if manager is not None and storage is None:
-        path = manager.load(state, path)  # the durable tier's copy when the local one is missing or corrupt
-    else:
-        unickpt.load(state, path, storage=storage, manifest=manifest)
-    set_state_dict(job.model, job.optimizer, model_state_dict=msd, optim_state_dict=osd)
-    job.loader.load_state_dict(state["train"]["loader"])
-    if "rng" in state:
-        torch.set_rng_state(state["rng"].value)
-    step = int(state["train"]["step"])
-    if say:
-        _say(job, f"resumed from {path} at step {step}")
-    return step
 
 
 def _say(job: Job, line: str) -> None:
@@ -272,51 +238,67 @@ def _say(job: Job, line: str) -> None:
         print(line, flush=True)
 
 
-def run(argv: list[str] | None = None) -> list[dict[str, float]]:
-    """Train as the flags say; returns this run's log records ({step, loss})."""
-    args = parse_args(argv)
+def check_flags(args: argparse.Namespace) -> None:
+    """Combinations of flags that make no sense, as one line (before anything starts)."""
     if args.resume == "latest" and not args.ckpt_dir:
         raise SystemExit("--resume latest needs --ckpt-dir (the directory of numbered checkpoints)")
     if args.flush_every and not (args.snapshot_every and args.ckpt_dir):
         raise SystemExit("--flush-every needs --snapshot-every and --ckpt-dir (where the keepers write the checkpoints)")
-    if args.flush_every and "://" in args.ckpt_dir:
-        raise SystemExit("--flush-every needs a local --ckpt-dir (the keepers write files; use --durable-dir for an object store)")
-    if args.durable_dir and args.async_save:
-        raise SystemExit("--durable-dir copies what CheckpointManager.save commits: drop --async-save")
+    if args.log_deltas and not (args.ckpt_dir and args.save_every):
+        raise SystemExit("--log-deltas needs --save-every K and --ckpt-dir (the full checkpoints the log replays onto)")
     if args.durable_dir and not args.ckpt_dir:
         raise SystemExit("--durable-dir needs --ckpt-dir (the fast tier its copies are made from)")
-    if args.snapshot_replicas > 1 and args.parity:
-        raise SystemExit(f"--snapshot-replicas {args.snapshot_replicas} and --parity {args.parity} exclude each other: "
-                         "a node's snapshot is protected by copies on neighbours or by parity, not both")
-    if args.parity is None:
-        args.parity = 0 if args.snapshot_replicas > 1 else 1
-    job = build(args)
-    manager = unickpt.CheckpointManager(
-        args.ckpt_dir, keep=args.keep, durable=args.durable_dir, durable_every=args.durable_every, durable_keep=args.durable_keep,
-    ) if args.ckpt_dir else None
-    replays = args.log_deltas and args.resume == "latest"  # the delta log's recovery below is "latest" and more
-    start = resume(job, manager, args.resume) if args.resume and manager and not replays else 0
-    if args.resume and not manager and args.resume != "latest":
-        start = resume(job, unickpt.CheckpointManager(os.path.dirname(args.resume)), args.resume)
-    snap, deltas = None, None
-    if args.log_deltas:
-        from .delta_replay import TrainerDeltas
+    if args.snapshot_every and not args.ckpt_dir:
+        raise SystemExit("--snapshot-every needs --ckpt-dir (the disk tier a recovery falls back to)")
 
-        deltas = TrainerDeltas(args, manager, resume, learning_rate)
-        if (not args.resume or replays) and not args.snapshot_every:
-            start = deltas.recover(job)
-    if args.snapshot_every:
-        job, snap, start = recover_at_start(job, manager, args, start, deltas)
-    if deltas is not None:
-        deltas.started(start)
+
+def make_manager(args: argparse.Namespace) -> unickpt.CheckpointManager:
+    """The run's CheckpointManager, one keyword per flag."""
+    return unickpt.CheckpointManager(
+        args.ckpt_dir, keep=args.keep, save_every=args.save_every, async_save=args.async_save,
+        snapshot_every=args.snapshot_every, parity=args.parity if args.snapshot_every else None,
+        snapshot_replicas=args.snapshot_replicas, flush_every=args.flush_every,
+        snapshot_max_bytes=args.snapshot_max_bytes, log_deltas=args.log_deltas,
+        delta_dtype=args.delta_dtype if args.log_deltas else "exact",
+        durable=args.durable_dir, durable_every=args.durable_every, durable_keep=args.durable_keep,
+    )
+
+
+def resume_from(job: Job, manager: unickpt.CheckpointManager, where: str) -> int:
+    """``--resume latest|PATH``: load that checkpoint onto this job's layout; returns its
+    step (0 when ``latest`` finds none)."""
+    path = manager.latest() if where == "latest" else where
+    if path is None:
+        _say(job, f"no checkpoint in {manager.root}: starting fresh")
+        return 0
+    state = checkpoint_state(job, 0)
+    path = manager.load(state, path, per_rank="keep") or path  # the durable copy when the local one is missing or corrupt
+    _say(job, f"resumed from {path} at step {state['train']['step']}")
+    return int(state["train"]["step"])
+
+
+def run(argv: list[str] | None = None) -> list[dict[str, float]]:
+    """Train as the flags say; returns this run's log records ({step, loss})."""
+    args = parse_args(argv)
+    check_flags(args)
+    job = build(args)
+    manager = make_manager(args) if args.ckpt_dir else None
+    state = checkpoint_state(job, 0)
+    start = 0
+    if args.resume and manager is None:
+        start = resume_from(job, unickpt.CheckpointManager(os.path.dirname(args.resume)), args.resume)
+    elif args.resume and not (args.log_deltas and args.resume == "latest" and not args.snapshot_every):
+        start = resume_from(job, manager, args.resume)
+    elif manager is not None and (args.snapshot_every or args.log_deltas):
+        start = manager.restore(state)  # memory, else disk (+ the delta log); prints the one line
     records = []
-    pending = None
     last = min(args.steps, args.stop_after or args.steps)
+    before_update = manager.before_update if manager is not None else None
     tick, since = time.perf_counter(), start  # the last progress line: its time and step
     for step in range(start + 1, last + 1):
         if args.compute_sleep:
             time.sleep(args.compute_sleep)
-        loss = train_step(job, step, _before_update(job, step, snap, deltas))
+        loss = train_step(job, step, before_update)
         records.append({"step": step, "loss": loss})
         if args.print_every and (step % args.print_every == 0 or step == last):
             now = time.perf_counter()
@@ -325,83 +307,17 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
         if job.rank == 0 and args.log:
             with open(args.log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-        saved = bool(manager and args.save_every and step % args.save_every == 0)
-        if saved:
-            state, _, _ = checkpoint_state(job, step)
-            if args.async_save:
-                if pending is not None:
-                    pending.result()
-                pending = unickpt.async_save(state, manager.path_for(step))
-            else:
-                manager.save(state, step)
-        if snap is not None and snap.due(step):
-            state, _, _ = checkpoint_state(job, step)
-            snap.snapshot(state, step, flush=not saved)  # the trainer's own save of the step wins
-    if pending is not None:
-        pending.result()
-    if deltas is not None:
-        deltas.close()
+        if manager is not None:
+            state["train"]["step"] = step
+            manager.maybe_save(state, step)
     if manager is not None:
-        manager.wait()  # the copy to the durable tier in flight
-    if snap is not None:
-        if args.print_every and snap.taken:
-            _say(job, f"snapshots: {snap.taken} taken, {snap.skipped} skipped, training loop stalled "
-                      f"{snap.stall_s:.3f} s ({snap.stall_s / snap.taken * 1000:.1f} ms per snapshot, rank 0)")
-        snap.close(clean=last == args.steps)
+        stats = manager.stats()
+        if args.snapshot_every and args.print_every and stats["snapshots"]:
+            _say(job, f"snapshots: {stats['snapshots']} taken, {stats['snapshots_skipped']} skipped, training loop "
+                      f"stalled {stats['snapshot_stall_s']:.3f} s "
+                      f"({stats['snapshot_stall_s'] / stats['snapshots'] * 1000:.1f} ms per snapshot, rank 0)")
+        manager.close(keep_snapshots=last != args.steps)  # a run stopped early resumes from memory
     return records
-
-
-def _before_update(job: Job, step: int, snap: Any, deltas: Any) -> Any:
-    """What runs right before the optimizer step: the lazy snapshot's wait, the delta log's capture."""
-    if deltas is None:
-        return snap.before_update if snap else None
-
-    def hooks() -> None:
-        if snap is not None:
-            snap.before_update()
-        deltas.capture(job, step)
-    return hooks
-
-
-def recover_at_start(job: Job, manager: unickpt.CheckpointManager | None, args: argparse.Namespace,
-                     start: int, deltas: Any = None) -> tuple[Job, Any, int]:
-    """Start the snapshot tier; without ``--resume``, resume from the newest whole state
-    (memory, else disk, plus the delta log's steps with ``--log-deltas``: memory wins when
-    it is at least as new) and print the one line saying from where and why."""
-    from ..snapshot.client import Snapshotter, job_id
-    from ..snapshot.recover import recover
-
-    snap = Snapshotter(job_id(args.ckpt_dir), args.snapshot_every, args.parity, max_bytes=args.snapshot_max_bytes,
-                       flush_every=args.flush_every, flush_dir=args.ckpt_dir, replicas=args.snapshot_replicas)
-    if args.resume:
-        return job, snap, start
-
-    def disk() -> tuple[int, str] | None:
-        path = manager.latest() if manager else None
-        return None if path is None else (resume(job, manager, path, say=False), path)
-
-    latest = manager.latest() if manager else None
-    disk_step = int(os.path.basename(latest).split("_")[-1]) if latest else None
-    replay = deltas.plan() if deltas is not None else None
-
-    def disk_and_log() -> tuple[int, str] | None:  # the full checkpoint plus the logged steps after it
-        nonlocal job
-        if replay.base is None:
-            job = build(args)  # the replay starts from the initial state: a rejected snapshot may have changed it
-        return deltas.restore(job, replay), deltas.reason(replay)
-
-    durable = disk
-    if replay is not None and replay.usable:
-        durable, disk_step = disk_and_log, replay.step
-    outcome = recover(snap, lambda path, storage: resume(job, None, path, storage, say=False), durable, disk_step)
-    if outcome.tried and outcome.source == "fresh":
-        job = build(args)  # a rejected snapshot may have been partly loaded: start from scratch
-    line = outcome.line
-    if replay is not None and replay.usable and outcome.source == "disk":
-        line = line.replace(" from disk (", f" from disk + {len(replay.entries)} logged steps (", 1)
-    if job.rank == 0:
-        print(line, flush=True)
-    return job, snap, outcome.step
 
 
 def main(argv: list[str] | None = None) -> None:
