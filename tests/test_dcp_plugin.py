@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -66,6 +68,18 @@ def test_saved_through_dcp_is_a_unickpt_checkpoint(root, name, ref):
     assert m.values["step"] == 2 and m.values["extra.tag"] == EXTRA["tag"]
     assert m.values["extra.sched.0.gamma"] == 0.5
     assert m.metadata["dcp"]["pickled"] == ["opaque"] and "$bytes" in m.values["opaque"]
+
+
+def test_inspect_and_convert_read_it(root, tmp_path):
+    path = str(root / "fsdp")
+    r = subprocess.run([sys.executable, "-m", "unickpt", "inspect", path], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0 and "model.blocks.0.up.weight" in r.stdout, r.stderr
+    unickpt.convert(path, str(tmp_path / "one"), consolidate=True)
+    want = torch.load(root / "ref.pt", weights_only=True)
+    for n in ("model.blocks.1.down.weight", "optim.state.head.weight.exp_avg_sq"):
+        e = unickpt.read_manifest(str(tmp_path / "one")).tensors[n]
+        assert len(e.fragments) == 1 and _same_bits(unickpt.load_tensor(str(tmp_path / "one"), n), want[n])
 
 
 def test_dcp_load_on_three_ranks_and_a_deepspeed_checkpoint(root, tmp_path):
