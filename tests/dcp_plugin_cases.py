@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from unickpt.dcp import StorageReader, StorageWriter
@@ -71,7 +75,7 @@ def load_fsdp(rank: int, world: int, root: str, ds_dir: str, ds_ref: str) -> Non
     """``dcp.load`` through unickpt's StorageReader onto FSDP2 over ``world`` ranks: the
     full tensors equal what was saved, bit for bit, and the values come back; then a
     DeepSpeed ZeRO checkpoint onto Shard(0) DTensors equals DeepSpeed's zero_to_fp32 of it
-    (``ds_ref``, saved by the test)."""
+    (``ds_ref``, saved by the test); last, a save that fails on rank 1 commits nothing."""
     state = build("fsdp", world)
     state["step"] = 0
     state["extra"] = copy.deepcopy(PLACEHOLDER)
@@ -90,7 +94,31 @@ def load_fsdp(rank: int, world: int, root: str, ds_dir: str, ds_ref: str) -> Non
     dcp.load(target, storage_reader=StorageReader(ds_dir))
     for n, t in want.items():
         assert _same_bits(target["model"][n].full_tensor(), t), f"rank {rank}: {n} differs from zero_to_fp32"
+
+    # a save failing on one rank commits nothing and leaves the old checkpoint as it was
+    old = f"{root}/fsdp_old"
+    if rank == 0:
+        shutil.copytree(f"{root}/fsdp", old)
     dist.barrier()
+    before = open(f"{old}/manifest.json", "rb").read()
+    try:
+        dcp.save({f"w{rank}": torch.ones(4)}, storage_writer=StorageWriter(old, overwrite=True), planner=_FailsOnRank1())
+    except CheckpointException as e:
+        assert "nothing was committed" in str(e) and "rank 1: RuntimeError: disk on fire" in str(e), str(e)
+    else:
+        raise AssertionError("the failed save did not raise")
+    dist.barrier()
+    assert open(f"{old}/manifest.json", "rb").read() == before
+    assert not [n for n in os.listdir(root) if n.startswith(".")], os.listdir(root)  # no staging directory left
+
+
+class _FailsOnRank1(DefaultSavePlanner):
+    """DCP's default planner, except that rank 1 cannot produce its data."""
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise RuntimeError("disk on fire")
+        return super().resolve_data(write_item)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -76,7 +76,7 @@ from .api.assemble import manifest_document
 from .api.save import LocalState, check_not_committed, claim, data_file_name, rank_message, rank_payload, rank_storage
 from .dist import Group, is_dtensor
 from .engine.items import TensorItem
-from .engine.staging import StagingPool, copy_batch, flat_bytes, plan_batches, record_streams
+from .engine.staging import StagingPool, copy_batch, plan_batches, record_streams
 from .engine.tensor_reads import TensorReads
 from .engine.writer import DataFileWriter, as_bytes
 from .errors import SaveError, UnickptError
