@@ -10,6 +10,10 @@
   the full tensors equal the saved ones bit for bit; a real DeepSpeed ZeRO-2 checkpoint
   (2 ranks, CPU) loads onto Shard(0) DTensors on 3 ranks bitwise equal to DeepSpeed's
   own ``zero_to_fp32``;
+* a save that fails on one rank commits nothing, leaves no staging directory, and the old
+  checkpoint it was to replace stays as it was; a committed checkpoint is replaced only
+  with ``overwrite=True``;
+* ``unickpt inspect`` and ``convert`` read a checkpoint saved through DCP;
 * one flipped byte in a data file: ``dcp.load`` raises, naming the checksum mismatch.
 """
 

@@ -380,8 +380,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
             name = data_file_name(self._rank)
             writer = DataFileWriter(storage, name, self._rank, [t for _, t in items], self.block_bytes, self.threads)
             try:
-                batch: list[tuple[int, int, memoryview]] = []
-                held: list[torch.Tensor] = []
+                batch: list[tuple[int, int, memoryview]] = []  # (each view keeps its tensor alive)
                 nbytes = 0
                 for k, (wi, item) in enumerate(items):
                     t = planner.resolve_data(wi)
@@ -391,12 +390,11 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
                                         f"the plan says {item.local.dtype} {list(item.local.shape)}")
                     t = t.detach()
                     t = (t if t.device.type == "cpu" else t.to("cpu")).contiguous()
-                    held.append(t)
                     batch.append((k, 0, as_bytes(t)))
                     nbytes += t.nbytes
                     if nbytes >= _BATCH_BYTES:
                         writer.write(batch)
-                        batch, held, nbytes = [], [], 0
+                        batch, nbytes = [], 0
                 writer.write(batch)
             except BaseException:
                 writer.abort()
@@ -466,7 +464,8 @@ class StorageReader(_storage.StorageReader):
             planner_data[name] = (name,)
         dcp_info = decode_value(m.metadata.get("dcp", {}), "metadata.dcp") if m.provenance.get("format", "unickpt") == "unickpt" else {}
         stored_paths = _planner_paths(dcp_info.get("planner_data")) if isinstance(dcp_info, dict) else {}
-        pickled = dcp_info.get("pickled", []) if isinstance(dcp_info, dict) else []
+        pickled = dcp_info.get("pickled") if isinstance(dcp_info, dict) else None
+        pickled = {n for n in pickled if isinstance(n, str)} if isinstance(pickled, list) else set()
         self._values, self._pickled = {}, set()
         for name, enc in m.values.items():
             value = decode_value(enc, name)
