@@ -380,7 +380,16 @@ def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: 
     kind, _, where = status.partition(b"\n")
     if kind != b"ok" or not where:
         raise SaveError(status.decode(errors="replace"))
-    return Target(open_storage(os.path.join(path, os.fsdecode(where))), write)
+    return Target(rank_storage(path, os.fsdecode(where)), write)
+
+
+def rank_storage(path: str, where: str, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The storage a rank writes its data file to: the staging directory ``where``
+    (relative to the checkpoint directory ``path``, as the claim names it), or on an
+    object store (``where`` empty) the prefix itself."""
+    if is_remote(path):
+        return open_storage(path, storage_options)
+    return open_storage(os.path.join(local_path(path), where))
 
 
 def claim(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None) -> tuple[Any, Storage]:
