@@ -108,7 +108,42 @@ def test_crash_resumes_from_memory_bitwise(tmp_path, shm_roots):
     assert sorted(got) == list(range(1, steps + 1))
     assert all(got[s] == want_losses[s] for s in got), (got, want_losses)
     _same_final(torch.load(final), want)
-    assert not os.path.exists(os.path.join(shm, "unickpt")) or not os.listdir(os.path.join(shm, "unickpt"))
+    assert not os.path.exists(shm), os.listdir(shm)  # a clean end leaves no keeper, no shared memory, no directory
+
+
+def test_corrupt_memory_and_no_disk_starts_fresh_from_the_initial_state(tmp_path, shm_roots):
+    """Snapshots only (no durable checkpoint): every rank file in memory has flipped bytes,
+    so the memory load fails midway, after part of the state was overwritten; restore says
+    why and starts fresh from the state the loop built, and the run ends bitwise equal to
+    an unbroken one (nothing of the rejected snapshot leaked into it)."""
+    steps = 10
+    want_losses, want = _reference(tmp_path, 2, steps)
+    shm = str(tmp_path / "shm")
+    shm_roots.append(shm)
+    log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
+    flags = ["--steps", str(steps), "--ckpt-dir", "ck", "--snapshot-every", "1", "--parity", "0"]
+    procs = launch_nodes(tmp_path, [shm], [*flags, "--loss-log", str(tmp_path / "first.jsonl"), "--compute-sleep", "0.3"],
+                         2, script=LOOP)
+    try:
+        _kill_one(procs, str(tmp_path / "first.jsonl"), 4, shm)
+    finally:
+        wait_all(procs, tmp_path, check=False)
+    kill_keeper(shm)
+    for dirpath, _, names in os.walk(os.path.join(shm, "unickpt")):
+        for n in names:
+            if n.startswith("rank_"):
+                path = os.path.join(dirpath, n)
+                size = os.path.getsize(path)
+                with open(path, "r+b") as f:  # the model's bytes: read after the plain values are set
+                    f.seek(size // 3)
+                    f.write(bytes(64))
+    outs = _run(tmp_path, [shm], [*flags, "--loss-log", log, "--final", final], 2)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1 and lines[0].startswith("starting fresh (memory: step ") and "checksum" in lines[0], lines
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1)) and all(got[s] == want_losses[s] for s in got)
+    _same_final(torch.load(final), want)
+    assert json.load(open(final + ".json"))["samples"] == json.load(open(tmp_path / "ref" / "final.pt.json"))["samples"]
 
 
 def test_delta_log_loses_no_step_bitwise(tmp_path):

@@ -93,7 +93,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s))
     loader = Loader(rank, world)
-    state = {"model": model, "optim": optimizer, "sched": scheduler, "loader": loader, "rng": unickpt.RNGState()}
+    state = {"model": model, "optim": optimizer, "sched": scheduler, "loader": loader, "rng": unickpt.RNGState(),
+             "samples": 0}
 
     # -- the five lines (plus the options) ---------------------------------------------
     manager = unickpt.CheckpointManager(
@@ -111,6 +112,7 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        state["samples"] += loader.batch
         manager.maybe_save(state, step)
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -130,7 +132,8 @@ def main() -> None:
             torch.save(tensors, args.final)
             sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
             with open(args.final + ".json", "w") as f:
-                json.dump({"sched": sched, "loader": loader.state_dict(), "stats": manager.stats()}, f)
+                json.dump({"sched": sched, "loader": loader.state_dict(), "samples": state["samples"],
+                           "stats": manager.stats()}, f)
     dist.barrier()
     dist.destroy_process_group()
 
