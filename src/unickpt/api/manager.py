@@ -110,6 +110,7 @@ class CheckpointManager(Checkpoints):
         self._deltas: StepDeltas | None = None
         self._state: dict[str, Any] | None = None
         self._pending: tuple[AsyncSaveHandle, int, dict[str, int]] | None = None
+        self._housekept: int | None = None  # the step of the last async save whose retention ran
         self._counts = {"saves": 0, "saves_failed": 0, "snapshots_failed": 0, "delta_steps_missed": 0}
         self._stall_s = 0.0
         self._last_error: str | None = None
@@ -162,10 +163,13 @@ class CheckpointManager(Checkpoints):
             log.info("%s", line)
         return step
 
-    def before_update(self) -> None:
+    def before_update(self, state: dict[str, Any] | None = None) -> None:
         """Right before ``optimizer.step()``: wait until a lazy snapshot has copied the
-        state, and capture the step's gradients for the delta log. Costs nothing when
-        neither is on."""
+        state, and capture the step's gradients for the delta log (of ``state``, by default
+        the one given to :meth:`restore` or the last :meth:`maybe_save`). Costs nothing
+        when neither is on."""
+        if state is not None:
+            self._state = state
         if self._snap is None and self._deltas is None:
             return
         t0 = time.perf_counter()
@@ -410,18 +414,18 @@ class CheckpointManager(Checkpoints):
             self._deltas.rebase(versions)
 
     def _housekeep(self) -> None:
-        """Rank 0, once the async save in flight has committed: retention, durable copy
-        (once per save)."""
+        """Rank 0, once the async save in flight has committed: its retention and durable
+        copy (once per save)."""
         if self._pending is None or resolve_group(self.process_group).rank != 0:
             return
         handle, step, _ = self._pending
-        if getattr(handle, "_housekept", False):
+        if self._housekept == step or not handle.done():
             return
         try:
-            handle.result(timeout=0)
-        except UnickptError:
+            handle.result()
+        except UnickptError:  # counted and warned by _finish_pending
             return
-        handle._housekept = True  # type: ignore[attr-defined]
+        self._housekept = step
         self.committed(step)
 
     def _warn(self, message: str) -> None:
