@@ -127,6 +127,46 @@ def all_gather_fixed(group: Group, payload: bytes) -> list[bytes]:
     return [bytes(o.cpu().numpy()) for o in outs]
 
 
+def new_group(ranks: list[int] | None = None, backend: str | None = None, local: bool = False, parent: Any = None) -> Any:
+    """``dist.new_group`` (``local``: ``use_local_synchronization``, made by its members
+    only) whose rendezvous keys are deleted from the store once every member has joined;
+    with ``parent`` (a group of the same ranks, or the default group when the new group
+    spans the world), the keys left in the parent's namespace too (its own, and those of
+    the groups made under it: every member has passed their creation by then).
+
+    Why: torchrun (torch >= 2.4) hands its workers the agent's store and keeps it, with
+    its keys, for the whole job; a group's name (a counter, or a hash of its ranks) comes
+    out the same in every restart round. The addresses the members of a round published
+    are still there in the next round, where a member that reads its peer's key before
+    the restarted peer rewrote it connects to a dead process (gloo: ``connectFullMesh
+    failed ... Connection refused``, or both sides wait for each other): the new round
+    dies. Deleted once all members are connected, they cannot mislead a later round.
+    Returns None on a rank outside ``ranks``."""
+    pg = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=local)
+    if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    dist.barrier(group=pg)  # every member returned from new_group (and from parent's creation before it)
+    if dist.get_rank(pg) == 0:
+        for g in (pg, parent):
+            if g is not None:
+                _drop_rendezvous_keys(g)
+    return pg
+
+
+def _drop_rendezvous_keys(pg: Any) -> None:
+    """Delete every key under ``pg``'s namespace of the store (nothing when the store
+    cannot list its keys: FileStore, HashStore, which torchrun does not share)."""
+    store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
+    if store_of is None:
+        return
+    try:
+        store = store_of(pg)
+        for key in store.list_keys():
+            store.delete_key(key)
+    except (RuntimeError, NotImplementedError, KeyError):
+        pass
+
+
 def barrier(group: Group) -> None:
     """Wait for every rank of the group (a no-op alone)."""
     if group.active:

@@ -28,7 +28,7 @@ import crc32c as _crc
 import torch
 import torch.distributed as dist
 
-from ..dist import Group, all_gather_fixed, resolve_group
+from ..dist import Group, all_gather_fixed, new_group, resolve_group
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
@@ -67,9 +67,9 @@ def checkpoint_group(group: Group, channel: str = DEFAULT_CHANNEL) -> Group:
     cached = _GROUPS.get((ranks, channel))
     if cached is None or cached[0] is not world:
         if len(ranks) == dist.get_world_size():
-            pg = dist.new_group(backend="gloo")
+            pg = new_group(backend="gloo", parent=world)
         else:
-            pg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+            pg = new_group(list(ranks), "gloo", local=True, parent=group.pg)
         cached = _GROUPS[(ranks, channel)] = (world, pg)
     pg = cached[1]
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))

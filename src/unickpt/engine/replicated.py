@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import Group, all_gather_fixed
+from ..dist import Group, all_gather_fixed, new_group
 from ..errors import LayoutError, UnickptError
 from ..plan.save_plan import replica_owner, replica_shares
 from .items import TensorItem, cut_rows, row_slice
@@ -110,7 +110,7 @@ class ShardedReplicas:
         self.members, self.line = members, line
         key = (id(self.group.pg), tuple(members))
         if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group([self.group.global_rank(m) for m in members], use_local_synchronization=True)
+            _GROUPS[key] = new_group([self.group.global_rank(m) for m in members], local=True)
         self.pg = _GROUPS[key]
         return self.parts(members.index(self.group.rank))
 
