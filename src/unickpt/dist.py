@@ -6,6 +6,7 @@ With no process group (a single process) every function degrades to the local ca
 
 from __future__ import annotations
 
+import atexit
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,32 @@ def all_gather_fixed(group: Group, payload: bytes) -> list[bytes]:
     outs = [torch.empty_like(mine) for _ in range(group.size)]
     dist.all_gather(outs, mine, group=group.pg)
     return [bytes(o.cpu().numpy()) for o in outs]
+
+
+_CACHES: list[dict] = []  # every cache of process groups unickpt made (see group_cache)
+
+
+def group_cache() -> dict:
+    """A new dict for a module to keep the process groups it makes in; every such dict is
+    emptied by :func:`release_groups`."""
+    cache: dict = {}
+    _CACHES.append(cache)
+    return cache
+
+
+@atexit.register
+def release_groups() -> None:
+    """Drop unickpt's references to the process groups it made (async-save and snapshot
+    channels, groups of replicas), so that each is destroyed now, its gloo threads
+    joined. ``dist.destroy_process_group()`` does not stop the threads of a gloo group
+    that is still referenced: one that lives on into the interpreter's finalization is
+    destroyed with Python half torn down, where a gloo thread that drops a tensor's last
+    reference needs the GIL, is ended by the interpreter, and the process aborts
+    ("terminate called without an active exception"). Runs at exit, before the
+    interpreter finalizes; call it after ``destroy_process_group()`` to free them sooner.
+    The groups are made again, collectively, at their next use."""
+    for cache in _CACHES:
+        cache.clear()
 
 
 def new_group(ranks: list[int] | None = None, backend: str | None = None, local: bool = False, parent: Any = None) -> Any:

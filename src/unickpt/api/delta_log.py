@@ -166,6 +166,7 @@ class DeltaLog:
         finally:
             self._queue.put(None)
             self._thread.join()
+            self._pg = None  # destroyed now, its gloo threads joined, not at the interpreter's exit
 
 
 def remove_entry(path: str) -> None:
