@@ -4,7 +4,9 @@ recovering from the last disk checkpoint (no snapshots), under the same run cond
 
     python -m bench.mttr [--kills 3] [--nproc 2]
 
-Runs the example trainer under ``torchrun --standalone --max-restarts K`` and SIGKILLs
+Runs the example trainer under ``torchrun --standalone --max-restarts K`` (with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless ``--shared-store``: without snapshots
+nothing cleans the default group's keys in torch's shared store) and SIGKILLs
 local rank 1 K times. The times come from outside the job: the loss log is polled every
 2 ms (a line is a completed step), the relaunched trainers' start times are read from
 /proc. Per kill it prints: total (kill -> first step of the new round), relaunch (kill
@@ -118,7 +120,9 @@ def run_job(work: str, flags: list[str], kill_after: list[int], nproc: int = 2, 
     return {"rc": p.returncode, "output": output, "seen": seen, "kills": kills, "rounds": rounds, "log": log}
 
 
-RECOVERY = re.compile(r"^(?:resumed step (\d+) from (memory|disk).*?([0-9.]+) s\)|starting fresh.*)$", re.M)
+# the snapshot tier's line, the trainer's own resume line (no snapshots), a fresh start
+RECOVERY = re.compile(r"^(?:resumed step (\d+) from (memory|disk).*?([0-9.]+) s\)|resumed from \S+ at step (\d+)|"
+                      r"starting fresh.*|no checkpoint in .*)$", re.M)
 
 
 def breakdown(job: dict) -> list[dict]:
@@ -128,13 +132,13 @@ def breakdown(job: dict) -> list[dict]:
     for k, kill in enumerate(job["kills"]):
         after = [(t, s) for t, s in job["seen"] if t > kill]
         last_before = max((s for t, s in job["seen"] if t <= kill), default=0)
-        resumed = int(lines[k][0]) if k < len(lines) and lines[k][0] else 0
+        resumed = int(lines[k][0] or lines[k][3] or 0) if k < len(lines) else 0
         first = next(((t, s) for t, s in after if s == resumed + 1), None)
         rnd = job["rounds"][k + 1] if k + 1 < len(job["rounds"]) else []
         start = min((t for _, t in rnd if t is not None), default=None)
         row = {"total_s": first[0] - kill if first else None, "relaunch_s": start - kill if start else None,
                "recover_s": float(lines[k][2]) if k < len(lines) and lines[k][2] else None,
-               "from": (lines[k][1] or "fresh") if k < len(lines) else None, "steps_lost": last_before - resumed}
+               "from": (lines[k][1] or ("disk" if lines[k][3] else "fresh")) if k < len(lines) else None, "steps_lost": last_before - resumed}
         if first and start:
             row["start_to_step_s"] = first[0] - start
         out.append(row)
@@ -148,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--shared-store", action="store_true",
+                   help="leave torchrun's store shared across restart rounds (torch's default): without snapshots "
+                   "no unickpt group cleans the default group's keys, and torch's own restarts can fail")
     p.add_argument("--compute-sleep", type=float, default=0.05, help="seconds per step standing in for compute")
     args = p.parse_args(argv)
     gap = args.steps // (args.kills + 1)
@@ -156,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
             "--compute-sleep", str(args.compute_sleep), *TINY]
     for name, flags in (("memory", ["--snapshot-every", "1"]), ("disk", [])):
         work = tempfile.mkdtemp(prefix=f"mttr-{name}-")
-        job = run_job(work, [*base, "--ckpt-dir", os.path.join(work, "ckpt"), *flags], kill_after, args.nproc)
+        env = {} if args.shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        resume = [] if flags else ["--resume", "latest"]
+        job = run_job(work, [*base, "--ckpt-dir", os.path.join(work, "ckpt"), *flags, *resume], kill_after, args.nproc,
+                      extra_env=env)
         rows = breakdown(job)
         for r in rows:
             print(f"{name:6s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
