@@ -6,6 +6,7 @@ With no process group (a single process) every function degrades to the local ca
 
 from __future__ import annotations
 
+import atexit
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,72 @@ def all_gather_fixed(group: Group, payload: bytes) -> list[bytes]:
     outs = [torch.empty_like(mine) for _ in range(group.size)]
     dist.all_gather(outs, mine, group=group.pg)
     return [bytes(o.cpu().numpy()) for o in outs]
+
+
+_CACHES: list[dict] = []  # every cache of process groups unickpt made (see group_cache)
+
+
+def group_cache() -> dict:
+    """A new dict for a module to keep the process groups it makes in; every such dict is
+    emptied by :func:`release_groups`."""
+    cache: dict = {}
+    _CACHES.append(cache)
+    return cache
+
+
+@atexit.register
+def release_groups() -> None:
+    """Drop unickpt's references to the process groups it made (async-save and snapshot
+    channels, groups of replicas), so that each is destroyed now, its gloo threads
+    joined. ``dist.destroy_process_group()`` does not stop the threads of a gloo group
+    that is still referenced: one that lives on into the interpreter's finalization is
+    destroyed with Python half torn down, where a gloo thread that drops a tensor's last
+    reference needs the GIL, is ended by the interpreter, and the process aborts
+    ("terminate called without an active exception"). Runs at exit, before the
+    interpreter finalizes; call it after ``destroy_process_group()`` to free them sooner.
+    The groups are made again, collectively, at their next use."""
+    for cache in _CACHES:
+        cache.clear()
+
+
+def new_group(ranks: list[int] | None = None, backend: str | None = None, local: bool = False, parent: Any = None) -> Any:
+    """``dist.new_group`` (``local``: ``use_local_synchronization``, made by its members
+    only) whose rendezvous keys are deleted from the store once every member has joined;
+    with ``parent`` (a group of the same ranks, or the default group when the new group
+    spans the world), the keys left in the parent's namespace too (its own, and those of
+    the groups made under it: every member has passed their creation by then).
+
+    Why: torchrun (torch >= 2.4) hands its workers the agent's store and keeps it, with
+    its keys, for the whole job; a group's name (a counter, or a hash of its ranks) comes
+    out the same in every restart round. The addresses the members of a round published
+    are still there in the next round, where a member that reads its peer's key before
+    the restarted peer rewrote it connects to a dead process (gloo: ``connectFullMesh
+    failed ... Connection refused``, or both sides wait for each other): the new round
+    dies. Deleted once all members are connected, they cannot mislead a later round.
+    Returns None on a rank outside ``ranks``."""
+    pg = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=local)
+    if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    dist.barrier(group=pg)  # every member returned from new_group (and from parent's creation before it)
+    if dist.get_rank(pg) == 0:
+        for g in (pg, parent):
+            if g is not None:
+                _drop_rendezvous_keys(g)
+    return pg
+
+
+def _drop_rendezvous_keys(pg: Any) -> None:
+    """Delete every key under ``pg``'s namespace of the store (nothing when the store
+    cannot list its keys: FileStore, HashStore, which torchrun does not share)."""
+    store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
+    if store_of is None:
+        return
+    try:
+        store = store_of(pg)
+        for key in store.list_keys():
+            store.delete_key(key)
+    except (RuntimeError, NotImplementedError, KeyError):
+        pass
 
 
 def barrier(group: Group) -> None:

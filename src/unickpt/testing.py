@@ -47,18 +47,6 @@ def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errdir:
         with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise SystemExit(1)
-    # Leave without the interpreter's finalization: process groups still referenced from
-    # module globals (device meshes' sub-groups) would be destroyed with Python half torn
-    # down, and gloo's threads can then abort a rank that has finished its work
-    # ("terminate called without an active exception", seen in CI). That exit also skips
-    # multiprocessing's own clean-up, so stop the processes a library started here (such
-    # as the Manager server of Megatron-Core's async writer), or they outlive the test run.
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(10)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, preload: list[str] | None = None) -> None:

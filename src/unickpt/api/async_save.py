@@ -17,7 +17,6 @@ per channel in use.
 
 from __future__ import annotations
 
-import atexit
 import os
 
 import threading
@@ -28,7 +27,7 @@ import crc32c as _crc
 import torch
 import torch.distributed as dist
 
-from ..dist import Group, all_gather_fixed, resolve_group
+from ..dist import Group, all_gather_fixed, group_cache, new_group, resolve_group
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
@@ -44,16 +43,7 @@ from ..engine.staging import StagingPool, Unit, copy_batch, flat_bytes, plan_bat
 from ..engine.writer import DataFileWriter, as_bytes
 
 DEFAULT_CHANNEL = "default"
-_GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
-
-
-@atexit.register
-def _drop_groups() -> None:
-    # A process group still referenced when the interpreter finalizes is destroyed with
-    # Python half torn down, and gloo's worker threads can then abort the process
-    # ("terminate called without an active exception"). Dropping the cache here, while
-    # the interpreter is whole, destroys the groups the job already destroyed in c10d.
-    _GROUPS.clear()
+_GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = group_cache()  # emptied at exit (release_groups)
 
 
 def checkpoint_group(group: Group, channel: str = DEFAULT_CHANNEL) -> Group:
@@ -67,9 +57,9 @@ def checkpoint_group(group: Group, channel: str = DEFAULT_CHANNEL) -> Group:
     cached = _GROUPS.get((ranks, channel))
     if cached is None or cached[0] is not world:
         if len(ranks) == dist.get_world_size():
-            pg = dist.new_group(backend="gloo")
+            pg = new_group(backend="gloo", parent=world)
         else:
-            pg = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+            pg = new_group(list(ranks), "gloo", local=True, parent=group.pg)
         cached = _GROUPS[(ranks, channel)] = (world, pg)
     pg = cached[1]
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dist import resolve_group
+from ..dist import new_group, resolve_group
 from ..errors import SaveError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from ..storage.local import list_subdirs, remove_checkpoint
@@ -69,7 +69,7 @@ class DeltaLog:
         self._pg = None
         if group.active:
             ranks = dist.get_process_group_ranks(group.pg)
-            self._pg = dist.new_group(ranks=ranks, backend="gloo")
+            self._pg = new_group(ranks, "gloo", parent=group.pg)
         self._covered = covered
         self._slots = threading.Semaphore(max_pending)
         self._queue: queue.Queue = queue.Queue()
@@ -166,6 +166,7 @@ class DeltaLog:
         finally:
             self._queue.put(None)
             self._thread.join()
+            self._pg = None  # destroyed now, its gloo threads joined, not at the interpreter's exit
 
 
 def remove_entry(path: str) -> None:

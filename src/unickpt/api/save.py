@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, resolve_group
+from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, group_cache, resolve_group
 from .. import errors
 from ..errors import SaveError, UnickptError
 from ..format.checksum import crc32c
@@ -85,7 +85,10 @@ def tensor_digest(dtype: str, shape: tuple[int, ...], crc: int) -> str:
     return f"tensor {dtype} {list(shape)} crc32c={crc:08x}"
 
 
-_ITEMS: dict[tuple, tuple | None] = {}
+# keyed on DTensor specs, which hold their device mesh and so its process groups: emptied
+# at exit with unickpt's own groups (release_groups), or the mesh's gloo groups would live
+# on into the interpreter's finalization (where they can abort the process)
+_ITEMS: dict[tuple, tuple | None] = group_cache()
 
 
 def _tensor_item(name: str, t: torch.Tensor, holders: Holders) -> TensorItem | None:

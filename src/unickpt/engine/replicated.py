@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import Group, all_gather_fixed
+from ..dist import Group, all_gather_fixed, group_cache, new_group
 from ..errors import LayoutError, UnickptError
 from ..plan.save_plan import replica_owner, replica_shares
 from .items import TensorItem, cut_rows, row_slice
@@ -67,7 +67,7 @@ def _raise_if_others_failed(reports: list[bytes], failed: bool) -> None:
         raise UnickptError(f"load failed on rank(s) {', '.join(map(str, bad))}; see their errors")
 
 
-_GROUPS: dict[tuple, Any] = {}  # process groups of replicas, made once per set of ranks
+_GROUPS: dict[tuple, Any] = group_cache()  # process groups of replicas, made once per set of ranks; emptied at exit
 
 
 class ShardedReplicas:
@@ -110,7 +110,7 @@ class ShardedReplicas:
         self.members, self.line = members, line
         key = (id(self.group.pg), tuple(members))
         if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group([self.group.global_rank(m) for m in members], use_local_synchronization=True)
+            _GROUPS[key] = new_group([self.group.global_rank(m) for m in members], local=True)
         self.pg = _GROUPS[key]
         return self.parts(members.index(self.group.rank))
 

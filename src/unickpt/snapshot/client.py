@@ -32,7 +32,7 @@ import torch
 from ..api.async_save import AsyncSaveHandle, async_save, checkpoint_group
 from ..engine.items import is_dtensor
 from ..engine.state import PerRank, Sharded, flatten
-from ..dist import all_gather_fixed, resolve_group
+from ..dist import Group, all_gather_fixed, resolve_group
 from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from ..units import human_bytes
@@ -272,10 +272,14 @@ class Snapshotter:
 
     def close(self, clean: bool = True) -> None:
         """Finish the snapshot in flight; on a clean end of the job, stop the node's keeper,
-        which deletes the job's snapshots (no shared memory is left behind)."""
-        self.settle()
-        if not clean:
-            return
-        all_gather_fixed(self.group, b"\x01")  # every rank is done with the snapshots
-        if self.local_rank == 0:
-            stop_keeper(self.root)
+        which deletes the job's snapshots (no shared memory is left behind). The
+        snapshot channel's process group is then left to :func:`unickpt.dist.release_groups`
+        (a Snapshotter kept alive to the interpreter's exit does not keep it alive)."""
+        try:
+            self.settle()
+            if clean:
+                all_gather_fixed(self.group, b"\x01")  # every rank is done with the snapshots
+                if self.local_rank == 0:
+                    stop_keeper(self.root)
+        finally:
+            self.group = Group(None, self.group.rank, self.group.size)
