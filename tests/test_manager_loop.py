@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.testing import descendants
+from unickpt.testing import descendants, kill_session
 
 from snapshot_helpers import kill_keeper, launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all
 
@@ -73,7 +73,8 @@ def _same_final(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 def _kill_one(procs, log: str, at: int, shm: str | None = None) -> int:
     """SIGKILL one trainer once step ``at`` is logged (and, with snapshots, whole in memory);
     returns the last step logged before the kill."""
-    _wait(lambda: _last(log) >= at and (shm is None or bool(steps_whole(shm))), procs, f"step {at}")
+    _wait(lambda: _last(log) >= at and (shm is None or bool(steps_whole(shm))) and len(_trainers(procs[0])) == 2,
+          procs, f"step {at}")
     os.kill(_trainers(procs[0])[-1], signal.SIGKILL)
     return _last(log)
 
@@ -185,8 +186,8 @@ def test_node_lost_resumes_on_fewer_nodes(tmp_path, shm_roots):
     try:
         _wait(lambda: _last(log) >= 4 and bool(steps_whole(roots[3])), procs, "step 4")
     finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:  # every node's agent and trainers die at once (the keepers live on)
+            kill_session(p)
         wait_all(procs, tmp_path, check=False)
     lose_node(roots[2])
     outs = _run(tmp_path, [roots[0], roots[1], roots[3]], flags, 1)
@@ -202,7 +203,7 @@ def test_node_lost_resumes_on_fewer_nodes(tmp_path, shm_roots):
 def test_torchrun_restarts_recover_by_themselves(tmp_path, shm_roots):
     """torchrun --max-restarts: three SIGKILLs in one run; torchrun restarts the workers,
     each round resumes from memory, the job ends with exit 0, bitwise equal."""
-    steps = 16
+    steps = 24
     want_losses, want = _reference(tmp_path, 2, steps)
     shm = str(tmp_path / "shm")
     shm_roots.append(shm)
