@@ -10,7 +10,7 @@ torchtitan's ``Trainer`` saves it. The checkpointer is built from its config by
 ``config.build(...)`` with the trainer's arguments and called as ``Trainer.train`` calls
 it: ``load(step=-1)``; per step ``maybe_wait_for_staging()`` before
 ``optimizers.step()``, ``save(step, last_step=...)``; ``close()``. Rank 0 appends
-``{"step", "loss"}`` to ``loss_log`` and writes every parameter, optimizer state, the
+``{"step", "loss"}`` to ``loss_log`` and the restore line to ``<loss_log>.restored``, and writes every parameter, optimizer state, the
 LR and train state to ``final`` at the end (or at ``dump_at``).
 """
 
@@ -123,9 +123,11 @@ def train(rank: int, world: int, o: dict) -> None:
     """One rank of the loop (under ``unickpt.testing.run_ranks``). ``o``: ``steps``,
     ``folder``, ``disabled`` (checkpointing off), ``interval``, ``async_mode``,
     ``snapshot_every``, ``log_deltas``, ``shm_root``, ``crash_after`` (SIGKILL this process
-    after that step's save: once its snapshot is whole in memory when snapshots are on),
+    after that step's save, once the files ``crash_waits_for`` lists are in ``folder`` and
+    the step's snapshot is whole in memory when snapshots are on),
     ``dump_at``, ``loss_log``, ``final``."""
-    os.environ.update(UNICKPT_SHM_ROOT=o["shm_root"], OMP_NUM_THREADS="1")
+    # one node, as torchrun would describe it (run_ranks sets no launcher variables)
+    os.environ.update(UNICKPT_SHM_ROOT=o["shm_root"], GROUP_RANK="0", LOCAL_RANK=str(rank))
     torch.manual_seed(0)
     steps = o.get("steps", 8)
     model = tiny_llama()
@@ -152,6 +154,9 @@ def train(rank: int, world: int, o: dict) -> None:
             states={"train_state": state}, sd_adapter=None, base_folder="")
 
     checkpointer.load(step=-1)
+    if rank == 0 and checkpointer.enable:
+        with open(o["loss_log"] + ".restored", "a") as f:
+            f.write(checkpointer.manager.restored_line + "\n")
     batches = iter(dataloader)
     while state.step < steps:
         state.step += 1
@@ -173,8 +178,12 @@ def train(rank: int, world: int, o: dict) -> None:
         if o.get("dump_at") == state.step:
             dump(o["final"], model, optimizers, lr_schedulers, state)
         if o.get("crash_after") == state.step:
+            _wait(lambda: all(os.path.exists(os.path.join(o["folder"], p)) for p in o.get("crash_waits_for", [])),
+                  f"{o.get('crash_waits_for')} in {o['folder']}")
             if o.get("snapshot_every"):
-                _wait_whole(o["shm_root"], state.step)
+                from snapshot_helpers import steps_whole
+
+                _wait(lambda: state.step in steps_whole(o["shm_root"]), f"the snapshot of step {state.step}")
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
     checkpointer.close()
@@ -182,14 +191,12 @@ def train(rank: int, world: int, o: dict) -> None:
         dump(o["final"], model, optimizers, lr_schedulers, state)
 
 
-def _wait_whole(root: str, step: int, timeout: float = 60) -> None:
-    """Until the keeper marks the snapshot of ``step`` whole (an outside observer's read)."""
-    from snapshot_helpers import steps_whole
-
+def _wait(cond, what: str, timeout: float = 60) -> None:
+    """Until ``cond()`` (an outside observer's read of what the checkpointer wrote)."""
     deadline = time.monotonic() + timeout
-    while step not in steps_whole(root):
+    while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"the snapshot of step {step} never became whole in {root}")
+            raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
 
 
@@ -252,3 +259,23 @@ def initial_load(rank: int, world: int, folder: str, model_only: bool) -> None:
         for k, v in saved_optim.items():
             assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
     checkpointer.close()
+
+
+def refusals(rank: int, world: int, folder: str) -> None:
+    """What the checkpointer refuses, with the reason."""
+    import pytest
+
+    from unickpt import UnickptError
+
+    for option, match in (({"initial_load_in_hf": True, "initial_load_path": folder}, "state-dict adapter"),
+                          ({"last_save_in_hf": True}, "unickpt export"),
+                          ({"create_seed_checkpoint": True}, "seed checkpoint")):
+        with pytest.raises(UnickptError, match=rf"{next(iter(option))}=True is not supported: .*{match}"):
+            UnickptCheckpointManager.Config(enable=True, **option)
+    model, optimizers, lr_schedulers, dataloader, state = _components(world, rank, 0)
+    optimizers.register_step_pre_hook(lambda *args, **kwargs: None)  # as torchtitan's MoE load balancing does
+    config = UnickptCheckpointManager.Config(enable=True, folder=folder, interval=2, log_deltas=True)
+    with pytest.raises(UnickptError, match="log_deltas=True cannot replay these steps exactly: the "
+                                           "OptimizersContainer has step hooks"):
+        config.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+                     states={"train_state": state}, sd_adapter=None)
