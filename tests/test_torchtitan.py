@@ -90,16 +90,16 @@ def test_sigkill_resumes_from_memory_bitwise(tmp_path, shm, reference):
 
 
 def test_disk_and_delta_log_then_one_rank(tmp_path, shm, reference):
-    """Async durable checkpoints every 4 steps and the delta log: SIGKILL after step 6;
-    the relaunch resumes from step 4's checkpoint plus the logged steps and ends bitwise;
+    """Async durable checkpoints every 3 steps and the delta log: SIGKILL after step 5;
+    the relaunch resumes from step 3's checkpoint plus the 2 logged steps and ends bitwise;
     the last step's checkpoint (a full one) then loads on 1 rank bitwise, the data
     loader's per-rank position left as it is."""
-    o = _opts(tmp_path, "run", interval=4, async_mode="async", log_deltas=True)
+    o = _opts(tmp_path, "run", interval=3, async_mode="async", log_deltas=True)
     with pytest.raises(RankFailure):
-        _run(2, "train", {**o, "crash_after": 6, "crash_waits_for": [  # the log caught up: its entries committed
-            "step_00000004/manifest.json", "deltas/step_00000006/manifest.json"]})
+        _run(2, "train", {**o, "crash_after": 5, "crash_waits_for": [  # the log caught up: its entries committed
+            "step_00000003/manifest.json", "deltas/step_00000005/manifest.json"]})
     _run(2, "train", o)
-    _line(o, r"resumed step 6 from disk \+ 2 logged steps \(.*/step_00000004; replayed steps 5\.\.6; [\d.]+ s\)")
+    _line(o, r"resumed step 5 from disk \+ 2 logged steps \(.*/step_00000003; replayed steps 4\.\.5; [\d.]+ s\)")
     assert losses(o["loss_log"]) == reference[0]
     _same(_final(o["final"]), reference[1])
     assert sorted(os.listdir(o["folder"]))[-1] == "step_00000008"  # the last step, though not an interval's
