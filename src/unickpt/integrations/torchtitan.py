@@ -88,8 +88,12 @@ class _PerRankState:
         return {"state": unickpt.PerRank(self.obj.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Give the object this rank's saved state."""
-        self.obj.load_state_dict(state_dict["state"].value)
+        """Give the object this rank's saved state (a dict, as its ``state_dict`` made)."""
+        value = state_dict["state"].value
+        if not isinstance(value, dict):
+            raise unickpt.MismatchError(f"the saved state of a {type(self.obj).__name__} is a "
+                                        f"{type(value).__name__}, not the dict its state_dict() returns")
+        self.obj.load_state_dict(value)
 
 
 class UnickptCheckpointManager(BaseCheckpointManager):
@@ -245,7 +249,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         unickpt.load(flat, path)
         wrapper.load_state_dict({k: flat[k] for k in model})
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            what = "the model" if self.config.initial_load_model_only else "the model, optimizers, LR schedulers"
+            what = "the model" if self.config.initial_load_model_only else "the model, optimizers, LR schedulers, train state"
             print(f"initial state: {what} from {path}", flush=True)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -259,10 +263,14 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         return force or curr_step % self.interval == 0
 
     def _maybe_wait_for_staging(self) -> None:
+        """Right before ``optimizers.step()``: the lazy snapshot's copy, the step's gradients."""
         self.manager.before_update()
 
     def _wait_for_saving(self) -> None:
-        self.save_future = None  # never set: the manager waits for its own async save
+        """Nothing to wait for here: ``save_future`` is never set (the manager waits for its
+        own async save before the next one and at ``close``)."""
+        self.save_future = None
 
     def _close(self) -> None:
+        """Wait for what is in flight; stop the keepers unless ``keep_snapshots_on_close``."""
         self.manager.close(keep_snapshots=self.config.keep_snapshots_on_close)
