@@ -179,12 +179,13 @@ class CheckpointManager(Checkpoints):
             self._deltas.capture(self._state)
         self._stall_s += time.perf_counter() - t0
 
-    def maybe_save(self, state: dict[str, Any], step: int) -> None:
+    def maybe_save(self, state: dict[str, Any], step: int, force: bool = False) -> None:
         """After the optimizer (and scheduler) step of ``step``: whatever is due — a durable
         checkpoint every ``save_every`` steps (async: started here, written in the
         background), the step's delta log entry, a snapshot every ``snapshot_every`` steps.
-        Collective. A failure is a warning and a count in :meth:`stats`, never an
-        exception: the next save or snapshot tries again."""
+        ``force=True`` takes the durable checkpoint of ``step`` whether due or not (a
+        framework's last step). Collective. A failure is a warning and a count in
+        :meth:`stats`, never an exception: the next save or snapshot tries again."""
         t0 = time.perf_counter()
         self._state = state
         if not self._started:  # restore() was not called (the state was loaded otherwise)
@@ -192,7 +193,7 @@ class CheckpointManager(Checkpoints):
             if self._deltas is not None:
                 self._deltas.started(step - 1)
                 self._deltas.watch(state)
-        saved = bool(self.save_every) and step % self.save_every == 0
+        saved = force or (bool(self.save_every) and step % self.save_every == 0)
         if saved:
             self._save_step(state, step)
         elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending[0].done():

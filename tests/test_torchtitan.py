@@ -1,0 +1,124 @@
+"""``unickpt.integrations.torchtitan`` with the real torchtitan package: its trainer's calls
+(tests/titan_cases.py: torchtitan's Llama 3, FSDP2, OptimizersContainer, LR schedulers,
+ParallelAwareDataloader, train state) on 2 real processes, SIGKILLed and resumed from
+memory and from disk plus the delta log, bitwise equal to a run with checkpointing off;
+the final checkpoint resumed on 1 rank; a torchtitan DCP checkpoint as the initial state."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+import torch  # noqa: E402
+
+from unickpt.testing import RankFailure, run_ranks  # noqa: E402
+
+from snapshot_helpers import kill_keeper, losses  # noqa: E402
+
+PRELOAD = ["torch", "torch.distributed.fsdp", "unickpt", "unickpt.testing", "titan_cases"]
+STEPS = 8
+
+
+def _run(world: int, case: str, *args) -> None:
+    """``titan_cases.<case>`` on ``world`` real processes (forked from a server that
+    imported torch and torchtitan once)."""
+    import titan_cases
+
+    run_ranks(getattr(titan_cases, case), world, *args, preload=PRELOAD)
+
+
+def _opts(tmp, name: str, **kw) -> dict:
+    d = tmp / name
+    d.mkdir(exist_ok=True)
+    return {"steps": STEPS, "folder": str(tmp / "ckpt"), "shm_root": str(tmp / "shm"),
+            "loss_log": str(d / "loss.jsonl"), "final": str(d / "final.pt"), **kw}
+
+
+def _final(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    return torch.load(path), json.load(open(path + ".json"))
+
+
+def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (ta, va), (tb, vb) = a, b
+    assert set(ta) == set(tb) and any(k.endswith("exp_avg_sq") for k in ta) and "model.tok_embeddings.weight" in ta
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    assert va == vb
+
+
+def _line(o: dict, pattern: str) -> re.Match:
+    """The last restore line rank 0 printed (titan_cases writes it beside the loss log)."""
+    lines = open(o["loss_log"] + ".restored").read().splitlines()
+    m = re.fullmatch(pattern, lines[-1])
+    assert m, lines
+    return m
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """2 ranks, checkpointing off (``enable=False``): the losses and the final state."""
+    o = _opts(tmp_path_factory.mktemp("ref"), "ref", disabled=True)
+    _run(2, "train", o)
+    return losses(o["loss_log"]), _final(o["final"])
+
+
+@pytest.fixture
+def shm(tmp_path):
+    yield str(tmp_path / "shm")
+    kill_keeper(str(tmp_path / "shm"))
+
+
+def test_sigkill_resumes_from_memory_bitwise(tmp_path, shm, reference):
+    """Snapshots every step, no durable checkpoint: both ranks SIGKILLed after step 5
+    (its snapshot whole); the relaunch resumes step 5 from memory and ends bitwise equal
+    to the run without checkpointing (weights, AdamW moments, LR, train state)."""
+    o = _opts(tmp_path, "run", snapshot_every=1)
+    with pytest.raises(RankFailure):
+        _run(2, "train", {**o, "crash_after": 5})
+    assert max(losses(o["loss_log"])) == 5
+    _run(2, "train", o)
+    _line(o, r"resumed step 5 from memory \(.+\)")
+    assert losses(o["loss_log"]) == reference[0]
+    _same(_final(o["final"]), reference[1])
+    jobs = os.path.join(shm, "unickpt")
+    assert not os.path.exists(jobs) or not os.listdir(jobs), "close() leaves no snapshot behind"
+
+
+def test_disk_and_delta_log_then_one_rank(tmp_path, shm, reference):
+    """Async durable checkpoints every 3 steps and the delta log: SIGKILL after step 5;
+    the relaunch resumes from step 3's checkpoint plus the 2 logged steps and ends bitwise;
+    the last step's checkpoint (a full one) then loads on 1 rank bitwise, the data
+    loader's per-rank position left as it is."""
+    o = _opts(tmp_path, "run", interval=3, async_mode="async", log_deltas=True)
+    with pytest.raises(RankFailure):
+        _run(2, "train", {**o, "crash_after": 5, "crash_waits_for": [  # the log caught up: its entries committed
+            "step_00000003/manifest.json", "deltas/step_00000005/manifest.json"]})
+    _run(2, "train", o)
+    _line(o, r"resumed step 5 from disk \+ 2 logged steps \(.*/step_00000003; replayed steps 4\.\.5; [\d.]+ s\)")
+    assert losses(o["loss_log"]) == reference[0]
+    _same(_final(o["final"]), reference[1])
+    assert sorted(os.listdir(o["folder"]))[-1] == "step_00000008"  # the last step, though not an interval's
+
+    one = _opts(tmp_path, "one")
+    _run(1, "train", one)
+    _line(one, r"resumed step 8 from disk \(.*step_00000008.*; per-rank state left as it is: "
+                                  r"saved by another number of ranks \(.*dataloader.*\)\)")
+    _same(_final(one["final"]), reference[1])
+    assert not os.path.exists(one["loss_log"])  # no step left to train
+
+
+@pytest.mark.parametrize("model_only", [True, False])
+def test_initial_load_from_torchtitan_dcp(tmp_path, model_only):
+    """A checkpoint of torchtitan's own DCP checkpointer as ``initial_load_path``."""
+    _run(1, "initial_load", str(tmp_path), model_only)
+
+
+def test_refusals(tmp_path):
+    """Options unickpt cannot honour, and a delta log that could not replay exactly,
+    are clear errors."""
+    _run(1, "refusals", str(tmp_path))
