@@ -57,34 +57,44 @@ class LossLog(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
 
 
+def tiny_llama(dropout: float) -> LlamaForCausalLM:
+    """A random 2-layer Llama of width 32 (the same weights on every rank)."""
+    set_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        attention_dropout=dropout))
+
+
+def training_args(output_dir: str, steps: int, batch: int) -> TrainingArguments:
+    """The Trainer's arguments: CPU, a loss logged every step, no checkpoints of its own."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
+        lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        ddp_backend="gloo" if world > 1 else None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=4, help="per device")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--snapshot-every", type=int, default=0)
+    p.add_argument("--log-deltas", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--loss-log", required=True)
     p.add_argument("--final", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
 
-    set_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         attention_dropout=args.dropout)
-    model = LlamaForCausalLM(config)
-    targs = TrainingArguments(
-        output_dir="hf_out", max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=3e-3,
-        lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-        ddp_backend="gloo" if world > 1 else None)
+    model = tiny_llama(args.dropout)
+    targs = training_args("hf_out", args.steps, args.batch)
     manager = unickpt.CheckpointManager(args.ckpt_dir, save_every=args.save_every, async_save=args.async_save,
-                                        snapshot_every=args.snapshot_every)
+                                        snapshot_every=args.snapshot_every, log_deltas=args.log_deltas)
     trainer = UnickptTrainer(model=model, args=targs, train_dataset=Tokens(), manager=manager,
                              callbacks=[LossLog(args.loss_log, args.sleep)])
     trainer.train()

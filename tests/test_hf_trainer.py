@@ -3,7 +3,7 @@ a tiny random Llama, DDP over gloo, AdamW, cosine schedule, clipping, attention 
 a shuffled sampler over 3 epochs) under real torchrun, one rank SIGKILLed mid-run, then
 relaunched: on 2 ranks the run resumes from memory and ends bitwise equal to an unbroken
 one (losses, weights, moments, scheduler, ``trainer.state``); on 1 rank it resumes from
-disk and its losses continue the unbroken 2-rank run's within 1e-5."""
+disk plus the delta log and its losses continue the unbroken 2-rank run's within 1e-6."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 JOB = os.path.join(os.path.dirname(__file__), "hf_trainer_job.py")
-STEPS = 14  # 6 steps an epoch: the kills below land in the second epoch
+STEPS = 12  # 6 steps an epoch: the kills below land in the second one
 
 
 def _run(cwd, shm: str, flags: list[str], nproc: int) -> list[str]:
@@ -38,7 +38,7 @@ def _last(log: str) -> int:
 def _kill_one_rank(cwd, shm: str, flags: list[str], at: int, ready=lambda: True) -> int:
     """Launch 2 ranks, SIGKILL the second once step ``at`` is logged and ``ready()``;
     returns the last step logged before the kill."""
-    procs = launch_nodes(cwd, [shm], [*flags, "--sleep", "0.4"], 2, script=JOB)
+    procs = launch_nodes(cwd, [shm], [*flags, "--sleep", "0.3"], 2, script=JOB)
     log = flags[flags.index("--loss-log") + 1]
     try:
         deadline = time.monotonic() + 120
@@ -108,27 +108,60 @@ def test_sigkill_resumes_from_memory_bitwise(tmp_path, shm):
 
 
 def test_sigkill_resumes_on_one_rank(tmp_path, shm):
-    """2 ranks with async durable checkpoints every 4 steps (no dropout: a rank's random
-    stream has no meaning on another layout): one rank SIGKILLed after step 9; the job
-    resumes on 1 rank taking the same global batch (8 samples a step on one rank instead
-    of 4 on each of two) from step 8 on disk, and its losses continue the unbroken 2-rank
-    run's within 1e-5 (the same samples in the same order; the gradients summed in another
-    order, so not bitwise)."""
+    """2 ranks, async durable checkpoints every 4 steps and the delta log (no dropout: a
+    rank's random stream has no meaning on another layout): one rank SIGKILLed after step
+    9; the job resumes on 1 rank taking the same global batch (8 samples a step on one
+    rank instead of 4 on each of two) from step 8 on disk plus the logged steps after it
+    (no step lost), and its losses continue the unbroken 2-rank run's within 1e-6 (the
+    same samples in the same order; the gradients summed in another order, so not
+    bitwise)."""
     extra = ["--dropout", "0"]
     want_losses, _, want_state = _reference(tmp_path, "ref", extra)
     log = str(tmp_path / "loss.jsonl")
-    flags = ["--steps", str(STEPS), "--ckpt-dir", "ck", "--loss-log", log, "--save-every", "4", "--async-save", *extra]
-    _kill_one_rank(tmp_path, shm, flags, 9)
-    assert os.path.isfile(tmp_path / "ck" / "step_00000008" / "manifest.json")
+    flags = ["--steps", str(STEPS), "--ckpt-dir", "ck", "--loss-log", log, "--save-every", "4", "--async-save",
+             "--log-deltas", *extra]
+    last = _kill_one_rank(tmp_path, shm, flags, 9)
     final = str(tmp_path / "final.pt")
     outs = _run(tmp_path, shm, [*flags, "--batch", "8", "--final", final], 1)
     lines = resumed_lines(outs)
-    assert len(lines) == 1 and re.fullmatch(r"resumed step 8 from disk \(.*step_00000008.*\)", lines[0]), outs[0][-3000:]
+    m = re.fullmatch(r"resumed step (\d+) from disk \+ (\d+) logged steps \(ck/step_00000008; replayed steps 9\.\.\d+.*"
+                     r"per-rank state left as it is: saved by another number of ranks.*\)", lines[0]) if len(lines) == 1 else None
+    assert m and int(m.group(1)) >= last and int(m.group(2)) == int(m.group(1)) - 8, outs[0][-3000:]
     got = losses(log)
     assert sorted(got) == list(range(1, STEPS + 1))
-    for s in range(1, STEPS + 1):
-        assert abs(got[s] - want_losses[s]) <= 1e-5 * abs(want_losses[s]), (s, got[s], want_losses[s])
+    worst = max(abs(got[s] - want_losses[s]) / abs(want_losses[s]) for s in got)
+    print(f"2 -> 1 ranks: largest relative loss difference {worst:.2e}")
+    assert worst <= 1e-6, (got, want_losses)
+    assert all(got[s] == want_losses[s] for s in range(1, last + 1))  # the steps the 2 ranks ran
     state = json.load(open(final + ".json"))
     assert state["global_step"] == STEPS and state["sched"] == want_state["sched"]
     # per rank, so left as it was on another number of ranks: the steps of this run only
-    assert [e["step"] for e in state["log_history"]] == list(range(9, STEPS + 1))
+    assert [e["step"] for e in state["log_history"]] == list(range(int(m.group(1)) + 1, STEPS + 1))
+
+
+def test_in_process_checks(tmp_path):
+    """One process, no torchrun: a run that ended is restored by a new trainer with no
+    step left to train (train() returns at once, trainer.state as it was); a second
+    train() on a trainer whose manager is closed, or a manager of the wrong type, is a
+    UnickptError."""
+    import unickpt
+    from unickpt.integrations.hf import UnickptTrainer
+
+    from hf_trainer_job import Tokens, tiny_llama, training_args
+
+    def trainer(steps: int) -> UnickptTrainer:
+        manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=2)
+        return UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), steps, 4), manager=manager,
+                              train_dataset=Tokens())
+
+    first = trainer(3)
+    first.train()
+    assert first.state.global_step == 3 and sorted(os.listdir(tmp_path / "ck")) == ["step_00000002"]
+    second = trainer(2)
+    second.train()
+    assert second.manager.restored_line.startswith("resumed step 2 from disk")
+    assert second.state.global_step == 2 and second.state.log_history[:2] == first.state.log_history[:2]
+    with pytest.raises(unickpt.UnickptError, match="one train"):
+        second.train()
+    with pytest.raises(unickpt.UnickptError, match="must be a unickpt.CheckpointManager"):
+        UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4), manager="ck")

@@ -50,6 +50,10 @@ __all__ = ["UnickptCallback", "UnickptTrainer", "UnickptTrainerMixin"]
 _PROGRESS = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "best_metric", "best_global_step",
              "best_model_checkpoint")
 
+# The Trainer's methods this module extends (transformers 5.x: tested with 5.24).
+_EXTENDED = ("_prepare_for_training", "_run_epoch", "_load_rng_state", "_maybe_log_save_evaluate",
+             "_load_callback_state")
+
 # Given to the Trainer's epoch loop as ``resume_from_checkpoint`` after a restore: its batch
 # skipping runs, and its ``_load_rng_state`` sets the generators restored by unickpt.
 _RESUMED = "<restored by unickpt>"
@@ -156,6 +160,12 @@ class UnickptTrainerMixin:
     def __init__(self, *args: Any, manager: CheckpointManager, **kwargs: Any) -> None:
         if not isinstance(manager, CheckpointManager):
             raise UnickptError(f"manager must be a unickpt.CheckpointManager, not {type(manager).__name__}")
+        missing = [m for m in _EXTENDED if not callable(getattr(Trainer, m, None))]
+        if missing:
+            import transformers
+
+            raise UnickptError(f"transformers {transformers.__version__}'s Trainer lacks {', '.join(missing)}: "
+                               "unickpt.integrations.hf needs transformers >= 5.24 (pip install 'unickpt[hf]')")
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled:
             raise UnickptError("UnickptTrainer does not run DeepSpeed: its engine owns the model and optimizer "
