@@ -142,10 +142,10 @@ def test_sigkill_resumes_on_one_rank(tmp_path, shm):
 def test_in_process_checks(tmp_path):
     """One process, no torchrun: a run that ended is restored by a new trainer with no
     step left to train (train() returns at once, trainer.state as it was); a second
-    train() on a trainer whose manager is closed, or a manager of the wrong type, is a
-    UnickptError."""
+    train() on a trainer whose manager is closed, a manager of the wrong type, or a
+    restored progress or numpy state that is not what it should be, is a UnickptError."""
     import unickpt
-    from unickpt.integrations.hf import UnickptTrainer
+    from unickpt.integrations.hf import TrainerProgress, TrainerRNG, UnickptTrainer
 
     from hf_trainer_job import Tokens, tiny_llama, training_args
 
@@ -163,5 +163,15 @@ def test_in_process_checks(tmp_path):
     assert second.state.global_step == 2 and second.state.log_history[:2] == first.state.log_history[:2]
     with pytest.raises(unickpt.UnickptError, match="one train"):
         second.train()
+    # what comes back is checked: a clear error, never a traceback
+    progress = TrainerProgress(second)
+    for key, value, why in (("log_history", "[{", "does not hold JSON"), ("log_history", "{}", "not a list"),
+                            ("callbacks", "[]", "not a dict"), ("callbacks", 7, "does not hold JSON"),
+                            ("global_step", -1, "not a whole number"), ("global_batch", "8", "not a whole number")):
+        sd = {**progress.state_dict(), key: unickpt.PerRank(value) if key in ("log_history", "callbacks") else value}
+        with pytest.raises(unickpt.UnickptError, match=f"trainer.{key} .*{why}"):
+            progress.load_state_dict(sd)
+    with pytest.raises(unickpt.UnickptError, match="rng.numpy does not hold"):
+        TrainerRNG().load_state_dict({"numpy": unickpt.PerRank(["MT19937", [1, 2], 0, 0, 0.0])})
     with pytest.raises(unickpt.UnickptError, match="must be a unickpt.CheckpointManager"):
         UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4), manager="ck")

@@ -34,6 +34,7 @@ import logging
 from typing import Any
 
 import numpy as np
+from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
@@ -119,16 +120,19 @@ class TrainerProgress:
         """Put the restored progress into ``trainer.state`` (the log history and callback
         states only when they came back: same number of ranks)."""
         trainer = self.trainer
+        for k in ("global_step", "global_batch"):
+            if type(sd[k]) is not int or sd[k] < 0:
+                raise UnickptError(f"trainer.{k} is {sd[k]!r}, not a whole number >= 0")
         for k in _PROGRESS:
             setattr(trainer.state, k, sd[k])
         if sd["global_batch"] != self.global_batch():
             log.warning("unickpt: the checkpoint was trained with %d samples per step, this run takes %d: the data "
                         "position restored is global_step=%d steps of this run's batches, not the samples seen",
                         sd["global_batch"], self.global_batch(), trainer.state.global_step)
-        trainer.state.log_history = json.loads(_value(sd["log_history"]))
+        trainer.state.log_history = _json(sd["log_history"], "trainer.log_history", list)
         callbacks = _value(sd["callbacks"])
         if callbacks != self.callbacks():  # not left as it is (another number of ranks)
-            trainer.state.stateful_callbacks = json.loads(callbacks)
+            trainer.state.stateful_callbacks = _json(callbacks, "trainer.callbacks", dict)
             trainer._load_callback_state()  # the Trainer's own (with args.restore_callback_states_from_checkpoint)
 
 
@@ -145,8 +149,11 @@ class TrainerRNG(RNGState):
         """Set the generators from ``sd``."""
         super().load_state_dict(sd)
         if "numpy" in sd:
-            name, keys, pos, has_gauss, cached = _value(sd["numpy"])
-            np.random.set_state((name, np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+            try:
+                name, keys, pos, has_gauss, cached = _value(sd["numpy"])
+                np.random.set_state((name, np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+            except (TypeError, ValueError, OverflowError, IndexError) as e:
+                raise UnickptError(f"rng.numpy does not hold a numpy generator state: {e}") from None
 
 
 class UnickptTrainerMixin:
@@ -183,7 +190,7 @@ class UnickptTrainerMixin:
         if self.unickpt_callback.started:
             raise UnickptError("a CheckpointManager serves one train() call: make a new one (same root) for the next")
         out = super()._prepare_for_training(*args, **kwargs)
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer
+        optimizer = self.optimizer.optimizer if isinstance(self.optimizer, AcceleratedOptimizer) else self.optimizer
         state: dict[str, Any] = {"model": self.model, "optim": optimizer, "sched": self.lr_scheduler,
                                  "rng": TrainerRNG(), "trainer": TrainerProgress(self)}
         scaler = getattr(self.accelerator, "scaler", None)
@@ -241,3 +248,14 @@ class UnickptTrainer(UnickptTrainerMixin, Trainer):
 
 def _value(v: Any) -> Any:
     return v.value if isinstance(v, PerRank) else v
+
+
+def _json(v: Any, name: str, kind: type) -> Any:
+    """The ``kind`` (list or dict) held by the JSON text of entry ``name``, checked."""
+    try:
+        out = json.loads(_value(v))
+    except (TypeError, ValueError) as e:
+        raise UnickptError(f"{name} does not hold JSON text: {e}") from None
+    if not isinstance(out, kind):
+        raise UnickptError(f"{name} holds a JSON {type(out).__name__}, not a {kind.__name__}")
+    return out
