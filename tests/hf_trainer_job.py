@@ -110,6 +110,10 @@ def main() -> None:
         with open(args.final + ".json", "w") as f:
             json.dump({"sched": sched, "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
                        "log_history": history, "stats": manager.stats()}, f)
+    if torch.distributed.is_initialized():
+        # PyTorch's shutdown: the Trainer leaves its group open, and a gloo group left to
+        # the interpreter's exit can abort it ("terminate called without an active exception")
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

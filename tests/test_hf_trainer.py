@@ -112,21 +112,23 @@ def test_sigkill_resumes_on_one_rank(tmp_path, shm):
     rank's random stream has no meaning on another layout): one rank SIGKILLed after step
     9 (once that step's delta entry is committed); the job resumes on 1 rank taking the
     same global batch (8 samples a step on one rank instead of 4 on each of two) from step
-    8 on disk plus the logged steps after it, and its losses continue the unbroken 2-rank run's within 1e-6 (the
-    same samples in the same order; the gradients summed in another order, so not
-    bitwise)."""
+    8 on disk plus the logged steps after it, and its losses continue the unbroken 2-rank
+    run's within 1e-6 (the same samples in the same order; the gradients summed in
+    another order, so not bitwise)."""
     extra = ["--dropout", "0"]
     want_losses, _, want_state = _reference(tmp_path, "ref", extra)
     log = str(tmp_path / "loss.jsonl")
     flags = ["--steps", str(STEPS), "--ckpt-dir", "ck", "--loss-log", log, "--save-every", "4", "--async-save",
              "--log-deltas", *extra]
     # the step's loss is logged before its delta entry is written (in the background): wait for step 9's commit
-    _kill_one_rank(tmp_path, shm, flags, 9, lambda: os.path.exists(tmp_path / "ck" / "deltas" / "step_00000009" / "manifest.json"))
+    entry = tmp_path / "ck" / "deltas" / "step_00000009" / "manifest.json"
+    _kill_one_rank(tmp_path, shm, flags, 9, entry.exists)
     final = str(tmp_path / "final.pt")
     outs = _run(tmp_path, shm, [*flags, "--batch", "8", "--final", final], 1)
     lines = resumed_lines(outs)
-    m = re.fullmatch(r"resumed step (\d+) from disk \+ (\d+) logged steps \(ck/step_00000008; replayed steps 9\.\.\d+.*"
-                     r"per-rank state left as it is: saved by another number of ranks.*\)", lines[0]) if len(lines) == 1 else None
+    assert len(lines) == 1, outs[0][-3000:]
+    m = re.fullmatch(r"resumed step (\d+) from disk \+ (\d+) logged steps \(ck/step_00000008; replayed steps 9\.\.\d+"
+                     r".*per-rank state left as it is: saved by another number of ranks.*\)", lines[0])
     assert m and int(m.group(1)) >= 9 and int(m.group(2)) == int(m.group(1)) - 8, outs[0][-3000:]
     resumed = int(m.group(1))
     got = losses(log)
@@ -144,7 +146,7 @@ def test_sigkill_resumes_on_one_rank(tmp_path, shm):
 def test_in_process_checks(tmp_path):
     """One process, no torchrun: a run that ended is restored by a new trainer with no
     step left to train (train() returns at once, trainer.state as it was); a second
-    train() on a trainer whose manager is closed, a manager of the wrong type, or a
+    train() on a manager closed by the first, a manager of the wrong type, or a
     restored progress or numpy state that is not what it should be, is a UnickptError."""
     import unickpt
     from unickpt.integrations.hf import TrainerProgress, TrainerRNG, UnickptTrainer
@@ -153,8 +155,8 @@ def test_in_process_checks(tmp_path):
 
     def trainer(steps: int) -> UnickptTrainer:
         manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=2)
-        return UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), steps, 4), manager=manager,
-                              train_dataset=Tokens())
+        return UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), steps, 4),
+                              manager=manager, train_dataset=Tokens())
 
     first = trainer(3)
     first.train()
@@ -165,6 +167,9 @@ def test_in_process_checks(tmp_path):
     assert second.state.global_step == 2 and second.state.log_history[:2] == first.state.log_history[:2]
     with pytest.raises(unickpt.UnickptError, match="one train"):
         second.train()
+    with pytest.raises(unickpt.UnickptError, match="one train"):  # another trainer, the same closed manager
+        UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4),
+                       manager=second.manager, train_dataset=Tokens()).train()
     # what comes back is checked: a clear error, never a traceback
     progress = TrainerProgress(second)
     for key, value, why in (("log_history", "[{", "does not hold JSON"), ("log_history", "{}", "not a list"),

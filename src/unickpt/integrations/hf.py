@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,9 @@ _EXTENDED = ("_prepare_for_training", "_run_epoch", "_load_rng_state", "_maybe_l
 # skipping runs, and its ``_load_rng_state`` sets the generators restored by unickpt.
 _RESUMED = "<restored by unickpt>"
 
+# The managers closed at the end of a train(): they serve no other.
+_CLOSED: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
 
 class UnickptCallback(TrainerCallback):
     """The Trainer's hooks that map onto ``manager``: ``before_update`` on
@@ -79,6 +83,7 @@ class UnickptCallback(TrainerCallback):
         """The end of ``train()``: close the manager (waits for what is in flight)."""
         if self.started and not self.closed:
             self.closed = True
+            _CLOSED.add(self.manager)
             self.manager.close()
 
 
@@ -187,7 +192,7 @@ class UnickptTrainerMixin:
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's preparation, then unickpt's restore into what it built."""
-        if self.unickpt_callback.started:
+        if self.unickpt_callback.started or self.manager in _CLOSED:
             raise UnickptError("a CheckpointManager serves one train() call: make a new one (same root) for the next")
         out = super()._prepare_for_training(*args, **kwargs)
         optimizer = self.optimizer.optimizer if isinstance(self.optimizer, AcceleratedOptimizer) else self.optimizer
