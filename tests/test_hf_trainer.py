@@ -1,0 +1,184 @@
+"""The Hugging Face Trainer through ``unickpt.integrations.hf`` (tests/hf_trainer_job.py:
+a tiny random Llama, DDP over gloo, AdamW, cosine schedule, clipping, attention dropout,
+a shuffled sampler over 3 epochs) under real torchrun, one rank SIGKILLed mid-run, then
+relaunched: on 2 ranks the run resumes from memory and ends bitwise equal to an unbroken
+one (losses, weights, moments, scheduler, ``trainer.state``); on 1 rank it resumes from
+disk plus the delta log and its losses continue the unbroken 2-rank run's within 1e-6."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from unickpt.testing import descendants
+
+from snapshot_helpers import kill_keeper, launch_nodes, losses, resumed_lines, steps_whole, wait_all
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+JOB = os.path.join(os.path.dirname(__file__), "hf_trainer_job.py")
+STEPS = 12  # 6 steps an epoch: the kills below land in the second one
+
+
+def _run(cwd, shm: str, flags: list[str], nproc: int) -> list[str]:
+    return wait_all(launch_nodes(cwd, [shm], flags, nproc, script=JOB), cwd, timeout=180)
+
+
+def _last(log: str) -> int:
+    return max(losses(log), default=0) if os.path.exists(log) else 0
+
+
+def _kill_one_rank(cwd, shm: str, flags: list[str], at: int, ready=lambda: True) -> int:
+    """Launch 2 ranks, SIGKILL the second once step ``at`` is logged and ``ready()``;
+    returns the last step logged before the kill."""
+    procs = launch_nodes(cwd, [shm], [*flags, "--sleep", "0.3"], 2, script=JOB)
+    log = flags[flags.index("--loss-log") + 1]
+    try:
+        deadline = time.monotonic() + 120
+        while not (_last(log) >= at and ready()):
+            assert procs[0].poll() is None, open(os.path.join(cwd, "node0.log")).read()[-3000:]
+            assert time.monotonic() < deadline, f"timed out waiting for step {at}"
+            time.sleep(0.05)
+        ranks = sorted(pid for pid in descendants(procs[0].pid) if _is_rank(pid))
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        last = _last(log)
+    finally:
+        wait_all(procs, cwd, check=False)
+    assert procs[0].returncode != 0 and last < STEPS
+    return last
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
+    return b"hf_trainer_job.py" in cmd and b"torchrun" not in cmd and b"torch.distributed.run" not in cmd
+
+
+def _reference(tmp_path, name: str, extra: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor], dict]:
+    """An unbroken 2-rank run: its losses, final tensors and final state."""
+    ref = tmp_path / name
+    ref.mkdir()
+    log, final = str(ref / "loss.jsonl"), str(ref / "final.pt")
+    _run(ref, str(ref / "shm"), ["--steps", str(STEPS), "--ckpt-dir", "ck", "--loss-log", log, "--final", final,
+                                 *extra], 2)
+    return losses(log), torch.load(final), json.load(open(final + ".json"))
+
+
+@pytest.fixture
+def shm(tmp_path):
+    root = str(tmp_path / "shm")
+    yield root
+    kill_keeper(root)
+
+
+def test_sigkill_resumes_from_memory_bitwise(tmp_path, shm):
+    """2 ranks, snapshots every step: one rank SIGKILLed in the second epoch; the 2-rank
+    relaunch resumes from memory and the whole run (losses, weights, AdamW moments, the
+    scheduler, global_step, epoch, log history, dropout's generators, the data position)
+    is bitwise what an unbroken run gives."""
+    want_losses, want, want_state = _reference(tmp_path, "ref", [])
+    log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
+    flags = ["--steps", str(STEPS), "--ckpt-dir", "ck", "--loss-log", log, "--snapshot-every", "1"]
+    last = _kill_one_rank(tmp_path, shm, flags, 8, lambda: max(steps_whole(shm), default=0) >= 7)
+    outs = _run(tmp_path, shm, [*flags, "--final", final], 2)
+    lines = resumed_lines(outs)
+    m = re.fullmatch(r"resumed step (\d+) from memory \(.+\)", lines[0]) if len(lines) == 1 else None
+    assert m and 6 < int(m.group(1)) <= last, outs[0][-3000:]
+    got = losses(log)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got == want_losses
+    tensors = torch.load(final)
+    assert set(tensors) == set(want) and any("exp_avg_sq" in k for k in want)
+    for k in want:
+        assert torch.equal(tensors[k], want[k]), k
+    state = json.load(open(final + ".json"))
+    for k in ("sched", "global_step", "epoch", "log_history"):
+        assert state[k] == want_state[k], k
+    assert state["stats"]["snapshots"] > 0 and state["stats"]["snapshots_failed"] == 0
+
+
+def test_sigkill_resumes_on_one_rank(tmp_path, shm):
+    """2 ranks, async durable checkpoints every 4 steps and the delta log (no dropout: a
+    rank's random stream has no meaning on another layout): one rank SIGKILLed after step
+    9 (once that step's delta entry is committed); the job resumes on 1 rank taking the
+    same global batch (8 samples a step on one rank instead of 4 on each of two) from step
+    8 on disk plus the logged steps after it, and its losses continue the unbroken 2-rank
+    run's within 1e-6 (the same samples in the same order; the gradients summed in
+    another order, so not bitwise)."""
+    extra = ["--dropout", "0"]
+    want_losses, _, want_state = _reference(tmp_path, "ref", extra)
+    log = str(tmp_path / "loss.jsonl")
+    flags = ["--steps", str(STEPS), "--ckpt-dir", "ck", "--loss-log", log, "--save-every", "4", "--async-save",
+             "--log-deltas", *extra]
+    # the step's loss is logged before its delta entry is written (in the background): wait for step 9's commit
+    entry = tmp_path / "ck" / "deltas" / "step_00000009" / "manifest.json"
+    _kill_one_rank(tmp_path, shm, flags, 9, entry.exists)
+    final = str(tmp_path / "final.pt")
+    outs = _run(tmp_path, shm, [*flags, "--batch", "8", "--final", final], 1)
+    lines = resumed_lines(outs)
+    assert len(lines) == 1, outs[0][-3000:]
+    m = re.fullmatch(r"resumed step (\d+) from disk \+ (\d+) logged steps \(ck/step_00000008; replayed steps 9\.\.\d+"
+                     r".*per-rank state left as it is: saved by another number of ranks.*\)", lines[0])
+    assert m and int(m.group(1)) >= 9 and int(m.group(2)) == int(m.group(1)) - 8, outs[0][-3000:]
+    resumed = int(m.group(1))
+    got = losses(log)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    worst = max(abs(got[s] - want_losses[s]) / abs(want_losses[s]) for s in got)
+    print(f"2 -> 1 ranks: largest relative loss difference {worst:.2e}")
+    assert worst <= 1e-6, (got, want_losses)
+    assert all(got[s] == want_losses[s] for s in range(1, resumed + 1))  # the steps the 2 ranks ran
+    state = json.load(open(final + ".json"))
+    assert state["global_step"] == STEPS and state["sched"] == want_state["sched"]
+    # per rank, so left as it was on another number of ranks: the steps of this run only
+    assert [e["step"] for e in state["log_history"]] == list(range(resumed + 1, STEPS + 1))
+
+
+def test_in_process_checks(tmp_path):
+    """One process, no torchrun: a run that ended is restored by a new trainer with no
+    step left to train (train() returns at once, trainer.state as it was); a second
+    train() on a manager closed by the first, a manager of the wrong type, or a
+    restored progress or numpy state that is not what it should be, is a UnickptError."""
+    import unickpt
+    from unickpt.integrations.hf import TrainerProgress, TrainerRNG, UnickptTrainer
+
+    from hf_trainer_job import Tokens, tiny_llama, training_args
+
+    def trainer(steps: int) -> UnickptTrainer:
+        manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=2)
+        return UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), steps, 4),
+                              manager=manager, train_dataset=Tokens())
+
+    first = trainer(3)
+    first.train()
+    assert first.state.global_step == 3 and sorted(os.listdir(tmp_path / "ck")) == ["step_00000002"]
+    second = trainer(2)
+    second.train()
+    assert second.manager.restored_line.startswith("resumed step 2 from disk")
+    assert second.state.global_step == 2 and second.state.log_history[:2] == first.state.log_history[:2]
+    with pytest.raises(unickpt.UnickptError, match="one train"):
+        second.train()
+    with pytest.raises(unickpt.UnickptError, match="one train"):  # another trainer, the same closed manager
+        UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4),
+                       manager=second.manager, train_dataset=Tokens()).train()
+    # what comes back is checked: a clear error, never a traceback
+    progress = TrainerProgress(second)
+    for key, value, why in (("log_history", "[{", "does not hold JSON"), ("log_history", "{}", "not a list"),
+                            ("callbacks", "[]", "not a dict"), ("callbacks", 7, "does not hold JSON"),
+                            ("global_step", -1, "not a whole number"), ("global_batch", "8", "not a whole number")):
+        sd = {**progress.state_dict(), key: unickpt.PerRank(value) if key in ("log_history", "callbacks") else value}
+        with pytest.raises(unickpt.UnickptError, match=f"trainer.{key} .*{why}"):
+            progress.load_state_dict(sd)
+    with pytest.raises(unickpt.UnickptError, match="rng.numpy does not hold"):
+        TrainerRNG().load_state_dict({"numpy": unickpt.PerRank(["MT19937", [1, 2], 0, 0, 0.0])})
+    with pytest.raises(unickpt.UnickptError, match="must be a unickpt.CheckpointManager"):
+        UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4), manager="ck")
