@@ -60,10 +60,12 @@ def job_id(ckpt_dir: str | None = None) -> str:
     return "default"
 
 
-def node_position() -> tuple[int, int]:
-    """(node index, local rank) from torchrun's environment; one node when not under torchrun."""
-    rank = int(os.environ.get("RANK", "0"))
-    return int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", str(rank)))
+def node_position(rank: int | None = None) -> tuple[int, int]:
+    """(node index, local rank) from torchrun's environment; one node when not under
+    torchrun, where the local rank is ``$RANK``, else ``rank`` (the process group's: ranks
+    spawned by other launchers, such as ``unickpt.testing.run_ranks``, set no variable)."""
+    fallback = os.environ.get("RANK", str(rank or 0))
+    return int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", fallback))
 
 
 def state_bytes(state: dict[str, Any]) -> int:
@@ -133,7 +135,7 @@ class Snapshotter:
         layout(1 << 30, parity, replicas)  # a bad combination fails before any process starts
         self.process_group = process_group
         self.group = checkpoint_group(resolve_group(process_group), CHANNEL)
-        self.node, self.local_rank = node_position()
+        self.node, self.local_rank = node_position(self.group.rank)
         where = [_WHERE.unpack(b) for b in all_gather_fixed(self.group, _WHERE.pack(self.node, network_identity()))]
         self.machines = dict(where)  # node -> network identity
         self.host = keeper_host(host, len(set(self.machines.values())) > 1)
