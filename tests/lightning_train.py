@@ -27,7 +27,7 @@ class Batches:
     """A synthetic regression set served as global batches of ``batch`` samples, in an
     order reshuffled each epoch; each rank yields its slice of every global batch."""
 
-    def __init__(self, rank: int, world: int, batch: int = 8, size: int = 48) -> None:
+    def __init__(self, rank: int, world: int, batch: int = 8, size: int = 80) -> None:
         g = torch.Generator().manual_seed(1234)
         self.x = torch.randn(size, 16, generator=g)
         self.y = (self.x @ torch.randn(16, 4, generator=g)).tanh()
