@@ -1,5 +1,6 @@
 """A tiny Lightning job made fault tolerant by ``unickpt.integrations.lightning.UnickptCallback``;
-run under torchrun (DDP over gloo, CPU) by tests/test_lightning.py.
+run under torchrun (DDP over gloo, CPU; or ``--strategy fsdp2``: FSDP2 through Lightning's
+ModelParallelStrategy) by tests/test_lightning.py.
 
 The model has dropout (so the RNG matters); AdamW with a per-step LR schedule; the training
 data is a resumable iterable: each rank takes its slice of every global batch, and its
@@ -83,6 +84,19 @@ class Regression(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ShardedRegression(Regression):
+    """The same module sharded by FSDP2 over Lightning's ModelParallelStrategy mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # collective for a DTensor
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=16)
@@ -93,23 +107,34 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--loss-log", required=True)
     p.add_argument("--final", default=None)
+    p.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
     args = p.parse_args()
 
     L.seed_everything(0, verbose=False)
-    model = Regression(args.dropout, args.loss_log, args.sleep)
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        model = ShardedRegression(args.dropout, args.loss_log, args.sleep)
+        strategy = ModelParallelStrategy(data_parallel_size=nproc, tensor_parallel_size=1,
+                                         process_group_backend="gloo")
+    else:
+        model, strategy = Regression(args.dropout, args.loss_log, args.sleep), "ddp"
     callback = UnickptCallback(args.ckpt_dir, save_every=args.save_every, async_save=True,
                                snapshot_every=args.snapshot_every, per_rank_data=False)
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp", max_steps=args.steps,
+    trainer = L.Trainer(accelerator="cpu", devices=nproc, strategy=strategy, max_steps=args.steps,
                         callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     rank, world = trainer.global_rank, trainer.world_size
     trainer.fit(model, train_dataloaders=Batches(rank, world))
-    if args.final and rank == 0:
-        opt = trainer.optimizers[0]
-        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-        for name, param in model.named_parameters():
-            for k, v in opt.state[param].items():
-                tensors[f"optim.{name}.{k}"] = v
+    if not args.final:
+        return
+    opt = trainer.optimizers[0]
+    tensors = {f"model.{k}": _full(v) for k, v in model.state_dict().items()}
+    for name, param in model.named_parameters():
+        for k, v in opt.state[param].items():
+            tensors[f"optim.{name}.{k}"] = _full(v)
+    if rank == 0:
         torch.save(tensors, args.final)
         with open(args.final + ".json", "w") as f:
             json.dump({"restored_step": callback.restored_step, "global_step": trainer.global_step,
