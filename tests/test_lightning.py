@@ -27,18 +27,10 @@ from unickpt.integrations.lightning import FitLoopState, UnickptCallback  # noqa
 from unickpt.testing import descendants  # noqa: E402
 
 from lightning_train import Batches, Regression  # noqa: E402
-from snapshot_helpers import kill_keeper, launch_nodes, losses, resumed_lines, steps_whole, wait_all  # noqa: E402
+from snapshot_helpers import launch_nodes, losses, resumed_lines, steps_whole, wait_all  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_train.py")
 STEPS = 14
-
-
-@pytest.fixture
-def shm_roots():
-    roots: list[str] = []
-    yield roots
-    for r in roots:
-        kill_keeper(r)
 
 
 def _flags(log: str, ckpt_dir: str, *extra: str) -> list[str]:
@@ -133,7 +125,7 @@ def test_sigkill_then_resume_on_one_rank_and_on_two(tmp_path, shm_roots):
         assert torch.equal(got[k], want[k]), k
 
 
-def test_fsdp2_through_model_parallel_strategy_resumes_on_one_rank(tmp_path):
+def test_fsdp2_through_model_parallel_strategy_resumes_on_one_rank(tmp_path, shm_roots):
     """FSDP2 (Lightning's ModelParallelStrategy, ``fully_shard`` in ``configure_model``):
     a 2-rank fit of 8 steps saves sharded weights and AdamW moments (DTensors) through the
     callback; a 1-rank fit resumes at step 8 (mid-epoch), resharded, and its losses and
@@ -144,6 +136,7 @@ def test_fsdp2_through_model_parallel_strategy_resumes_on_one_rank(tmp_path):
     want_losses = losses(str(tmp_path / "ref" / "loss.jsonl"))
     log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
     shm = str(tmp_path / "shm")
+    shm_roots.append(shm)
     _run(tmp_path, shm, [*_flags(log, "ck", "--strategy", "fsdp2"), "--steps", "8"], 2)
     outs = _run(tmp_path, shm, [*_flags(log, "ck", "--strategy", "fsdp2", "--final", final), "--steps", "12"], 1)
     lines = resumed_lines(outs)
@@ -164,14 +157,14 @@ def test_fsdp2_through_model_parallel_strategy_resumes_on_one_rank(tmp_path):
 
 
 # -- in one process (no process group): the hooks, the fit loop's state, refusals ---------
-def _fit(tmp_path, steps: int, callback: UnickptCallback | None, dropout: float = 0.1,
+def _fit(tmp_path, steps: int, callback: UnickptCallback | None, dropout: float = 0.1, ckpt_path: str | None = None,
          **trainer_options) -> Regression:
     L.seed_everything(0, verbose=False)
     model = Regression(dropout, str(tmp_path / "loss.jsonl"), 0.0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[callback] if callback else [],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, **trainer_options)
-    trainer.fit(model, train_dataloaders=Batches(0, 1))
+    trainer.fit(model, train_dataloaders=Batches(0, 1), ckpt_path=ckpt_path)
     return model
 
 
@@ -217,6 +210,10 @@ def test_refusals(tmp_path):
     error; so are a callback without a root and extra_state using the callback's keys."""
     with pytest.raises(unickpt.UnickptError, match="gradient clipping"):
         _fit(tmp_path, 2, UnickptCallback(str(tmp_path / "d"), save_every=2, log_deltas=True), gradient_clip_val=1.0)
+    model = _fit(tmp_path, 2, UnickptCallback(str(tmp_path / "f"), save_every=2))
+    model.trainer.save_checkpoint(str(tmp_path / "lightning.ckpt"))
+    with pytest.raises(unickpt.UnickptError, match="drop ckpt_path"):
+        _fit(tmp_path, 4, UnickptCallback(str(tmp_path / "f"), save_every=2), ckpt_path=str(tmp_path / "lightning.ckpt"))
     with pytest.raises(unickpt.UnickptError, match="needs a checkpoint root"):
         UnickptCallback()
     with pytest.raises(unickpt.UnickptError, match="own keys"):
