@@ -127,16 +127,24 @@ def main() -> None:
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     rank, world = trainer.global_rank, trainer.world_size
     trainer.fit(model, train_dataloaders=Batches(rank, world))
-    if not args.final:
-        return
+    if args.final:
+        _write_final(args.final, model, trainer, callback)
+    if dist.is_initialized():  # as torch asks: destroyed before the interpreter exits, not by Lightning's atexit
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _write_final(path: str, model: Regression, trainer: L.Trainer, callback: UnickptCallback) -> None:
+    """Rank 0 writes the full weights and moments (collective for DTensors) and the run's facts."""
+    rank = trainer.global_rank
     opt = trainer.optimizers[0]
     tensors = {f"model.{k}": _full(v) for k, v in model.state_dict().items()}
     for name, param in model.named_parameters():
         for k, v in opt.state[param].items():
             tensors[f"optim.{name}.{k}"] = _full(v)
     if rank == 0:
-        torch.save(tensors, args.final)
-        with open(args.final + ".json", "w") as f:
+        torch.save(tensors, path)
+        with open(path + ".json", "w") as f:
             json.dump({"restored_step": callback.restored_step, "global_step": trainer.global_step,
                        "epoch": trainer.current_epoch, "stats": callback.manager.stats()}, f)
 
