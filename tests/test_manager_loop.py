@@ -18,7 +18,7 @@ import torch
 import unickpt
 from unickpt.testing import descendants, kill_session
 
-from snapshot_helpers import kill_keeper, launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all
+from snapshot_helpers import launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all
 
 LOOP = os.path.join(os.path.dirname(__file__), "user_loop.py")
 
@@ -77,14 +77,6 @@ def _kill_one(procs, log: str, at: int, shm: str | None = None) -> int:
           procs, f"step {at}")
     os.kill(_trainers(procs[0])[-1], signal.SIGKILL)
     return _last(log)
-
-
-@pytest.fixture
-def shm_roots():
-    roots: list[str] = []
-    yield roots
-    for r in roots:
-        kill_keeper(r)
 
 
 def test_crash_resumes_from_memory_bitwise(tmp_path, shm_roots):

@@ -1,0 +1,178 @@
+"""Lightning: unickpt's tiers for a ``lightning.Trainer`` through one callback.
+
+    from unickpt.integrations.lightning import UnickptCallback
+
+    trainer = L.Trainer(..., callbacks=[UnickptCallback("ckpt", save_every=50, async_save=True,
+                                                        snapshot_every=1)])
+    trainer.fit(model, data)            # resumes by itself from the newest state in memory or on disk
+
+The callback is a thin map of Lightning's hooks onto :class:`unickpt.CheckpointManager`:
+``on_fit_start`` (after the strategy has wrapped the model and built the optimizers, before
+the fit loop runs) builds the state — the LightningModule, every optimizer and LR scheduler
+of the strategy, a GradScaler when the precision plugin has one, the fit loop's progress
+(:class:`FitLoopState`) and the RNG (:class:`unickpt.RNGState`) — and calls
+``restore``; ``on_before_optimizer_step`` calls ``before_update``; ``on_train_batch_end``
+calls ``maybe_save`` with ``trainer.global_step`` once per optimizer step; ``teardown``
+of the fit calls ``close``. docs/INTEGRATIONS.md ("Lightning") says what works and what
+does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+
+from ..api.manager import CheckpointManager
+from ..engine.rng import RNGState
+from ..engine.state import PerRank
+from ..errors import UnickptError
+
+log = logging.getLogger("unickpt")
+
+__all__ = ["UnickptCallback", "FitLoopState"]
+
+
+class FitLoopState:
+    """Lightning's fit loop as a Stateful object: its progress counters (epoch, batch,
+    optimizer and scheduler steps, ``trainer.global_step``) and the state of the training
+    data loaders that implement ``state_dict``/``load_state_dict`` (Lightning's
+    ``combined_loader`` entry, which exists only once the fit loop has set up its data).
+
+    ``per_rank_data=True`` stores the loaders' state per rank (:class:`unickpt.PerRank`:
+    restored onto the same number of ranks, left as it is on another); ``False`` stores it
+    as one value that every rank must agree on (a position in the global stream of
+    batches), restored onto any number of ranks."""
+
+    def __init__(self, fit_loop: Any, per_rank_data: bool = True) -> None:
+        self.fit_loop = fit_loop
+        self.per_rank_data = per_rank_data
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"progress": <the fit loop's state without the loaders'>, "data": <the loaders'
+        states or None>}``."""
+        progress = self.fit_loop.state_dict()
+        own = dict(progress.get("state_dict") or {})
+        data = own.pop("combined_loader", None)
+        progress["state_dict"] = own
+        return {"progress": progress, "data": PerRank(data) if self.per_rank_data else data}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Hand the progress (and the loaders' states, when there are) to the fit loop's
+        ``load_state_dict``: Lightning then continues mid-epoch as after its own resume."""
+        progress = dict(sd["progress"])
+        data = sd.get("data")
+        data = data.value if isinstance(data, PerRank) else data
+        if data:
+            progress["state_dict"] = {**(progress.get("state_dict") or {}), "combined_loader": list(data)}
+        self.fit_loop.load_state_dict(progress)
+
+
+class UnickptCallback(pl.Callback):
+    """Fault tolerance for a Lightning ``Trainer``: in-memory snapshots, durable (async,
+    incremental, two-tier) checkpoints and the delta log of a
+    :class:`unickpt.CheckpointManager` at ``root``; ``manager_options`` are its keywords
+    (``keep``, ``save_every``, ``async_save``, ``snapshot_every``, ``parity``,
+    ``log_deltas``, ``durable``, ...), or pass a ready ``manager``.
+
+    At fit start the newest whole state (memory first, then disk) is loaded into the
+    module, optimizers, LR schedulers, the fit loop's progress (the run continues at the
+    step after it) and the RNG; rank 0 prints unickpt's one line. ``per_rank_data``: see
+    :class:`FitLoopState`. ``extra_state``: more Stateful objects or values to save and
+    restore with the rest (the keys ``model``, ``optimizer_N``, ``lr_scheduler_N``,
+    ``grad_scaler``, ``loops``, ``rng`` are the callback's). After the fit,
+    :attr:`restored_step` holds the step restored (0: fresh) and :attr:`manager` the
+    manager (``stats()``). One callback serves one ``fit``.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None, *, manager: CheckpointManager | None = None,
+                 per_rank_data: bool = True, extra_state: dict[str, Any] | None = None,
+                 **manager_options: Any) -> None:
+        if (root is None) == (manager is None):
+            raise UnickptError("UnickptCallback needs a checkpoint root or a CheckpointManager (one of them)")
+        if manager is not None and manager_options:
+            raise UnickptError(f"pass the options {sorted(manager_options)} to the CheckpointManager given, not here")
+        self.manager = manager if manager is not None else CheckpointManager(root, **manager_options)
+        self.per_rank_data = per_rank_data
+        self.extra_state = dict(extra_state or {})
+        self.state: dict[str, Any] | None = None
+        self.restored_step: int | None = None
+        self._last_step: int | None = None
+
+    def build_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """The state saved and restored: the module, the strategy's optimizers and LR
+        schedulers, the precision plugin's GradScaler (if any), the fit loop, the RNG and
+        ``extra_state``."""
+        state: dict[str, Any] = {"model": pl_module}
+        for i, opt in enumerate(trainer.optimizers):
+            state[f"optimizer_{i}"] = opt
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            state[f"lr_scheduler_{i}"] = config.scheduler
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            state["grad_scaler"] = scaler
+        state["loops"] = FitLoopState(trainer.fit_loop, self.per_rank_data)
+        state["rng"] = RNGState()
+        clash = sorted(set(state) & set(self.extra_state))
+        if clash:
+            raise UnickptError(f"extra_state uses the callback's own keys {clash}: rename them")
+        state.update(self.extra_state)
+        return state
+
+    # -- Lightning's hooks ---------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the state and restore the newest one (collective, on every rank)."""
+        if self.manager.log_deltas:
+            _check_replayable(trainer, pl_module)
+        self.state = self.build_state(trainer, pl_module)
+        self.restored_step = self.manager.restore(self.state)
+        if self.restored_step:
+            if trainer.ckpt_path is not None:
+                raise UnickptError(f"unickpt restored step {self.restored_step} from {self.manager.root} and "
+                                   f"fit(ckpt_path={trainer.ckpt_path!r}) would overwrite part of it: "
+                                   "drop ckpt_path when relaunching")
+            if trainer.global_step != self.restored_step:
+                raise UnickptError(f"the fit loop restored from step {self.restored_step} says global step "
+                                   f"{trainer.global_step}: the checkpoint's progress does not match its step")
+        self._last_step = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Right before the optimizer's update: the manager's ``before_update``."""
+        self.manager.before_update()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """After a batch whose optimizer step ran (not inside gradient accumulation): the
+        manager's ``maybe_save`` with ``trainer.global_step``."""
+        step = trainer.global_step
+        if self.state is None or step == self._last_step:
+            return
+        self._last_step = step
+        self.manager.maybe_save(self.state, step)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Nothing collective (the other ranks may be elsewhere): the snapshots stay in
+        memory for the relaunch, an unfinished save is never committed."""
+        if self.state is not None and trainer.is_global_zero:
+            log.warning("unickpt: training stopped by %s at step %d; the snapshots stay in memory for the relaunch",
+                        type(exception).__name__, trainer.global_step)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """At the end of the fit: the manager's ``close`` (waits for what is in flight,
+        stops the keepers; collective)."""
+        if stage == "fit" and self.state is not None:
+            self.manager.close()
+
+
+def _check_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """``log_deltas`` captures the gradients in ``on_before_optimizer_step``: refuse what
+    changes them after that hook or steps several optimizers in one step."""
+    if trainer.gradient_clip_val:
+        raise UnickptError("log_deltas=True cannot replay Lightning's gradient clipping (it runs after "
+                           "on_before_optimizer_step, where the gradients are captured): drop gradient_clip_val "
+                           "or log_deltas")
+    if not pl_module.automatic_optimization:
+        raise UnickptError("log_deltas=True needs Lightning's automatic optimization (one optimizer step per "
+                           "on_before_optimizer_step)")
