@@ -55,6 +55,17 @@ def wait_all(procs: list[subprocess.Popen], cwd, timeout: float = 240, check: bo
     return outs
 
 
+def wait_for(cond, timeout: float = 120, what: str = "condition", procs=()) -> None:
+    """Poll ``cond`` until it holds; fail when ``timeout`` passes or one of ``procs`` ends first."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a process ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def keeper_pid(root: str) -> int | None:
     """The pid in ``<root>/keeper.pid``, if any."""
     try:

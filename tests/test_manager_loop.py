@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 import unickpt
 from unickpt.testing import descendants, kill_session
 
-from snapshot_helpers import launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all
+from snapshot_helpers import kill_keeper, launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all, wait_for
 
 LOOP = os.path.join(os.path.dirname(__file__), "user_loop.py")
 
@@ -29,13 +28,7 @@ def _run(tmp_path, roots, flags, nproc=1, agent=(), check=True, timeout=240):
 
 
 def _wait(cond, procs, what, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a process ended while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    wait_for(cond, timeout, what, procs)
 
 
 def _trainers(agent: subprocess.Popen) -> list[int]:

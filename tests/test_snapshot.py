@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -23,19 +22,12 @@ from unickpt.testing import run_ranks
 
 from snapshot_helpers import (
     TINY, env_for, flip_bit, keeper_pid, kill_keeper, launch_nodes, lose_node, losses, resumed_lines,
-    step_dir, steps_whole, wait_all,
+    step_dir, steps_whole, wait_all, wait_for,
 )
 from train_cases import train
 
 
-def _wait_for(cond, timeout: float = 120, what: str = "condition", procs=()) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a process ended while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+_wait_for = wait_for
 
 
 def _last_step(log: str) -> int:
@@ -78,12 +70,9 @@ def _same_checkpoints(a: str, b: str) -> None:
 
 
 @pytest.fixture
-def keepers_down():
-    """Kill the keepers a test leaves behind under the roots it registers."""
-    roots: list[str] = []
-    yield roots
-    for r in roots:
-        kill_keeper(r)
+def keepers_down(shm_roots):
+    """Kill the keepers a test leaves behind under the roots it registers (conftest)."""
+    return shm_roots
 
 
 def test_killed_rank_resumes_from_memory_bitwise(tmp_path, keepers_down):

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable

@@ -129,13 +129,13 @@ def flatten(
     return leaves
 
 
-def find_modules(state: dict[str, Any]) -> list[tuple[str, torch.nn.Module]]:
-    """The ``nn.Module`` objects in ``state`` (not inside other Stateful objects), with
+def _objects(state: dict[str, Any], kind: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """The objects of ``state`` that ``kind`` accepts (not inside Stateful objects), with
     their flattened names, in flattening order."""
-    found: list[tuple[str, torch.nn.Module]] = []
+    found: list[tuple[str, Any]] = []
 
     def visit(name: str, value: Any) -> None:
-        if isinstance(value, torch.nn.Module):
+        if kind(value):
             found.append((name, value))
         elif isinstance(value, dict):
             for k, v in value.items():
@@ -146,24 +146,17 @@ def find_modules(state: dict[str, Any]) -> list[tuple[str, torch.nn.Module]]:
 
     visit("", state)
     return found
+
+
+def find_modules(state: dict[str, Any]) -> list[tuple[str, torch.nn.Module]]:
+    """The ``nn.Module`` objects in ``state`` (not inside other Stateful objects), with
+    their flattened names, in flattening order."""
+    return _objects(state, lambda v: isinstance(v, torch.nn.Module))
 
 
 def optimizers_of(state: dict[str, Any]) -> list[tuple[str, torch.optim.Optimizer]]:
     """The torch optimizers of ``state`` with their flattened keys, in order."""
-    found: list[tuple[str, torch.optim.Optimizer]] = []
-
-    def visit(name: str, value: Any) -> None:
-        if is_optimizer(value):
-            found.append((name, value))
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                visit(f"{name}.{k}" if name else str(k), v)
-        elif isinstance(value, (list, tuple)):
-            for k, v in enumerate(value):
-                visit(f"{name}.{k}" if name else str(k), v)
-
-    visit("", state)
-    return found
+    return _objects(state, is_optimizer)
 
 
 def without_optimizers(state: dict[str, Any]) -> dict[str, Any]:
