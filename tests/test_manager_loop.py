@@ -38,7 +38,8 @@ def _trainers(agent: subprocess.Popen) -> list[int]:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        if b"user_loop.py" in cmd and b"torchrun" not in cmd and b"torch.distributed.run" not in cmd:
+        args = cmd.split(b"\0")
+        if len(args) > 2 and args[2].endswith(b"user_loop.py"):  # python -u user_loop.py ... (not the agent)
             out.append(pid)
     return sorted(out)
 

@@ -36,7 +36,11 @@ from torchtitan.components.checkpointer import (
 )
 from torchtitan.tools import filesystem
 
-import unickpt
+from ..api.load import load
+from ..api.manager import CheckpointManager
+from ..engine.rng import RNGState
+from ..engine.state import PerRank
+from ..errors import MismatchError, UnickptError
 
 __all__ = ["UnickptCheckpointManager"]
 
@@ -85,13 +89,13 @@ class _PerRankState:
 
     def state_dict(self) -> dict[str, Any]:
         """The object's state, marked per rank."""
-        return {"state": unickpt.PerRank(self.obj.state_dict())}
+        return {"state": PerRank(self.obj.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give the object this rank's saved state (a dict, as its ``state_dict`` made)."""
         value = state_dict["state"].value
         if not isinstance(value, dict):
-            raise unickpt.MismatchError(f"the saved state of a {type(self.obj).__name__} is a "
+            raise MismatchError(f"the saved state of a {type(self.obj).__name__} is a "
                                         f"{type(value).__name__}, not the dict its state_dict() returns")
         self.obj.load_state_dict(value)
 
@@ -164,7 +168,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
             }
             for name, why in refused.items():
                 if getattr(self, name):
-                    raise unickpt.UnickptError(f"UnickptCheckpointManager: {name}=True is not supported: {why}")
+                    raise UnickptError(f"UnickptCheckpointManager: {name}=True is not supported: {why}")
 
     def __init__(
         self,
@@ -193,7 +197,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if config.log_deltas:
             hooks = [h for h in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") if getattr(optimizers, h, None)]
             if hooks:
-                raise unickpt.UnickptError(
+                raise UnickptError(
                     "log_deltas=True cannot replay these steps exactly: the OptimizersContainer has step hooks "
                     "(MoE load balancing updates expert biases from the step's routing statistics, which the log "
                     "does not hold); turn log_deltas off (snapshots and checkpoints still protect the run)")
@@ -202,8 +206,8 @@ class UnickptCheckpointManager(BaseCheckpointManager):
             k: _Optimizers(v) if k == OPTIMIZER else _PerRankState(v) if k == DATALOADER else v
             for k, v in self.states.items()
         }
-        self.state[RNG] = unickpt.RNGState()
-        self.manager = unickpt.CheckpointManager(
+        self.state[RNG] = RNGState()
+        self.manager = CheckpointManager(
             self.folder, keep=config.keep_latest_k or None, save_every=config.interval,
             async_save=config.async_mode != "disabled", snapshot_every=config.snapshot_every,
             parity=config.parity, snapshot_replicas=config.snapshot_replicas, flush_every=config.flush_every,
@@ -214,7 +218,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
     def _to_load(self) -> dict[str, Any]:
         for key in self.config.exclude_from_loading:
             if key not in self.state:
-                raise unickpt.UnickptError(f"exclude_from_loading: {key!r} is not in the state ({', '.join(self.state)})")
+                raise UnickptError(f"exclude_from_loading: {key!r} is not in the state ({', '.join(self.state)})")
         return {k: v for k, v in self.state.items() if k not in self.config.exclude_from_loading}
 
     def _load(self, step: int = -1) -> bool:
@@ -225,7 +229,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if step != -1:
             path = self.manager.path_for(step)
             if not self.manager.is_valid(path):
-                raise unickpt.UnickptError(f"checkpoint.load_step={step}: {path} is missing or incomplete")
+                raise UnickptError(f"checkpoint.load_step={step}: {path} is missing or incomplete")
             self.manager.load(state, path, per_rank="keep")
             return True
         initial = self.config.initial_load_path is not None and self.manager.latest() is None
@@ -246,7 +250,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if not self.config.initial_load_model_only:
             flat.update((k, v) for k, v in self.states.items()
                         if k not in (MODEL, DATALOADER) and k not in self.config.exclude_from_loading)
-        unickpt.load(flat, path)
+        load(flat, path)
         wrapper.load_state_dict({k: flat[k] for k in model})
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             what = "the model" if self.config.initial_load_model_only else "the model, optimizers, LR schedulers, train state"
