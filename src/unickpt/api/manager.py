@@ -111,6 +111,8 @@ class CheckpointManager(Checkpoints):
         self._state: dict[str, Any] | None = None
         self._pending: tuple[AsyncSaveHandle, int, dict[str, int]] | None = None
         self._housekept: int | None = None  # the step of the last async save whose retention ran
+        self._newest_seen: int | None = None  # the newest checkpoint seen, and the step the valid ones cover
+        self._covers: int | None = None
         self._counts = {"saves": 0, "saves_failed": 0, "snapshots_failed": 0, "delta_steps_missed": 0}
         self._stall_s = 0.0
         self._last_error: str | None = None
@@ -272,10 +274,10 @@ class CheckpointManager(Checkpoints):
         it after each of its writes)."""
         steps = self.steps()
         newest = steps[-1] if steps else None
-        if newest != getattr(self, "_newest_seen", None):
+        if newest != self._newest_seen:
             latest = self.latest()
             self._newest_seen, self._covers = newest, None if latest is None else step_of(latest)
-        return getattr(self, "_covers", None)
+        return self._covers
 
     def _load_disk(self, state: dict[str, Any], path: str, kept: list[str]) -> str:
         """Collective: load the checkpoint of ``path``'s step, the fast tier's copy first,
