@@ -6,6 +6,7 @@ the run bitwise (same layout) or within 1e-4 (another number of nodes)."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import re
 import signal
@@ -326,3 +327,38 @@ def test_example_trainer_uses_only_public_names():
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "unickpt":
             assert node.attr in unickpt.__all__, node.attr
     assert not os.path.exists(os.path.join(os.path.dirname(train.__file__), "delta_replay.py"))
+
+
+def test_a_failed_delta_entry_warns_counts_and_training_goes_on(tmp_path):
+    """One delta entry cannot be written (a file stands where its directory goes): the
+    loop goes on, the manager warns and counts it, and a restore replays exactly the steps
+    before the gap."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt}
+    root = str(tmp_path / "ck")
+    manager = unickpt.CheckpointManager(root, save_every=4, log_deltas=True)
+    manager.restore(state)
+    os.makedirs(os.path.join(root, "deltas"), exist_ok=True)
+    open(os.path.join(root, "deltas", "step_00000006"), "w").close()
+    for step in range(1, 8):
+        model(torch.randn(4, 3)).sum().backward()
+        manager.before_update()
+        opt.step()
+        opt.zero_grad()
+        manager.maybe_save(state, step)
+        if step == 5:
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+    manager.close()
+    stats = manager.stats()  # the failure shows at the next entry or, for the last ones, at close()
+    assert stats["delta_entries_failed"] == 1 and "delta log entry failed" in stats["last_error"], stats
+    os.unlink(os.path.join(root, "deltas", "step_00000006"))
+    again = {"model": torch.nn.Linear(3, 2), "optim": None}
+    again["optim"] = torch.optim.SGD(again["model"].parameters(), lr=0.1)
+    back = unickpt.CheckpointManager(root, save_every=4, log_deltas=True)
+    assert back.restore(again) == 5  # step 4's checkpoint + step 5; nothing after the failed entry
+    assert "+ 1 logged steps" in back.restored_line and "replayed steps 5..5" in back.restored_line, back.restored_line
+    for k, v in again["model"].state_dict().items():
+        assert torch.equal(v, want[k]), k
+    back.close()

@@ -118,6 +118,12 @@ class DeltaLog:
                 del state, item
                 self._slots.release()
 
+    def take_error(self) -> BaseException | None:
+        """The failure of an earlier entry, if one failed, and forget it: the log goes on
+        with the next entry (a replay stops at the missing one)."""
+        error, self._error = self._error, None
+        return error
+
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error

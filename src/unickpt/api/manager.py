@@ -200,9 +200,14 @@ class CheckpointManager(Checkpoints):
             self._save_step(state, step)
         elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending[0].done():
             self._housekeep()
-        if self._deltas is not None and not self._deltas.commit(state, step):
-            self._counts["delta_steps_missed"] += 1
-            self._warn(f"step {step} is not in the delta log: before_update() was not called before optimizer.step()")
+        if self._deltas is not None:
+            failed = self._deltas.failures
+            if not self._deltas.commit(state, step):
+                self._counts["delta_steps_missed"] += 1
+                self._warn(f"step {step} is not in the delta log: before_update() was not called before optimizer.step()")
+            elif self._deltas.failures > failed:
+                self._warn(f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
+                           f"{self._deltas.last_failure}")
         if self._snap is not None and self._snap.due(step):
             try:
                 self._snap.snapshot(state, step, flush=not saved)
@@ -224,9 +229,11 @@ class CheckpointManager(Checkpoints):
         if self._deltas is not None:
             try:
                 self._deltas.close()
-            except UnickptError as e:
-                self._counts["delta_close_failed"] = 1
-                self._warn(f"the delta log's last writes failed: {e}")
+            except UnickptError as e:  # the entries still queued: the replay stops before the failed one
+                self._deltas.failures += 1
+                self._deltas.last_failure = str(e).splitlines()[0]
+                self._warn(f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
+                           f"{self._deltas.last_failure}")
         self.wait()
         if self._snap is not None:
             self._snap.close(clean=not keep_snapshots)

@@ -131,7 +131,8 @@ class StepDeltas:
         self._captured: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._baseline: dict[str, int] = {}  # name of a watched tensor -> its version at the full checkpoint
         self._tensors: list[tuple[str, torch.Tensor]] = []
-        self.failures = 0
+        self.failures = 0  # entries whose write failed (the latest reason in last_failure)
+        self.last_failure: str | None = None
 
     # -- the state's parts -------------------------------------------------------------
     def watch(self, state: dict[str, Any]) -> None:
@@ -195,12 +196,11 @@ class StepDeltas:
                                                v.layout) if isinstance(v, Sharded) else host_copy(t)
             else:
                 entry[leaf.name] = copy.deepcopy(v)
-        try:
-            self.log.append(step, entry)
-        except UnickptError:  # an earlier entry failed: counted, the log goes on (replay stops at the gap)
+        failed = self.log.take_error()
+        if failed is not None:  # counted, said by the manager; the log goes on (a replay stops at the gap)
             self.failures += 1
-            self.log._error = None
-            self.log.append(step, entry)
+            self.last_failure = str(failed).splitlines()[0]
+        self.log.append(step, entry)
         return True
 
     def started(self, step: int) -> None:
