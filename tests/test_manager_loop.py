@@ -6,7 +6,6 @@ the run bitwise (same layout) or within 1e-4 (another number of nodes)."""
 from __future__ import annotations
 
 import json
-import shutil
 import os
 import re
 import signal
