@@ -36,7 +36,7 @@ import torch
 
 from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
 from ..engine.items import is_dtensor
-from ..engine.optim_state import parameter_keys
+from ..engine.optim_state import named_parameters
 from ..engine.state import PerRank, Sharded, find_modules, flatten, optimizers_of, without_optimizers, write_back
 from ..errors import UnickptError
 from ..format.dtypes import dtype_from_name
@@ -164,13 +164,11 @@ class StepDeltas:
         grads: dict[str, Any] = {}
         hparams: dict[str, Any] = {}
         for key, opt in optimizers_of(state):
-            params = [p for g in opt.param_groups for p in g["params"]]
-            names = parameter_keys(opt, modules, key)
             mine = {}
-            for name, p in zip(names, params):
+            for name, p in named_parameters(opt, modules, key):
                 if p.grad is not None:
                     g = host_copy(p.grad)
-                    mine[str(name)] = g.to(torch.bfloat16) if self.dtype == "bf16" and g.is_floating_point() else g
+                    mine[name] = g.to(torch.bfloat16) if self.dtype == "bf16" and g.is_floating_point() else g
             grads[key] = mine
             hparams[key] = _hyperparameters(opt)
         self._captured = (grads, hparams)
@@ -250,8 +248,8 @@ class StepDeltas:
                 break
             for key, opt in opts:
                 grads, hparams = part["grad"].get(key, {}), part["hparams"][key]
-                for p, name in zip([p for g in opt.param_groups for p in g["params"]], parameter_keys(opt, modules, key)):
-                    g = grads.get(str(name))
+                for name, p in named_parameters(opt, modules, key):
+                    g = grads.get(name)
                     p.grad = g if g is None or g.dtype == p.dtype else g.to(p.dtype)
                 _set_hyperparameters(opt, hparams)
                 opt.step()
@@ -269,10 +267,10 @@ class StepDeltas:
         grads: dict[str, Any] = {}
         for key, opt in opts:
             mine = {}
-            for p, name in zip([p for g in opt.param_groups for p in g["params"]], parameter_keys(opt, modules, key)):
+            for name, p in named_parameters(opt, modules, key):
                 entry = manifest.tensors.get(f"{KEY}.grad.{key}.{name}")
                 if entry is not None:
-                    mine[str(name)] = torch.zeros_like(p.detach(), dtype=dtype_from_name(entry.dtype))
+                    mine[name] = torch.zeros_like(p.detach(), dtype=dtype_from_name(entry.dtype))
             grads[key] = mine
         target = {KEY: {"grad": grads, "hparams": {key: _hyperparameters(opt) for key, opt in opts}}}
         load(target, path, process_group=self.process_group, manifest=manifest)

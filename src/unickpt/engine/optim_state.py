@@ -103,6 +103,13 @@ def parameter_keys(optimizer: torch.optim.Optimizer, modules: list[tuple[str, to
     return list(range(len(params)))
 
 
+def named_parameters(optimizer: torch.optim.Optimizer, modules: list[tuple[str, torch.nn.Module]],
+                     where: str) -> list[tuple[str, torch.Tensor]]:
+    """Each of ``optimizer``'s parameters (once, in its order) with its key as text (see
+    :func:`parameter_keys`)."""
+    return [(str(k), p) for k, p in zip(parameter_keys(optimizer, modules, where), _flat_params(optimizer))]
+
+
 def held_names(optimizer: torch.optim.Optimizer, modules: list[tuple[str, torch.nn.Module]]) -> set[str]:
     """Every parameter name this rank's modules hold, by the naming :func:`parameter_keys`
     uses for ``optimizer`` (empty when it names its parameters otherwise)."""
