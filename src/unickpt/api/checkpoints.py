@@ -13,7 +13,7 @@ import threading
 import warnings
 from typing import Any
 
-from ..dist import broadcast_bytes, resolve_group
+from ..dist import all_true, broadcast_bytes, resolve_group
 from ..errors import CorruptionError, UnickptError
 from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
@@ -248,24 +248,33 @@ class Checkpoints:
 
     def _load_step(self, state_dict: dict[str, Any], step: int, copies: list[tuple[Tier, str]], kwargs: dict[str, Any],
                    quiet_missing: bool = False) -> str | None:
-        """Load the first usable copy of ``step``; warn for each fast copy passed over."""
+        """Load the first usable copy of ``step``; warn for each fast copy passed over.
+        Collective over ``kwargs["process_group"]``: rank 0 says which copies are whole,
+        and a copy that fails its checksums on any rank is passed over by every rank, so
+        all of them load the same copy."""
+        group = resolve_group(kwargs.get("process_group"))
         why = None
         for k, (tier, path) in enumerate(copies):
             last = k == len(copies) - 1
-            if not tier.is_valid(path):
+            whole = broadcast_bytes(group, bytes([tier.is_valid(path)]) if group.rank == 0 else None, 0) == b"\x01"
+            if not whole:
                 why = f"{path} is missing or incomplete"
                 if last and not quiet_missing:
                     load(state_dict, path, storage_options=tier.storage_options, **kwargs)  # raises what is wrong
                 continue
             if why is not None:
                 fallback(f"step {step}: {why}; loading the durable copy {path}")
+            error: UnickptError | None = None
             try:
                 load(state_dict, path, storage_options=tier.storage_options, **kwargs)
+            except UnickptError as e:
+                error = e
+            if all_true(group, error is None):
                 return path
-            except CorruptionError as e:
-                if last:
-                    raise
-                why = f"{path} failed its checks ({e})"
+            corrupt = all_true(group, error is None or isinstance(error, CorruptionError))
+            if last or not corrupt:  # another kind of error is the same in every copy
+                raise error or CorruptionError(f"{path} failed its checks on another rank")
+            why = f"{path} failed its checks ({error or 'on another rank'})"
         return None
 
     def _step_of(self, path: str) -> int | None:

@@ -28,7 +28,7 @@ from ..dist import all_true, broadcast_bytes, resolve_group
 from ..errors import UnickptError
 from ..storage.open import is_remote
 from .async_save import AsyncSaveHandle, async_save
-from .checkpoints import Checkpoints, TierFallbackWarning, fallback
+from .checkpoints import Checkpoints, TierFallbackWarning
 from .delta_log import Replay, step_of
 from .load import load
 from .state_copy import StateCopy
@@ -287,35 +287,12 @@ class CheckpointManager(Checkpoints):
         return self._covers
 
     def _load_disk(self, state: dict[str, Any], path: str, kept: list[str]) -> str:
-        """Collective: load the checkpoint of ``path``'s step, the fast tier's copy first,
-        the durable tier's when the fast one is missing or fails its checks on any rank
-        (every rank loads the same copy); returns the copy loaded."""
-        group = resolve_group(self.process_group)
-        step = step_of(path)
-        tiers = [self.fast] + ([self.durable] if self.durable is not None else [])
-        why = None
-        for k, tier in enumerate(tiers):
-            copy = tier.path_for(step)
-            valid = broadcast_bytes(group, bytes([tier.is_valid(copy)]) if group.rank == 0 else None, 0) == b"\x01"
-            if not valid:
-                why = f"{copy} is missing or incomplete"
-                continue
-            if why is not None and group.rank == 0:
-                fallback(f"step {step}: {why}; loading the durable copy {copy}")
-            stats: dict[str, Any] = {}
-            error = None
-            try:
-                load(state, copy, process_group=self.process_group, per_rank="keep", stats=stats,
-                     storage_options=tier.storage_options)
-            except UnickptError as e:
-                error = e
-            if all_true(group, error is None):
-                kept[:] = stats.get("per_rank_kept", [])
-                return copy
-            if k == len(tiers) - 1:
-                raise error or UnickptError(f"{copy} failed its checks on another rank")
-            why = f"{copy} failed its checks ({error or 'on another rank'})"
-        raise UnickptError(f"no usable copy of step {step}: {why}")
+        """Collective: load the checkpoint of ``path``'s step (the durable tier's copy when
+        the fast one is missing or fails its checks on any rank); returns the copy loaded."""
+        stats: dict[str, Any] = {}
+        loaded = self.load(state, path, process_group=self.process_group, per_rank="keep", stats=stats)
+        kept[:] = list(dict.fromkeys(stats.get("per_rank_kept", [])))  # a copy passed over may have listed them too
+        return loaded or path
 
     def _durable(self, state: dict[str, Any], plan: Replay | None, latest: str | None,
                  kept: list[str]) -> tuple[int, str] | None:
@@ -386,8 +363,7 @@ class CheckpointManager(Checkpoints):
             try:
                 self.save(state, step, process_group=self.process_group)
             except UnickptError as e:
-                self._counts["saves_failed"] += 1
-                self._warn(f"checkpoint of step {step} failed, training goes on: {e}")
+                self._save_failed(step, e)
                 return
             self._counts["saves"] += 1
             if self._deltas is not None:
@@ -399,8 +375,7 @@ class CheckpointManager(Checkpoints):
             handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
                                 storage_options=self.fast.storage_options)
         except UnickptError as e:
-            self._counts["saves_failed"] += 1
-            self._warn(f"checkpoint of step {step} failed, training goes on: {e}")
+            self._save_failed(step, e)
             return
         self._pending = (handle, step, versions)
 
@@ -414,8 +389,7 @@ class CheckpointManager(Checkpoints):
             handle.result()
         except UnickptError as e:
             self._pending = None
-            self._counts["saves_failed"] += 1
-            self._warn(f"checkpoint of step {step} failed, training goes on: {e}")
+            self._save_failed(step, e)
             return
         self._housekeep()
         self._pending = None
@@ -437,6 +411,10 @@ class CheckpointManager(Checkpoints):
             return
         self._housekept = step
         self.committed(step)
+
+    def _save_failed(self, step: int, error: UnickptError) -> None:
+        self._counts["saves_failed"] += 1
+        self._warn(f"checkpoint of step {step} failed, training goes on: {error}")
 
     def _warn(self, message: str) -> None:
         self._last_error = message
