@@ -237,8 +237,6 @@ class CheckpointManager(Checkpoints):
         self.wait()
         if self._snap is not None:
             self._snap.close(clean=not keep_snapshots)
-            if not keep_snapshots and self._snap.local_rank == 0:
-                _remove_if_empty(self._snap.root)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this run: ``saves`` committed and ``saves_failed``, ``snapshots``
@@ -265,10 +263,8 @@ class CheckpointManager(Checkpoints):
             return
         self._started = True
         if self.snapshot_every:
-            from ..snapshot import paths
             from ..snapshot.client import Snapshotter, job_id
 
-            _mark_made(paths.shm_root())
             self._snap = Snapshotter(job_id(self.root), self.snapshot_every, self.parity,
                                      max_bytes=self.snapshot_max_bytes, process_group=self.process_group,
                                      flush_every=self.flush_every, flush_dir=self.root if self.flush_every else None,
@@ -420,39 +416,6 @@ class CheckpointManager(Checkpoints):
         self._last_error = message
         if resolve_group(self.process_group).rank == 0:
             log.warning("unickpt: %s", message)
-
-
-MADE_MARK = ".made-by-unickpt"  # in a shm root that a manager created: a clean end removes it when empty
-
-
-def _mark_made(root: str) -> None:
-    """Create the shm root when it does not exist (first local rank), marked as unickpt's."""
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0 or os.path.exists(root):
-        return
-    try:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        open(os.path.join(root, MADE_MARK), "w").close()
-    except OSError:  # the Snapshotter says what is wrong with the root
-        pass
-
-
-def _remove_if_empty(root: str) -> None:
-    """After a clean end: the jobs' directory under the shm root when empty, and the root
-    itself when a manager created it and nothing else is in it."""
-    from ..snapshot import paths
-
-    try:
-        os.rmdir(paths.base_dir(root))
-    except FileNotFoundError:  # the keeper removed it
-        pass
-    except OSError:  # another job's snapshots are there
-        return
-    try:
-        if sorted(os.listdir(root)) == [MADE_MARK]:
-            os.unlink(os.path.join(root, MADE_MARK))
-            os.rmdir(root)
-    except OSError:  # gone already, or something else appeared
-        pass
 
 
 def _logged(plan: Replay | None) -> str:

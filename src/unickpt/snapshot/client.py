@@ -144,7 +144,9 @@ class Snapshotter:
             try:
                 if os.path.exists(self.root) and not os.path.isdir(self.root):
                     raise NotADirectoryError(0, "not a directory")
-                os.makedirs(self.root, exist_ok=True)
+                if not os.path.exists(self.root):  # ours: a clean close() removes it again when empty
+                    os.makedirs(self.root, exist_ok=True)
+                    open(os.path.join(self.root, paths.MADE_MARK), "w").close()
                 paths.make_private(self.root)
             except OSError as e:
                 raise SnapshotError(f"the shm root {self.root} (${paths.SHM_ROOT_ENV}) cannot hold snapshots: "
@@ -274,7 +276,8 @@ class Snapshotter:
 
     def close(self, clean: bool = True) -> None:
         """Finish the snapshot in flight; on a clean end of the job, stop the node's keeper,
-        which deletes the job's snapshots (no shared memory is left behind). The
+        which deletes the job's snapshots (no shared memory is left behind; a shm root
+        that a Snapshotter created goes too, once empty). The
         snapshot channel's process group is then left to :func:`unickpt.dist.release_groups`
         (a Snapshotter kept alive to the interpreter's exit does not keep it alive)."""
         try:
@@ -283,5 +286,6 @@ class Snapshotter:
                 all_gather_fixed(self.group, b"\x01")  # every rank is done with the snapshots
                 if self.local_rank == 0:
                     stop_keeper(self.root)
+                    paths.remove_if_empty(self.root)
         finally:
             self.group = Group(None, self.group.rank, self.group.size)

@@ -37,6 +37,26 @@ def shm_root() -> str:
     return os.environ.get(SHM_ROOT_ENV) or "/dev/shm"
 
 
+MADE_MARK = ".made-by-unickpt"  # in a shm root that a Snapshotter created
+
+
+def remove_if_empty(root: str) -> None:
+    """After a clean end: the jobs' directory under the shm root when empty, and the root
+    itself when a Snapshotter created it (``MADE_MARK``) and nothing else is in it."""
+    try:
+        os.rmdir(base_dir(root))
+    except FileNotFoundError:  # the keeper removed it
+        pass
+    except OSError:  # another job's snapshots are there
+        return
+    try:
+        if sorted(os.listdir(root)) == [MADE_MARK]:
+            os.unlink(os.path.join(root, MADE_MARK))
+            os.rmdir(root)
+    except OSError:  # gone already, or something else appeared
+        pass
+
+
 def base_dir(root: str) -> str:
     """The directory holding every job's snapshots under ``root``."""
     return os.path.join(root, "unickpt")
