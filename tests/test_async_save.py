@@ -210,6 +210,7 @@ def test_single_process_batches_lazy_and_errors(tmp_path):
 
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staging_is_pinned_and_sees_the_state_at_the_call(tmp_path):
     from unickpt.api.async_save import _SAVER

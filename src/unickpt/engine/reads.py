@@ -171,9 +171,28 @@ def coalesce(reads: list[SpanRead], max_bytes: int = COALESCE_MAX) -> list[list[
 
 class Scratch(threading.local):
     """Per-thread scratch memory reused from one read group to the next, so buffered
-    spans do not pay fresh page faults for every read."""
+    spans do not pay fresh page faults for every read. ``pin=True`` (reads bound for CUDA
+    tensors) makes it page-locked, so the copies to the device run at the DMA rate
+    (an H200: 55 GB/s pinned against 6-7 GB/s from pageable memory); torch's caching host
+    allocator keeps the freed buffers for the next load."""
 
-    buf: bytearray | None = None
+    buf: bytearray | memoryview | None = None
+
+    def __init__(self, pin: bool = False) -> None:
+        if pin:
+            import torch
+
+            pin = torch.cuda.is_available()
+        self.pin = pin
+        self._pinned: Any = None  # the page-locked tensor behind ``buf``
+
+    def _alloc(self, need: int) -> bytearray | memoryview:
+        if not self.pin:
+            return bytearray(need)
+        import torch
+
+        self._pinned = torch.empty(need, dtype=torch.uint8, pin_memory=True)
+        return memoryview(self._pinned.numpy())
 
     def assign(self, group: list[SpanRead]) -> None:
         """Give every scratch segment of ``group`` a slice of this thread's buffer."""
@@ -182,8 +201,8 @@ class Scratch(threading.local):
         if not need:
             return
         if self.buf is None or len(self.buf) < need:
-            self.buf = None
-            self.buf = bytearray(need)
+            self.buf = self._pinned = None
+            self.buf = self._alloc(need)
         whole = memoryview(self.buf)
         at = 0
         for s in todo:

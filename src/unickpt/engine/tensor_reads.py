@@ -106,6 +106,7 @@ class TensorReads:
     def __init__(self, storage: Storage, threads: int = 4, verify: bool = True, max_span: int | None = None,
                  scratch: Scratch | None = None) -> None:
         self.storage = storage
+        self._own_scratch = scratch is None
         self.scratch = scratch if scratch is not None else Scratch()
         self.threads = threads
         self.verify = verify
@@ -152,6 +153,8 @@ class TensorReads:
     def run(self, pool: Executor | None = None) -> None:
         """Execute every planned span, several in flight (on ``pool`` when given)."""
         jobs, self.jobs = self.jobs, []
+        if self._own_scratch and not self.scratch.pin and any(local.is_cuda for _, _, local in jobs):
+            self.scratch = Scratch(pin=True)  # device targets: copies from page-locked scratch
         self.bytes_read += sum(sp.stop - sp.start for _, sp, _ in jobs)
         self.files_read.update(e.fragments[sp.fragment].file for e, sp, _ in jobs)
         same = [self.span_read(e, sp, local) for e, sp, local in jobs if not _cast(e, local)]

@@ -47,6 +47,7 @@ CHANNEL = "snapshot"
 # job secret the node proposes (1: stored on the node already, 0: freshly drawn)
 _INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s")
 _WHERE = struct.Struct("<i16s")  # node, network identity
+WHOLE_WAIT_S = 60.0  # a planned stop (close(clean=False)) waits this long for the keepers' parity
 
 
 def job_id(ckpt_dir: str | None = None) -> str:
@@ -274,10 +275,24 @@ class Snapshotter:
                 print(f"unickpt: snapshot failed, training goes on: {e}", file=sys.stderr, flush=True)
         self.handle = None
 
+    def _wait_whole(self, timeout: float) -> None:
+        """Wait until the node's keepers hold every committed snapshot whole (its parity
+        encoded and announced), so that a relaunch finds the newest one; a warning, not an
+        error, when they take longer than ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while in_progress(self.jdir, self.table):
+            if time.monotonic() > deadline:
+                print(f"unickpt: the keepers did not make the newest snapshot whole within {timeout:.0f} s; a relaunch "
+                      f"resumes from the newest whole one", file=sys.stderr, flush=True)
+                return
+            time.sleep(0.005)
+
     def close(self, clean: bool = True) -> None:
         """Finish the snapshot in flight; on a clean end of the job, stop the node's keeper,
         which deletes the job's snapshots (no shared memory is left behind; a shm root
-        that a Snapshotter created goes too, once empty). The
+        that a Snapshotter created goes too, once empty). Otherwise (a planned stop that
+        is to resume from memory) the node's rank 0 waits until the keepers hold the newest
+        snapshot whole, so a relaunch at once resumes from it. The
         snapshot channel's process group is then left to :func:`unickpt.dist.release_groups`
         (a Snapshotter kept alive to the interpreter's exit does not keep it alive)."""
         try:
@@ -287,5 +302,7 @@ class Snapshotter:
                 if self.local_rank == 0:
                     stop_keeper(self.root)
                     paths.remove_if_empty(self.root)
+            elif self.local_rank == 0:
+                self._wait_whole(WHOLE_WAIT_S)
         finally:
             self.group = Group(None, self.group.rank, self.group.size)
