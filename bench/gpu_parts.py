@@ -293,19 +293,30 @@ def _dcp_stalls(ctx: Ctx, dcp: Any, state: dict[str, Any], where: str, copy_s: f
     except ImportError as e:
         ctx.emit(what="dcp async_save", error=f"no DefaultStager in this torch: {e}", **base)
         return
-    stager = DefaultStager(StagingOptions(use_pinned_memory=ctx.cuda, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=ctx.cuda))
+    def new_stager() -> Any:
+        return DefaultStager(StagingOptions(use_pinned_memory=ctx.cuda, use_shared_memory=False, use_async_staging=False,
+                                            use_non_blocking_copy=ctx.cuda))
+
+    stager, note = new_stager(), ""
     try:
         for i in range(2):
             path = os.path.join(where, f"dcp_{i}")
             ctx.sync()
             t0 = time.perf_counter()
-            resp = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
+            try:
+                resp = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
+            except Exception as e:  # noqa: BLE001 - torch 2.11's stager failed its second save on an H200
+                ctx.emit(what="dcp async_save (pinned stager)", save=i + 1, error=f"{type(e).__name__}: {e}"[:200], **base)
+                stager.close()
+                stager, note = new_stager(), "a fresh stager (the reused one failed)"
+                ctx.sync()
+                t0 = time.perf_counter()
+                resp = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
             stall = time.perf_counter() - t0
             _wait(resp)
             total = time.perf_counter() - t0
             ctx.emit(what="dcp async_save (pinned stager)", save=i + 1, stall_s=round(stall, 4),
-                     x_pinned_copy=round(stall / copy_s, 2), save_s=round(total, 2), **base)
+                     x_pinned_copy=round(stall / copy_s, 2), save_s=round(total, 2), note=note, **base)
             shutil.rmtree(path, ignore_errors=True)
     finally:
         stager.close()

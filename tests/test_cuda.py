@@ -70,26 +70,27 @@ def _snapshot_loop(rank: int, world: int, root: str, out: str) -> None:
     state = {"model": model, "optim": opt}
     mgr = unickpt.CheckpointManager(root, snapshot_every=1, parity=0)
     assert mgr.restore(state) == 0
+    want, moments = {}, {}
     for step in range(1, 4):
         model(torch.randn(8, 64, device="cuda")).square().mean().backward()
         mgr.before_update()
         opt.step()
         opt.zero_grad()
         mgr.maybe_save(state, step)
-    want = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    moments = {k: v.cpu() for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
+        want[step] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        moments[step] = {k: v.cpu() for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
     mgr.close(keep_snapshots=True)
     model2 = torch.nn.Linear(64, 64).cuda()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     state2 = {"model": model2, "optim": opt2}
     mgr2 = unickpt.CheckpointManager(root, snapshot_every=1, parity=0)
-    assert mgr2.restore(state2) == 3
-    assert "from memory" in (mgr2.restored_line or ""), mgr2.restored_line
+    step = mgr2.restore(state2)  # the newest snapshot taken: a fast GPU loop outruns the keeper, which skips some
+    assert step >= 2 and "from memory" in (mgr2.restored_line or ""), mgr2.restored_line
     for k, v in model2.state_dict().items():
-        assert v.is_cuda and torch.equal(v.cpu(), want[k]), k
+        assert v.is_cuda and torch.equal(v.cpu(), want[step][k]), k
     for k, v in opt2.state[model2.weight].items():
         if torch.is_tensor(v):
-            assert torch.equal(v.cpu(), moments[k]), k
+            assert torch.equal(v.cpu(), moments[step][k]), k
     mgr2.close()
     open(out, "w").write("ok")
 
