@@ -10,7 +10,8 @@ tests/ds_moe_train.py: a Mixtral-shaped decoder, 2 MoE layers of 4 SwiGLU expert
   bitwise equal to the ground truth each rank took from its live optimizer after saving
   (global expert = ep_rank * num_local_experts + local, DeepSpeed's own numbering), loaded
   into one process holding all experts, and onto expert-parallel degrees 1 and 4 (each target
-  rank's local experts through ``presets.deepspeed_moe``);
+  rank's local experts through ``presets.deepspeed_moe``), and onto the ZeRO-1 flat
+  partitions of a 2-rank job at ep=1 (``ZeroPlan``);
 * ``inspect`` and ``verify`` list every expert; the source ledger accounts for every byte of
   every file with nothing skipped;
 * the Hugging Face export (``--names mixtral``) loads into ``transformers``'
@@ -145,6 +146,36 @@ def test_onto_another_expert_parallel_degree(runs, case: str, ep: int) -> None:
                 assert bitwise_equal(optim[n][k], truth["params"][g][k]), (case, ep, r, n, k)
             assert bitwise_equal(optim[n]["step"], truth["step"])
     assert seen == set(truth["module"])  # every global expert landed on some rank
+
+
+@pytest.mark.parametrize("case", ["ep2_dp2_zero2", "ep2_dp2_zero1_data_first"])
+def test_onto_zero_partitions_of_another_layout(runs, case: str) -> None:
+    """Saved on 4 ranks (ep=2, each expert's partitions over 2 ranks), loaded onto 2 ranks at
+    ep=1 under ZeRO-1 (``ZeroPlan``): the dense group flat over dp=2, the expert group (all 4
+    experts local, DeepSpeed's local names) flat over its expert-data-parallel degree 2.
+    Each rank's flat fp32, exp_avg and exp_avg_sq partitions are bitwise the live state's
+    parameters laid end to end and cut in two."""
+    from unickpt.rules import ZeroPlan
+
+    ckpt, truth = runs[case]
+    rules = presets.deepspeed_moe(EXPERTS)
+    names = list(truth["module"])  # model order; at ep=1 local names are global names
+    groups = [[n for n in names if not EXPERT.search(n)], [n for n in names if EXPERT.search(n)]]
+    for r in range(2):
+        coords = [Coords(dp=2, dp_rank=r), Coords(ep=1, dp=2, dp_rank=r)]  # dense, experts
+        plans = [ZeroPlan(rules, c, {n: truth["module"][n].shape for n in g}, 1, groups=[g]) for c, g in zip(coords, groups)]
+        flats = [{k: torch.full((p.numels[0],), float("nan")) for k in KEYS} for p in plans]
+        model, optim = {}, {}
+        for plan, flat in zip(plans, flats):
+            for name, leaves in plan.state({k: [t] for k, t in flat.items()}, "load").items():
+                model[name] = leaves.pop("fp32")
+                optim[name] = leaves
+        unickpt.load({"model": model, "optim": {"state": optim}}, ckpt)
+        for g, flat in zip(groups, flats):
+            for k, buf in flat.items():
+                whole = torch.cat([truth["params"][n][k].reshape(-1) for n in g])
+                whole = torch.cat([whole, whole.new_zeros(-whole.numel() % 2)])
+                assert bitwise_equal(buf, whole.chunk(2)[r]), (case, r, k)
 
 
 @pytest.mark.parametrize("case", CASES)
