@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=2, help="expert-parallel degree (ep_size)")
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (global)")
     p.add_argument("--stage", type=int, default=1, choices=(1, 2), help="ZeRO stage")
+    p.add_argument("--bf16", action="store_true", help="bf16 module with fp32 master weights")
     p.add_argument("--data-first", action="store_true",
                    help="DeepSpeed's use_data_before_expert_parallelism (expert-data-parallel groups of consecutive ranks)")
     p.add_argument("--steps", type=int, default=3)
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         "train_batch_size": args.global_batch, "train_micro_batch_size_per_gpu": args.global_batch // world,
         "gradient_accumulation_steps": 1, "zero_optimization": {"stage": args.stage},
         "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10**9,
-        "use_data_before_expert_parallelism": args.data_first,
+        "use_data_before_expert_parallelism": args.data_first, "bf16": {"enabled": args.bf16},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     data = MarkovTokens(64, args.seq, args.vocab, 0)

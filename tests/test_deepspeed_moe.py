@@ -2,7 +2,8 @@
 tests/ds_moe_train.py: a Mixtral-shaped decoder, 2 MoE layers of 4 SwiGLU experts,
 ``ep_size=2``), read in place:
 
-* 2 ranks, ZeRO-1 (each rank holds 2 experts, expert-data-parallel degree 1); 4 ranks,
+* 2 ranks, ZeRO-1, bf16 module with fp32 master weights (each rank holds 2 experts,
+  expert-data-parallel degree 1); 4 ranks,
   ZeRO-2 (expert-data-parallel degree 2: each expert's ZeRO partitions span 2 ranks); 4 ranks,
   ZeRO-1, with DeepSpeed's ``use_data_before_expert_parallelism`` (ranks 0 and 1 hold experts
   0-1, ranks 2 and 3 experts 2-3, where the default puts them on ranks 0, 2 and 1, 3);
@@ -39,8 +40,9 @@ from ds_cases import HERE, assert_every_byte, bitwise_equal, ds_env, run_torchru
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 EXPERTS, LAYERS = 4, 2
-# case -> (ranks, ZeRO stage, DeepSpeed's use_data_before_expert_parallelism)
-CASES = {"ep2_dp1_zero1": (2, 1, False), "ep2_dp2_zero2": (4, 2, False), "ep2_dp2_zero1_data_first": (4, 1, True)}
+# case -> (ranks, ZeRO stage, DeepSpeed's use_data_before_expert_parallelism, bf16 module)
+CASES = {"ep2_dp1_zero1_bf16": (2, 1, False, True), "ep2_dp2_zero2": (4, 2, False, False),
+         "ep2_dp2_zero1_data_first": (4, 1, True, False)}
 EXPERT = re.compile(r"\.deepspeed_experts\.(\d+)\.")
 KEYS = {"fp32": "model.{}", "exp_avg": "optim.state.{}.exp_avg", "exp_avg_sq": "optim.state.{}.exp_avg_sq"}
 
@@ -51,11 +53,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict]
     full tensor}}, "module": {global name: tensor}, "step": tensor})."""
     root = tmp_path_factory.mktemp("dsmoe")
     out = {}
-    for case, (ranks, stage, data_first) in CASES.items():
+    for case, (ranks, stage, data_first, bf16) in CASES.items():
         ckpt, truth = root / case / "ckpt", root / case / "truth"
         run_torchrun(ranks, os.path.join(HERE, "ds_moe_train.py"), "--ep", "2", "--experts", str(EXPERTS), "--layers",
                      str(LAYERS), "--stage", str(stage), "--save-dir", str(ckpt), "--truth", str(truth),
-                     *(["--data-first"] if data_first else []))
+                     *(["--data-first"] if data_first else []), *(["--bf16"] if bf16 else []))
         out[case] = (str(ckpt), _assemble([torch.load(truth / f"rank_{r}.pt") for r in range(ranks)]))
     return out
 
@@ -108,13 +110,20 @@ def test_every_expert_in_one_process(runs, case: str) -> None:
     state = {name.format(p): torch.empty_like(t) for p, keys in truth["params"].items() for k, t in keys.items()
              for name in [KEYS[k]]}
     state.update({f"optim.state.{p}.step": torch.empty_like(truth["step"]) for p in truth["params"]})
+    bf16 = CASES[case][3]
+    if bf16:  # the module's bf16 copy (the expert files' for experts) beside the fp32 master
+        state.update({f"module.{p}": torch.empty_like(t) for p, t in truth["module"].items()})
     assert set(state) == set(m.tensors)  # nothing more, nothing less
     unickpt.load(state, ckpt)
     for p, keys in truth["params"].items():
         for k, t in keys.items():
             assert bitwise_equal(state[KEYS[k].format(p)], t), (case, p, k)
         assert bitwise_equal(state[f"optim.state.{p}.step"], truth["step"])
-        assert bitwise_equal(truth["module"][p], keys["fp32"])  # fp32 training: the module copy is the master
+        if bf16:
+            assert truth["module"][p].dtype == torch.bfloat16
+            assert bitwise_equal(state[f"module.{p}"], truth["module"][p]), (case, p)
+        else:  # fp32 training: the module copy is the master
+            assert bitwise_equal(truth["module"][p], keys["fp32"])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -131,7 +140,7 @@ def test_onto_another_expert_parallel_degree(runs, case: str, ep: int) -> None:
     seen = set()
     for r in range(ep):
         coords = Coords(ep=ep, ep_rank=r)
-        model = {n: torch.empty_like(truth["module"][rules.global_name(n, coords)]) for n in local_names}
+        model = {n: torch.empty_like(truth["params"][rules.global_name(n, coords)]["fp32"]) for n in local_names}
         optim = {n: {"exp_avg": torch.empty_like(t), "exp_avg_sq": torch.empty_like(t), "step": torch.tensor(0.0)}
                  for n, t in model.items()}
         unickpt.load({"model": apply_rules(model, rules, coords, "load"),
@@ -191,7 +200,10 @@ def test_inspect_verify_and_ledger_list_every_expert(runs, case: str) -> None:
     replicas = m.provenance["replicas"]
     for name in _expert_names(truth):
         assert f"model.{name}" in m.tensors
-        assert replicas[f"module.{name}"].startswith("the module's copy")
+        if CASES[case][3]:  # bf16: the expert files hold the module's own copy, read
+            assert m.tensors[f"module.{name}"].dtype == "BF16"
+        else:
+            assert replicas[f"module.{name}"].startswith("the module's copy")
     listed = {}
     for cmd in (["inspect", ckpt, "--json"], ["verify", ckpt]):
         r = subprocess.run([sys.executable, "-m", "unickpt", *cmd], capture_output=True, text=True, env=ds_env(),
@@ -217,7 +229,7 @@ def test_refused_without_zero_files(runs, tmp_path) -> None:
     as DeepSpeed writes without ZeRO) is refused naming the expert files, nothing read."""
     from unickpt.errors import LayoutError
 
-    tag = _copy_tag(runs, "ep2_dp1_zero1", tmp_path / "global_step3")
+    tag = _copy_tag(runs, "ep2_dp2_zero2", tmp_path / "global_step3")
     for f in os.listdir(tag):
         if f.startswith("zero_pp_rank_"):
             os.remove(os.path.join(tag, f))
@@ -233,11 +245,11 @@ def test_missing_expert_file_or_expp_file(runs, tmp_path) -> None:
     from unickpt.adapters.regions import source_ledger
     from unickpt.errors import CorruptionError
 
-    tag = _copy_tag(runs, "ep2_dp1_zero1", tmp_path / "missing")
+    tag = _copy_tag(runs, "ep2_dp2_zero2", tmp_path / "missing")
     os.remove(os.path.join(tag, "layer_1_expert_3_mp_rank_00_model_states.pt"))
     with pytest.raises(CorruptionError, match="MoE layer 1 has 3 expert files"):
         unickpt.read_manifest(tag)
-    tag = _copy_tag(runs, "ep2_dp1_zero1", tmp_path / "expp")
+    tag = _copy_tag(runs, "ep2_dp2_zero2", tmp_path / "expp")
     torch.save({"optimizer": None}, os.path.join(tag, "expp_rank_0_mp_rank_00_optim_states.pt"))
     assert_every_byte(tag)
     torch.save({"optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}},
