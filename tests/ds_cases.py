@@ -39,8 +39,14 @@ def ds_train(nproc: int, *args: str) -> None:
           DS_TRAIN, *args])
 
 
+def run_torchrun(nproc: int, script: str, *args: str) -> None:
+    """Run ``script`` on ``nproc`` ranks (torchrun, CPU, gloo through DeepSpeed's environment)."""
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+          script, *args])
+
+
 def ds_parallel_train(nproc: int, mode: str, out: str) -> None:
-    """Run tests/ds_parallel_train.py (``pp``, ``moe`` or ``tp``) on ``nproc`` ranks."""
+    """Run tests/ds_parallel_train.py (``pp`` or ``tp``) on ``nproc`` ranks."""
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
           os.path.join(HERE, "ds_parallel_train.py"), mode, out])
 

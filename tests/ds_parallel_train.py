@@ -3,8 +3,6 @@ tests/test_deepspeed_layouts.py:
 
 * ``pp``: a PipelineModule of 4 layers in 2 stages (ZeRO-1): ``layer_XX-model_states.pt``,
   ``mp_rank_00/01_model_states.pt``, ``zero_pp_rank_0_mp_rank_00/01_optim_states.pt``;
-* ``moe``: an MoE layer of 2 experts, expert-parallel over the 2 ranks (ZeRO-1):
-  ``layer_0_expert_{0,1}_mp_rank_00_model_states.pt`` and expert optimizer groups;
 * ``tp``: an MLP under AutoTP (column- then row-parallel, a replicated norm), tensor-parallel over the 2
   ranks (ZeRO-1):
   ``mp_rank_00/01`` files with DeepSpeed's ``universal_checkpoint_info``.
@@ -15,7 +13,6 @@ tests/test_deepspeed_layouts.py:
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -50,33 +47,6 @@ def pipeline(deepspeed, out: str) -> None:
     engine.save_checkpoint(out)
 
 
-def experts(deepspeed, out: str, rank: int) -> None:
-    from deepspeed.moe.layer import MoE
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(8, 8)
-            self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, k=1, min_capacity=0)
-            self.out = nn.Linear(8, 4)
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            h, aux, _ = self.moe(self.inp(x))
-            return self.out(h), aux
-
-    model = Model()
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=_config())
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        x, y = torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 4, generator=g)
-        o, aux = engine(x)
-        engine.backward(nn.functional.mse_loss(o, y) + aux)
-        engine.step()
-    engine.save_checkpoint(out)
-
-
 def tensor_parallel(deepspeed, out: str) -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -105,19 +75,18 @@ def tensor_parallel(deepspeed, out: str) -> None:
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
-    import deepspeed
     import torch.distributed as dist
 
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # see tests/ds_train.py
-    deepspeed.init_distributed(dist_backend="gloo")
+    from ds_job import init_gloo
+
+    deepspeed = init_gloo()
     torch.manual_seed(0)
-    {"pp": lambda: pipeline(deepspeed, out), "moe": lambda: experts(deepspeed, out, dist.get_rank()),
-     "tp": lambda: tensor_parallel(deepspeed, out)}[mode]()
+    {"pp": lambda: pipeline(deepspeed, out), "tp": lambda: tensor_parallel(deepspeed, out)}[mode]()
     dist.barrier()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see tests/ds_train.py: DeepSpeed's process groups outlive the interpreter's finalization
+    from ds_job import leave_without_finalizing
+
+    leave_without_finalizing()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -65,19 +64,13 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import deepspeed
     import torch.distributed as dist
 
+    from ds_job import init_gloo
     from unickpt.examples.data import MarkovTokens, ReshardableLoader
     from unickpt.examples.model import ModelArgs, Transformer
 
-    # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel on first use
-    # (minutes on a small machine, cached under ~/.cache/torch_extensions); gloo is all these
-    # tests need, so the kernel is skipped: deterministic and no compiler needed
-    import importlib
-
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = init_gloo()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     model = Transformer(ModelArgs(args.dim, args.layers, args.heads, args.kv_heads, args.vocab, args.seq))
@@ -142,11 +135,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # DeepSpeed keeps its process groups in module globals, so they outlive
-    # destroy_process_group() and are destroyed during interpreter finalization, where
-    # gloo's threads can abort the process ("terminate called without an active
-    # exception", seen once in CI after a complete run). Everything is written and every
-    # rank has passed the final barrier: leave without finalizing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from ds_job import leave_without_finalizing
+
+    leave_without_finalizing()

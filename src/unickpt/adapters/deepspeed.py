@@ -25,7 +25,7 @@ so a DeepSpeed checkpoint loads into it and the other way round):
 * values: ``train.step`` (= ``deepspeed.global_steps``), ``deepspeed.global_samples``,
   ``deepspeed.skipped_steps``, ``deepspeed.zero_stage``, ``deepspeed.dp_world_size``,
   ``deepspeed.ds_version``, ``deepspeed.lr_scheduler``, ``deepspeed.ds_config``,
-  ``deepspeed.clip_grad`` and ``optim.param_groups`` (the hyperparameters of each group).
+  ``deepspeed.clip_grad``, ``deepspeed.num_experts`` (MoE) and ``optim.param_groups`` (the hyperparameters of each group).
 
 ZeRO-1/2: each rank's optimizer file holds, per parameter group, one flat fp32 partition
 (and flat ``exp_avg`` / ``exp_avg_sq``); ``param_slice_mappings`` gives each parameter's
@@ -41,10 +41,17 @@ shard of a parameter is a box of the global tensor, given by the checkpoint's
 ``universal_checkpoint_info`` (affine map or name patterns); its flat slices are pieces of
 that box.
 
+MoE (expert parallel, ZeRO-1/2, no tensor or pipeline parallelism): each rank's local
+expert names become global ones (expert ``ep_rank * num_local_experts + local``,
+:mod:`unickpt.adapters.deepspeed_moe`) before its flat slices are placed; the
+``layer_L_expert_E`` files' module copies are replicas of the master weights (or
+``module.`` entries in bf16/fp16 runs).
+
 Refused with a LayoutError naming the reason (never half-read): tensor-parallel checkpoints
 without ``universal_checkpoint_info`` or with layouts it describes that are not boxes
-(fused, averaged, vocabulary-padded), tensor and pipeline parallelism together, MoE expert
-files, parameters tied across pipeline stages. Not read: NVMe-offloaded state.
+(fused, averaged, vocabulary-padded), tensor and pipeline parallelism together, MoE under
+ZeRO-3, without ZeRO or with tensor or pipeline parallelism, parameters tied across
+pipeline stages. Not read: NVMe-offloaded state.
 Tensors of the source left out of the manifest are listed with the reason in
 ``manifest.provenance["skipped"]`` (placeholders without data, optimizer state that is
 not a flat partition), further copies of data read once from another copy (module copies
@@ -70,6 +77,7 @@ from ..format.values import encode_value
 from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.open import open_storage
+from .deepspeed_moe import ExpertLayout, expert_layout
 from .torch_archive import StoredTensor, archive_layout, read_archive
 
 
@@ -423,18 +431,43 @@ def _rank_files(names: list[str], pattern: re.Pattern[str]) -> dict[int, dict[in
     return {mp: dict(sorted(d.items())) for mp, d in sorted(found.items())}
 
 
-def _refuse_experts(tag_dir: str, names: list[str], model: dict[str, Any]) -> None:
-    """MoE checkpoints are refused whole: expert parameters carry names local to their
-    expert-parallel rank and are partitioned over the expert-data-parallel group only."""
-    experts = sorted(n for n in names if EXPERT_MODEL_FILE.match(n) or EXPERT_OPTIM_FILE.match(n))
+def _expert_files(names: list[str]) -> list[str]:
+    return sorted(n for n in names if EXPERT_MODEL_FILE.match(n) or EXPERT_OPTIM_FILE.match(n))
+
+
+def _refuse_experts(tag_dir: str, names: list[str], model: dict[str, Any], why: str) -> None:
+    """Refuse a DeepSpeed MoE checkpoint whole when its layout is one unickpt does not map to
+    global experts (``why``); a checkpoint without experts passes."""
+    experts = _expert_files(names)
     if experts or model.get("num_experts"):
         shown = ", ".join(experts[:3]) + (", ..." if len(experts) > 3 else "")
         raise LayoutError(
             f"{tag_dir}: a DeepSpeed MoE (expert-parallel) checkpoint (expert files: {shown or 'none'}; "
-            f"num_experts={_plain(model.get('num_experts', '?'))}) is not supported: its expert parameters are named "
-            "locally to their expert-parallel rank and their optimizer state is partitioned over the "
-            "expert-data-parallel group; unickpt does not map them to global experts yet, so nothing was read"
+            f"num_experts={_plain(model.get('num_experts', '?'))}) {why} is not supported: unickpt maps expert "
+            "parameters to global experts for ZeRO-1/2 without tensor or pipeline parallelism only; nothing was read"
         )
+
+
+def _read_expert_layout(b: _Builder, tag_dir: str, names: list[str], osd0: dict[str, Any], model: dict[str, Any],
+                        world: int) -> tuple[ExpertLayout, dict[str, dict[str, Any]]]:
+    """The expert placement of a ZeRO-1/2 MoE checkpoint and its expert model files (name ->
+    state dict, keyed by global expert names); ``expp_rank_*`` optimizer files, which hold no
+    ZeRO state, are opened and any tensor in them reported as skipped."""
+    expert_sds = {}
+    for fname in _expert_files(names):
+        sd = b.archive(fname)
+        if EXPERT_OPTIM_FILE.match(fname):
+            for path, t in _tensor_paths(sd, ""):
+                b.skip(f"{fname}:{path}", "optimizer state outside ZeRO in an expert-parallel optimizer file (its "
+                       "parameters are indices, not names): ZeRO's own partitions are read", t)
+            continue
+        if not isinstance(sd, dict):
+            raise CorruptionError(f"{fname}: not a state dict of one expert")
+        expert_sds[fname] = sd
+    base = osd0.get("base_optimizer_state") if isinstance(osd0.get("base_optimizer_state"), dict) else {}
+    layout = expert_layout(tag_dir, world, base.get("param_groups"), osd0.get("partition_count"),
+                           {f: list(sd) for f, sd in expert_sds.items()}, model.get("num_experts"), model.get("ds_config"))
+    return layout, expert_sds
 
 
 def _parallel_degrees(model: dict[str, Any], mps: list[int], has_layer_files: bool) -> tuple[int, int]:
@@ -478,11 +511,14 @@ def _flat_moments(b: _Builder, state: dict[str, Any], flat: StoredTensor, paddin
 
 def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tuple[int, ...]], stage: int, rank_base: int,
                        loaded: dict[str, Any], master_dtype: dict[str, str],
-                       tp_shards: dict[str, tuple[tuple[int, ...], Box | None]] | None = None) -> None:
+                       tp_shards: dict[str, tuple[tuple[int, ...], Box | None]] | None = None,
+                       experts: ExpertLayout | None = None) -> None:
     """The fp32 partitions and flat optimizer states of one set of data-parallel ranks (the
     whole job, one pipeline stage, or one tensor-parallel rank: then ``tp_shards`` maps each
     parameter to its global shape and the box of it this rank's shard holds, None for a
-    replica that a lower tensor-parallel rank holds too)."""
+    replica that a lower tensor-parallel rank holds too). With ``experts`` (an MoE
+    checkpoint), the local expert names of each rank's expert groups are made global first:
+    an expert's partitions are those of the ranks holding it, in numeric order."""
     layout = f"deepspeed zero-{stage} flat partition"
     filled: dict[str, int] = {}
     for dp, fname in files.items():
@@ -510,11 +546,14 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
             for name, addr in mapping.items():
                 if name not in shapes:
                     raise CorruptionError(f"{fname}: parameter {name!r} has no shape in param_shapes")
+                local_name = name
+                if experts is not None:
+                    name = experts.global_name(rank_base + dp, g, name, fname)
                 # in_flat: where the slice lies in this rank's partition; in_param: where it
                 # lies in the flattened parameter (after the slices of all lower ranks)
                 in_flat, numel = int(getattr(addr, "start", 0)), int(getattr(addr, "numel", 0))
                 in_param = filled.get(name, 0)
-                shape, box = tp_shards[name] if tp_shards else (shapes[name], None)
+                shape, box = tp_shards[name] if tp_shards else (shapes[local_name], None)
                 filled[name] = in_param + numel
                 if tp_shards and box is None:
                     for key, t in (("fp32", flat), *moments.items()):
@@ -531,8 +570,10 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
 
 def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
     names = open_storage(tag_dir).names()
-    _refuse_experts(tag_dir, names, {})
     optim = _rank_files(names, OPTIM_FILE)
+    if not optim:
+        _refuse_experts(tag_dir, names, {}, "without ZeRO (no zero_pp_rank_* optimizer files)")
+        raise NotACheckpointError(f"{tag_dir}: no zero_pp_rank_*_optim_states.pt files")
     mps = list(optim)
     if mps != list(range(len(mps))):
         raise CorruptionError(f"{tag_dir}: optimizer files of model-parallel ranks {mps} (some are missing)")
@@ -555,13 +596,18 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
             raise CorruptionError(f"{tag_dir}: {model_name} is missing")
         models[mp] = b.archive(model_name)
     model = models[0]
-    _refuse_experts(tag_dir, names, model)
     layer_files: dict[int, list[str]] = {}
     for n in names:
         m = LAYER_FILE.match(n)
         if m:
             layer_files.setdefault(int(m.group(1)), []).append(n)
     pp, tp = _parallel_degrees(model, mps, bool(layer_files))
+    experts: ExpertLayout | None = None
+    expert_sds: dict[str, dict[str, Any]] = {}
+    if len(mps) > 1 or layer_files:
+        _refuse_experts(tag_dir, names, model, f"with tensor or pipeline parallelism (tp_degree={tp}, pp_degree={pp})")
+    elif _expert_files(names) or model.get("num_experts"):
+        experts, expert_sds = _read_expert_layout(b, tag_dir, names, osd0, model, dp_world)
     if tp > 1 and pp == 1 and not layer_files and isinstance(model.get("universal_checkpoint_info"), dict):
         return _read_tensor_parallel(b, tag_dir, optim, models, stage, first_name, first, osd0, tp)
     if tp > 1 or any(len(v) > 1 for v in layer_files.values()):
@@ -577,7 +623,7 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
                 raise LayoutError(f"{tag_dir}: parameter {n!r} is tied across pipeline stages (a pipeline-replicated "
                                   "parameter); such DeepSpeed pipeline checkpoints are not supported, nothing was read")
             owner[n] = mp
-        _read_zero12_ranks(b, optim[mp], shapes, stage, mp * dp_world, {first_name: first}, master_dtype)
+        _read_zero12_ranks(b, optim[mp], shapes, stage, mp * dp_world, {first_name: first}, master_dtype, experts=experts)
     _check_complete(b)
     if pp > 1:
         for idx, (fname,) in sorted(layer_files.items()):
@@ -587,7 +633,9 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
             _module_entries(b, {f"{idx}.{k}": v for k, v in layer.items()}, set(owner), master_dtype, fname)
     else:
         _aliases(b, model)
-        _module_entries(b, model.get("module"), set(owner), master_dtype, "mp_rank_00_model_states.pt")
+        _module_entries(b, model.get("module"), set(master_dtype), master_dtype, "mp_rank_00_model_states.pt")
+        for fname, sd in expert_sds.items():  # keyed by global names: replicas of the master weights, or module copies
+            _module_entries(b, sd, set(master_dtype), master_dtype, fname)
     _param_groups_value(b, osd0.get("base_optimizer_state", {}).get("param_groups"))
     for key in ("clip_grad", "partition_count", "group_paddings"):
         if key in osd0:
@@ -596,6 +644,9 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
     if pp > 1:
         b.manifest.provenance["pipeline_parallel"] = pp
         b.manifest.provenance["data_parallel"] = dp_world
+    if experts is not None:
+        b.value("deepspeed.num_experts", model.get("num_experts"))
+        b.manifest.provenance["experts"] = experts.describe()
     return b.manifest
 
 
@@ -723,7 +774,7 @@ def _read_zero3(b: _Builder, tag_dir: str, names: list[str], optim: dict[int, st
     if sorted(models) != list(range(world)):
         raise CorruptionError(f"ZeRO-3 checkpoint with model-states files of ranks {sorted(models)} for {world} optimizer files")
     model = b.archive(models[0])
-    _refuse_experts(tag_dir, names, model)
+    _refuse_experts(tag_dir, names, model, "under ZeRO-3")
     groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model.get("param_shapes") or []]
     layout = f"deepspeed zero-{stage} partition"
     all_names: list[str] = []

@@ -1,7 +1,7 @@
 """Name mappings between unickpt checkpoints and Hugging Face ``transformers`` models.
 
-A mapping is a table of name templates, ``{N}`` standing for a layer index, read in both
-directions (export: unickpt -> HF, import: HF -> unickpt). A template may carry a
+A mapping is a table of name templates, ``{N}`` standing for a layer index and ``{E}`` for
+an expert index, read in both directions (export: unickpt -> HF, import: HF -> unickpt). A template may carry a
 *rotary permutation*: the example model (``unickpt.examples.model``) rotates interleaved
 channel pairs ``(0, 1), (2, 3), ...`` of each head, as Meta's original Llama code does,
 while ``transformers`` rotates halves (``rotate_half``: channel ``i`` with ``i + d/2``).
@@ -32,7 +32,14 @@ class NamePair:
 
 
 def _compile(template: str) -> re.Pattern[str]:
-    return re.compile(re.escape(template).replace(r"\{N\}", r"(?P<N>\d+)"))
+    return re.compile(re.escape(template).replace(r"\{N\}", r"(?P<N>\d+)").replace(r"\{E\}", r"(?P<E>\d+)"))
+
+
+def _fill(template: str, m: re.Match[str]) -> str:
+    """``template`` with the indices ``m`` matched (``{N}``, ``{E}``) put in."""
+    for key, value in m.groupdict().items():
+        template = template.replace("{" + key + "}", value)
+    return template
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ class HfMapping:
             m = _compile(p.ours if to_hf else p.hf).fullmatch(name)
             if m:
                 out = p.hf if to_hf else p.ours
-                return (out.replace("{N}", m.group("N")) if "{N}" in out else out), p
+                return _fill(out, m), p
         return None
 
     def hf_name(self, name: str) -> tuple[str, str | None] | None:
@@ -81,7 +88,21 @@ HF_LLAMA = HfMapping(
         NamePair("output.weight", "lm_head.weight"),
     ),
 )
-MAPPINGS = {"llama": HF_LLAMA}
+_DS_EXPERT = "layers.{N}.feed_forward.deepspeed_moe.experts.deepspeed_experts.{E}."
+HF_MIXTRAL = HfMapping(
+    name="mixtral",
+    architecture="MixtralForCausalLM",
+    pairs=tuple(p for p in HF_LLAMA.pairs if ".feed_forward." not in p.ours) + (
+        NamePair("layers.{N}.feed_forward.deepspeed_moe.gate.wg.weight", "model.layers.{N}.block_sparse_moe.gate.weight"),
+        *(NamePair(_DS_EXPERT + f"{w}.weight", "model.layers.{N}.block_sparse_moe.experts.{E}." + f"{w}.weight")
+          for w in ("w1", "w2", "w3")),
+    ),
+)
+"""The example model with DeepSpeed MoE feed-forward blocks (``deepspeed.moe.layer.MoE`` of
+SwiGLU experts ``w1``/``w2``/``w3``, global expert ids as unickpt's DeepSpeed reader names
+them) as Mixtral, in the per-expert layout of Mixtral's published checkpoints
+(``block_sparse_moe.experts.E.w1``), which ``transformers`` loads."""
+MAPPINGS = {"llama": HF_LLAMA, "mixtral": HF_MIXTRAL}
 
 
 def _head_rows(w: torch.Tensor, heads: int) -> tuple[int, int]:

@@ -186,3 +186,15 @@ def megatron_gpt(
     if not tied:
         rules.append(Rule(n["output"], vocab(vocab_size), rename="output.weight" if llama_names else None, stages="last"))
     return Rules(rules, renumber, name=f"megatron-gpt ({naming}, store={store})")
+
+
+def deepspeed_moe(num_experts: int) -> Rules:
+    """Rules for a model with DeepSpeed MoE layers (``deepspeed.moe.layer.MoE``) under expert
+    parallelism, any other parallelism being data parallel: each rank's local experts
+    ``...deepspeed_moe.experts.deepspeed_experts.<local>.`` are global experts
+    ``ep_rank * num_experts / ep + local`` (DeepSpeed's numbering, a ``"chunk"`` split over
+    the ``ep`` axis); every tensor is whole on the ranks holding it (experts, gates and dense
+    parameters alike). ``num_experts``: experts per MoE layer, over all ranks."""
+    return Rules([Rule(r".+", replicated(), stages="any")],
+                 [Renumber(r"\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.", "ep", num_experts, "chunk")],
+                 name="deepspeed-moe")
