@@ -203,6 +203,29 @@ def rules_from_args(args: argparse.Namespace, naming: str) -> Rules:
                         tied=not _arg(args, "untie_embeddings_and_output_weights", False), naming=naming)
 
 
+def hf_config(args: argparse.Namespace, dtype: str) -> dict[str, Any] | None:
+    """A Hugging Face ``LlamaForCausalLM`` config of the model ``args`` describe, when it has
+    Llama's shape (SwiGLU, RMSNorm, rotary embeddings, no biases); else None."""
+    if not (_arg(args, "swiglu") and _arg(args, "normalization") == "RMSNorm"
+            and _arg(args, "position_embedding_type") == "rope" and not _arg(args, "add_bias_linear", True)
+            and not _arg(args, "add_qkv_bias")):
+        return None
+    heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
+    theta = float(_arg(args, "rotary_base", 10000))
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": int(_arg(args, "ffn_hidden_size") or 4 * hidden), "num_hidden_layers": int(args.num_layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_arg(args, "num_query_groups") or heads) if _arg(args, "group_query_attention") else heads,
+        "head_dim": int(_arg(args, "kv_channels") or hidden // heads), "vocab_size": int(args.padded_vocab_size),
+        "max_position_embeddings": int(_arg(args, "max_position_embeddings") or _arg(args, "seq_length") or 2048),
+        "rms_norm_eps": float(_arg(args, "norm_epsilon", 1e-5)), "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False), "torch_dtype": dtype,
+    }
+
+
 class _Builder:
     """The manifest being built, with the ledger's regions of every file read."""
 
@@ -479,6 +502,10 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
     m = b.manifest
     m.provenance = {"format": FORMAT, "checkpoint_version": version, "tensor_parallel": tp, "pipeline_parallel": pp,
                     "naming": naming, "rules": rules.to_json()}
+    embed = next((e for n, e in m.tensors.items() if n.endswith("word_embeddings.weight")), None)
+    config = hf_config(args, {"BF16": "bfloat16", "F16": "float16"}.get(embed.dtype if embed else "", "float32"))
+    if config is not None:  # what `unickpt export --format hf` writes as config.json
+        m.metadata["hf_config"] = encode_value(config, "hf_config")
     if b.skipped:
         m.provenance["skipped"] = dict(b.skipped)
     if b.replicas:
