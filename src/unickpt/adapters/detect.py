@@ -57,6 +57,7 @@ def checkpoint_format(path: str, storage: Storage | None = None, storage_options
             return name
     raise NotACheckpointError(
         f"{path}: not a checkpoint (no manifest.json of unickpt, no metadata.json of Megatron-Core, "
+        "no latest_checkpointed_iteration.txt or mp_rank_*/model_optim_rng.pt of Megatron-LM, "
         "no .metadata of PyTorch DCP, no DeepSpeed model/optimizer states, no Hugging Face *.safetensors)"
     )
 
