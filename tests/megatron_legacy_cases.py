@@ -56,6 +56,7 @@ class Cfg:
     iteration: int = 7
     release: bool = False
     optimizer: bool = True
+    tied: bool = False  # the output layer reuses the word embeddings
 
     @property
     def padded(self) -> int:
@@ -104,7 +105,8 @@ def global_masters(cfg: Cfg, seed: int = 5) -> dict[str, torch.Tensor]:
         for k in LAYER_KEYS:
             out[n[k].format(L=L)] = torch.randn(*shapes[k], generator=g)
     out[n["final"]] = torch.randn(h, generator=g)
-    out[n["output"]] = torch.randn(cfg.padded, h, generator=g)
+    if not cfg.tied:
+        out[n["output"]] = torch.randn(cfg.padded, h, generator=g)
     return out
 
 
@@ -150,7 +152,11 @@ def stage_names(cfg: Cfg, pp_rank: int) -> list[tuple[str, str]]:
         for k in LAYER_KEYS:
             out.append((n[k].format(L=pp_rank * per + i), n[k].format(L=i)))
     if pp_rank == cfg.pp - 1:
-        out += [(n["final"], n["final"]), (n["output"], n["output"])]
+        out.append((n["final"], n["final"]))
+        if not cfg.tied:
+            out.append((n["output"], n["output"]))
+        elif cfg.pp > 1:  # the last stage's copy of the tied embeddings (Megatron's initialize_word_embeddings)
+            out.append((n["embed"], "word_embeddings_for_head.weight" if cfg.naming == "legacy" else "output_layer.weight"))
     return out
 
 
@@ -165,6 +171,9 @@ def _nested(flat: dict[str, Any], naming: str) -> dict[str, Any]:
         return dict(flat)
     out: dict[str, Any] = {}
     for k, v in flat.items():
+        if k == "word_embeddings_for_head.weight":
+            out["word_embeddings_for_head"] = {"weight": v}
+            continue
         lm = k[len("language_model."):]
         if lm.startswith("embedding.word_embeddings."):
             out.setdefault("language_model", {}).setdefault("embedding", {}).setdefault("word_embeddings", {})[lm.rsplit(".", 1)[1]] = v
@@ -202,7 +211,7 @@ def args_of(cfg: Cfg) -> argparse.Namespace:
         num_layers=cfg.layers, hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn, num_attention_heads=cfg.heads,
         group_query_attention=cfg.groups != cfg.heads, num_query_groups=cfg.groups, kv_channels=cfg.head_dim,
         swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
-        untie_embeddings_and_output_weights=True, padded_vocab_size=cfg.padded, make_vocab_size_divisible_by=cfg.divisible,
+        untie_embeddings_and_output_weights=not cfg.tied, padded_vocab_size=cfg.padded, make_vocab_size_divisible_by=cfg.divisible,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, virtual_pipeline_model_parallel_size=None,
         max_position_embeddings=64, seq_length=16, rotary_base=10000, norm_epsilon=1e-5, weight_decay=0.1, lr=1e-2,
         params_dtype=torch.bfloat16, bf16=True, fp16=False, attention_backend=AttnBackend.auto,

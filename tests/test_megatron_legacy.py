@@ -130,6 +130,24 @@ def test_megatron_core_names_release_onto_tp2_pp2(tmp_path: Path) -> None:
                 assert torch.equal(entries["exp_avg_sq"], want[local]), (t, p, local)
 
 
+def test_tied_embeddings_last_stage_copy_is_a_replica(tmp_path: Path) -> None:
+    """Tied embeddings at PP 2: the last stage's ``word_embeddings_for_head`` (and its Adam
+    state) is a replica of the first stage's embedding; everything reads bitwise, the
+    ledger accounts for every byte, and the HF config ties the output to the embeddings."""
+    cfg = cases.Cfg(tied=True)
+    cases.write(cfg, str(tmp_path / "ckpt"))
+    truth = cases.truth(cfg)
+    path = str(tmp_path / "ckpt")
+    m = open_manifest(path)
+    assert not any("output_layer" in n for n in m.tensors)
+    assert any("word_embeddings_for_head" in n for n in m.provenance["replicas"])
+    embed = "language_model.embedding.word_embeddings.weight"
+    assert torch.equal(_bits(unickpt.load_tensor(path, f"model.{embed}")), _bits(truth["model"][embed]))
+    assert torch.equal(unickpt.load_tensor(path, f"optim.state.{embed}.exp_avg"), truth["exp_avg"][embed])
+    assert source_ledger(path).unaccounted == []
+    assert decode_value(m.metadata["hf_config"])["tie_word_embeddings"] is True
+
+
 def test_export_to_hugging_face_llama(expected, tmp_path: Path) -> None:
     """``export --format hf`` writes a Llama model that transformers loads: QKV split per
     query group into q/k/v, fc1 into gate/up, every tensor bitwise the global one."""

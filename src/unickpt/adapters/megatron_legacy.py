@@ -284,7 +284,7 @@ class _Builder:
 class _Rank:
     """One ``model_optim_rng.pt``: its coordinates, file and unpickled content."""
 
-    def __init__(self, tp_rank: int, pp_rank: int, rel: str, obj: Any, coords: Coords) -> None:
+    def __init__(self, rel: str, obj: Any, coords: Coords) -> None:
         if not isinstance(obj, dict):
             raise CorruptionError(f"{rel}: holds a {type(obj).__name__}, not Megatron's state dict")
         self.rel, self.obj, self.coords = rel, obj, coords
@@ -309,7 +309,7 @@ def _place(b: _Builder, rules: Rules, r: _Rank, local: str, t: StoredTensor, nam
         if tg.owner:
             owned.setdefault(stored, []).append(box_piece(tuple(t.shape), tg.local_box, res.stored_box(tg)))
     layout = f"megatron-legacy {res.rule.scheme.describe()}"
-    for i, stored in enumerate(dict.fromkeys(res.part_names)):
+    for stored in dict.fromkeys(res.part_names):
         shape = res.part_shapes[res.part_names.index(stored)]
         b.tensor(name_of(stored), shape, t, owned.get(stored, []), r.rank, layout)
     if not owned:
@@ -337,7 +337,7 @@ def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank) -
             continue
         if not isinstance(v, StoredTensor):
             if v is not None:
-                b.value(f"megatron.model_values.{r.rank}.{local}", v)
+                b.skip(f"{r.rel}:model.{local}", f"a {type(v).__name__} among the model's tensors: not read", v)
             continue
         g = _place(b, rules, r, local, v, lambda n: f"model.{n}", f"model.{local}", _tied_copy(local, args, r))
         params.append((local, g or "", v))
@@ -487,7 +487,7 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
     for (t, p), d in sorted(dirs.items(), key=lambda x: (x[0][1], x[0][0])):
         rel = f"{prefix}{d}/{MODEL_FILE}"
         obj = first if (t, p) == min(dirs) else b.archive(rel)
-        r = _Rank(t, p, rel, obj, Coords(tp=tp, tp_rank=t, pp=pp, pp_rank=p))
+        r = _Rank(rel, obj, Coords(tp=tp, tp_rank=t, pp=pp, pp_rank=p))
         if not isinstance(r.obj.get("model"), dict):
             raise CorruptionError(f"{rel}: no model state dict")
         params = _read_model(b, rules, args, r)
