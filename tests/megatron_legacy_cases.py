@@ -29,6 +29,7 @@ optimizer state comes from its own live ``AdamW`` step on its cut.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import random
 from dataclasses import dataclass, replace
@@ -255,6 +256,9 @@ def write(cfg: Cfg, root: str) -> str:
                                              "decay_style": "cosine", "warmup_steps": 2}
             else:
                 sd["model"] = _nested({k: v.detach().bfloat16() for k, v in local.items()}, cfg.naming)
+            if cfg.naming == "mcore":  # TransformerEngine layers' extra state, as older TE versions return it
+                for i in range(cfg.layers // cfg.pp):
+                    sd["model"][f"decoder.layers.{i}.self_attention.linear_qkv._extra_state"] = io.BytesIO()
             sd["rng_state"] = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                                 "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
                                 "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}]

@@ -117,6 +117,8 @@ def test_megatron_core_names_release_onto_tp2_pp2(tmp_path: Path) -> None:
     truth = cases.truth(one)
     m = open_manifest(str(tmp_path / "ckpt"))
     assert "model.decoder.layers.3.self_attention.linear_qkv.weight" in m.tensors
+    assert "TransformerEngine" in m.provenance["skipped"]["release/mp_rank_00/model_optim_rng.pt:model.decoder.layers.3."
+                                                          "self_attention.linear_qkv._extra_state"]
     cfg = one.at(2, 2)
     for p in range(2):
         for t in range(2):

@@ -13,8 +13,8 @@ Each ``model_optim_rng.pt`` is one ``torch.save`` of ``{"args": argparse.Namespa
 "checkpoint_version": 3.0, "iteration", "model": state dict of the rank's model chunk,
 "optimizer", "opt_param_scheduler", "rng_state", ...}``. It is read with the allow-listing
 unpickler: ``argparse.Namespace``, the enums Megatron puts in its args (kept as their
-names), NumPy's arrays of the RNG state (inert records, reported as skipped) and plain
-data are allowed; any other class is refused (:class:`~unickpt.UnsafePickleError`
+names), NumPy's arrays of the RNG state and TransformerEngine's ``io.BytesIO`` extra state
+(inert records, reported as skipped) and plain data are allowed; any other class is refused (:class:`~unickpt.UnsafePickleError`
 naming it) and nothing of the file runs.
 
 The model's tensors are tensor-parallel slices with stage-local layer numbers. The rules
@@ -97,14 +97,25 @@ def _latin1(text: Any = "", encoding: str = "latin1") -> bytes:
     return text.encode("latin-1")
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` as pickle protocol 2 writes an empty bytes object; nothing else."""
+    if args:
+        raise UnickptError("a bytes(...) record with arguments (protocol 2 writes only bytes())")
+    return b""
+
+
 ALLOWED: dict[tuple[str, str], Any] = {
     ("_codecs", "encode"): _latin1,
+    ("__builtin__", "bytes"): _empty_bytes,
+    ("builtins", "bytes"): _empty_bytes,
     ("argparse", "Namespace"): argparse.Namespace,
     **{key: _enum(key[1]) for key in _ENUMS},
     # np.random.get_state() in the RNG state: read as inert records (reported as skipped)
     **inert_records("numpy.core.multiarray", ("_reconstruct", "scalar")),
     **inert_records("numpy._core.multiarray", ("_reconstruct", "scalar")),
     **inert_records("numpy", ("ndarray", "dtype")),
+    # TransformerEngine's _extra_state (FP8 metadata) as older versions return it: reported as skipped
+    **inert_records("_io", ("BytesIO",)),
 }
 
 
