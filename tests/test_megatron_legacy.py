@@ -224,3 +224,21 @@ def test_old_versions_refused_distributed_optimizer_accounted(tmp_path: Path) ->
         _rewrite(ckpt / f"iter_0000007/mp_rank_{r}/model_optim_rng.pt", lambda sd: sd.update(checkpoint_version=2.0))
     with pytest.raises(LayoutError, match="checkpoint_version 2.0"):
         open_manifest(str(ckpt))
+
+
+def test_cli_verify_and_convert(expected, tmp_path: Path) -> None:
+    """``verify`` names the skipped RNG states (exit 1, 0 with --allow-skip); ``convert
+    --consolidate`` writes a unickpt checkpoint holding the merged global tensors."""
+    from test_cli import invoke
+
+    src = str(FIXTURE / "ckpt")
+    r = invoke("verify", src)
+    assert r.exit_code == 1 and "rng_state" in r.output
+    assert invoke("verify", src, "--allow-skip").exit_code == 0
+    dst = str(tmp_path / "universal")
+    r = invoke("convert", src, dst, "--consolidate", "--allow-skip")
+    assert r.exit_code == 0, r.output
+    qkv = "language_model.encoder.layers.2.self_attention.query_key_value.weight"
+    assert torch.equal(_bits(unickpt.load_tensor(dst, f"model.{qkv}")), _bits(expected["model"][qkv]))
+    assert torch.equal(unickpt.load_tensor(dst, f"optim.state.{qkv}.exp_avg_sq"), expected["exp_avg_sq"][qkv])
+    assert decode_value(unickpt.read_manifest(dst).values["train.step"]) == 7
