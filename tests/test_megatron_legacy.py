@@ -242,3 +242,17 @@ def test_cli_verify_and_convert(expected, tmp_path: Path) -> None:
     assert torch.equal(_bits(unickpt.load_tensor(dst, f"model.{qkv}")), _bits(expected["model"][qkv]))
     assert torch.equal(unickpt.load_tensor(dst, f"optim.state.{qkv}.exp_avg_sq"), expected["exp_avg_sq"][qkv])
     assert decode_value(unickpt.read_manifest(dst).values["train.step"]) == 7
+
+
+def test_onto_a_differently_padded_vocabulary(expected) -> None:
+    """A target padding the vocabulary further (``make_vocab_size_divisible_by`` 64: 64 rows,
+    not 32) gets the checkpoint's 32 rows and zeros past them, with the rules the checkpoint
+    records (``provenance["rules"]``)."""
+    from unickpt.rules import Rules
+
+    path = str(FIXTURE / "ckpt")
+    rules = Rules.from_json(unickpt.read_manifest(path).provenance["rules"])
+    embed = "language_model.embedding.word_embeddings.weight"
+    local = torch.full((64, 8), 3.0, dtype=torch.bfloat16)
+    unickpt.load({"model": apply_rules({embed: local}, rules, Coords(), "load", strict=False)}, path)
+    assert torch.equal(_bits(local[:32]), _bits(expected["model"][embed])) and not local[32:].any()
