@@ -256,3 +256,15 @@ def test_onto_a_differently_padded_vocabulary(expected) -> None:
     local = torch.full((64, 8), 3.0, dtype=torch.bfloat16)
     unickpt.load({"model": apply_rules({embed: local}, rules, Coords(), "load", strict=False)}, path)
     assert torch.equal(_bits(local[:32]), _bits(expected["model"][embed])) and not local[32:].any()
+
+
+def test_chained_optimizer_state_is_reported_not_lost(tmp_path: Path) -> None:
+    """A ChainedOptimizer's list of states is reported as skipped (its bytes owned), the
+    model still read."""
+    ckpt = _copy(tmp_path)
+    for r in ("00_000", "01_000", "00_001", "01_001"):
+        _rewrite(ckpt / f"iter_0000007/mp_rank_{r}/model_optim_rng.pt", lambda sd: sd.update(optimizer=[sd["optimizer"]]))
+    m = open_manifest(str(ckpt))
+    assert "ChainedOptimizer" in m.provenance["skipped"]["iter_0000007/mp_rank_01_001/model_optim_rng.pt:optimizer"]
+    assert not any(n.startswith("optim.state.") for n in m.tensors) and len(m.tensors) == 27
+    assert source_ledger(str(ckpt)).unaccounted == []

@@ -388,7 +388,13 @@ def _read_optimizer(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Ran
                     params: list[tuple[str, str, StoredTensor]]) -> None:
     """The non-distributed optimizer's per-parameter state and fp32 master copies."""
     osd = r.obj.get("optimizer")
+    if isinstance(osd, list):
+        b.skip(f"{r.rel}:optimizer", "the state of a ChainedOptimizer (several optimizers: MoE experts or a "
+               "decoupled learning rate): not read", osd)
+        return
     if not isinstance(osd, dict):
+        if stored_tensors(osd):
+            b.skip(f"{r.rel}:optimizer", f"an optimizer state of type {type(osd).__name__}: not read", osd)
         return
     inner = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd
     groups = inner.get("param_groups") if isinstance(inner.get("param_groups"), list) else []
