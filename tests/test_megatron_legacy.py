@@ -212,7 +212,8 @@ def test_a_class_off_the_allow_list_is_refused_and_never_run(tmp_path: Path) -> 
 
 def test_old_versions_refused_distributed_optimizer_accounted(tmp_path: Path) -> None:
     """A checkpoint_version before 3.0 (another QKV order) is refused with the remedy; a
-    distributed optimizer's ``distrib_optim.pt`` is reported as skipped, its bytes owned."""
+    distributed optimizer's ``distrib_optim.pt`` is reported as skipped, its bytes owned; an
+    fp16 loss scaler is read once (rank 0's)."""
     ckpt = _copy(tmp_path)
     dist = ckpt / "iter_0000007/mp_rank_00_000/distrib_optim.pt"
     torch.save({"param": torch.ones(5)}, dist)
@@ -220,6 +221,12 @@ def test_old_versions_refused_distributed_optimizer_accounted(tmp_path: Path) ->
     assert "not read" in m.provenance["skipped"]["iter_0000007/mp_rank_00_000/distrib_optim.pt"]
     ledger = source_ledger(str(ckpt))
     assert ledger.unaccounted == [] and "iter_0000007/mp_rank_00_000/distrib_optim.pt" in ledger.skipped
+    scaler = {"scale": torch.tensor(4096.0), "growth_tracker": torch.tensor(3, dtype=torch.int32), "hysteresis": 2}
+    for r in ("00_000", "01_000", "00_001", "01_001"):  # an fp16 run's loss scaler, on every rank
+        _rewrite(ckpt / f"iter_0000007/mp_rank_{r}/model_optim_rng.pt", lambda sd: sd["optimizer"].update(grad_scaler=scaler))
+    assert unickpt.load_tensor(str(ckpt), "megatron.grad_scaler.scale").item() == 4096.0
+    assert unickpt.load_tensor(str(ckpt), "megatron.grad_scaler.growth_tracker").item() == 3
+    assert source_ledger(str(ckpt)).unaccounted == []
     for r in ("00_000", "01_000", "00_001", "01_001"):
         _rewrite(ckpt / f"iter_0000007/mp_rank_{r}/model_optim_rng.pt", lambda sd: sd.update(checkpoint_version=2.0))
     with pytest.raises(LayoutError, match="checkpoint_version 2.0"):

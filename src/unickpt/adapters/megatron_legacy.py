@@ -33,7 +33,8 @@ read, and keep their names. Names in the manifest:
   optimizer's indices the way Megatron's ``_get_param_groups`` builds its groups
   (weight-decayed parameters and the others - biases and 1-d tensors - each in model order);
 * values: ``train.step`` (the iteration), ``megatron.args``, ``megatron.checkpoint_version``,
-  ``megatron.opt_param_scheduler``, ``optim.param_groups``, ``megatron.grad_scaler``.
+  ``megatron.opt_param_scheduler``, ``optim.param_groups``; ``megatron.grad_scaler.<key>``
+  (the fp16 loss scaler: ``scale`` and ``growth_tracker`` tensors, its settings values).
 
 Reported as skipped, with the reason (ledger): per-rank RNG states, TransformerEngine
 ``_extra_state``, the distributed optimizer's ``distrib_optim.pt`` (its flat buffers
@@ -384,6 +385,21 @@ def _groups_by_weight_decay(params: list[tuple[str, str, StoredTensor]], groups:
     return out
 
 
+def _grad_scaler(b: _Builder, r: _Rank, scaler: Any) -> None:
+    """The fp16 loss scaler's state (rank 0's): its tensors (``scale``, ``growth_tracker``...)
+    as ``megatron.grad_scaler.<key>`` tensors, the rest as values."""
+    if not isinstance(scaler, dict):
+        if scaler is not None:
+            b.value("megatron.grad_scaler", scaler)
+        return
+    for key, v in scaler.items():
+        name = f"megatron.grad_scaler.{key}"
+        if isinstance(v, StoredTensor):
+            b.tensor(name, v.shape, v, [whole_piece(v.shape)] if v.numel else [], r.rank, "megatron-legacy value")
+        else:
+            b.value(name, v)
+
+
 def _read_optimizer(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank,
                     params: list[tuple[str, str, StoredTensor]]) -> None:
     """The non-distributed optimizer's per-parameter state and fp32 master copies."""
@@ -402,8 +418,7 @@ def _read_optimizer(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Ran
     masters = osd.get("fp32_from_fp16_params")
     if r.coords.tp_rank == 0 and r.coords.pp_rank == 0:
         b.value("optim.param_groups", [{k: v for k, v in g.items()} for g in groups if isinstance(g, dict)])
-        if "grad_scaler" in osd:
-            b.value("megatron.grad_scaler", osd["grad_scaler"])
+        _grad_scaler(b, r, osd.get("grad_scaler"))
     elif "grad_scaler" in osd and stored_tensors(osd["grad_scaler"]):
         b.replica(f"{r.rel}:optimizer.grad_scaler", "the same loss scale on every rank (rank 0's is read)", osd["grad_scaler"])
     if not state and not masters:
