@@ -217,10 +217,13 @@ def rules_from_args(args: argparse.Namespace, naming: str) -> Rules:
 
 def hf_config(args: argparse.Namespace, dtype: str) -> dict[str, Any] | None:
     """A Hugging Face ``LlamaForCausalLM`` config of the model ``args`` describe, when it has
-    Llama's shape (SwiGLU, RMSNorm, rotary embeddings, no biases); else None."""
+    Llama's shape (SwiGLU, RMSNorm, rotary embeddings on every channel rotating halves, no
+    biases, no QK norm, no RoPE scaling); else None (export then needs ``--config``)."""
     if not (_arg(args, "swiglu") and _arg(args, "normalization") == "RMSNorm"
             and _arg(args, "position_embedding_type") == "rope" and not _arg(args, "add_bias_linear", True)
-            and not _arg(args, "add_qkv_bias")):
+            and not _arg(args, "add_qkv_bias") and not _arg(args, "rotary_interleaved")
+            and float(_arg(args, "rotary_percent", 1.0) or 1.0) == 1.0 and not _arg(args, "qk_layernorm")
+            and not _arg(args, "use_rope_scaling")):
         return None
     heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
     theta = float(_arg(args, "rotary_base", 10000))
