@@ -275,3 +275,20 @@ def test_chained_optimizer_state_is_reported_not_lost(tmp_path: Path) -> None:
     assert "ChainedOptimizer" in m.provenance["skipped"]["iter_0000007/mp_rank_01_001/model_optim_rng.pt:optimizer"]
     assert not any(n.startswith("optim.state.") for n in m.tensors) and len(m.tensors) == 27
     assert source_ledger(str(ckpt)).unaccounted == []
+
+
+def test_missing_rank_and_misshapen_tensor_are_named(tmp_path: Path) -> None:
+    """A rank directory missing, or a tensor whose shape does not fit the args, is an error
+    naming it: never a half-read checkpoint."""
+    from unickpt.errors import CorruptionError
+
+    ckpt = _copy(tmp_path)
+    qkv = "self_attention.query_key_value.weight"
+    _rewrite(ckpt / "iter_0000007/mp_rank_01_000/model_optim_rng.pt",
+             lambda sd: sd["model"]["language_model"]["encoder"].update({f"layers.1.{qkv}": torch.zeros(6, 8)}))
+    with pytest.raises(LayoutError, match=r"mp_rank_01_000/model_optim_rng\.pt: model\.language_model\.encoder\.layers\.1\."
+                                          r"self_attention\.query_key_value\.weight does not fit"):
+        open_manifest(str(ckpt))
+    shutil.rmtree(ckpt / "iter_0000007/mp_rank_01_001")
+    with pytest.raises(CorruptionError, match=r"missing: \[\(1, 1\)\]"):
+        open_manifest(str(ckpt))

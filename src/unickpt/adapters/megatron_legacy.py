@@ -314,7 +314,10 @@ def _place(b: _Builder, rules: Rules, r: _Rank, local: str, t: StoredTensor, nam
         b.replica(f"{r.rel}:{what}", "the last pipeline stage's copy of the tied word embeddings "
                   "(read from the first stage)", t)
         return None
-    res = rules.resolve(local, tuple(t.shape), r.coords)
+    try:
+        res = rules.resolve(local, tuple(t.shape), r.coords)
+    except LayoutError as e:
+        raise LayoutError(f"{r.rel}: {what} does not fit the model its args describe: {e}") from None
     if res is None:
         b.skip(f"{r.rel}:{what}", "matches no rule of the Megatron GPT model its args describe", t)
         return None
