@@ -54,33 +54,51 @@ def _experts(ep: int, ep_rank: int, seed: int, kind: str) -> tuple[list[Any], An
     return [SequentialMLP(EXPERTS // ep, cfg, subs, pg_collection=pg) for _ in range(LAYERS)], dp_group
 
 
-def _sharded(layers: list[Any], group: Any, singleton: bool) -> dict[str, Any]:
+def _sharded(layers: list[Any], group: Any, singleton: bool,
+             moments: dict[int, torch.Tensor] | None = None) -> dict[str, Any]:
     """The layers' sharded state as Megatron-Core's ``TransformerBlock`` builds it: the
-    layer axis prepended (``decoder.layers.`` keys), the experts' below it."""
+    layer axis prepended (``decoder.layers.`` keys), the experts' below it; with ``moments``
+    (``{id(param): exp_avg}``) also each parameter's Adam moment as Megatron-Core's
+    optimizers shard it (``make_sharded_optimizer_tensor``, ``optimizer.state.exp_avg.`` keys)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     out: dict[str, Any] = {}
     meta = {"singleton_local_shards": singleton, "dp_cp_group": group}
     for i, mlp in enumerate(layers):
         sd = mlp.sharded_state_dict(prefix=PREFIX, sharded_offsets=((0, i, LAYERS),), metadata=meta)
         out.update({f"layer{i}.{k}": v for k, v in sd.items() if not isinstance(v, ShardedObject)})
+        for k, v in sd.items():
+            if moments is not None and not isinstance(v, ShardedObject):
+                out[f"optim.layer{i}.{k}"] = make_sharded_optimizer_tensor(v, moments[id(v.data)], "optimizer.state.exp_avg")
     return out
 
 
-def live(layers: list[Any], ep_rank: int) -> dict[str, torch.Tensor]:
+def _moments(layers: list[Any], seed: int) -> dict[int, torch.Tensor]:
+    """An Adam ``exp_avg`` for every parameter of the layers (``{id(param): tensor}``)."""
+    g = torch.Generator().manual_seed(seed)
+    return {id(p): torch.randn(p.shape, generator=g) for mlp in layers for p in mlp.parameters()}
+
+
+def live(layers: list[Any], ep_rank: int, moments: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """``{"L.E.fc1"|"L.E.fc2": weight}`` of the live experts, keyed by their global expert id
     (``[out, in]`` as a linear layer's weight; GroupedMLP's ``weight1``/``weight2`` viewed per
-    expert as its forward does, ``[in, out]``, transposed)."""
+    expert as its forward does, ``[in, out]``, transposed); with ``moments``, the parameters'
+    moments viewed the same way."""
     per = layers[0].num_local_experts
+
+    def of(p: torch.Tensor) -> torch.Tensor:
+        return p if moments is None else moments[id(p)]
+
     out = {}
     for i, mlp in enumerate(layers):
         for j in range(per):
             g = ep_rank * per + j
             if hasattr(mlp, "local_experts"):
-                fc1, fc2 = mlp.local_experts[j].linear_fc1.weight, mlp.local_experts[j].linear_fc2.weight
+                fc1, fc2 = of(mlp.local_experts[j].linear_fc1.weight), of(mlp.local_experts[j].linear_fc2.weight)
             else:
-                fc1 = mlp.weight1.view(per, HIDDEN, -1)[j].t()
-                fc2 = mlp.weight2.view(per, -1, HIDDEN)[j].t()
+                fc1 = of(mlp.weight1).view(per, HIDDEN, -1)[j].t()
+                fc2 = of(mlp.weight2).view(per, -1, HIDDEN)[j].t()
             out[f"{i}.{g}.fc1"] = fc1.detach().contiguous().clone()
             out[f"{i}.{g}.fc2"] = fc2.detach().contiguous().clone()
     return out
@@ -91,8 +109,10 @@ def save(rank: int, world: int, path: str, kind: str, singleton: bool) -> None:
     from megatron.core import dist_checkpointing
 
     layers, group = _experts(world, rank, 0, kind)
-    dist_checkpointing.save(_sharded(layers, group, singleton), path)
-    torch.save(live(layers, rank), f"{path}.live.{rank}")
+    moments = _moments(layers, 50 + rank)
+    dist_checkpointing.save(_sharded(layers, group, singleton, moments), path)
+    torch.save({**live(layers, rank), **{f"{k}.exp_avg": v for k, v in live(layers, rank, moments).items()}},
+               f"{path}.live.{rank}")
 
 
 def megatron_load(rank: int, world: int, path: str, kind: str, singleton: bool) -> None:

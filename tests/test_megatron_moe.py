@@ -38,25 +38,32 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _live(path: Path) -> dict[str, torch.Tensor]:
-    return {**torch.load(f"{path}.live.0"), **torch.load(f"{path}.live.1")}
+def _live(path: Path, moments: bool = False) -> dict[str, torch.Tensor]:
+    """``{"L.E.fc1"|"L.E.fc2": live weight}`` of both ranks (their ``exp_avg`` with ``moments``)."""
+    both = {**torch.load(f"{path}.live.0"), **torch.load(f"{path}.live.1")}
+    if moments:
+        return {k[:-len(".exp_avg")]: v for k, v in both.items() if k.endswith(".exp_avg")}
+    return {k: v for k, v in both.items() if not k.endswith(".exp_avg")}
 
 
 @pytest.mark.parametrize("kind", ["sequential", "grouped"])
 def test_every_global_expert_onto_one_process(root: Path, kind: str) -> None:
     """EP 2 -> 1: the stacked ``[layer, expert, out, in]`` tensors hold each rank's live
-    experts at their global ids (local expert j of EP rank r is expert 2r + j), as
-    Megatron-Core's own EP=1 load also finds them; the ledger accounts for every byte."""
+    experts, and their Adam moments, at their global ids (local expert j of EP rank r is
+    expert 2r + j), as Megatron-Core's own EP=1 load also finds them; the ledger accounts
+    for every byte."""
     path = root / kind
     live = _live(path)
     assert len(live) == 2 * cases.LAYERS * cases.EXPERTS
     megatron = torch.load(f"{path}.megatron_ep1")
-    fc1, fc2 = unickpt.load_tensor(str(path), FC1), unickpt.load_tensor(str(path), FC2)
-    assert fc1.shape == (cases.LAYERS, cases.EXPERTS, 2 * cases.FFN, cases.HIDDEN)
+    for state, prefix in ((live, ""), (_live(path, moments=True), "optimizer.state.exp_avg.")):
+        fc1, fc2 = unickpt.load_tensor(str(path), prefix + FC1), unickpt.load_tensor(str(path), prefix + FC2)
+        assert fc1.shape == (cases.LAYERS, cases.EXPERTS, 2 * cases.FFN, cases.HIDDEN)
+        for key, want in state.items():
+            layer, expert, which = key.split(".")
+            got = (fc1 if which == "fc1" else fc2)[int(layer), int(expert)]
+            assert torch.equal(got, want), prefix + key
     for key, want in live.items():
-        layer, expert, which = key.split(".")
-        got = (fc1 if which == "fc1" else fc2)[int(layer), int(expert)]
-        assert torch.equal(got, want), key
         assert torch.equal(megatron[key], want), f"{key}: Megatron-Core's own load differs from the live weights"
     ledger = source_ledger(str(path))
     assert ledger.unaccounted == [] and ledger.skipped == {}
@@ -86,7 +93,13 @@ def test_singleton_local_shards_one_key_per_global_expert(root: Path) -> None:
     path = root / "sequential_singleton"
     live = _live(path)
     m = unickpt.read_manifest(str(path))
-    assert len(m.tensors) == 3 * cases.EXPERTS
+    assert sorted(m.tensors) == sorted(n for p in ("", "optimizer.state.exp_avg.") for g in range(cases.EXPERTS)
+                                       for n in (f"{p}{cases.PREFIX}experts.{g}.linear_fc1.weight_w",
+                                                 f"{p}{cases.PREFIX}experts.{g}.linear_fc1.weight_v",
+                                                 f"{p}{cases.PREFIX}experts.{g}.linear_fc2.weight"))
+    moments = _live(path, moments=True)
+    up = unickpt.load_tensor(str(path), f"optimizer.state.exp_avg.{cases.PREFIX}experts.2.linear_fc1.weight_v")
+    assert torch.equal(up[1], moments["1.2.fc1"][cases.FFN:])
     for g in range(cases.EXPERTS):
         w = unickpt.load_tensor(str(path), f"{cases.PREFIX}experts.{g}.linear_fc1.weight_w")
         v = unickpt.load_tensor(str(path), f"{cases.PREFIX}experts.{g}.linear_fc1.weight_v")
