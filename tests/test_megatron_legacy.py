@@ -111,7 +111,8 @@ def test_loads_onto_other_layouts(expected, tp: int, pp: int) -> None:
 
 def test_megatron_core_names_release_onto_tp2_pp2(tmp_path: Path) -> None:
     """A one-rank checkpoint with Megatron-Core names (``decoder.layers.N...``) under a
-    ``release`` tracker loads onto TP 2 x PP 2 ranks as Megatron cuts them."""
+    ``release`` tracker loads onto TP 2 x PP 2 ranks as Megatron cuts them, and exports to
+    Hugging Face names (the last query group's v rows are ``v_proj``'s last rows)."""
     one = cases.Cfg(tp=1, pp=1, naming="mcore", release=True)
     cases.write(one, str(tmp_path / "ckpt"))
     truth = cases.truth(one)
@@ -130,6 +131,17 @@ def test_megatron_core_names_release_onto_tp2_pp2(tmp_path: Path) -> None:
             want = cases.rank_params(cfg, truth["exp_avg_sq"], t, p)
             for local, entries in optim.items():
                 assert torch.equal(entries["exp_avg_sq"], want[local]), (t, p, local)
+    from safetensors.torch import load_file
+
+    from unickpt.adapters.hf_export import export_hf
+
+    report = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert report.names == "megatron-llama" and report.config_written
+    hf = load_file(str(tmp_path / "hf" / report.shards[0]))
+    qkv = truth["model"]["decoder.layers.3.self_attention.linear_qkv.weight"].reshape(one.groups, -1, one.head_dim, one.hidden)
+    assert torch.equal(_bits(hf["model.layers.3.self_attn.v_proj.weight"]), _bits(qkv[:, -1].reshape(-1, one.hidden)))
+    assert torch.equal(_bits(hf["model.layers.3.post_attention_layernorm.weight"]),
+                       _bits(truth["model"]["decoder.layers.3.pre_mlp_layernorm.weight"]))
 
 
 def test_tied_embeddings_last_stage_copy_is_a_replica(tmp_path: Path) -> None:
