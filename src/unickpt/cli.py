@@ -570,7 +570,7 @@ def export_cmd(
     dtype: Annotated[
         str | None, typer.Option(help="Cast floating tensors: bf16, fp16 or fp32 (default: as saved).", show_default=False)
     ] = None,
-    names: Annotated[str, typer.Option(help="Name mapping: auto (the first of llama, mixtral that every name fits), llama, mixtral, keep.")] = "auto",
+    names: Annotated[str, typer.Option(help="Name mapping: auto (the first of llama, mixtral, megatron-llama that every name fits), llama, mixtral, megatron-llama, keep.")] = "auto",
     prefix: Annotated[
         str | None,
         typer.Option(help="Export the tensors named PREFIX... (prefix removed). Default: 'model.', or none for a "

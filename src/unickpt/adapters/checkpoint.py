@@ -18,7 +18,7 @@ from typing import Any
 from ..format.manifest import Manifest
 from ..storage.base import Storage
 from ..storage.open import open_storage
-from .detect import open_manifest
+from .detect import REGION_FORMATS, open_manifest
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Checkpoint:
     location: str
     storage: Storage
     manifest: Manifest
-    regions: dict | None = None  # byte regions the format's reader declared while reading (DeepSpeed), for the ledger
+    regions: dict | None = None  # byte regions the format's reader declared while reading (DeepSpeed, legacy Megatron), for the ledger
 
     @property
     def format(self) -> str:
@@ -61,7 +61,7 @@ def open_checkpoint(location: str | os.PathLike | Storage, storage_options: dict
     except BaseException:
         storage.close()
         raise
-    return Checkpoint(name, storage, manifest, regions if manifest.provenance.get("format") == "deepspeed" else None)
+    return Checkpoint(name, storage, manifest, regions if manifest.provenance.get("format") in REGION_FORMATS else None)
 
 
 @contextmanager

@@ -26,15 +26,18 @@ from ..engine.bases import check_bases
 # torch_dist checkpoints are DCP checkpoints with more: it comes first)
 FORMATS = [
     ("megatron", "unickpt.adapters.megatron", "is_megatron", "read_megatron"),
+    ("megatron-legacy", "unickpt.adapters.megatron_legacy", "is_megatron_legacy", "read_megatron_legacy"),
     ("dcp", "unickpt.adapters.dcp", "is_dcp", "read_dcp"),
     ("deepspeed", "unickpt.adapters.deepspeed", "is_deepspeed", "read_deepspeed"),
     ("dcp-hf", "unickpt.adapters.dcp_hf", "is_dcp_hf", "read_dcp_hf"),  # sharded safetensors of DCP's HF storage
     ("hf", "unickpt.adapters.hf", "is_hf", "read_hf"),
 ]
+# formats whose readers declare the byte regions of the files they read (for the ledger)
+REGION_FORMATS = ("deepspeed", "megatron-legacy")
 
 
 def checkpoint_format(path: str, storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> str:
-    """``"unickpt"``, ``"megatron"``, ``"dcp"``, ``"deepspeed"``, ``"dcp-hf"`` or ``"hf"``;
+    """``"unickpt"``, ``"megatron"``, ``"megatron-legacy"``, ``"dcp"``, ``"deepspeed"``, ``"dcp-hf"`` or ``"hf"``;
     NotACheckpointError otherwise. ``storage``: the location already opened (a native
     checkpoint is recognised through it, on any backend); at a URL (object store) only
     unickpt checkpoints are read, foreign formats from a local directory."""
@@ -54,6 +57,7 @@ def checkpoint_format(path: str, storage: Storage | None = None, storage_options
             return name
     raise NotACheckpointError(
         f"{path}: not a checkpoint (no manifest.json of unickpt, no metadata.json of Megatron-Core, "
+        "no latest_checkpointed_iteration.txt or mp_rank_*/model_optim_rng.pt of Megatron-LM, "
         "no .metadata of PyTorch DCP, no DeepSpeed model/optimizer states, no Hugging Face *.safetensors)"
     )
 
@@ -84,7 +88,7 @@ def open_manifest(path: str, storage: Storage | None = None, regions: dict | Non
         return manifest
     _, module, _, reader = next(f for f in FORMATS if f[0] == fmt)
     read = getattr(importlib.import_module(module), reader)
-    manifest = read(str(storage.root), regions) if fmt == "deepspeed" and regions is not None else read(str(storage.root))
+    manifest = read(str(storage.root), regions) if fmt in REGION_FORMATS and regions is not None else read(str(storage.root))
     manifest.provenance.setdefault("format", fmt)
     check_foreign(manifest)
     return manifest

@@ -43,7 +43,7 @@ from ..format.ledger import Ledger
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.safetensors_header import Entry, build_header
 from ..format.values import decode_value
-from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf
+from ..rules.hf import MAPPINGS, HfMapping, heads_from_config, llama_config, rotary_to_hf, split_fused, split_shape
 from ..storage.base import Storage
 from ..storage.open import open_storage, same_location
 from ..storage.output import OutputFolder, begin_output
@@ -88,17 +88,26 @@ def parse_dtype(text: str | None) -> str | None:
 @dataclass
 class OutTensor:
     """One exported tensor: its HF name, the checkpoint entry it comes from, its output
-    dtype, and the head count of its rotary row reordering (None: none)."""
+    dtype, the head count of its rotary row reordering (None: none), and, for a part of a
+    fused entry (Megatron's QKV, SwiGLU's fc1), the split kind, part index and head counts."""
 
     hf_name: str
     entry: TensorEntry
     dtype: str
     rotary_heads: int | None = None
+    split: str | None = None
+    part: int = 0
+    heads: dict[str, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The exported tensor's shape (a part's, for a fused entry)."""
+        return self.entry.shape if self.split is None else split_shape(self.entry.shape, self.split, self.part, self.heads)
 
     @property
     def nbytes(self) -> int:
         """Bytes in the output file."""
-        return prod(self.entry.shape) * itemsize(self.dtype)
+        return prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass
@@ -211,15 +220,17 @@ def plan_hf_export(
     args, heads, verbatim = _architecture(manifest, config)
     tensors = []
     for name, e in picked:
-        hf_name, rotary = mapping.hf_name(name) if mapping else (name, None)  # type: ignore[misc]
-        if rotary is not None and heads is None:
-            raise HfError(
-                f"{prefix}{name} needs its rows reordered for HF's rotary layout, which needs the head counts: "
-                "the checkpoint has no model_args (older trainer?); pass --config with num_attention_heads "
-                "and num_key_value_heads"
-            )
-        cast = out_dtype if out_dtype and e.dtype in _FLOATS else e.dtype
-        tensors.append(OutTensor(hf_name, e, cast, None if rotary is None else heads[rotary]))  # type: ignore[index]
+        parts = mapping.hf_parts(name) if mapping else [(name, None, None, 0)]
+        for hf_name, rotary, split, part in parts:  # type: ignore[union-attr]
+            if (rotary is not None or split == "qkv") and heads is None:
+                raise HfError(
+                    f"{prefix}{name} needs its rows reordered for HF's layout, which needs the head counts: "
+                    "the checkpoint has no model_args (older trainer?); pass --config with num_attention_heads "
+                    "and num_key_value_heads"
+                )
+            cast = out_dtype if out_dtype and e.dtype in _FLOATS else e.dtype
+            tensors.append(OutTensor(hf_name, e, cast, None if rotary is None else heads[rotary],  # type: ignore[index]
+                                     split, part, heads))
     seen: set[str] = set()
     for t in tensors:
         if t.hf_name in seen:
@@ -253,6 +264,8 @@ def _read(storage: Storage, t: OutTensor, threads: int) -> torch.Tensor:
     """The whole tensor, assembled from its fragments (checksums verified), in HF form."""
     e = t.entry
     out = read_entry(storage, e, threads)
+    if t.split is not None:
+        out = split_fused(out, t.split, t.heads)[t.part]
     if t.rotary_heads is not None:
         out = rotary_to_hf(out, t.rotary_heads)
     if t.dtype != e.dtype:
@@ -314,7 +327,7 @@ def export_hf(
         written = 0
         for fname, group in zip(shard_names, groups):
             items = [plan.tensors[i] for i in group]
-            head, offsets = build_header([Entry(t.hf_name, t.dtype, t.entry.shape, t.nbytes) for t in items], {"format": "pt"})
+            head, offsets = build_header([Entry(t.hf_name, t.dtype, t.shape, t.nbytes) for t in items], {"format": "pt"})
             writer = out.open_writer(fname, len(head) + sum(t.nbytes for t in items))
             try:
                 writer.pwrite(0, head)
@@ -333,7 +346,7 @@ def export_hf(
                 raise
             writer.close(durable=True)
         documents = {CONFIG_NAME: (json.dumps(plan.config, indent=2) + "\n").encode()} if with_config else {}
-        index = {"metadata": {"total_size": written, "total_parameters": sum(prod(t.entry.shape) for t in plan.tensors)},
+        index = {"metadata": {"total_size": written, "total_parameters": sum(prod(t.shape) for t in plan.tensors)},
                  "weight_map": weight_map}
         documents[INDEX_NAME] = (json.dumps(index, indent=2) + "\n").encode()
         folder.commit(documents)
@@ -351,9 +364,9 @@ def export_ledger(src: str | Checkpoint, manifest: Manifest, plan: ExportPlan) -
     """The source's ledger as an export sees it: the exported tensors read; the others
     left out, or skipped (dropped by the prefix, or skipped by the source's reader)."""
     ledger = source_ledger(src)
-    ledger.tensors = len(plan.tensors)
+    ledger.tensors = len({t.entry.name for t in plan.tensors})
     ledger.per_rank = 0  # per-rank state is never exported: it is among the left-out items
-    ledger.bytes_read = sum(t.entry.nbytes for t in plan.tensors)
+    ledger.bytes_read = sum({t.entry.name: t.entry.nbytes for t in plan.tensors}.values())  # a fused entry once
     ledger.left_out = dict(plan.left_out)
     ledger.skipped.update(plan.dropped)
     return ledger

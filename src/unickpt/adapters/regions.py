@@ -18,7 +18,8 @@ whose format it knows:
   central directory) and, within the tensor storage records, the alignment padding of flat
   partitions as structure, and the storages of the tensors it skips or reads once from
   another copy as owned by their reported names. A storage record nothing claims (a tensor
-  the reader does not know) is unaccounted.
+  the reader does not know) is unaccounted. Legacy Megatron-LM's ``model_optim_rng.pt``
+  files are declared the same way by their reader.
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ def source_ledger(checkpoint: Checkpoint | str, storage_options: dict[str, Any] 
                         declared[name] = safetensors_regions(storage, name)
                     except (UnickptError, OSError):
                         pass
-        elif fmt == "deepspeed" and checkpoint.regions is not None:  # declared while the manifest was read
+        elif fmt in ("deepspeed", "megatron-legacy") and checkpoint.regions is not None:  # declared while reading
             declared = dict(checkpoint.regions)
+        elif fmt == "megatron-legacy":
+            from .megatron_legacy import read_megatron_legacy
+
+            read_megatron_legacy(str(storage.root), declared)
         elif fmt == "deepspeed":
             from .deepspeed import read_deepspeed
 

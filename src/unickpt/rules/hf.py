@@ -24,11 +24,15 @@ from ..errors import LayoutError
 @dataclass(frozen=True)
 class NamePair:
     """One tensor: its unickpt name template, its HF name template, and which head count
-    its rotary permutation uses (``"heads"``, ``"kv_heads"``, or None for none)."""
+    its rotary permutation uses (``"heads"``, ``"kv_heads"``, or None for none).
+    ``split``: the tensor is several HF tensors fused (export only): ``"qkv"`` (Megatron's
+    per-query-group QKV) or ``"halves"`` (SwiGLU's ``[gate; up]``); ``{P}`` in ``hf`` then
+    stands for each part's name (``SPLIT_PARTS``)."""
 
     ours: str
     hf: str
     rotary: str | None = None
+    split: str | None = None
 
 
 def _compile(template: str) -> re.Pattern[str]:
@@ -60,9 +64,21 @@ class HfMapping:
         return None
 
     def hf_name(self, name: str) -> tuple[str, str | None] | None:
-        """``(HF name, rotary head kind)`` of a unickpt tensor name, or None."""
+        """``(HF name, rotary head kind)`` of a unickpt tensor name, or None (the first
+        part's name for a fused tensor: see :meth:`hf_parts`)."""
+        parts = self.hf_parts(name)
+        return None if parts is None else (parts[0][0], parts[0][1])
+
+    def hf_parts(self, name: str) -> list[tuple[str, str | None, str | None, int]] | None:
+        """``[(HF name, rotary head kind, split kind, part index)]`` of a unickpt tensor
+        name (one entry unless the tensor is several HF tensors fused), or None."""
         found = self._find(name, True)
-        return None if found is None else (found[0], found[1].rotary)
+        if found is None:
+            return None
+        hf, pair = found
+        if pair.split is None:
+            return [(hf, pair.rotary, None, 0)]
+        return [(hf.replace("{P}", p), pair.rotary, pair.split, i) for i, p in enumerate(SPLIT_PARTS[pair.split])]
 
     def our_name(self, hf_name: str) -> tuple[str, str | None] | None:
         """``(unickpt name, rotary head kind)`` of an HF tensor name, or None."""
@@ -102,7 +118,79 @@ HF_MIXTRAL = HfMapping(
 SwiGLU experts ``w1``/``w2``/``w3``, global expert ids as unickpt's DeepSpeed reader names
 them) as Mixtral, in the per-expert layout of Mixtral's published checkpoints
 (``block_sparse_moe.experts.E.w1``), which ``transformers`` loads."""
-MAPPINGS = {"llama": HF_LLAMA, "mixtral": HF_MIXTRAL}
+
+
+SPLIT_PARTS = {"qkv": ("q", "k", "v"), "halves": ("gate", "up")}
+
+
+def _megatron_llama(embed: str, layer: str, qkv: str, proj: str, fc1: str, fc2: str, norms1: tuple[str, ...],
+                    norms2: tuple[str, ...], final: str, output: str) -> tuple[NamePair, ...]:
+    """The pairs of a Megatron GPT with Llama's shape (``layer`` ends with ``{N}.``)."""
+    L, H = layer, "model.layers.{N}."
+    return (
+        NamePair(embed, "model.embed_tokens.weight"),
+        NamePair(L + qkv, H + "self_attn.{P}_proj.weight", split="qkv"),
+        NamePair(L + proj, H + "self_attn.o_proj.weight"),
+        NamePair(L + fc1, H + "mlp.{P}_proj.weight", split="halves"),
+        NamePair(L + fc2, H + "mlp.down_proj.weight"),
+        *(NamePair(L + n, H + "input_layernorm.weight") for n in norms1),
+        *(NamePair(L + n, H + "post_attention_layernorm.weight") for n in norms2),
+        NamePair(final, "model.norm.weight"),
+        NamePair(output, "lm_head.weight"),
+    )
+
+
+# Megatron-LM / Megatron-Core GPT models with Llama's shape (SwiGLU, RMSNorm, rotary
+# embeddings: Megatron rotates halves, as HF does, so q and k keep their row order); export only
+HF_MEGATRON_LLAMA = HfMapping(
+    name="megatron-llama",
+    architecture="LlamaForCausalLM",
+    pairs=_megatron_llama(
+        "language_model.embedding.word_embeddings.weight", "language_model.encoder.layers.{N}.",
+        "self_attention.query_key_value.weight", "self_attention.dense.weight", "mlp.dense_h_to_4h.weight",
+        "mlp.dense_4h_to_h.weight", ("input_layernorm.weight",), ("post_attention_layernorm.weight",),
+        "language_model.encoder.final_layernorm.weight", "language_model.output_layer.weight",
+    ) + _megatron_llama(
+        "embedding.word_embeddings.weight", "decoder.layers.{N}.", "self_attention.linear_qkv.weight",
+        "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
+        ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+        ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"), "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    ),
+)
+MAPPINGS = {"llama": HF_LLAMA, "mixtral": HF_MIXTRAL, "megatron-llama": HF_MEGATRON_LLAMA}
+
+
+def split_fused(w: torch.Tensor, kind: str, heads: dict[str, int] | None) -> list[torch.Tensor]:
+    """The HF tensors of a fused tensor (``kind`` of :data:`SPLIT_PARTS`): Megatron's QKV
+    ``[q heads of group g; k_g; v_g]`` per query group (``heads``: ``{"heads", "kv_heads"}``),
+    or the halves ``[gate; up]``."""
+    if kind == "halves":
+        if w.ndim < 1 or w.shape[0] % 2:
+            raise LayoutError(f"a fused [gate; up] tensor of {w.shape[0] if w.ndim else 0} rows: not even")
+        return [t.contiguous() for t in w.chunk(2, 0)]
+    if kind != "qkv" or heads is None:
+        raise LayoutError(f"splitting a fused {kind} tensor needs the head counts (pass --config)")
+    q, g = int(heads["heads"]), int(heads["kv_heads"])
+    rows = w.shape[0] if w.ndim else 0
+    if g <= 0 or q % g or rows % (q + 2 * g):
+        raise LayoutError(f"a fused QKV of {rows} rows does not hold {q} query and {g} key/value heads")
+    d, per = rows // (q + 2 * g), q // g
+    grouped = w.reshape(g, per + 2, d, *w.shape[1:])
+    return [grouped[:, :per].reshape(q * d, *w.shape[1:]).contiguous(),
+            grouped[:, per].reshape(g * d, *w.shape[1:]).contiguous(),
+            grouped[:, per + 1].reshape(g * d, *w.shape[1:]).contiguous()]
+
+
+def split_shape(shape: tuple[int, ...], kind: str, part: int, heads: dict[str, int] | None) -> tuple[int, ...]:
+    """The shape of part ``part`` of a fused tensor of ``shape`` (see :func:`split_fused`)."""
+    if kind == "halves":
+        return (shape[0] // 2, *shape[1:])
+    if heads is None:
+        raise LayoutError("splitting a fused QKV tensor needs the head counts (pass --config)")
+    q, g = int(heads["heads"]), int(heads["kv_heads"])
+    d = shape[0] // (q + 2 * g)
+    return ((q if part == 0 else g) * d, *shape[1:])
 
 
 def _head_rows(w: torch.Tensor, heads: int) -> tuple[int, int]:
