@@ -282,9 +282,10 @@ class CheckpointManager(Checkpoints):
             self._newest_seen, self._covers = newest, None if latest is None else step_of(latest)
         return self._covers
 
-    def _load_disk(self, state: dict[str, Any], path: str, kept: list[str]) -> str:
+    def _load_disk(self, state: dict[str, Any], path: str | None, kept: list[str]) -> str | None:
         """Collective: load the checkpoint of ``path``'s step (the durable tier's copy when
-        the fast one is missing or fails its checks on any rank); returns the copy loaded."""
+        the fast one is missing or fails its checks on any rank), or with None the newest
+        whole one (:meth:`Checkpoints.load`); returns the copy loaded."""
         stats: dict[str, Any] = {}
         loaded = self.load(state, path, process_group=self.process_group, per_rank="keep", stats=stats)
         kept[:] = list(dict.fromkeys(stats.get("per_rank_kept", [])))  # a copy passed over may have listed them too
@@ -302,8 +303,11 @@ class CheckpointManager(Checkpoints):
             return step, replay_line(plan)
         if latest is None:
             return None
-        path = self._load_disk(state, latest, kept)
-        return step_of(path), path
+        path = self._load_disk(state, None, kept)  # the newest whole one, each failing one passed over
+        skipped = "".join(f"; passed over {why}" for why in self.passed_over)
+        if path is None:
+            raise UnickptError(f"no checkpoint under {self.root} could be loaded{skipped}")
+        return step_of(path), path + skipped
 
     def _nothing_on_disk(self, plan: Replay | None) -> str:
         notes = "; ".join(plan.notes) if plan is not None and plan.notes else ""

@@ -1,0 +1,54 @@
+"""Rank functions of tests/test_trust.py (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import unickpt
+
+
+def _state(rank: int) -> dict:
+    return {"w": torch.zeros(6), "mine": unickpt.PerRank(torch.zeros(3)), "step": 0}
+
+
+def corrupt_newest_is_passed_over(rank: int, world: int, root: str) -> None:
+    """Steps 25 and 30 saved by 2 ranks; one flipped byte in step 30's data that only rank 1
+    reads (its per-rank tensor): every rank resumes step 25, and rank 0's line says why."""
+    manager = unickpt.CheckpointManager(root, save_every=5)
+    state = _state(rank)
+    for step in (25, 30):
+        state["w"].fill_(step)
+        state["mine"].value.fill_(step * 10 + rank)
+        state["step"] = step
+        manager.maybe_save(state, step)
+    manager.close()
+    dist.barrier()
+    path = os.path.join(root, "step_00000030")
+    if rank == 1:
+        frag = unickpt.read_manifest(path).rank_tensors["mine"][1].fragments[0]
+        name = os.path.join(path, frag.file)
+        with open(name, "r+b") as f:
+            f.seek(frag.offset + 2)
+            b = f.read(1)
+            f.seek(frag.offset + 2)
+            f.write(bytes([b[0] ^ 0x04]))
+    dist.barrier()
+    again = unickpt.CheckpointManager(root, save_every=5)
+    got = _state(rank)
+    assert again.restore(got) == 25
+    assert torch.equal(got["w"], torch.full((6,), 25.0)) and got["step"] == 25
+    assert torch.equal(got["mine"].value, torch.full((3,), 250.0 + rank))
+    assert again.latest() == os.path.join(root, "step_00000025")  # the one that failed is passed over
+    if rank == 0:
+        line = again.restored_line
+        assert line.startswith(f"resumed step 25 from disk ({os.path.join(root, 'step_00000025')}; passed over {path} "
+                               "failed its checks on rank 1 (checksum mismatch in rank_00001.safetensors"), line
+    # manager.load() without a path: the same choice
+    got = _state(rank)
+    assert again.load(got, process_group=None) == os.path.join(root, "step_00000025")
+    assert torch.equal(got["mine"].value, torch.full((3,), 250.0 + rank))
+    assert again.passed_over and again.passed_over[0].startswith(f"{path} failed its checks on rank 1")
+    again.close()
