@@ -31,6 +31,7 @@ from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
 from .delta_log import Replay, step_of
 from .load import load
+from .saveable import check_saveable
 from .state_copy import StateCopy
 from .step_deltas import StepDeltas, replay_line, replay_refusal
 
@@ -130,9 +131,13 @@ class CheckpointManager(Checkpoints):
         memory (...)``, ``resumed step S from disk (...)`` (``from disk + D logged steps``)
         or ``starting fresh (...)``. On the same layout ``state`` is then bitwise what it
         was after step S of the broken run; on another number of ranks per-rank entries
-        (:class:`unickpt.RNGState`) keep their values, as the line says."""
+        (:class:`unickpt.RNGState`) keep their values, as the line says. An entry of
+        ``state`` that no save could store (not a tensor, a Stateful object or plain data,
+        e.g. a plain ``DataLoader``) is a :class:`~unickpt.UnickptError` naming it, before
+        anything is loaded."""
         t0 = time.perf_counter()
         self._state = state
+        check_saveable(state)
         if self.log_deltas:
             why = replay_refusal(state)
             if why:
