@@ -44,3 +44,12 @@ def test_a_state_entry_that_can_never_be_saved_is_refused_at_restore(tmp_path):
     manager.maybe_save(state, 1)
     manager.close()
     assert manager.stats()["saves"] == 1 and manager.stats()["saves_failed"] == 0
+
+
+def test_async_save_without_save_every_is_one_clear_error(tmp_path):
+    import pytest
+
+    import unickpt
+
+    with pytest.raises(unickpt.UnickptError, match="async_save=True .* set save_every"):
+        unickpt.CheckpointManager(str(tmp_path / "ckpt"), async_save=True, snapshot_every=1)

@@ -100,6 +100,9 @@ class CheckpointManager(Checkpoints):
                          incremental=incremental, full_every=full_every)
         _check_options(str(root), save_every, snapshot_every, parity, snapshot_replicas, flush_every,
                        snapshot_max_bytes, log_deltas, delta_dtype)
+        if async_save and not save_every:
+            raise UnickptError("async_save=True writes the checkpoints of save_every in the background: set save_every "
+                               "too (maybe_save(..., force=True) then saves in the background as well)")
         self.save_every, self.async_save, self.snapshot_every = save_every, async_save, snapshot_every
         self.parity, self.snapshot_replicas, self.flush_every = parity, snapshot_replicas, flush_every
         self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snapshot_max_bytes, log_deltas, delta_dtype
