@@ -5,7 +5,12 @@
   the one line names the checkpoint passed over, the rank and the checksum that failed;
   ``latest()`` and ``load()`` pass it over too;
 * a state entry no save can store (a plain DataLoader, an open file) is one error at
-  ``restore``, naming the key and what to use instead; a StatefulDataLoader is saved.
+  ``restore``, naming the key and what to use instead; a StatefulDataLoader is saved;
+* ``async_save=True`` without ``save_every`` is one error at construction;
+* ``unickpt inspect`` on a manager's root lists its ``step_*`` checkpoints, committed or
+  not, whole or not;
+* a keeper left holding snapshots (a job that is not relaunched) is listed by
+  ``unickpt snapshots`` and stopped, its shared memory freed, by ``--free``.
 """
 
 from __future__ import annotations
@@ -53,3 +58,67 @@ def test_async_save_without_save_every_is_one_clear_error(tmp_path):
 
     with pytest.raises(unickpt.UnickptError, match="async_save=True .* set save_every"):
         unickpt.CheckpointManager(str(tmp_path / "ckpt"), async_save=True, snapshot_every=1)
+
+
+def test_inspect_on_a_manager_root_lists_its_checkpoints(tmp_path):
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    import unickpt
+    from unickpt.cli import app
+
+    root = tmp_path / "ckpt"
+    manager = unickpt.CheckpointManager(str(root), save_every=5)
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    for step in (5, 10, 15):
+        manager.maybe_save(state, step)
+    manager.close()
+    with open(root / "step_00000010" / "rank_00000.safetensors", "r+b") as f:
+        f.truncate(100)  # cut short
+    (root / "step_00000020").mkdir()  # a save killed before its commit
+    r = CliRunner().invoke(app, ["inspect", str(root)], env={"COLUMNS": "250", "NO_COLOR": "1"})
+    assert r.exit_code == 0, r.output
+    assert "4, 2 committed and whole" in r.output and "newest whole: step_00000015" in r.output
+    assert "rank_00000.safetensors: 100 of" in r.output and "not committed" in r.output
+    r = CliRunner().invoke(app, ["inspect", "--json", str(root)])
+    rows = {c["name"]: c for c in json.loads(r.output)["checkpoints"]}
+    assert [(rows[n]["committed"], rows[n]["whole"]) for n in sorted(rows)] == [
+        (True, True), (True, False), (True, True), (False, None)]
+    r = CliRunner().invoke(app, ["inspect", str(tmp_path / "empty")])
+    assert r.exit_code == 2
+
+
+def test_snapshots_a_job_left_behind_are_listed_and_freed(tmp_path):
+    import json
+    import time
+
+    from typer.testing import CliRunner
+
+    from trust_cases import leave_snapshots
+    from unickpt.cli import app
+    from unickpt.snapshot.keepers import running_keeper
+    from unickpt.snapshot.leftovers import free_snapshots
+    from unickpt.testing import run_ranks
+
+    shm = str(tmp_path / "shm")
+    run_ranks(leave_snapshots, 1, shm, str(tmp_path / "ckpt"))
+    keeper = running_keeper(shm)
+    try:
+        assert keeper is not None
+        r = CliRunner().invoke(app, ["snapshots", shm, "--json"])
+        held = json.loads(r.output)
+        assert held["keeper"]["pid"] == keeper["pid"] and held["jobs"][0]["whole"] == [2]
+        assert held["jobs"][0]["bytes"] > 4000
+        r = CliRunner().invoke(app, ["snapshots", shm], env={"COLUMNS": "250", "NO_COLOR": "1"})
+        assert f"keeper pid {keeper['pid']}" in r.output and "--free" in r.output
+        r = CliRunner().invoke(app, ["snapshots", shm, "--free"], env={"COLUMNS": "250", "NO_COLOR": "1"})
+        assert r.exit_code == 0 and f"keeper {keeper['pid']} stopped" in r.output, r.output
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{keeper['pid']}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{keeper['pid']}")
+        assert not os.path.exists(shm) or not os.listdir(shm)  # no shared memory left
+    finally:
+        free_snapshots(shm)

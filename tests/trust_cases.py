@@ -52,3 +52,16 @@ def corrupt_newest_is_passed_over(rank: int, world: int, root: str) -> None:
     assert torch.equal(got["mine"].value, torch.full((3,), 250.0 + rank))
     assert again.passed_over and again.passed_over[0].startswith(f"{path} failed its checks on rank 1")
     again.close()
+
+
+def leave_snapshots(rank: int, world: int, shm: str, ckpt: str) -> None:
+    """A job that ends as a killed one does for its keeper: snapshots taken, the keeper
+    left holding them (``close(keep_snapshots=True)``), no relaunch."""
+    os.environ["UNICKPT_SHM_ROOT"] = shm
+    manager = unickpt.CheckpointManager(ckpt, snapshot_every=1, parity=0)
+    state = {"w": torch.ones(1000)}
+    manager.restore(state)
+    for step in (1, 2):
+        manager.before_update()
+        manager.maybe_save(state, step)
+    manager.close(keep_snapshots=True)
