@@ -122,3 +122,40 @@ def test_snapshots_a_job_left_behind_are_listed_and_freed(tmp_path):
         assert not os.path.exists(shm) or not os.listdir(shm)  # no shared memory left
     finally:
         free_snapshots(shm)
+
+
+def test_export_of_a_hf_trainer_checkpoint_writes_its_config(tmp_path):
+    """The Hugging Face integration keeps the model's config in the checkpoint's metadata:
+    ``unickpt export`` without --config writes config.json, and from_pretrained loads the
+    export bitwise; a checkpoint that does not know its config is not exported (exit 1,
+    nothing written) unless --no-config."""
+    import pytest
+    import torch
+
+    pytest.importorskip("transformers")
+    from typer.testing import CliRunner
+    from transformers import LlamaForCausalLM
+
+    import unickpt
+    from unickpt.cli import app
+    from unickpt.integrations.hf import UnickptTrainer
+
+    from hf_trainer_job import Tokens, tiny_llama, training_args
+
+    manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=2)
+    trainer = UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4),
+                             manager=manager, train_dataset=Tokens())
+    trainer.train()
+    ckpt = str(tmp_path / "ck" / "step_00000002")
+    r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "hf")])
+    assert r.exit_code == 0 and "config.json" in r.output and "no config.json" not in r.output, r.output
+    back = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
+    want = trainer.model.state_dict()
+    assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)
+    # the same weights saved without their config: refused, unless the user adds it
+    bare = str(tmp_path / "bare")
+    unickpt.save({"model": {k: v.clone() for k, v in want.items()}}, bare)
+    r = CliRunner().invoke(app, ["export", bare, str(tmp_path / "x"), "--names", "keep"])
+    assert r.exit_code == 1 and "OK" not in r.output and "--no-config" in r.output and not (tmp_path / "x").exists()
+    r = CliRunner().invoke(app, ["export", bare, str(tmp_path / "x"), "--names", "keep", "--no-config"])
+    assert r.exit_code == 0 and "no config.json" in r.output and not (tmp_path / "x" / "config.json").exists()

@@ -623,10 +623,14 @@ def export_cmd(
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an export already at DST.")] = False,
     allow_skip: Annotated[bool, typer.Option("--allow-skip", help=_ALLOW_SKIP_HELP)] = False,
+    no_config: Annotated[bool, typer.Option("--no-config", help="Export without config.json when the checkpoint does "
+                                            "not know its model's config: you will add it yourself.")] = False,
 ) -> None:
     """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming.
     Every other tensor is listed; exit 1, writing nothing, when model weights would be left
-    out or the source holds data unickpt does not read, unless --allow-skip."""
+    out or the source holds data unickpt does not read, unless --allow-skip; or when no
+    config.json can be written (the checkpoint does not know its model's config), unless
+    --config FILE or --no-config."""
     from .adapters.checkpoint import open_checkpoint
     from .adapters.hf_export import export_hf, export_ledger, parse_size, plan_hf_export
     from .format.values import loads_json
@@ -647,10 +651,15 @@ def export_cmd(
         manifest = ckpt.manifest
         plan = plan_hf_export(manifest, **kwargs)
         _refuse_incomplete(export_ledger(ckpt, manifest, plan), allow_skip, "exported")
+        if plan.config is None and not no_config:
+            _err().print(Text("nothing exported: the checkpoint does not know its model's config (no model_args, no "
+                              "hf_config in its metadata), and from_pretrained needs config.json; pass --config "
+                              "CONFIG.json, or --no-config if you will add it yourself", style="bold red"), soft_wrap=True)
+            raise typer.Exit(EXIT_FAILED)
         total = plan.total_bytes
         report = _with_byte_progress("exporting", total, lambda progress: export_hf(
             ckpt, str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
-    extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
+    extra = ", config.json" if report.config_written else ", no config.json (--no-config: add it yourself)"
     warnings = list(getattr(report, "warnings", [])) + ledger_warnings(report.ledger)
     _print_warnings(warnings)
     _out().print(

@@ -64,6 +64,10 @@ class CheckpointManager(Checkpoints):
     ``save_every``); ``delta_dtype="bf16"`` halves the bytes, the replay is then close, not
     bitwise.
 
+    ``metadata`` (plain values) is stored in every durable checkpoint's manifest (the
+    Hugging Face integration puts the model's config there as ``hf_config``, which
+    ``unickpt export`` writes as config.json).
+
     ``process_group``: the job's group (default: the default group). Construction is
     local (no collective); the tiers start at the first :meth:`restore` or
     :meth:`maybe_save`, which are collective. ``save``, ``load``, ``latest``,
@@ -94,6 +98,7 @@ class CheckpointManager(Checkpoints):
         incremental: bool = False,
         full_every: int | None = None,
         process_group: Any = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,
                          durable_keep=durable_keep, durable_storage_options=durable_storage_options,
@@ -107,6 +112,7 @@ class CheckpointManager(Checkpoints):
         self.parity, self.snapshot_replicas, self.flush_every = parity, snapshot_replicas, flush_every
         self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snapshot_max_bytes, log_deltas, delta_dtype
         self.process_group = process_group
+        self.metadata = metadata  # stored in every durable checkpoint's manifest (plain values)
         self.restored_line: str | None = None
         self._started = False
         self._closed = False
@@ -369,7 +375,7 @@ class CheckpointManager(Checkpoints):
         versions = self._deltas.versions() if self._deltas is not None else {}
         if not self.async_save:
             try:
-                self.save(state, step, process_group=self.process_group)
+                self.save(state, step, process_group=self.process_group, metadata=self.metadata)
             except UnickptError as e:
                 self._save_failed(step, e)
                 return
@@ -381,7 +387,7 @@ class CheckpointManager(Checkpoints):
         base = self.shared_base(step, group) if self.incremental else None
         try:
             handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
-                                storage_options=self.fast.storage_options)
+                                storage_options=self.fast.storage_options, metadata=self.metadata)
         except UnickptError as e:
             self._save_failed(step, e)
             return
