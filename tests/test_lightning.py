@@ -218,3 +218,19 @@ def test_refusals(tmp_path):
         UnickptCallback()
     with pytest.raises(unickpt.UnickptError, match="own keys"):
         _fit(tmp_path, 2, UnickptCallback(str(tmp_path / "e"), extra_state={"rng": 1}))
+
+
+def test_the_end_of_fit_is_saved_durably_and_a_rerun_trains_nothing(tmp_path):
+    """A fit of 6 steps saving every 4 ends with a durable checkpoint of step 6 (as the
+    torchtitan integration does), so running the finished command again restores step 6
+    and trains no step."""
+    (tmp_path / "r").mkdir()
+    first = UnickptCallback(str(tmp_path / "ck"), save_every=4, async_save=True)
+    _fit(tmp_path / "r", 6, first)
+    assert first.manager.steps() == [4, 6] and first.manager.stats()["saves_failed"] == 0
+    logged = open(tmp_path / "r" / "loss.jsonl").read()
+    again = UnickptCallback(str(tmp_path / "ck"), save_every=4, async_save=True)
+    _fit(tmp_path / "r", 6, again)
+    assert again.restored_step == 6 and again.manager.restored_line.startswith("resumed step 6 from disk")
+    assert open(tmp_path / "r" / "loss.jsonl").read() == logged  # no step trained again
+    assert again.manager.steps() == [4, 6] and again.manager.stats()["saves"] == 0

@@ -121,6 +121,8 @@ class CheckpointManager(Checkpoints):
         self._state: dict[str, Any] | None = None
         self._pending: tuple[AsyncSaveHandle, int, dict[str, int]] | None = None
         self._housekept: int | None = None  # the step of the last async save whose retention ran
+        self._stepped: int | None = None  # the last step restored or passed to maybe_save, and the last saved
+        self._saved_step: int | None = None
         self._newest_seen: int | None = None  # the newest checkpoint seen, and the step the valid ones cover
         self._covers: int | None = None
         self._counts = {"saves": 0, "saves_failed": 0, "snapshots_failed": 0, "delta_steps_missed": 0}
@@ -173,6 +175,7 @@ class CheckpointManager(Checkpoints):
         if self._deltas is not None:
             self._deltas.started(step)
             self._deltas.watch(state)
+        self._stepped = step
         self.restored_line = line
         if group.rank == 0:
             print(line, flush=True)
@@ -200,8 +203,10 @@ class CheckpointManager(Checkpoints):
         checkpoint every ``save_every`` steps (async: started here, written in the
         background), the step's delta log entry, a snapshot every ``snapshot_every`` steps.
         ``force=True`` takes the durable checkpoint of ``step`` whether due or not (a
-        framework's last step). Collective. A failure is a warning and a count in
-        :meth:`stats`, never an exception: the next save or snapshot tries again."""
+        framework's last step); called again for the step just passed (or restored), it
+        takes only that checkpoint, if not taken yet. Collective. A failure is a warning
+        and a count in :meth:`stats`, never an exception: the next save or snapshot tries
+        again."""
         t0 = time.perf_counter()
         self._state = state
         if not self._started:  # restore() was not called (the state was loaded otherwise)
@@ -209,6 +214,12 @@ class CheckpointManager(Checkpoints):
             if self._deltas is not None:
                 self._deltas.started(step - 1)
                 self._deltas.watch(state)
+        if step == self._stepped:  # the same step again (a framework's end of fit): its durable checkpoint only
+            if force and self._saved_step != step:
+                self._save_step(state, step)
+            self._stall_s += time.perf_counter() - t0
+            return
+        self._stepped = step
         saved = force or (bool(self.save_every) and step % self.save_every == 0)
         if saved:
             self._save_step(state, step)
@@ -372,6 +383,7 @@ class CheckpointManager(Checkpoints):
     def _save_step(self, state: dict[str, Any], step: int) -> None:
         """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""
         group = resolve_group(self.process_group)
+        self._saved_step = step
         versions = self._deltas.versions() if self._deltas is not None else {}
         if not self.async_save:
             try:

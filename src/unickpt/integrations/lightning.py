@@ -12,8 +12,9 @@ the fit loop runs) builds the state — the LightningModule, every optimizer and
 of the strategy, a GradScaler when the precision plugin has one, the fit loop's progress
 (:class:`FitLoopState`) and the RNG (:class:`unickpt.RNGState`) — and calls
 ``restore``; ``on_before_optimizer_step`` calls ``before_update``; ``on_train_batch_end``
-calls ``maybe_save`` with ``trainer.global_step`` once per optimizer step; ``teardown``
-of the fit calls ``close``. docs/INTEGRATIONS.md ("Lightning") says what works and what
+calls ``maybe_save`` with ``trainer.global_step`` once per optimizer step;
+``on_train_end`` takes the durable checkpoint of the last step; ``teardown`` of the fit
+calls ``close``. docs/INTEGRATIONS.md ("Lightning") says what works and what
 does not.
 """
 
@@ -151,6 +152,16 @@ class UnickptCallback(pl.Callback):
             return
         self._last_step = step
         self.manager.maybe_save(self.state, step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At the end of a fit that ran to its end: the durable checkpoint of the last step
+        (unless one is committed already), so that running the finished command again
+        restores it and trains nothing (the clean close frees the snapshots)."""
+        step = trainer.global_step
+        if self.state is None or not step:
+            return
+        if not trainer.strategy.broadcast(step in self.manager.steps(), src=0):  # rank 0's listing decides
+            self.manager.maybe_save(self.state, step, force=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Nothing collective (the other ranks may be elsewhere): the snapshots stay in
