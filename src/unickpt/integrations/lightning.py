@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..api.manager import CheckpointManager
 from ..engine.rng import RNGState
@@ -50,6 +51,7 @@ class FitLoopState:
     def __init__(self, fit_loop: Any, per_rank_data: bool = True) -> None:
         self.fit_loop = fit_loop
         self.per_rank_data = per_rank_data
+        self.restored_data: list[Any] | None = None  # the loaders' states last loaded
 
     def state_dict(self) -> dict[str, Any]:
         """``{"progress": <the fit loop's state without the loaders'>, "data": <the loaders'
@@ -68,6 +70,7 @@ class FitLoopState:
         data = data.value if isinstance(data, PerRank) else data
         if data:
             progress["state_dict"] = {**(progress.get("state_dict") or {}), "combined_loader": list(data)}
+        self.restored_data = list(data) if data else None
         self.fit_loop.load_state_dict(progress)
 
 
@@ -139,6 +142,26 @@ class UnickptCallback(pl.Callback):
                                    f"{trainer.global_step}: the checkpoint's progress does not match its step")
         self._last_step = trainer.global_step
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a restore mid-epoch: Lightning made the loaders' iterators (and fast-forwarded
+        them to the restored position) before telling the samplers the epoch, so a
+        ``DistributedSampler`` (DDP) would go on in another epoch's order. Set the restored
+        epoch on the samplers and make the iterators again from the restored position."""
+        loops = self.state.get("loops") if self.state is not None else None
+        data = loops.restored_data if isinstance(loops, FitLoopState) else None
+        fit_loop = trainer.fit_loop
+        combined = getattr(fit_loop, "_combined_loader", None)
+        if not data or combined is None or getattr(fit_loop, "_data_fetcher", None) is None:
+            return
+        epoch = fit_loop.epoch_progress.current.processed
+        stale = [dl for dl in combined.flattened if any(getattr(s, "epoch", epoch) != epoch for s in _samplers(dl))]
+        if not stale:
+            return
+        for dl in stale:
+            _set_sampler_epoch(dl, epoch)
+        combined._load_state_dicts(data)
+        iter(fit_loop._data_fetcher)
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Right before the optimizer's update: the manager's ``before_update``."""
         self.manager.before_update()
@@ -175,6 +198,12 @@ class UnickptCallback(pl.Callback):
         stops the keepers; collective)."""
         if stage == "fit" and self.state is not None:
             self.manager.close()
+
+
+def _samplers(dataloader: Any) -> list[Any]:
+    """The samplers Lightning sets the epoch of (``sampler``, ``batch_sampler.sampler``)."""
+    found = [getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)]
+    return [s for s in found if s is not None and callable(getattr(s, "set_epoch", None))]
 
 
 def _check_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
