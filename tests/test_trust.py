@@ -3,7 +3,8 @@
 * a corrupt newest checkpoint (one flipped byte that only rank 1 reads, 2 ranks, gloo):
   ``CheckpointManager.restore`` resumes the step before it on every rank, bitwise, and
   the one line names the checkpoint passed over, the rank and the checksum that failed;
-  ``latest()`` and ``load()`` pass it over too;
+  ``latest()`` and ``load()`` pass it over too; with every checkpoint corrupt, restore is
+  one error naming each (never a silent fresh start);
 * a state entry no save can store (a plain DataLoader, an open file) is one error at
   ``restore``, naming the key and what to use instead; a StatefulDataLoader is saved;
 * ``async_save=True`` without ``save_every`` is one error at construction;
@@ -19,11 +20,15 @@ import os
 
 from unickpt.testing import run_ranks
 
-from trust_cases import corrupt_newest_is_passed_over
+from trust_cases import corrupt_newest_is_passed_over, every_checkpoint_corrupt_is_an_error
 
 
 def test_a_corrupt_newest_checkpoint_is_passed_over_by_every_rank(tmp_path):
     run_ranks(corrupt_newest_is_passed_over, 2, str(tmp_path / "ckpt"))
+
+
+def test_no_whole_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    run_ranks(every_checkpoint_corrupt_is_an_error, 2, str(tmp_path / "ckpt"))
 
 
 def test_a_state_entry_that_can_never_be_saved_is_refused_at_restore(tmp_path):

@@ -65,3 +65,22 @@ def leave_snapshots(rank: int, world: int, shm: str, ckpt: str) -> None:
         manager.before_update()
         manager.maybe_save(state, step)
     manager.close(keep_snapshots=True)
+
+
+def every_checkpoint_corrupt_is_an_error(rank: int, world: int, root: str) -> None:
+    """Both checkpoints fail their checks (on rank 1 only): restore is one error on every
+    rank naming both, never a silent fresh start."""
+    import pytest
+
+    corrupt_newest_is_passed_over(rank, world, root)
+    path = os.path.join(root, "step_00000025")
+    if rank == 1:
+        frag = unickpt.read_manifest(path).rank_tensors["mine"][1].fragments[0]
+        with open(os.path.join(path, frag.file), "r+b") as f:
+            f.seek(frag.offset + 1)
+            b = f.read(1)
+            f.seek(frag.offset + 1)
+            f.write(bytes([b[0] ^ 0x01]))
+    dist.barrier()
+    with pytest.raises(unickpt.CorruptionError, match="step_00000030 failed its checks on rank 1.*step_00000025 failed"):
+        unickpt.CheckpointManager(root, save_every=5).restore(_state(rank))

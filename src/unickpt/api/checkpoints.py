@@ -238,7 +238,7 @@ class Checkpoints:
         checksum that does not match on any rank) is passed over for the next older one,
         and :attr:`passed_over` says which and why; the steps tried are rank 0's, so every
         rank loads the same one. Returns the location loaded, or None when there is no
-        checkpoint (or none whole)."""
+        checkpoint; a :class:`~unickpt.CorruptionError` naming each one when none is whole."""
         self.passed_over = []
         if path is not None:
             step = self._step_of(path)
@@ -253,6 +253,8 @@ class Checkpoints:
             loaded = self._load_step(state_dict, step, copies, kwargs, quiet_missing=True)
             if loaded is not None:
                 return loaded
+        if self.passed_over:  # checkpoints there, none whole: never a silent fresh start
+            raise CorruptionError(f"no checkpoint under {self.root} could be loaded: " + "; ".join(self.passed_over))
         return None
 
     def _shared_candidates(self, group: Any) -> list[tuple[int, list[tuple[Tier, str]]]]:

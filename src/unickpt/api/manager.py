@@ -329,10 +329,9 @@ class CheckpointManager(Checkpoints):
         if latest is None:
             return None
         path = self._load_disk(state, None, kept)  # the newest whole one, each failing one passed over
-        skipped = "".join(f"; passed over {why}" for why in self.passed_over)
-        if path is None:
-            raise UnickptError(f"no checkpoint under {self.root} could be loaded{skipped}")
-        return step_of(path), path + skipped
+        if path is None:  # gone since latest() listed it
+            return None
+        return step_of(path), path + "".join(f"; passed over {why}" for why in self.passed_over)
 
     def _nothing_on_disk(self, plan: Replay | None) -> str:
         notes = "; ".join(plan.notes) if plan is not None and plan.notes else ""
