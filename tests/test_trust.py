@@ -47,10 +47,21 @@ def test_a_state_entry_that_can_never_be_saved_is_refused_at_restore(tmp_path):
         with open(tmp_path / "log.txt", "w") as f:
             manager.restore({"model": model, "extra": {"step": 1, "log": f}})
     assert not (tmp_path / "ckpt").exists() or not os.listdir(tmp_path / "ckpt")
-    # a Stateful loader, plain data and per-rank values are taken, and saved
+    # a Stateful loader, plain data and per-rank values are taken, and saved; the check
+    # calls no state_dict() (DCP's optimizer state dict, torchtitan's, makes the state with a step)
+    class Counted:
+        calls = 0
+
+        def state_dict(self):
+            Counted.calls += 1
+            return {"n": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
     state = {"model": model, "loader": StatefulDataLoader(data, batch_size=2), "extra": {"step": 1},
-             "rng": unickpt.RNGState()}
-    assert manager.restore(state) == 0
+             "rng": unickpt.RNGState(), "counted": Counted()}
+    assert manager.restore(state) == 0 and Counted.calls == 0
     manager.maybe_save(state, 1)
     manager.close()
     assert manager.stats()["saves"] == 1 and manager.stats()["saves_failed"] == 0

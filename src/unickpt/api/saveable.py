@@ -9,22 +9,37 @@ from typing import Any
 
 import torch
 
-from ..engine.state import PerRank, Sharded, flatten
+from ..engine.state import PerRank, Sharded, is_stateful
 from ..errors import UnickptError
 from ..format.values import encode_value
 
 
 def check_saveable(state: dict[str, Any]) -> None:
     """One :class:`~unickpt.UnickptError` naming the first entry of ``state`` that no save
-    can store, with what to use instead; nothing is copied or written."""
-    for leaf in flatten(state):
-        value = leaf.value.value if isinstance(leaf.value, PerRank) else leaf.value
-        if isinstance(value, (torch.Tensor, Sharded)):
-            continue
+    can store, with what to use instead. Stateful objects are taken as they are: their
+    ``state_dict()`` is not called (it may change them: DCP's optimizer state dict makes
+    the optimizer's state with a step)."""
+    def visit(name: str, value: Any) -> None:
+        if isinstance(value, PerRank):
+            value = value.value
+        if isinstance(value, (torch.Tensor, Sharded)) or is_stateful(value):
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{name}.{k}" if name else str(k), v)
+            return
+        if isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                visit(f"{name}.{k}", v)
+            return
         try:
-            encode_value(value, leaf.name)
+            encode_value(value, name)
         except UnickptError as e:
-            raise UnickptError(_unsaveable(leaf.name, value, e)) from None
+            raise UnickptError(_unsaveable(name, value, e)) from None
+
+    if not isinstance(state, dict):
+        raise UnickptError(f"the state must be a dict, not {type(state).__name__}")
+    visit("", state)
 
 
 def _unsaveable(name: str, value: Any, error: UnickptError) -> str:
