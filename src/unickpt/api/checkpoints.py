@@ -131,6 +131,11 @@ class Checkpoints:
                     return path
         return None
 
+    def failed_checks(self, path: str) -> bool:
+        """True when a load of this manager passed ``path`` over (a file missing or cut
+        short, a checksum that did not match): a new save of its step replaces it."""
+        return path in self._failed
+
     def base_for(self, step: int) -> str | None:
         """The base of an incremental save of ``step``: the latest valid checkpoint, unless
         the save is to be a full one (the first, every ``full_every``-th, or no base)."""
@@ -281,6 +286,7 @@ class Checkpoints:
             if not whole:
                 why = f"{path} is missing or incomplete"
                 reasons.append(why)
+                self._failed.add(path)
                 if last and not quiet_missing:
                     load(state_dict, path, storage_options=tier.storage_options, **kwargs)  # raises what is wrong
                 continue

@@ -383,10 +383,11 @@ class CheckpointManager(Checkpoints):
         """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""
         group = resolve_group(self.process_group)
         self._saved_step = step
+        replace = self.failed_checks(self.path_for(step))  # a checkpoint restore passed over is replaced
         versions = self._deltas.versions() if self._deltas is not None else {}
         if not self.async_save:
             try:
-                self.save(state, step, process_group=self.process_group, metadata=self.metadata)
+                self.save(state, step, process_group=self.process_group, metadata=self.metadata, overwrite=replace)
             except UnickptError as e:
                 self._save_failed(step, e)
                 return
@@ -398,7 +399,7 @@ class CheckpointManager(Checkpoints):
         base = self.shared_base(step, group) if self.incremental else None
         try:
             handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
-                                storage_options=self.fast.storage_options, metadata=self.metadata)
+                                storage_options=self.fast.storage_options, metadata=self.metadata, overwrite=replace)
         except UnickptError as e:
             self._save_failed(step, e)
             return
