@@ -11,8 +11,8 @@
   (2 ranks, CPU) loads onto Shard(0) DTensors on 3 ranks bitwise equal to DeepSpeed's
   own ``zero_to_fp32``;
 * a save that fails on one rank commits nothing, leaves no staging directory, and the old
-  checkpoint it was to replace stays as it was; a committed checkpoint is replaced only
-  with ``overwrite=True``;
+  checkpoint it was to replace stays as it was; ``overwrite=False`` refuses to replace a
+  committed checkpoint;
 * ``unickpt inspect`` and ``convert`` read a checkpoint saved through DCP;
 * one flipped byte in a data file: ``dcp.load`` raises, naming the checksum mismatch.
 """
@@ -125,7 +125,7 @@ def test_a_committed_checkpoint_is_not_replaced_without_overwrite(root, tmp_path
     shutil.copytree(root / "fsdp", path)
     before = (path / "manifest.json").read_bytes()
     with pytest.raises(CheckpointException, match="already holds a committed checkpoint"):
-        dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(str(path)), no_dist=True)
+        dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(str(path), overwrite=False), no_dist=True)
     assert (path / "manifest.json").read_bytes() == before
     dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(str(path), overwrite=True), no_dist=True)
     assert unickpt.verify(str(path)).ok and sorted(unickpt.read_manifest(str(path)).tensors) == ["w"]

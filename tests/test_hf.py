@@ -188,7 +188,9 @@ def test_config_flag_when_model_args_missing(ckpt, tmp_path):
                          ("model.layers.0.self_attn.k_proj.weight", "layers.0.attention.wk.weight")):
         with safe_open(str(tmp_path / "hf" / wmap[hf_name]), "pt") as f:
             assert torch.equal(f.get_tensor(hf_name), expected_hf(ckpt, hf_name, our))
-    r = invoke("export", bare, str(tmp_path / "k"), "--names", "keep")  # no reordering needed: no config either
+    r = invoke("export", bare, str(tmp_path / "k"), "--names", "keep")  # no reordering needed; no config known
+    assert r.exit_code == 1 and "OK" not in r.output and "--no-config" in r.stderr and not (tmp_path / "k").exists(), r.output
+    r = invoke("export", bare, str(tmp_path / "k"), "--names", "keep", "--no-config")  # the user adds it
     assert r.exit_code == 0 and "no config.json" in r.stdout, r.output
 
 

@@ -218,3 +218,76 @@ def test_refusals(tmp_path):
         UnickptCallback()
     with pytest.raises(unickpt.UnickptError, match="own keys"):
         _fit(tmp_path, 2, UnickptCallback(str(tmp_path / "e"), extra_state={"rng": 1}))
+
+
+def test_the_end_of_fit_is_saved_durably_and_a_rerun_trains_nothing(tmp_path):
+    """A fit of 6 steps saving every 4 ends with a durable checkpoint of step 6 (as the
+    torchtitan integration does), so running the finished command again restores step 6
+    and trains no step."""
+    (tmp_path / "r").mkdir()
+    first = UnickptCallback(str(tmp_path / "ck"), save_every=4, async_save=True)
+    _fit(tmp_path / "r", 6, first)
+    assert first.manager.steps() == [4, 6] and first.manager.stats()["saves_failed"] == 0
+    logged = open(tmp_path / "r" / "loss.jsonl").read()
+    again = UnickptCallback(str(tmp_path / "ck"), save_every=4, async_save=True)
+    _fit(tmp_path / "r", 6, again)
+    assert again.restored_step == 6 and again.manager.restored_line.startswith("resumed step 6 from disk")
+    assert open(tmp_path / "r" / "loss.jsonl").read() == logged  # no step trained again
+    assert again.manager.steps() == [4, 6] and again.manager.stats()["saves"] == 0
+
+
+class _Ids(L.LightningModule):
+    """Appends each step's batch (sample ids) to ``log``."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 1)
+        self.log_path = log
+
+    def training_step(self, batch, batch_idx):
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps({"step": self.global_step + 1, "ids": batch.tolist()}) + "\n")
+        return self.lin(batch.float().unsqueeze(1)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _ids_fit(log: str, steps: int, callback: UnickptCallback | None) -> None:
+    from torch.utils.data.distributed import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    L.seed_everything(0, verbose=False)
+    data = torch.arange(16)
+    loader = StatefulDataLoader(data, batch_size=2,
+                                sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", max_steps=steps, logger=False,
+                        callbacks=[callback] if callback else [], use_distributed_sampler=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Ids(log), train_dataloaders=loader)
+
+
+def test_ddp_stateful_loader_resumes_mid_epoch_in_the_right_epoch_order(tmp_path, monkeypatch):
+    """DDP (a process group, here of one rank) and a torchdata StatefulDataLoader over a
+    shuffling DistributedSampler: stopped at step 10, mid-way through the second epoch,
+    and resumed, steps 11 and 12 get the same batches as an unbroken run (Lightning makes
+    the loader's iterator before it sets the sampler's epoch; the callback sets it and
+    makes the iterator again from the restored position)."""
+    import torch.distributed as dist
+
+    from unickpt.testing import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    try:
+        _ids_fit(str(tmp_path / "ref.jsonl"), 12, None)
+        _ids_fit(str(tmp_path / "run.jsonl"), 10, UnickptCallback(str(tmp_path / "ck"), save_every=5))
+        again = UnickptCallback(str(tmp_path / "ck"), save_every=5)
+        _ids_fit(str(tmp_path / "run.jsonl"), 12, again)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert again.restored_step == 10
+    ref = [json.loads(line) for line in open(tmp_path / "ref.jsonl")]
+    run = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
+    assert [r["step"] for r in run] == list(range(1, 13)) and run == ref

@@ -110,7 +110,7 @@ def test_cli_inspect_verify_convert_export(ckpt: Path, tmp_path: Path) -> None:
         assert torch.equal(_bits(unickpt.load_tensor(str(out), name)), _bits(t)), name
     assert unickpt.read_manifest(str(out)).values["iteration"] == 7
     hf = tmp_path / "hf"
-    r = invoke("export", str(ckpt), str(hf), "--prefix", "decoder.", "--names", "keep", "--allow-skip")
+    r = invoke("export", str(ckpt), str(hf), "--prefix", "decoder.", "--names", "keep", "--allow-skip", "--no-config")
     assert r.exit_code == 0, r.output
     from safetensors.torch import load_file
 

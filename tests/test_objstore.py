@@ -179,7 +179,7 @@ def test_cli_inspect_and_verify_on_s3(s3):
     r = CliRunner().invoke(app, ["convert", url, f"s3://{BUCKET}/cli/universal", "--consolidate"])
     assert r.exit_code == 0 and unickpt.verify(f"s3://{BUCKET}/cli/universal").ok, r.output
     unickpt.save({"model.layers.0.w": torch.randn(4, 4)}, f"s3://{BUCKET}/cli/model")
-    r = CliRunner().invoke(app, ["export", f"s3://{BUCKET}/cli/model", f"s3://{BUCKET}/cli/hf", "--names", "keep"])
+    r = CliRunner().invoke(app, ["export", f"s3://{BUCKET}/cli/model", f"s3://{BUCKET}/cli/hf", "--names", "keep", "--no-config"])
     assert r.exit_code == 0 and "cli/hf/model-00001-of-00001.safetensors" in _keys(s3, "cli/hf/"), r.output
     r = CliRunner().invoke(app, ["verify", url])
     assert r.exit_code == 0 and "OK" in r.output, r.output

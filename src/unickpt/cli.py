@@ -324,10 +324,17 @@ def inspect_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
     """Show tensors, values, per-rank state, totals, provenance and the ledger (what the
-    reader reads, skips and why); exit 1 if bytes of the source are neither read nor reported."""
+    reader reads, skips and why); exit 1 if bytes of the source are neither read nor reported.
+    On a CheckpointManager's root: its step_* checkpoints, committed or not, whole or not."""
+    from .errors import NotACheckpointError
     from .format.values import decode_value
 
-    s, ledger = _summary(str(path))
+    try:
+        s, ledger = _summary(str(path))
+    except NotACheckpointError:
+        if not _inspect_root(str(path), as_json):
+            raise
+        return
     if as_json:
         typer.echo(json.dumps(s, indent=2))
         if not ledger.accounted:
@@ -385,6 +392,38 @@ def inspect_cmd(
     _print_ledger(ledger)
     if not ledger.accounted:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _inspect_root(root: str, as_json: bool) -> bool:
+    """List the step_* checkpoints of a manager's root; False when it holds none."""
+    from .api.tiers import describe_root
+
+    try:
+        rows = describe_root(root)
+    except (UnickptError, OSError):
+        return False
+    if not rows:
+        return False
+    if as_json:
+        typer.echo(json.dumps({"root": root, "checkpoints": rows}, indent=2))
+        return True
+    out = _out()
+    whole = [r for r in rows if r["whole"]]
+    out.print(Text(f"checkpoints under {root} (a CheckpointManager's root): {len(rows)}, {len(whole)} committed and "
+                   "whole", style="bold"), soft_wrap=True)
+    t = Table(title_justify="left")
+    for col, just in (("checkpoint", "left"), ("committed", "left"), ("whole", "left"), ("files", "right"),
+                      ("size", "right"), ("problem", "left")):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for r in rows:
+        t.add_row(r["name"], "yes" if r["committed"] else "no", "-" if r["whole"] is None else "yes" if r["whole"] else "no",
+                  str(r["files"]), human_bytes(r["bytes"]), escape(r["problem"] or ""))
+    out.print(t)
+    if whole:
+        newest = whole[-1]["name"]
+        out.print(f"newest whole: {newest} (sizes checked; every checksum: unickpt verify {root.rstrip('/')}/{newest})",
+                  soft_wrap=True)
+    return True
 
 
 # ---------------------------------------------------------------- verify
@@ -584,10 +623,14 @@ def export_cmd(
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads.")] = 4,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an export already at DST.")] = False,
     allow_skip: Annotated[bool, typer.Option("--allow-skip", help=_ALLOW_SKIP_HELP)] = False,
+    no_config: Annotated[bool, typer.Option("--no-config", help="Export without config.json when the checkpoint does "
+                                            "not know its model's config: you will add it yourself.")] = False,
 ) -> None:
     """Export the model as a Hugging Face folder (shards + index.json + config.json), streaming.
     Every other tensor is listed; exit 1, writing nothing, when model weights would be left
-    out or the source holds data unickpt does not read, unless --allow-skip."""
+    out or the source holds data unickpt does not read, unless --allow-skip; or when no
+    config.json can be written (the checkpoint does not know its model's config), unless
+    --config FILE or --no-config."""
     from .adapters.checkpoint import open_checkpoint
     from .adapters.hf_export import export_hf, export_ledger, parse_size, plan_hf_export
     from .format.values import loads_json
@@ -608,10 +651,15 @@ def export_cmd(
         manifest = ckpt.manifest
         plan = plan_hf_export(manifest, **kwargs)
         _refuse_incomplete(export_ledger(ckpt, manifest, plan), allow_skip, "exported")
+        if plan.config is None and not no_config:
+            _err().print(Text("nothing exported: the checkpoint does not know its model's config (no model_args, no "
+                              "hf_config in its metadata), and from_pretrained needs config.json; pass --config "
+                              "CONFIG.json, or --no-config if you will add it yourself", style="bold red"), soft_wrap=True)
+            raise typer.Exit(EXIT_FAILED)
         total = plan.total_bytes
         report = _with_byte_progress("exporting", total, lambda progress: export_hf(
             ckpt, str(dst), max_shard_size=max_shard_size, threads=threads, overwrite=overwrite, progress=progress, **kwargs))
-    extra = ", config.json" if report.config_written else ", no config.json (pass --config)"
+    extra = ", config.json" if report.config_written else ", no config.json (--no-config: add it yourself)"
     warnings = list(getattr(report, "warnings", [])) + ledger_warnings(report.ledger)
     _print_warnings(warnings)
     _out().print(
@@ -624,6 +672,44 @@ def export_cmd(
 
 
 # ---------------------------------------------------------------- demo
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+@app.command("snapshots", short_help="List (and --free) the in-memory snapshots and keeper this node holds.")
+@_errors
+def snapshots_cmd(
+    shm_root: Annotated[str | None, typer.Argument(metavar="[SHM_ROOT]", show_default=False,
+                                                   help="The node's shm root (default: $UNICKPT_SHM_ROOT, else /dev/shm).")] = None,
+    free: Annotated[bool, typer.Option("--free", help="Stop the keeper and delete every snapshot it holds "
+                                       "(only when no job of this node is running: a running job loses its memory tier).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """List the keeper process and the snapshots held in this node's host memory; a job
+    killed and not relaunched leaves them held. --free stops the keeper and deletes them.
+    Run it on every node of the job."""
+    from .snapshot.leftovers import free_snapshots, held_snapshots
+    from .snapshot.paths import shm_root as default_root
+
+    root = shm_root or default_root()
+    held = free_snapshots(root) if free else held_snapshots(root)
+    if as_json:
+        typer.echo(json.dumps({**held, "freed": free}, indent=2))
+        return
+    out = _out()
+    keeper = held["keeper"]
+    total = sum(j["bytes"] for j in held["jobs"])
+    out.print(f"{root}: " + (f"keeper pid {keeper['pid']} (job {escape(keeper['job'])}, {keeper['host']}:{keeper['port']})"
+                             if keeper else "no keeper running") + f"; {human_bytes(total)} of snapshots", soft_wrap=True)
+    for j in held["jobs"]:
+        steps = ", ".join(str(s) for s in j["steps"]) or "none"
+        out.print(f"  job {escape(j['job'])}: steps {steps} (whole: {', '.join(map(str, j['whole'])) or 'none'}), "
+                  f"{human_bytes(j['bytes'])}", soft_wrap=True)
+    if free:
+        out.print(f"freed: {human_bytes(total)}" + (f", keeper {keeper['pid']} stopped" if keeper else ""), soft_wrap=True)
+    elif keeper or held["jobs"]:
+        out.print(f"free them (when no job of this node runs): unickpt snapshots {root} --free", soft_wrap=True)
 
 
 @app.command("demo", short_help="Train on tp2 x dp2, lose the job, resume on 3 ranks; or lose a node of 4 (--fault-tolerance).")

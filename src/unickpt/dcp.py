@@ -46,13 +46,14 @@ Per-rank state (``unickpt.PerRank``) and items an adapter skipped are not listed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import threading
 import weakref
 from math import prod
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
 from .adapters.checkpoint import Checkpoint, open_checkpoint
+from .adapters.detect import checkpoint_format
 from .adapters.dcp_writer import dcp_leaves
 from .api.assemble import manifest_document
 from .api.save import LocalState, check_not_committed, claim, data_file_name, rank_message, rank_payload, rank_storage
@@ -85,6 +87,7 @@ from .format.manifest import DEFAULT_BLOCK_BYTES, TensorEntry
 from .format.values import decode_value, encode_value
 from .plan.box import Box
 from .plan.piece import box_piece
+from .storage.open import is_remote, local_path, url_scheme
 
 __all__ = ["StorageWriter", "StorageReader"]
 
@@ -160,15 +163,19 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
     """DCP storage writer producing a unickpt checkpoint at ``path`` (a directory or an
     fsspec URL, ``storage_options`` for its file system); see the module docstring.
 
-    ``overwrite``: replace a checkpoint already committed at ``path`` (else the save fails
-    with :class:`~unickpt.SaveError` before writing anything, as ``unickpt.save`` does).
+    ``overwrite``: replace a checkpoint already committed at ``path``. The default (None)
+    is ``FileSystemWriter``'s where that costs no safety: a local directory is overwritten
+    (the new checkpoint is swapped in by the commit, the old one stays whole until then),
+    an object-store prefix is not (its old manifest would go first). A refused save fails
+    with :class:`~unickpt.SaveError` saying "Checkpoint already exists" before writing
+    anything.
     ``metadata``: stored as the checkpoint's ``metadata`` (plain values; the key ``dcp`` is
     unickpt's). ``threads`` write each rank's file; ``block_bytes`` is the checksum block.
     """
 
     _synchronize_after_execute = False  # stage() returns once the copy is complete
 
-    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, metadata: dict[str, Any] | None = None,
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool | None = None, metadata: dict[str, Any] | None = None,
                  threads: int = 4, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  storage_options: dict[str, Any] | None = None) -> None:
         if block_bytes <= 0 or block_bytes % 8:
@@ -201,7 +208,8 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
                             "built from every rank's report")
         self._rank = int(kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0))
         if is_coordinator:
-            check_not_committed(self.path, self.overwrite, self.storage_options)
+            with _refusal(self.path):
+                check_not_committed(self.path, self._overwrite(), self.storage_options)
 
     def prepare_local_plan(self, plan: Any) -> Any:
         """The plan as DCP's planner made it."""
@@ -211,7 +219,8 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         """Coordinator: claim the location (lock, staging directory; or the object-store
         prefix) and tell every rank where to write, in its plan's ``storage_data``."""
         self._abort()
-        write, _ = claim(self.path, self.overwrite, self.storage_options)
+        with _refusal(self.path):
+            write, _ = claim(self.path, self._overwrite(), self.storage_options)
         self._claim = write
         where = getattr(write, "staging_from_target", "")
         return [dataclasses.replace(p, storage_data={_STAGING_KEY: where}) for p in plans]
@@ -259,8 +268,17 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for a path or URL (where a unickpt checkpoint can be written)."""
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True where unickpt can write a checkpoint: a local path with an existing,
+        writable parent directory, or a URL of a file system fsspec knows."""
+        if not isinstance(checkpoint_id, (str, os.PathLike)):
+            return False
+        if is_remote(checkpoint_id):
+            return _known_scheme(checkpoint_id)
+        path = os.path.abspath(local_path(checkpoint_id))
+        return any(os.path.isdir(p) and os.access(p, os.W_OK) for p in [path, *_parents(path)])
+
+    def _overwrite(self) -> bool:
+        return not is_remote(self.path) if self.overwrite is None else self.overwrite
 
     def storage_meta(self) -> StorageMeta | None:
         """The checkpoint location, as DCP records it."""
@@ -405,6 +423,37 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         return rank_payload(Group(None, self._rank, 1), local, written, files)
 
 
+@contextlib.contextmanager
+def _refusal(path: str) -> Iterator[None]:
+    """A refusal to replace a committed checkpoint says it in ``FileSystemWriter``'s
+    words too ("Checkpoint already exists"), which code written for DCP looks for."""
+    try:
+        yield
+    except SaveError as e:
+        if "already holds a committed checkpoint" not in str(e):
+            raise
+        raise SaveError(f"Checkpoint already exists: {e}") from None
+
+
+def _known_scheme(url: str | os.PathLike) -> bool:
+    """True when an installed fsspec file system serves ``url``'s scheme."""
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(url_scheme(url))
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+def _parents(path: str) -> list[str]:
+    out = []
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        out.append(path)
+    return out
+
+
 def _planner_paths(data: Any) -> dict[str, tuple[Any, ...]]:
     """DCP's flattening map (flat name -> object path), kept where it is well formed."""
     if not isinstance(data, dict):
@@ -540,8 +589,18 @@ class StorageReader(_storage.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for a path or URL (unickpt detects the format when reading)."""
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True where unickpt can read a checkpoint: a local directory holding one of the
+        formats it reads (unickpt's, DCP, DeepSpeed, Megatron-Core, Hugging Face), or a
+        URL of a file system fsspec knows (the store is not contacted here)."""
+        if not isinstance(checkpoint_id, (str, os.PathLike)):
+            return False
+        if is_remote(checkpoint_id):
+            return _known_scheme(checkpoint_id)
+        try:
+            checkpoint_format(local_path(checkpoint_id))
+        except (UnickptError, OSError):
+            return False
+        return True
 
     def _close(self) -> None:
         ckpt, self._ckpt = self._ckpt, None

@@ -7,13 +7,14 @@ loop's tiers on top; the delta log keeps its entries in one too."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import warnings
 from typing import Any
 
-from ..dist import all_true, broadcast_bytes, resolve_group
+from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
 from ..errors import CorruptionError, UnickptError
 from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
@@ -85,6 +86,8 @@ class Checkpoints:
         self._copying: int | None = None
         self.incremental = incremental
         self.full_every = full_every
+        self.passed_over: list[str] = []  # the checkpoints the last load() passed over, and why
+        self._failed: set[str] = set()  # checkpoints that failed their checks in a load of this process
 
     @property
     def root(self) -> str:
@@ -120,12 +123,18 @@ class Checkpoints:
 
     def latest(self, verify: bool = False) -> str | None:
         """The newest valid checkpoint of either tier (the fast tier's copy when both are
-        valid), or None."""
+        valid), or None. Passed over: a checkpoint that failed its checksums in a load of
+        this manager, and with ``verify=True`` any whose checksums do not all match."""
         for _, copies in self._candidates():
             for tier, path in copies:
-                if tier.is_valid(path, verify):
+                if path not in self._failed and tier.is_valid(path, verify):
                     return path
         return None
+
+    def failed_checks(self, path: str) -> bool:
+        """True when a load of this manager passed ``path`` over (a file missing or cut
+        short, a checksum that did not match): a new save of its step replaces it."""
+        return path in self._failed
 
     def base_for(self, step: int) -> str | None:
         """The base of an incremental save of ``step``: the latest valid checkpoint, unless
@@ -227,10 +236,15 @@ class Checkpoints:
             self._copy, self._copying = None, None
 
     def load(self, state_dict: dict[str, Any], path: str | None = None, **kwargs: Any) -> str | None:
-        """Load ``path`` (default: the latest valid checkpoint of either tier) into
+        """Load ``path`` (default: the newest whole checkpoint of either tier) into
         ``state_dict``; when the fast tier's copy of that step is missing or fails its
-        checksums, the durable tier's copy is loaded instead, with a warning. Returns the
-        location loaded, or None when there is no checkpoint yet."""
+        checksums, the durable tier's copy is loaded instead, with a warning. Without
+        ``path``, a step none of whose copies is whole (a file missing or cut short, a
+        checksum that does not match on any rank) is passed over for the next older one,
+        and :attr:`passed_over` says which and why; the steps tried are rank 0's, so every
+        rank loads the same one. Returns the location loaded, or None when there is no
+        checkpoint; a :class:`~unickpt.CorruptionError` naming each one when none is whole."""
+        self.passed_over = []
         if path is not None:
             step = self._step_of(path)
             if step is None or self.durable is None:
@@ -238,27 +252,41 @@ class Checkpoints:
                 return path
             return self._load_step(state_dict, step, [(self.fast, self.fast.path_for(step)), (self.durable, self.durable.path_for(step))],
                                    kwargs)
-        for step, copies in self._candidates():
+        for step, copies in self._shared_candidates(resolve_group(kwargs.get("process_group"))):
             if self.durable is not None and all(tier is not self.fast for tier, _ in copies):
                 copies = [(self.fast, self.fast.path_for(step))] + copies  # named in the fallback warning
             loaded = self._load_step(state_dict, step, copies, kwargs, quiet_missing=True)
             if loaded is not None:
                 return loaded
+        if self.passed_over:  # checkpoints there, none whole: never a silent fresh start
+            raise CorruptionError(f"no checkpoint under {self.root} could be loaded: " + "; ".join(self.passed_over))
         return None
+
+    def _shared_candidates(self, group: Any) -> list[tuple[int, list[tuple[Tier, str]]]]:
+        """Collective: :meth:`_candidates` as rank 0 lists them (a node-local fast tier may
+        list otherwise on other ranks; every rank must try the same steps)."""
+        tiers = [self.fast] + ([self.durable] if self.durable is not None else [])
+        mine = [[step, [tiers.index(t) for t, _ in copies]] for step, copies in self._candidates()] if group.rank == 0 else None
+        doc = broadcast_bytes(group, json.dumps(mine).encode() if mine is not None else None, 0)
+        return [(step, [(tiers[i], tiers[i].path_for(step)) for i in which]) for step, which in json.loads(doc)]
 
     def _load_step(self, state_dict: dict[str, Any], step: int, copies: list[tuple[Tier, str]], kwargs: dict[str, Any],
                    quiet_missing: bool = False) -> str | None:
         """Load the first usable copy of ``step``; warn for each fast copy passed over.
         Collective over ``kwargs["process_group"]``: rank 0 says which copies are whole,
         and a copy that fails its checksums on any rank is passed over by every rank, so
-        all of them load the same copy."""
+        all of them load the same copy. ``quiet_missing``: when no copy is usable, None
+        (the reason added to :attr:`passed_over`) instead of the error."""
         group = resolve_group(kwargs.get("process_group"))
         why = None
+        reasons: list[str] = []
         for k, (tier, path) in enumerate(copies):
             last = k == len(copies) - 1
             whole = broadcast_bytes(group, bytes([tier.is_valid(path)]) if group.rank == 0 else None, 0) == b"\x01"
             if not whole:
                 why = f"{path} is missing or incomplete"
+                reasons.append(why)
+                self._failed.add(path)
                 if last and not quiet_missing:
                     load(state_dict, path, storage_options=tier.storage_options, **kwargs)  # raises what is wrong
                 continue
@@ -272,9 +300,17 @@ class Checkpoints:
             if all_true(group, error is None):
                 return path
             corrupt = all_true(group, error is None or isinstance(error, CorruptionError))
-            if last or not corrupt:  # another kind of error is the same in every copy
+            if not corrupt:  # another kind of error is the same in every copy
+                raise error or UnickptError(f"{path} could not be loaded on another rank")
+            if last and not quiet_missing:
                 raise error or CorruptionError(f"{path} failed its checks on another rank")
-            why = f"{path} failed its checks ({error or 'on another rank'})"
+            self._failed.add(path)
+            said = gather_bytes(group, _reason(error, path).encode() if error is not None else b"", 0)
+            where = [(r, m.decode(errors="replace")) for r, m in enumerate(said or []) if m]
+            why = f"{path} failed its checks" + (f" on rank {where[0][0]} ({where[0][1]})" if where else "")
+            why = broadcast_bytes(group, why.encode() if group.rank == 0 else None, 0).decode()  # the same everywhere
+            reasons.append(why)
+        self.passed_over.append("; ".join(reasons))
         return None
 
     def _step_of(self, path: str) -> int | None:
@@ -290,6 +326,12 @@ class Checkpoints:
         if self.durable is not None and _under(path, self.durable):
             return self.durable.storage_options
         return self.fast.storage_options if _under(path, self.fast) else None
+
+
+def _reason(error: BaseException, path: str) -> str:
+    """The first line of ``error`` without the location it starts with."""
+    text = (str(error).splitlines() or [type(error).__name__])[0]
+    return text[len(path) + 2:] if text.startswith(f"{path}: ") else text
 
 
 def _under(path: str, tier: Tier) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..dist import resolve_group
-from ..errors import LayoutError, ManifestError, MismatchError, UnickptError
+from ..errors import CorruptionError, LayoutError, ManifestError, MismatchError, UnickptError
 from ..format.dtypes import CASTS, cast_allowed, dtype_from_name, dtype_name
 from ..adapters.checkpoint import open_checkpoint
 from ..format.manifest import Manifest, TensorEntry
@@ -202,6 +202,8 @@ def load(
     if replicas is not None:
         replicas.finish(error is not None)
     if error is not None:
+        if isinstance(error, CorruptionError) and str(path) not in str(error):
+            raise CorruptionError(f"{path}: {error}") from None  # which checkpoint, not only which file
         raise error
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read

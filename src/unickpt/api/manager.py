@@ -31,6 +31,7 @@ from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
 from .delta_log import Replay, step_of
 from .load import load
+from .saveable import check_saveable
 from .state_copy import StateCopy
 from .step_deltas import StepDeltas, replay_line, replay_refusal
 
@@ -63,6 +64,10 @@ class CheckpointManager(Checkpoints):
     ``save_every``); ``delta_dtype="bf16"`` halves the bytes, the replay is then close, not
     bitwise.
 
+    ``metadata`` (plain values) is stored in every durable checkpoint's manifest (the
+    Hugging Face integration puts the model's config there as ``hf_config``, which
+    ``unickpt export`` writes as config.json).
+
     ``process_group``: the job's group (default: the default group). Construction is
     local (no collective); the tiers start at the first :meth:`restore` or
     :meth:`maybe_save`, which are collective. ``save``, ``load``, ``latest``,
@@ -93,16 +98,21 @@ class CheckpointManager(Checkpoints):
         incremental: bool = False,
         full_every: int | None = None,
         process_group: Any = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,
                          durable_keep=durable_keep, durable_storage_options=durable_storage_options,
                          incremental=incremental, full_every=full_every)
         _check_options(str(root), save_every, snapshot_every, parity, snapshot_replicas, flush_every,
                        snapshot_max_bytes, log_deltas, delta_dtype)
+        if async_save and not save_every:
+            raise UnickptError("async_save=True writes the checkpoints of save_every in the background: set save_every "
+                               "too (maybe_save(..., force=True) then saves in the background as well)")
         self.save_every, self.async_save, self.snapshot_every = save_every, async_save, snapshot_every
         self.parity, self.snapshot_replicas, self.flush_every = parity, snapshot_replicas, flush_every
         self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snapshot_max_bytes, log_deltas, delta_dtype
         self.process_group = process_group
+        self.metadata = metadata  # stored in every durable checkpoint's manifest (plain values)
         self.restored_line: str | None = None
         self._started = False
         self._closed = False
@@ -111,6 +121,8 @@ class CheckpointManager(Checkpoints):
         self._state: dict[str, Any] | None = None
         self._pending: tuple[AsyncSaveHandle, int, dict[str, int]] | None = None
         self._housekept: int | None = None  # the step of the last async save whose retention ran
+        self._stepped: int | None = None  # the last step restored or passed to maybe_save, and the last saved
+        self._saved_step: int | None = None
         self._newest_seen: int | None = None  # the newest checkpoint seen, and the step the valid ones cover
         self._covers: int | None = None
         self._counts = {"saves": 0, "saves_failed": 0, "snapshots_failed": 0, "delta_steps_missed": 0}
@@ -130,9 +142,13 @@ class CheckpointManager(Checkpoints):
         memory (...)``, ``resumed step S from disk (...)`` (``from disk + D logged steps``)
         or ``starting fresh (...)``. On the same layout ``state`` is then bitwise what it
         was after step S of the broken run; on another number of ranks per-rank entries
-        (:class:`unickpt.RNGState`) keep their values, as the line says."""
+        (:class:`unickpt.RNGState`) keep their values, as the line says. An entry of
+        ``state`` that no save could store (not a tensor, a Stateful object or plain data,
+        e.g. a plain ``DataLoader``) is a :class:`~unickpt.UnickptError` naming it, before
+        anything is loaded."""
         t0 = time.perf_counter()
         self._state = state
+        check_saveable(state)
         if self.log_deltas:
             why = replay_refusal(state)
             if why:
@@ -159,6 +175,7 @@ class CheckpointManager(Checkpoints):
         if self._deltas is not None:
             self._deltas.started(step)
             self._deltas.watch(state)
+        self._stepped = step
         self.restored_line = line
         if group.rank == 0:
             print(line, flush=True)
@@ -186,8 +203,10 @@ class CheckpointManager(Checkpoints):
         checkpoint every ``save_every`` steps (async: started here, written in the
         background), the step's delta log entry, a snapshot every ``snapshot_every`` steps.
         ``force=True`` takes the durable checkpoint of ``step`` whether due or not (a
-        framework's last step). Collective. A failure is a warning and a count in
-        :meth:`stats`, never an exception: the next save or snapshot tries again."""
+        framework's last step); called again for the step just passed (or restored), it
+        takes only that checkpoint, if not taken yet. Collective. A failure is a warning
+        and a count in :meth:`stats`, never an exception: the next save or snapshot tries
+        again."""
         t0 = time.perf_counter()
         self._state = state
         if not self._started:  # restore() was not called (the state was loaded otherwise)
@@ -195,6 +214,12 @@ class CheckpointManager(Checkpoints):
             if self._deltas is not None:
                 self._deltas.started(step - 1)
                 self._deltas.watch(state)
+        if step == self._stepped:  # the same step again (a framework's end of fit): its durable checkpoint only
+            if force and self._saved_step != step:
+                self._save_step(state, step)
+            self._stall_s += time.perf_counter() - t0
+            return
+        self._stepped = step
         saved = force or (bool(self.save_every) and step % self.save_every == 0)
         if saved:
             self._save_step(state, step)
@@ -282,9 +307,10 @@ class CheckpointManager(Checkpoints):
             self._newest_seen, self._covers = newest, None if latest is None else step_of(latest)
         return self._covers
 
-    def _load_disk(self, state: dict[str, Any], path: str, kept: list[str]) -> str:
+    def _load_disk(self, state: dict[str, Any], path: str | None, kept: list[str]) -> str | None:
         """Collective: load the checkpoint of ``path``'s step (the durable tier's copy when
-        the fast one is missing or fails its checks on any rank); returns the copy loaded."""
+        the fast one is missing or fails its checks on any rank), or with None the newest
+        whole one (:meth:`Checkpoints.load`); returns the copy loaded."""
         stats: dict[str, Any] = {}
         loaded = self.load(state, path, process_group=self.process_group, per_rank="keep", stats=stats)
         kept[:] = list(dict.fromkeys(stats.get("per_rank_kept", [])))  # a copy passed over may have listed them too
@@ -302,8 +328,10 @@ class CheckpointManager(Checkpoints):
             return step, replay_line(plan)
         if latest is None:
             return None
-        path = self._load_disk(state, latest, kept)
-        return step_of(path), path
+        path = self._load_disk(state, None, kept)  # the newest whole one, each failing one passed over
+        if path is None:  # gone since latest() listed it
+            return None
+        return step_of(path), path + "".join(f"; passed over {why}" for why in self.passed_over)
 
     def _nothing_on_disk(self, plan: Replay | None) -> str:
         notes = "; ".join(plan.notes) if plan is not None and plan.notes else ""
@@ -354,10 +382,12 @@ class CheckpointManager(Checkpoints):
     def _save_step(self, state: dict[str, Any], step: int) -> None:
         """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""
         group = resolve_group(self.process_group)
+        self._saved_step = step
+        replace = self.failed_checks(self.path_for(step))  # a checkpoint restore passed over is replaced
         versions = self._deltas.versions() if self._deltas is not None else {}
         if not self.async_save:
             try:
-                self.save(state, step, process_group=self.process_group)
+                self.save(state, step, process_group=self.process_group, metadata=self.metadata, overwrite=replace)
             except UnickptError as e:
                 self._save_failed(step, e)
                 return
@@ -369,7 +399,7 @@ class CheckpointManager(Checkpoints):
         base = self.shared_base(step, group) if self.incremental else None
         try:
             handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
-                                storage_options=self.fast.storage_options)
+                                storage_options=self.fast.storage_options, metadata=self.metadata, overwrite=replace)
         except UnickptError as e:
             self._save_failed(step, e)
             return

@@ -172,3 +172,32 @@ def copy_file(source: Any, out: Any, name: str, size: int, chunk: int = 16 << 20
         writer.close(durable=False)
         raise
     writer.close(durable=True)
+
+
+def describe_root(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The ``step_*`` checkpoints under a manager's ``root``, oldest first, committed or
+    not: ``name``, ``step``, ``committed`` (its manifest is there), ``whole`` (every file
+    the manifest lists is there at its size; None when not committed), ``files``,
+    ``bytes`` (of the files present) and ``problem`` (why it is not whole or not
+    committed, else None). Sizes only: ``unickpt verify`` re-checks every checksum."""
+    from .load import read_manifest
+
+    tier = Tier(root, storage_options=storage_options)
+    committed, other = tier._listing()
+    rows = [(s, step_name(s), True) for s in committed] + [(int(STEP.match(n).group(1)), n, False) for n in other]
+    out = []
+    for step, name, done in sorted(rows):
+        storage = open_storage(tier.path_for(step), storage_options)
+        sizes = {n: storage.size(n) for n in storage.names() if checkpoint_file(n)}
+        row = {"name": name, "step": step, "committed": done, "whole": None, "files": len(sizes),
+               "bytes": sum(sizes.values()), "problem": None if done else "not committed (a save in progress, or killed)"}
+        if done:
+            try:
+                manifest = read_manifest(tier.path_for(step), storage_options)
+                bad = [f"{f}: {sizes.get(f, 0)} of {n} bytes" if f in sizes else f"{f} missing"
+                       for f, n in manifest.files.items() if sizes.get(f) != n]
+                row["whole"], row["problem"] = not bad, "; ".join(bad) or None
+            except (UnickptError, OSError) as e:
+                row["whole"], row["problem"] = False, str(e).splitlines()[0]
+        out.append(row)
+    return out

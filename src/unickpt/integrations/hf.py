@@ -203,6 +203,9 @@ class UnickptTrainerMixin:
             state["scaler"] = scaler
         self.unickpt_state = state
         self.unickpt_callback.started = True
+        config = _model_config(self.model)
+        if config is not None:  # `unickpt export` writes it as config.json
+            self.manager.metadata = {**(self.manager.metadata or {}), "hf_config": config}
         step = self.manager.restore(state)
         self._unickpt_saved = step
         if step:
@@ -249,6 +252,16 @@ class UnickptTrainer(UnickptTrainerMixin, Trainer):
     """``transformers.Trainer`` with unickpt's fault tolerance: ``UnickptTrainer(...,
     manager=unickpt.CheckpointManager(...))`` takes every argument of ``Trainer``;
     see :class:`UnickptTrainerMixin`."""
+
+
+def _model_config(model: Any) -> dict[str, Any] | None:
+    """The Hugging Face config of ``model`` (unwrapped from DDP/FSDP) as plain JSON data, or
+    None when it has none."""
+    model = getattr(model, "module", model)
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return None
+    return json.loads(config.to_json_string(use_diff=False))
 
 
 def _value(v: Any) -> Any:

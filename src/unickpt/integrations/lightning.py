@@ -12,8 +12,9 @@ the fit loop runs) builds the state — the LightningModule, every optimizer and
 of the strategy, a GradScaler when the precision plugin has one, the fit loop's progress
 (:class:`FitLoopState`) and the RNG (:class:`unickpt.RNGState`) — and calls
 ``restore``; ``on_before_optimizer_step`` calls ``before_update``; ``on_train_batch_end``
-calls ``maybe_save`` with ``trainer.global_step`` once per optimizer step; ``teardown``
-of the fit calls ``close``. docs/INTEGRATIONS.md ("Lightning") says what works and what
+calls ``maybe_save`` with ``trainer.global_step`` once per optimizer step;
+``on_train_end`` takes the durable checkpoint of the last step; ``teardown`` of the fit
+calls ``close``. docs/INTEGRATIONS.md ("Lightning") says what works and what
 does not.
 """
 
@@ -24,6 +25,7 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..api.manager import CheckpointManager
 from ..engine.rng import RNGState
@@ -49,6 +51,7 @@ class FitLoopState:
     def __init__(self, fit_loop: Any, per_rank_data: bool = True) -> None:
         self.fit_loop = fit_loop
         self.per_rank_data = per_rank_data
+        self.restored_data: list[Any] | None = None  # the loaders' states last loaded
 
     def state_dict(self) -> dict[str, Any]:
         """``{"progress": <the fit loop's state without the loaders'>, "data": <the loaders'
@@ -67,6 +70,7 @@ class FitLoopState:
         data = data.value if isinstance(data, PerRank) else data
         if data:
             progress["state_dict"] = {**(progress.get("state_dict") or {}), "combined_loader": list(data)}
+        self.restored_data = list(data) if data else None
         self.fit_loop.load_state_dict(progress)
 
 
@@ -138,6 +142,26 @@ class UnickptCallback(pl.Callback):
                                    f"{trainer.global_step}: the checkpoint's progress does not match its step")
         self._last_step = trainer.global_step
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a restore mid-epoch: Lightning made the loaders' iterators (and fast-forwarded
+        them to the restored position) before telling the samplers the epoch, so a
+        ``DistributedSampler`` (DDP) would go on in another epoch's order. Set the restored
+        epoch on the samplers and make the iterators again from the restored position."""
+        loops = self.state.get("loops") if self.state is not None else None
+        data = loops.restored_data if isinstance(loops, FitLoopState) else None
+        fit_loop = trainer.fit_loop
+        combined = getattr(fit_loop, "_combined_loader", None)
+        if not data or combined is None or getattr(fit_loop, "_data_fetcher", None) is None:
+            return
+        epoch = fit_loop.epoch_progress.current.processed
+        stale = [dl for dl in combined.flattened if any(getattr(s, "epoch", epoch) != epoch for s in _samplers(dl))]
+        if not stale:
+            return
+        for dl in stale:
+            _set_sampler_epoch(dl, epoch)
+        combined._load_state_dicts(data)
+        iter(fit_loop._data_fetcher)
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Right before the optimizer's update: the manager's ``before_update``."""
         self.manager.before_update()
@@ -152,6 +176,16 @@ class UnickptCallback(pl.Callback):
         self._last_step = step
         self.manager.maybe_save(self.state, step)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At the end of a fit that ran to its end: the durable checkpoint of the last step
+        (unless one is committed already), so that running the finished command again
+        restores it and trains nothing (the clean close frees the snapshots)."""
+        step = trainer.global_step
+        if self.state is None or not step:
+            return
+        if not trainer.strategy.broadcast(step in self.manager.steps(), src=0):  # rank 0's listing decides
+            self.manager.maybe_save(self.state, step, force=True)
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Nothing collective (the other ranks may be elsewhere): the snapshots stay in
         memory for the relaunch, an unfinished save is never committed."""
@@ -164,6 +198,12 @@ class UnickptCallback(pl.Callback):
         stops the keepers; collective)."""
         if stage == "fit" and self.state is not None:
             self.manager.close()
+
+
+def _samplers(dataloader: Any) -> list[Any]:
+    """The samplers Lightning sets the epoch of (``sampler``, ``batch_sampler.sampler``)."""
+    found = [getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)]
+    return [s for s in found if s is not None and callable(getattr(s, "set_epoch", None))]
 
 
 def _check_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,0 +1,47 @@
+"""What a node's shm root holds after a job: its keeper and the snapshots it holds. A job
+that ends cleanly (``CheckpointManager.close()``) leaves nothing; a job killed and not
+relaunched leaves its keeper holding its snapshots in host memory (it serves the relaunch
+that never comes). ``unickpt snapshots [--free]`` lists and frees them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import paths
+from .keepers import running_keeper, stop_keeper
+
+
+def held_snapshots(root: str) -> dict[str, Any]:
+    """What the shm ``root`` holds: ``keeper`` (the live keeper's pid, job, address; None
+    when none runs) and ``jobs`` (each job directory: ``job``, ``steps`` held, ``whole``
+    steps, ``bytes``)."""
+    keeper = running_keeper(root)
+    jobs = []
+    base = paths.base_dir(root)
+    names = sorted(os.listdir(base)) if os.path.isdir(base) else []
+    for name in names:
+        jdir = os.path.join(base, name)
+        if not os.path.isdir(jdir):
+            continue
+        held = paths.steps(jdir)
+        whole = [s for s in held if os.path.exists(os.path.join(jdir, paths.step_name(s), paths.WHOLE))]
+        jobs.append({"job": name, "steps": held, "whole": whole, "bytes": paths.dir_bytes(jdir)})
+    return {"root": root, "keeper": keeper, "jobs": jobs}
+
+
+def free_snapshots(root: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Stop ``root``'s keeper (it deletes its job's snapshots and exits) and remove the
+    snapshots no live keeper holds; returns what was held before."""
+    before = held_snapshots(root)
+    stop_keeper(root, timeout)
+    if running_keeper(root) is None:
+        for job in before["jobs"]:
+            paths.remove_tree(os.path.join(paths.base_dir(root), job["job"]))
+        for leftover in (paths.address_file(root), paths.pid_file(root), os.path.join(paths.base_dir(root), "keeper.log")):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+        paths.remove_if_empty(root)
+    return before
