@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import unickpt
-from unickpt.api.async_save import staging_bytes
+from unickpt.engine.background_save import staging_bytes
 from unickpt.testing import run_ranks
 
 
@@ -212,7 +212,7 @@ def test_single_process_batches_lazy_and_errors(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staging_is_pinned_and_sees_the_state_at_the_call(tmp_path):
-    from unickpt.api.async_save import _SAVER
+    from unickpt.engine.background_save import _SAVER
 
     dev = torch.device("cuda")
     sd = {"w": torch.randn(1024, 1024, device=dev), "b": torch.randn(7, device=dev).to(torch.bfloat16)}

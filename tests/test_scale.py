@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from unickpt.api.save import rank_message, read_message
+from unickpt.engine.commit import rank_message, read_message
 from unickpt.format.rank_message import FragmentRecord
 from unickpt.plan.save_plan import replica_shares
 from unickpt.testing import run_ranks
