@@ -163,14 +163,17 @@ def bounded_memory(rank: int, world: int, root: str, out: str) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.multiprocess
 def test_async_save_while_training_collectives_run(tmp_path):
     run_ranks(concurrent_saves, 2, str(tmp_path))
 
 
+@pytest.mark.multiprocess
 def test_failure_reaches_every_rank_with_rank_and_file(tmp_path):
     run_ranks(failing_save, 2, str(tmp_path))
 
 
+@pytest.mark.multiprocess
 def test_host_memory_stays_at_one_copy_over_20_saves(tmp_path):
     run_ranks(bounded_memory, 2, str(tmp_path / "ckpt"), str(tmp_path))
     for rank in range(2):

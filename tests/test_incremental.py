@@ -94,6 +94,7 @@ def test_full_every_starts_a_new_chain_and_frees_the_old_one(tmp_path):
     assert mgr.steps() == [4, 5]
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_to_one_and_one_to_two(tmp_path):
     single = tmp_path / "single"
     unickpt.save(full_state(1), str(single / "s1"))

@@ -83,6 +83,7 @@ def test_save_load_and_every_entry_point_take_urls(s3, tmp_path, monkeypatch):
         unickpt.load(out, f"s3://{BUCKET}/nothing")
 
 
+@pytest.mark.multiprocess
 def test_four_rank_save_two_rank_resharded_load_fetches_only_its_bytes(s3, tmp_path):
     url = f"s3://{BUCKET}/reshard/a4"
     run_ranks(save_a4, 4, s3.env(), url, preload=PRELOAD)
@@ -98,6 +99,7 @@ def test_four_rank_save_two_rank_resharded_load_fetches_only_its_bytes(s3, tmp_p
         assert sum(stop - start for _, start, stop in data) < sum(n for f, n in files.items() if f != "manifest.json") / 2
 
 
+@pytest.mark.multiprocess
 def test_killed_save_leaves_no_checkpoint_and_the_manager_cleans(s3, tmp_path):
     root = f"s3://{BUCKET}/killed"
     failure: list[BaseException] = []
@@ -228,6 +230,7 @@ def test_two_tier_manager_falls_back_to_the_object_store(s3, tmp_path):
     assert load_step("missing") == f"{durable}/step_00000004"
 
 
+@pytest.mark.multiprocess
 def test_trainer_on_s3_and_resume_from_the_durable_tier(s3, tmp_path):
     out = tmp_path / "runs.json"
     run_ranks(tiered_training, 1, s3.env(), str(tmp_path / "local"), f"s3://{BUCKET}/trainer", str(out), preload=PRELOAD)

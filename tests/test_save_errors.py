@@ -16,6 +16,7 @@ from unickpt.testing import run_ranks
 from save_error_cases import failing_ranks
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["save", "async"])
 def test_a_failed_save_names_every_failed_rank_and_why_on_every_rank(tmp_path, mode):
     run_ranks(failing_ranks, 3, str(tmp_path / "ck"), mode, preload=["torch", "torch.distributed", "unickpt"])

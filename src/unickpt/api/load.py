@@ -251,7 +251,8 @@ def _value_subtree(manifest: Manifest, name: str) -> dict[str, Any] | None:
 
 
 def _missing(name: str, manifest: Manifest) -> str:
-    return f"{name!r} is not in the checkpoint (it holds {len(manifest.tensors)} tensors and {len(manifest.values)} values); pass strict=False to skip missing keys"
+    return (f"{name!r} is not in the checkpoint (it holds {len(manifest.tensors)} tensors and {len(manifest.values)} values); "
+            "pass strict=False to skip missing keys")
 
 
 def _load_per_rank(
