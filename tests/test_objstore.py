@@ -15,6 +15,7 @@ import torch
 
 import unickpt
 from unickpt import TierFallbackWarning
+from unickpt.api.load import load_into
 from unickpt.storage.fsspec_store import FsspecStorage
 from unickpt.testing import run_ranks
 
@@ -161,8 +162,8 @@ def test_server_gone_mid_load_is_a_clear_error():
         unickpt.save(state, url, storage_options=opts)
         t0 = time.monotonic()
         with pytest.raises(unickpt.StorageError, match=f"{url}/rank_00000.safetensors: .*(connect|Connect)"):
-            unickpt.load({"w": torch.zeros(64, 64), "v": torch.zeros(10)}, url, storage_options=opts,
-                         storage=_ServerGoesAway(FsspecStorage(url, opts), server))
+            load_into({"w": torch.zeros(64, 64), "v": torch.zeros(10)}, url, storage_options=opts,
+                      storage=_ServerGoesAway(FsspecStorage(url, opts), server))
         assert time.monotonic() - t0 < 30, "retries and timeouts must be bounded"
     finally:
         server.kill()
