@@ -47,6 +47,7 @@ def _uploads(server: S3Server, prefix: str) -> list[str]:
     return [u["Key"] for u in server.client().list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])]
 
 
+@pytest.mark.multiprocess
 def test_save_load_and_every_entry_point_take_urls(s3, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     url = f"s3://{BUCKET}/single/step_5"
@@ -152,6 +153,7 @@ class _ServerGoesAway:
         self.inner.close()
 
 
+@pytest.mark.multiprocess
 def test_server_gone_mid_load_is_a_clear_error():
     server = S3Server()
     try:
@@ -169,6 +171,7 @@ def test_server_gone_mid_load_is_a_clear_error():
         server.kill()
 
 
+@pytest.mark.multiprocess
 def test_cli_inspect_and_verify_on_s3(s3):
     from typer.testing import CliRunner
 
@@ -195,6 +198,7 @@ def _state(step: int) -> dict:
     return {"w": torch.randn(50, 8, generator=g), "step": step}
 
 
+@pytest.mark.multiprocess
 def test_two_tier_manager_falls_back_to_the_object_store(s3, tmp_path):
     local, durable = tmp_path / "fast", f"s3://{BUCKET}/tiers"
     manager = unickpt.CheckpointManager(local, keep=2, durable=durable, durable_every=2, durable_keep=1)
