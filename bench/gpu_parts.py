@@ -220,7 +220,7 @@ def part_limits(ctx: Ctx) -> None:
         ctx.emit(what="limits", mib=n // MiB, d2h_pinned_gbs=gbs(d2h_pin), d2h_pageable_gbs=gbs(d2h_page),
                  h2d_pinned_gbs=gbs(h2d_pin), h2d_pageable_gbs=gbs(h2d_page), host_memcpy_gbs=gbs(memcpy),
                  pin_alloc_gbs=gbs(pin_s), pinned=bool(pinned.is_pinned()))
-        del src, pinned, pageable, other
+        src = pinned = pageable = other = None  # freed before the next size
 
 
 def _wait(resp: Any) -> None:
@@ -238,7 +238,7 @@ def part_async_save(ctx: Ctx) -> None:
     import torch.distributed.checkpoint as dcp
 
     import unickpt
-    from unickpt.api.async_save import staging_bytes
+    from unickpt.engine.background_save import staging_bytes
 
     init_group(ctx)
     sizes = ctx.sizes([1, 4, 16])
@@ -402,7 +402,7 @@ def part_load(ctx: Ctx) -> None:
         dev_buf = torch.empty(state_bytes(ref), dtype=torch.uint8, device=ctx.dev)
         h2d = min(ctx.timed(lambda: dev_buf.copy_(pinned, non_blocking=ctx.cuda)) for _ in range(3))
         h2d_gbs = state_bytes(ref) / h2d / 1e9
-        del pinned, dev_buf
+        pinned = dev_buf = None
         target = {k: torch.empty_like(v, device=ctx.dev) for k, v in ref.items()}
         for temp in ("cold", "warm", "warm"):
             cold = drop_caches() if temp == "cold" else False
@@ -416,7 +416,7 @@ def part_load(ctx: Ctx) -> None:
             for t in target.values():
                 t.zero_()
         shutil.rmtree(path, ignore_errors=True)
-        del ref, target
+        ref = target = None
 
 
 def part_restart(ctx: Ctx) -> None:

@@ -26,6 +26,11 @@ def _pick(rows: list[dict], **kw) -> dict | None:
     return None
 
 
+def _of_disk(row: dict, disk_r: float) -> str:
+    """A load's speed as a share of the disk's cold read speed."""
+    return f"{100 * row['bytes'] / 1e9 / row['load_s'] / disk_r:.0f}%" if row.get("load_s") else ""
+
+
 def render(rows: list[dict], limits: dict, ctx: dict) -> str:
     """The Markdown report of one run."""
     disk_w = max(limits[k] for k in ("write_fsync_1", "write_fsync_4_writeback", "write_fsync_4files"))
@@ -86,8 +91,7 @@ def render(rows: list[dict], limits: dict, ctx: dict) -> str:
     body = []
     for r in [r for r in rows if r["kind"] == "reshard" and r["lib"] == "unickpt"]:
         d = _pick(rows, kind="reshard", lib="dcp", bytes=r["bytes"]) or {}
-        of_disk = lambda row: f"{100 * row['bytes'] / 1e9 / row['load_s'] / disk_r:.0f}%" if row.get("load_s") else ""
-        body.append([_size(r["bytes"]), f"{r['load_s']:.2f} s", of_disk(r), f"{d.get('load_s', 0):.2f} s", of_disk(d),
+        body.append([_size(r["bytes"]), f"{r['load_s']:.2f} s", _of_disk(r, disk_r), f"{d.get('load_s', 0):.2f} s", _of_disk(d, disk_r),
                      _x(d.get("load_s"), r["load_s"])])
     out += _table(["state", "unickpt", "of disk read", "DCP", "of disk read", "unickpt faster by"], body)
     out += ["", "**Replicated tensors on load**, 4 ranks, plain tensors every rank needs whole", ""]

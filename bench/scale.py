@@ -7,7 +7,7 @@
 No process is started and no byte of tensor data exists: every rank's state is built on
 meta tensors by the real rules and ZeRO code (``bench/scale_model.py``), then driven
 through the same functions ``save`` and ``load`` use: ``collect`` (what each rank
-writes: replica ownership), ``data_file_layout``, ``rank_payload``/``rank_message``
+writes: replica ownership), ``data_file_layout``, ``rank_report``/``rank_message``
 (what each rank sends to rank 0), ``manifest_document`` (rank 0's commit work: every
 message -> checked, sealed ``manifest.json``), ``Manifest.from_json`` and ``plan_fill``
 (each target rank's load plan). Prints only; see docs/SCALE.md.
@@ -29,7 +29,8 @@ from unickpt.engine.gc_pause import gc_paused
 from unickpt.engine.replicated import shared_parts
 from unickpt.engine.items import sharded_item
 from unickpt.engine.tensor_reads import plan_fill
-from unickpt.api.save import manifest_document, rank_message
+from unickpt.engine.assemble import manifest_document
+from unickpt.engine.commit import rank_message
 from unickpt.engine.state import Sharded, flatten
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import INDEX_NAME

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from unickpt.api import save as save_api
+from unickpt.engine import collect as collect_api, commit as save_api
 from unickpt.engine.writer import data_file_layout
 from unickpt.dist import Group
 from unickpt.format.manifest import Fragment
@@ -118,9 +118,9 @@ def rank_state(
 
 def simulated_message(spec: ModelSpec, rules: Rules, c: Coords, rank: int, world: int, block_bytes: int) -> tuple[bytes, int]:
     """What rank ``rank`` sends to rank 0 at commit (the real ``collect``, file layout and
-    ``rank_payload``; made-up checksums), and the bytes it writes."""
+    ``rank_report``; made-up checksums), and the bytes it writes."""
     state = rank_state(spec, rules, c, "save")
-    local = save_api.collect(state, Group(None, rank, world), defer=True)
+    local = collect_api.collect(state, Group(None, rank, world), defer=True)
     items = local.to_write + local.rank_tensors
     files: dict[str, int] = {}
     written = []
@@ -135,4 +135,4 @@ def simulated_message(spec: ModelSpec, rules: Rules, c: Coords, rank: int, world
             xxh3 = f"{rng.getrandbits(128):032x}"  # the identity every save records (incremental saves)
             written.append((item, Fragment(name, off, tuple(item.local.shape), item.pieces, crcs, block_bytes, rank, xxh3)))
     data = sum(prod(i.local.shape) * i.local.element_size() for i in items)
-    return save_api.rank_message(save_api.rank_payload(Group(None, rank, world), local, written, files)), data
+    return save_api.rank_report(rank, local, written, files).message(), data

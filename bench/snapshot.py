@@ -176,6 +176,7 @@ def _check(sd: dict[str, torch.Tensor]) -> None:
 def _recover(rank: int, world: int, total: int, roots: list[str], disk: str | None, out: str,
              parity: int = 1, replicas: int = 1) -> None:
     """Phase 2/3: recovery from memory (``disk`` None) or a cold load from disk, timed."""
+    from unickpt.api.load import load_into
     from unickpt.snapshot import Snapshotter, recover
 
     _as_node(rank, roots)
@@ -193,7 +194,7 @@ def _recover(rank: int, world: int, total: int, roots: list[str], disk: str | No
         if snap is not None:
 
             def load(path, storage):
-                unickpt.load(sd, path, storage=storage, manifest=storage.manifest)
+                load_into(sd, path, storage=storage, manifest=storage.manifest)
                 return int(storage.manifest.metadata["snapshot"]["step"])
 
             outcome = recover(snap, load)

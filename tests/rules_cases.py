@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import unickpt
-from unickpt.api.save import collect, data_file_name, manifest_document, rank_message, rank_payload, write_data_file
+from unickpt.engine.assemble import manifest_document
+from unickpt.engine.collect import collect
+from unickpt.engine.commit import data_file_name, rank_report, write_data_file
 from unickpt.dist import Group
 from unickpt.format.manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
 from unickpt.rules import Coords, ZeroPlan, apply_rules, optimizer_state, presets, reconcile_ranks
@@ -452,7 +454,7 @@ def save_ranks(states: list[dict], path: str, meta: dict | None = None, block_by
             size, frags = write_data_file(storage, data_file_name(r), r, to_write, block_bytes, 1)
             files = {data_file_name(r): size}
             written = list(zip(to_write, frags))
-        payloads.append(rank_message(rank_payload(group, local, written, files)))
+        payloads.append(rank_report(r, local, written, files).message())
     for name, doc in manifest_document(payloads, world, meta or {}).items():  # the manifest last
         storage.write_atomic(name, doc)
 

@@ -52,7 +52,7 @@ def message_rank(rank: int, world: int, root: str, repo: str) -> None:
     each rank sends to rank 0 recorded, next to the message the simulation computes."""
     sys.path.insert(0, repo)
     from bench.scale_model import ModelSpec, rank_state, simulated_message
-    from unickpt.api import save as save_api
+    from unickpt.engine import commit as save_api
     from unickpt.rules.coords import Coords
 
     spec = ModelSpec(**SPEC_ARGS)

@@ -150,6 +150,7 @@ def snapshots_during_slow_save(rank: int, world: int, env: dict[str, str], url: 
     import torch
 
     import unickpt
+    from unickpt.api.load import load_into
     from unickpt.snapshot import Snapshotter, recover
 
     os.environ.update(env, UNICKPT_SHM_ROOT=root, UNICKPT_JOB_ID="slow-durable", GROUP_RANK="0", LOCAL_RANK=str(rank))
@@ -175,7 +176,7 @@ def snapshots_during_slow_save(rank: int, world: int, env: dict[str, str], url: 
     state = {"w": torch.zeros(1000), "mine": unickpt.PerRank(torch.zeros(500)), "step": -1}
 
     def load(path, storage):
-        unickpt.load(state, path, storage=storage, manifest=storage.manifest)
+        load_into(state, path, storage=storage, manifest=storage.manifest)
         return int(state["step"])
 
     outcome = recover(snap, load)
@@ -199,6 +200,7 @@ def two_machines_rank(rank: int, world: int, roots: list[str], host: str, out: s
     import torch
 
     import unickpt
+    from unickpt.api.load import load_into
     from unickpt.snapshot import Snapshotter, recover
 
     os.environ.update(UNICKPT_SHM_ROOT=roots[rank], UNICKPT_JOB_ID="hosts", GROUP_RANK=str(rank), LOCAL_RANK="0",
@@ -215,7 +217,7 @@ def two_machines_rank(rank: int, world: int, roots: list[str], host: str, out: s
     state["w"].value.zero_()
 
     def load(path, storage):
-        unickpt.load(state, path, storage=storage, manifest=storage.manifest)
+        load_into(state, path, storage=storage, manifest=storage.manifest)
         return 1
 
     outcome = recover(snap, load)

@@ -144,5 +144,6 @@ def broadcast_load(rank: int, world: int, root: str) -> None:
         unickpt.load(out, os.path.join(root, "c"), broadcast_replicated=True)
 
 
+@pytest.mark.multiprocess
 def test_broadcast_replicated_reads_once_per_group(tmp_path):
     run_ranks(broadcast_load, 2, str(tmp_path))

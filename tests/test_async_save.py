@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import unickpt
-from unickpt.api.async_save import staging_bytes
+from unickpt.engine.background_save import staging_bytes
 from unickpt.testing import run_ranks
 
 
@@ -163,14 +163,17 @@ def bounded_memory(rank: int, world: int, root: str, out: str) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.multiprocess
 def test_async_save_while_training_collectives_run(tmp_path):
     run_ranks(concurrent_saves, 2, str(tmp_path))
 
 
+@pytest.mark.multiprocess
 def test_failure_reaches_every_rank_with_rank_and_file(tmp_path):
     run_ranks(failing_save, 2, str(tmp_path))
 
 
+@pytest.mark.multiprocess
 def test_host_memory_stays_at_one_copy_over_20_saves(tmp_path):
     run_ranks(bounded_memory, 2, str(tmp_path / "ckpt"), str(tmp_path))
     for rank in range(2):
@@ -213,7 +216,7 @@ def test_single_process_batches_lazy_and_errors(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staging_is_pinned_and_sees_the_state_at_the_call(tmp_path):
-    from unickpt.api.async_save import _SAVER
+    from unickpt.engine.background_save import _SAVER
 
     dev = torch.device("cuda")
     sd = {"w": torch.randn(1024, 1024, device=dev), "b": torch.randn(7, device=dev).to(torch.bfloat16)}

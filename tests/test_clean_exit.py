@@ -15,11 +15,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import unickpt
 from unickpt.testing import run_ranks
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

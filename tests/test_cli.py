@@ -78,6 +78,7 @@ def flip_byte(file: Path, at: int) -> None:
 # ------------------------------------------------------------------ help
 
 
+@pytest.mark.multiprocess
 def test_help_lists_commands_with_docs() -> None:
     r = run_cli("--help")
     assert r.returncode == 0, r.stderr
@@ -139,6 +140,7 @@ def test_inspect_json_is_machine_readable(ckpt: Path) -> None:
 # ------------------------------------------------------------------ verify
 
 
+@pytest.mark.multiprocess
 def test_verify_clean_checkpoint_exits_0(ckpt: Path) -> None:
     r = run_cli("verify", str(ckpt))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -168,6 +170,7 @@ def test_verify_flipped_byte_names_tensor_file_and_range(ckpt: Path) -> None:
     assert "model.embed.weight" not in r.stdout and "model.proj.bias" not in r.stdout
 
 
+@pytest.mark.multiprocess
 def test_verify_truncated_file_reports_size_and_lost_tensors(ckpt: Path) -> None:
     file, offset, nbytes = data_file(ckpt, "model.proj.bias")
     full = file.stat().st_size
@@ -215,6 +218,7 @@ def test_verify_progress_reports_every_byte(ckpt: Path) -> None:
 # ------------------------------------------------------------------ errors
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("command", ["verify", "inspect"])
 def test_directory_without_manifest_is_exit_2_one_line(tmp_path: Path, command: str) -> None:
     (tmp_path / "rank_00000.safetensors").write_bytes(b"\0" * 16)
@@ -235,6 +239,7 @@ def test_invalid_manifest_is_exit_2(ckpt: Path) -> None:
 # ------------------------------------------------------------------ demo
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_demo_end_to_end_slow(tmp_path: Path) -> None:
     """SLOW: spawns 4 gloo ranks to save and 2 to load, through ``python -m unickpt demo --reshard``."""
@@ -257,6 +262,7 @@ def test_demo_end_to_end_slow(tmp_path: Path) -> None:
     assert unickpt.read_manifest(str(ckpt)).world_size == 4
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_resume_demo_end_to_end_slow(tmp_path: Path) -> None:
     """SLOW: the README's main command: train on 4 ranks, resume on 3, table + PNG plot."""
@@ -336,6 +342,7 @@ def test_verify_counts_tensors_as_inspect_does(tmp_path: Path) -> None:
     assert r.exit_code == 0 and r.stdout.startswith("OK: 2 tensors + 1 per-rank tensor, "), r.stdout
 
 
+@pytest.mark.multiprocess
 def test_output_to_a_pipe_is_never_wrapped(tmp_path: Path) -> None:
     name = "model." + "layers.0." * 16 + "w"
     assert len(name) >= 150
@@ -380,6 +387,7 @@ def test_piped_output_lists_every_item_left_out(tmp_path: Path) -> None:
     assert source_ledger(str(path)).to_json()["per_rank"] == 1
 
 
+@pytest.mark.multiprocess
 def test_demo_dirs_are_removed_on_failure_and_ctrl_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile
 
@@ -452,6 +460,7 @@ def _readme_blocks() -> list[str]:
     return [ln.strip() for ln in text.replace("\\\n", " ").splitlines() if ln.startswith("    ") and ln.strip()]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_readme_trainer_output_is_what_the_commands_print_slow(tmp_path: Path) -> None:
     """SLOW (4 + 3 gloo ranks): the README's trainer commands, run as written (torchrun of
@@ -494,6 +503,7 @@ def test_doc_links_stay_inside_the_repository() -> None:
     assert checked > 10
 
 
+@pytest.mark.multiprocess
 def test_readme_commands_run_from_the_venv_and_save_what_they_use() -> None:
     commands = _readme_blocks()
     for c in commands:  # nothing relies on an activated venv

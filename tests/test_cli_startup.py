@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import unickpt
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,6 +29,7 @@ def root(tmp_path_factory):
     return root
 
 
+@pytest.mark.multiprocess
 def test_manifest_of_a_real_dcp_checkpoint(root):
     path = str(root / "fsdp_dcp")
     assert is_dcp(path) and not is_dcp(str(root / "tp_unickpt"))
@@ -54,10 +55,12 @@ def test_manifest_of_a_real_dcp_checkpoint(root):
     assert torch.equal(whole, ref["model"]["blocks.1.down.weight"])
 
 
+@pytest.mark.multiprocess
 def test_dcp_to_one_process(root):
     load_jobs(0, 1, str(root), [("fsdp_dcp", "fsdp_dcp", "plain"), ("tp_dcp", "tp_dcp", "plain")])
 
 
+@pytest.mark.multiprocess
 def test_dcp_to_two_ranks_and_back(root):
     """FSDP2 (4) -> TP (2), TP (4) -> FSDP2 (2); reverse: unickpt TP (4) -> write_dcp ->
     dcp.load on FSDP2 (2) equals unickpt.load of the source."""
@@ -65,11 +68,13 @@ def test_dcp_to_two_ranks_and_back(root):
     run_ranks(load_jobs, 2, str(root), jobs)
 
 
+@pytest.mark.multiprocess
 def test_dcp_to_three_ranks(root):
     """Uneven shards: FSDP2 (4) -> FSDP2 (3), TP (4) -> TP (3)."""
     run_ranks(load_jobs, 3, str(root), [("fsdp_dcp", "fsdp_dcp", "fsdp"), ("tp_dcp", "tp_dcp", "tp")])
 
 
+@pytest.mark.multiprocess
 def test_written_dcp_loads_in_one_process_without_a_group(root):
     load_jobs(0, 1, str(root), [("tp_unickpt_as_dcp", "tp_unickpt", "plain")])
     # and reads back through unickpt's own DCP reader
@@ -166,6 +171,7 @@ def _append_item(path, md, fqn, payload: bytes, offset=None):
         pickle.dump(md, out)
 
 
+@pytest.mark.multiprocess
 def test_metadata_calling_os_system_is_refused(root, tmp_path):
     ck = _copy(root, tmp_path)
     marker = tmp_path / "pwned"
@@ -181,6 +187,7 @@ def test_metadata_calling_os_system_is_refused(root, tmp_path):
         read_dcp(str(ck))
 
 
+@pytest.mark.multiprocess
 def test_malicious_items_inside_distcp_never_run(root, tmp_path):
     import io
 
@@ -211,6 +218,7 @@ def test_malicious_items_inside_distcp_never_run(root, tmp_path):
 # --- damaged checkpoints ---------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_truncated_and_missing_data_files_are_clear_errors(root, tmp_path):
     ck = _copy(root, tmp_path)
     f = ck / "__2_0.distcp"
@@ -223,6 +231,7 @@ def test_truncated_and_missing_data_files_are_clear_errors(root, tmp_path):
         unickpt.load(target, str(ck))
 
 
+@pytest.mark.multiprocess
 def test_malformed_metadata_is_a_clear_error(root, tmp_path):
     ck = _copy(root, tmp_path)
     (ck / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))

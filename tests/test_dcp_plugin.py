@@ -38,6 +38,8 @@ from dcp_cases import EXTRA, PRELOAD
 from dcp_plugin_cases import load_fsdp, save_fsdp
 from unickpt.testing import run_ranks
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 PRELOAD_PLUGIN = PRELOAD + ["unickpt.dcp", "dcp_plugin_cases"]
 
 

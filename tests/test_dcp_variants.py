@@ -20,6 +20,8 @@ from unickpt.testing import run_ranks
 from dcp_variant_cases import PRELOAD, full, save_variants
 from test_cli import invoke
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -38,6 +38,8 @@ from unickpt.adapters.detect import checkpoint_format  # noqa: E402
 from ds_cases import (STATES, assert_every_byte, bitwise_equal, ds_to_universal, ds_train, losses,  # noqa: E402
                       universal_params, universal_tensor)
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 CASES = {"z1_2": (1, 2), "z2_4": (2, 4), "z3_2": (3, 2), "z3_4": (3, 4), "z2_2_bf16": (2, 2)}
 BF16 = {"z2_2_bf16"}  # bf16 module, fp32 master weights (bf16_zero_pp_rank_* files)
 TAG = "global_step4"

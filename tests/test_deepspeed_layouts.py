@@ -96,6 +96,7 @@ def _assert_equals_universal(src: str, uni: str, frozen: tuple[str, ...] = ()) -
     return n
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["z1_pad", "z2_pad_frozen"])
 def test_padded_group_equals_ds_to_universal(runs: dict[str, str], case: str, tmp_path) -> None:
     ckpt = runs[case]
@@ -129,6 +130,7 @@ def test_padded_group_equals_ds_to_universal(runs: dict[str, str], case: str, tm
             assert bitwise_equal(got, want.float()), name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["z2_pad_frozen", "z3_frozen"])
 def test_frozen_parameters_equal_zero_to_fp32(runs: dict[str, str], case: str, tmp_path) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -162,6 +164,7 @@ def test_frozen_parameters_equal_zero_to_fp32(runs: dict[str, str], case: str, t
     assert_every_byte(ckpt)  # each rank's frozen fragments, partition tails and group steps accounted for
 
 
+@pytest.mark.multiprocess
 def test_zero3_bf16_frozen_loads_into_fp32_model(runs: dict[str, str]) -> None:
     """Issue 29: a ZeRO-3 bf16 checkpoint whose frozen parameters exist only in bf16 loads
     into the same model in fp32: the trained parameters are the fp32 master weights, the
@@ -190,6 +193,7 @@ def test_zero3_bf16_frozen_loads_into_fp32_model(runs: dict[str, str]) -> None:
         unickpt.load({"model": model.bfloat16().state_dict()}, ckpt)  # the master weights are not narrowed unasked
 
 
+@pytest.mark.multiprocess
 def test_pipeline_parallel_equals_ds_to_universal(runs: dict[str, str]) -> None:
     ckpt = runs["pp"]
     names = os.listdir(os.path.join(ckpt, "global_step2"))
@@ -209,6 +213,7 @@ def test_pipeline_parallel_equals_ds_to_universal(runs: dict[str, str]) -> None:
     assert unickpt.verify(ckpt).ok
 
 
+@pytest.mark.multiprocess
 def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) -> None:
     """AutoTP, tp=2: column-parallel up_proj (weight and bias), row-parallel down_proj weight,
     replicated down_proj bias and norm, placed by the checkpoint's universal_checkpoint_info."""
@@ -238,6 +243,7 @@ def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) 
     assert _assert_equals_universal(patterns_only, _universal(runs, "tp")) == 4 * len(params)
 
 
+@pytest.mark.multiprocess
 def test_planted_tensor_is_neither_read_nor_reported(runs: dict[str, str], tmp_path) -> None:
     """A tensor storage the reader does not know, planted in a copy of a real checkpoint's
     model-states file (re-saved by torch.save): its bytes, exactly, are unaccounted and
@@ -280,6 +286,7 @@ def _without_rules(ckpt: str, dst) -> str:
     return _edit_rules(ckpt, dst, lambda sd: sd.pop("universal_checkpoint_info"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case, files, words", [
     ("tp", "mp_rank_01_model_states.pt", "needs DeepSpeed's universal_checkpoint_info"),
 ])

@@ -83,6 +83,7 @@ def _records(path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in json.load(open(path))}
 
 
+@pytest.mark.multiprocess
 def test_relaunch_replays_the_log_bitwise_and_skips_the_torn_entry(runs):
     tmp, newest = runs
     want = _records(tmp / "ref.json")
@@ -102,6 +103,7 @@ def test_relaunch_replays_the_log_bitwise_and_skips_the_torn_entry(runs):
     assert os.listdir(tmp / "ck" / "deltas") == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["1", "tp2"])
 def test_relaunch_on_another_layout_reshards_the_log(runs, layout):
     tmp, newest = runs
@@ -137,6 +139,7 @@ def test_relaunch_on_another_layout_reshards_the_log(runs, layout):
         assert abs(loss - want[step]) <= 1e-4 * abs(want[step]), (step, loss, want[step])
 
 
+@pytest.mark.multiprocess
 def test_with_snapshots_the_newer_of_memory_and_disk_plus_log_wins(tmp_path, monkeypatch):
     """--snapshot-every and --log-deltas together (one process): a snapshot older than the
     log's last step loses to disk + log; one as new wins; the run stays bitwise."""

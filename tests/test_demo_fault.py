@@ -61,6 +61,7 @@ def test_failure_message_carries_the_logs(tmp_path: Path) -> None:
     assert "line 25" not in text and "line 39" in text
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_fault_demo_end_to_end_leaves_nothing_behind_slow(tmp_path: Path) -> None:
     """SLOW: the real demo (4 torchrun nodes, one SIGKILLed) with its own temporary directory."""

@@ -12,6 +12,8 @@ from unickpt.testing import run_ranks
 
 from dist_cases import VALUES, build_state, check_state, start_manager, world2, world3, world4
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):

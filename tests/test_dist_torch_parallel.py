@@ -11,6 +11,8 @@ from unickpt.testing import run_ranks
 
 from torch_parallel_cases import Net, _check, _full, _train, fsdp_load, tp_fsdp_save, tp_load
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):

@@ -60,6 +60,7 @@ def _loaded_equals(path, sd) -> bool:
 # ------------------------------------------------------------------ item 8: a full disk
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["save", "async_save", "manager"])
 def test_full_disk_save_removes_what_it_wrote_and_a_smaller_save_succeeds(disk, how):
     big = {"w": torch.ones(3 << 17)}  # 1.5 MiB: does not fit beside the filler
@@ -108,6 +109,7 @@ def _save_over_a_file_size_limit(root: str, results) -> None:
         results.put(f"{'EFBIG' in str(e)} {left}")
 
 
+@pytest.mark.multiprocess
 def test_save_over_a_file_size_limit_removes_what_it_wrote(tmp_path):
     """The same without root: the kernel refuses to grow a file past RLIMIT_FSIZE."""
     ctx = multiprocessing.get_context("fork")
@@ -133,6 +135,7 @@ def full_disk_ranks(rank: int, world: int, disk: str) -> None:
     assert torch.equal(out["w"].value, small["w"].value)
 
 
+@pytest.mark.multiprocess
 def test_full_disk_on_two_ranks(disk):
     run_ranks(full_disk_ranks, 2, str(disk), preload=["torch", "torch.distributed", "unickpt", "unickpt.testing"])
     assert unickpt.verify(str(disk / "ckpt")).ok
@@ -158,6 +161,7 @@ def _overwrite_forever(path: str, states: list[dict]) -> None:
         k += 1
 
 
+@pytest.mark.multiprocess
 def test_sigkill_at_any_point_of_an_overwrite_leaves_the_old_or_the_new_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     states = [_state(1, numel=1 << 18), _state(2, numel=1 << 18)]  # 3 MiB each
@@ -228,6 +232,7 @@ def _race(root: str, rounds: int, overwrite: bool) -> dict[int, dict[int, str]]:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_two_processes_saving_to_one_path(tmp_path, overwrite):
     root, rounds = str(tmp_path), 20 if not overwrite else 10
@@ -256,6 +261,7 @@ def test_two_processes_saving_to_one_path(tmp_path, overwrite):
 # ------------------------------------------------------------------ item 11: planted links
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("where", ["directory", "mount point"])
 def test_links_planted_in_the_target_are_replaced_never_written_through(tmp_path, where):
     outside = tmp_path / "outside"
@@ -401,6 +407,7 @@ def _kill_once_staging(target, source, out) -> None:
     p.join()
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_an_hf_export_over_an_old_one_leaves_the_old_one_whole(tmp_path):
     from unickpt.adapters.hf_export import export_hf
 
@@ -508,6 +515,7 @@ def _universal_then_hang(src: str, dst: str) -> None:
     write_universal(src, dst, overwrite=True, progress=stall)
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_a_universal_overwrite_leaves_the_old_one_whole(tmp_path):
     from unickpt.adapters.deepspeed_writer import write_universal
 

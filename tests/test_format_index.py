@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.api import assemble as assemble_api
+from unickpt.engine import assemble as assemble_api
 
 from unickpt.format.index import INDEX_NAME
 from unickpt.format.manifest import FORMAT_VERSION, Manifest, seal

@@ -243,6 +243,7 @@ def test_export_import_round_trip(ckpt, tmp_path):
         assert torch.equal(_assemble(str(tmp_path / "hf"), m.tensors[name]), unickpt.load_tensor(ckpt, name)), name
 
 
+@pytest.mark.multiprocess
 def test_export_from_two_ranks_tp2(tmp_path):
     """A checkpoint saved by 2 tensor-parallel ranks (sharded wq/wk/...): the export gathers
     every tensor from its fragments, and transformers computes the example model's logits."""
@@ -258,6 +259,7 @@ def test_export_from_two_ranks_tp2(tmp_path):
     torch.testing.assert_close(hf_logits(str(tmp_path / "hf")), ours, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_export_streams_with_bounded_memory(tmp_path):
     """Exporting a 128 MiB model (16 tensors of 8 MiB) with a cast grows the peak RSS of
     the process by far less than the model: tensors are read and written one at a time."""

@@ -20,6 +20,8 @@ from unickpt.testing import descendants
 
 from snapshot_helpers import kill_keeper, launch_nodes, losses, resumed_lines, steps_whole, wait_all
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

@@ -138,6 +138,7 @@ def test_data_file_header_nested_too_deeply_is_a_problem_not_a_crash(ckpt: Path)
     ], report
 
 
+@pytest.mark.multiprocess
 def test_foreign_json_nested_too_deeply_is_one_error_line(tmp_path: Path) -> None:
     """A Hugging Face folder whose config.json nests 100,000 levels: the reader says the file
     is not valid JSON (one error line, exit 2), not a RecursionError from inside json."""
@@ -221,6 +222,7 @@ def test_malformed_manifest_text_is_a_manifest_error(ckpt: Path, case: str, mess
         unickpt.read_manifest(str(ckpt))
 
 
+@pytest.mark.multiprocess
 def test_cli_prints_one_error_line_for_a_malformed_manifest(saved: Path, tmp_path: Path) -> None:
     text = json.dumps(manifest_doc(saved), separators=(",", ":"))
     surrogate, infinite = tmp_path / "surrogate", tmp_path / "infinite"
@@ -380,6 +382,7 @@ SET_PICKLE = b"\x80\x02cbuiltins\nset\ncbuiltins\nrange\nJ\x80\xc3\xc9\x01\x85R\
 BYTEARRAY_PICKLE = b"\x80\x02cbuiltins\nbytearray\nJ\x00/hY\x85R."
 
 
+@pytest.mark.multiprocess
 def test_tiny_hostile_pickles_are_refused_cheaply(tmp_path: Path) -> None:
     """Measured in a fresh process: peak RSS may grow by less than 100 MB while refusing."""
     r = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(tmp_path), SET_PICKLE.hex(), BYTEARRAY_PICKLE.hex()],

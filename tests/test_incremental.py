@@ -94,6 +94,7 @@ def test_full_every_starts_a_new_chain_and_frees_the_old_one(tmp_path):
     assert mgr.steps() == [4, 5]
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_to_one_and_one_to_two(tmp_path):
     single = tmp_path / "single"
     unickpt.save(full_state(1), str(single / "s1"))
@@ -215,6 +216,7 @@ def _prune(root: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.multiprocess
 def test_sigkill_after_every_unlink_of_retention_keeps_the_newest_whole(tmp_path):
     # saves 1 (full), 2-5 (incremental, each referencing 1 and some of 2-4), 6 (full), 7
     # (incremental on 6); retention with keep=1 keeps 7 and the 6 it references, and
@@ -265,6 +267,7 @@ def _incremental_saves_forever(root: str) -> None:
         mgr.save(_fine_tune_state(k % 5 + 1), k, threads=1)
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_incremental_saves_and_retention(tmp_path):
     rng = random.Random(0)
     root = str(tmp_path / "run")

@@ -14,7 +14,8 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("unickpt", "unickpt.__main__", "unickpt.cli", "unickpt.demo", "unickpt.demo_fault", "unickpt.demo_resume",
      "unickpt.examples", "unickpt.testing"),
-    ("unickpt.api", "unickpt.snapshot", "unickpt.dcp", "unickpt.integrations"),
+    ("unickpt.api", "unickpt.dcp", "unickpt.integrations"),
+    ("unickpt.snapshot",),
     ("unickpt.adapters", "unickpt.rules"),
     ("unickpt.engine",),
     ("unickpt.format", "unickpt.plan", "unickpt.storage"),
@@ -119,3 +120,9 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     graph = module_graph(tmp_path)
     assert upward_imports(graph) == ["unickpt.engine.a -> unickpt.api.b"]
     assert cycles(graph) == [["unickpt.api.b", "unickpt.engine.a"]]
+
+
+def test_the_snapshot_tier_sits_below_the_entry_points():
+    # the arrow the snapshot tier once had (snapshot.client -> api.async_save) is upward now
+    graph = {"unickpt.snapshot.client": {"unickpt.api.async_save"}, "unickpt.api.manager": {"unickpt.snapshot.client"}}
+    assert upward_imports(graph) == ["unickpt.snapshot.client -> unickpt.api.async_save"]

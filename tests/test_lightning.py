@@ -75,6 +75,7 @@ def _final(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     return torch.load(path), json.load(open(path + ".json"))
 
 
+@pytest.mark.multiprocess
 def test_sigkill_then_resume_on_one_rank_and_on_two(tmp_path, shm_roots):
     """2 ranks, snapshots every step, async durable checkpoints every 4; SIGKILL one rank
     mid-epoch. The relaunch on 1 rank (the same global batches; no dropout: a rank's random
@@ -125,6 +126,7 @@ def test_sigkill_then_resume_on_one_rank_and_on_two(tmp_path, shm_roots):
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_through_model_parallel_strategy_resumes_on_one_rank(tmp_path, shm_roots):
     """FSDP2 (Lightning's ModelParallelStrategy, ``fully_shard`` in ``configure_model``):
     a 2-rank fit of 8 steps saves sharded weights and AdamW moments (DTensors) through the

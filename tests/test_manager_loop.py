@@ -73,6 +73,7 @@ def _kill_one(procs, log: str, at: int, shm: str | None = None) -> int:
     return _last(log)
 
 
+@pytest.mark.multiprocess
 def test_crash_resumes_from_memory_bitwise(tmp_path, shm_roots):
     """2 ranks, snapshots every step, no durable checkpoint yet: a SIGKILLed trainer's
     relaunch resumes from memory, and the run ends bitwise equal to an unbroken one
@@ -98,6 +99,7 @@ def test_crash_resumes_from_memory_bitwise(tmp_path, shm_roots):
     assert not os.path.exists(shm), os.listdir(shm)  # a clean end leaves no keeper, no shared memory, no directory
 
 
+@pytest.mark.multiprocess
 def test_corrupt_memory_and_no_disk_starts_fresh_from_the_initial_state(tmp_path, shm_roots):
     """Snapshots only (no durable checkpoint): every rank file in memory has flipped bytes,
     so the memory load fails midway, after part of the state was overwritten; restore says
@@ -133,6 +135,7 @@ def test_corrupt_memory_and_no_disk_starts_fresh_from_the_initial_state(tmp_path
     assert json.load(open(final + ".json"))["samples"] == json.load(open(tmp_path / "ref" / "final.pt.json"))["samples"]
 
 
+@pytest.mark.multiprocess
 def test_delta_log_loses_no_step_bitwise(tmp_path):
     """Durable checkpoints every 10 steps, the delta log on, no snapshots: SIGKILL after
     step 13; the relaunch resumes at the last logged step (no step lost) and ends bitwise."""
@@ -157,6 +160,7 @@ def test_delta_log_loses_no_step_bitwise(tmp_path):
     _same_final(torch.load(final), want)
 
 
+@pytest.mark.multiprocess
 def test_node_lost_resumes_on_fewer_nodes(tmp_path, shm_roots):
     """4 simulated nodes (one rank each), XOR parity: one node lost (keeper killed, memory
     gone) -> the job resumes on the 3 others from memory, its files decoded from parity,
@@ -186,6 +190,7 @@ def test_node_lost_resumes_on_fewer_nodes(tmp_path, shm_roots):
         assert abs(got[s] - want_losses[s]) <= 1e-4 * abs(want_losses[s]), (s, got[s], want_losses[s])
 
 
+@pytest.mark.multiprocess
 def test_torchrun_restarts_recover_by_themselves(tmp_path, shm_roots):
     """torchrun --max-restarts: three SIGKILLs in one run; torchrun restarts the workers,
     each round resumes from memory, the job ends with exit 0, bitwise equal."""
@@ -210,6 +215,7 @@ def test_torchrun_restarts_recover_by_themselves(tmp_path, shm_roots):
     _same_final(torch.load(final), want)
 
 
+@pytest.mark.multiprocess
 def test_durable_tier_fallback(tmp_path):
     """The fast tier's newest checkpoint corrupt: restore loads the durable tier's copy of
     the same step (the line names it) and the run ends bitwise."""

@@ -44,6 +44,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+@pytest.mark.multiprocess
 def test_loads_onto_other_splits_as_megatron_does(ckpt: Path) -> None:
     loads = torch.load(ckpt.parent / "loads.pt")
     assert len(loads["megatron"]) == len(targets()) == 10
@@ -54,6 +55,7 @@ def test_loads_onto_other_splits_as_megatron_does(ckpt: Path) -> None:
         assert torch.equal(_bits(got), _bits(want)), f"{key} {offsets}+{lengths} is not what was saved"
 
 
+@pytest.mark.multiprocess
 def test_manifest_of_a_real_megatron_checkpoint(ckpt: Path) -> None:
     assert checkpoint_format(str(ckpt)) == "megatron"
     m = read_megatron(str(ckpt))
@@ -78,6 +80,7 @@ def test_manifest_of_a_real_megatron_checkpoint(ckpt: Path) -> None:
     assert "argparse.Namespace" in skipped["args"] and "numpy" in skipped["numpy_state/shard_0_2"]
 
 
+@pytest.mark.multiprocess
 def test_planner_records_are_read_as_data(ckpt: Path) -> None:
     """Item 3 of issue 13: ``.metadata`` holds every rank's SavePlan; it is read, not built."""
     from torch.distributed.checkpoint.planner import SavePlan
@@ -90,6 +93,7 @@ def test_planner_records_are_read_as_data(ckpt: Path) -> None:
     assert {i.field("index").fqn for i in items} >= {FC1, f"{FLAT_KEY}.exp_avg"}
 
 
+@pytest.mark.multiprocess
 def test_cli_inspect_verify_convert_export(ckpt: Path, tmp_path: Path) -> None:
     r = invoke("inspect", str(ckpt))
     assert r.exit_code == 0, r.output
@@ -128,6 +132,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.multiprocess
 def test_common_state_runs_no_code(ckpt: Path, tmp_path: Path) -> None:
     """Anything in common.pt beyond data becomes an inert record, reported skipped; its
     class is never called."""
@@ -149,6 +154,7 @@ def test_common_state_runs_no_code(ckpt: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.multiprocess
 def test_other_backends_are_refused(ckpt: Path, tmp_path: Path) -> None:
     copy = tmp_path / "zarr"
     shutil.copytree(ckpt, copy)

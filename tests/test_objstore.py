@@ -15,6 +15,7 @@ import torch
 
 import unickpt
 from unickpt import TierFallbackWarning
+from unickpt.api.load import load_into
 from unickpt.storage.fsspec_store import FsspecStorage
 from unickpt.testing import run_ranks
 
@@ -46,6 +47,7 @@ def _uploads(server: S3Server, prefix: str) -> list[str]:
     return [u["Key"] for u in server.client().list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])]
 
 
+@pytest.mark.multiprocess
 def test_save_load_and_every_entry_point_take_urls(s3, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     url = f"s3://{BUCKET}/single/step_5"
@@ -83,6 +85,7 @@ def test_save_load_and_every_entry_point_take_urls(s3, tmp_path, monkeypatch):
         unickpt.load(out, f"s3://{BUCKET}/nothing")
 
 
+@pytest.mark.multiprocess
 def test_four_rank_save_two_rank_resharded_load_fetches_only_its_bytes(s3, tmp_path):
     url = f"s3://{BUCKET}/reshard/a4"
     run_ranks(save_a4, 4, s3.env(), url, preload=PRELOAD)
@@ -98,6 +101,7 @@ def test_four_rank_save_two_rank_resharded_load_fetches_only_its_bytes(s3, tmp_p
         assert sum(stop - start for _, start, stop in data) < sum(n for f, n in files.items() if f != "manifest.json") / 2
 
 
+@pytest.mark.multiprocess
 def test_killed_save_leaves_no_checkpoint_and_the_manager_cleans(s3, tmp_path):
     root = f"s3://{BUCKET}/killed"
     failure: list[BaseException] = []
@@ -149,6 +153,7 @@ class _ServerGoesAway:
         self.inner.close()
 
 
+@pytest.mark.multiprocess
 def test_server_gone_mid_load_is_a_clear_error():
     server = S3Server()
     try:
@@ -159,13 +164,14 @@ def test_server_gone_mid_load_is_a_clear_error():
         unickpt.save(state, url, storage_options=opts)
         t0 = time.monotonic()
         with pytest.raises(unickpt.StorageError, match=f"{url}/rank_00000.safetensors: .*(connect|Connect)"):
-            unickpt.load({"w": torch.zeros(64, 64), "v": torch.zeros(10)}, url, storage_options=opts,
-                         storage=_ServerGoesAway(FsspecStorage(url, opts), server))
+            load_into({"w": torch.zeros(64, 64), "v": torch.zeros(10)}, url, storage_options=opts,
+                      storage=_ServerGoesAway(FsspecStorage(url, opts), server))
         assert time.monotonic() - t0 < 30, "retries and timeouts must be bounded"
     finally:
         server.kill()
 
 
+@pytest.mark.multiprocess
 def test_cli_inspect_and_verify_on_s3(s3):
     from typer.testing import CliRunner
 
@@ -192,6 +198,7 @@ def _state(step: int) -> dict:
     return {"w": torch.randn(50, 8, generator=g), "step": step}
 
 
+@pytest.mark.multiprocess
 def test_two_tier_manager_falls_back_to_the_object_store(s3, tmp_path):
     local, durable = tmp_path / "fast", f"s3://{BUCKET}/tiers"
     manager = unickpt.CheckpointManager(local, keep=2, durable=durable, durable_every=2, durable_keep=1)
@@ -228,6 +235,7 @@ def test_two_tier_manager_falls_back_to_the_object_store(s3, tmp_path):
     assert load_step("missing") == f"{durable}/step_00000004"
 
 
+@pytest.mark.multiprocess
 def test_trainer_on_s3_and_resume_from_the_durable_tier(s3, tmp_path):
     out = tmp_path / "runs.json"
     run_ranks(tiered_training, 1, s3.env(), str(tmp_path / "local"), f"s3://{BUCKET}/trainer", str(out), preload=PRELOAD)

@@ -43,6 +43,7 @@ def _assert_same(a: dict, b: dict, where: str) -> None:
         assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
 
 
+@pytest.mark.multiprocess
 def test_resume_into_fresh_optimizers_in_a_new_process_is_bitwise(tmp_path):
     expected = {}
     for kind in KINDS:
@@ -64,6 +65,7 @@ def test_resume_into_fresh_optimizers_in_a_new_process_is_bitwise(tmp_path):
         _assert_same(load_file(str(tmp_path / kind / "final.safetensors")), final, f"{kind} after {MORE} more steps")
 
 
+@pytest.mark.multiprocess
 def test_plain_objects_and_torch_get_state_dict_meet_both_ways(tmp_path):
     model, opt = _trained("adamw")
     reference = snapshot(model, opt)
@@ -85,6 +87,7 @@ def test_plain_objects_and_torch_get_state_dict_meet_both_ways(tmp_path):
     assert train(m3, o3, SAVED_AT, 1) == train(model, opt, SAVED_AT, 1)
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_keyed_by_parameter_ids_still_loads_into_a_fresh_optimizer(tmp_path):
     model, opt = _trained("sgd")
     # what unickpt stored for an optimizer before names: torch's own state_dict, integer ids
@@ -96,6 +99,7 @@ def test_checkpoint_keyed_by_parameter_ids_still_loads_into_a_fresh_optimizer(tm
     assert train(m2, o2, SAVED_AT, 2) == train(model, opt, SAVED_AT, 2)
 
 
+@pytest.mark.multiprocess
 def test_strict_false_never_hides_an_optimizer(tmp_path):
     model, opt = _trained("adamw")
     unickpt.save({"model": model}, str(tmp_path / "no_optim"))
@@ -123,6 +127,7 @@ def test_strict_false_never_hides_an_optimizer(tmp_path):
     assert len(o4.state) == 6
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_checkpoint_resumes_into_fresh_optimizers_on_fsdp2_tp_and_one_process(tmp_path):
     run_ranks(fsdp_save, 2, str(tmp_path), preload=PRELOAD)
     run_ranks(resume_fsdp_and_tp, 2, str(tmp_path), preload=PRELOAD)
@@ -137,6 +142,7 @@ def test_fsdp2_checkpoint_resumes_into_fresh_optimizers_on_fsdp2_tp_and_one_proc
     torch.testing.assert_close(torch.tensor(train(m, o, SAVED_AT, MORE)), torch.tensor(expected), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_naming_rule_several_modules_built_with_names_or_partly_covered(tmp_path):
     torch.manual_seed(0)
     enc, dec = Net(), Net()

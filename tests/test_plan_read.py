@@ -200,7 +200,7 @@ def rows_needed(c) -> tuple[int, int]:
     from ``Piece.row_span``)."""
     s = c.source
     flat_index = torch.arange(prod(s.view)).view(s.view) + s.flat_offset
-    local = Box(tuple(b - g + l for b, g, l in zip(c.box.offsets, s.global_box.offsets, s.local_offsets)), c.box.lengths)
+    local = Box(tuple(b - g + lo for b, g, lo in zip(c.box.offsets, s.global_box.offsets, s.local_offsets)), c.box.lengths)
     touched = region(flat_index, local)
     if not s.view:
         return int(touched), int(touched) + 1

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.api.save import manifest_document, rank_message, read_message
+from unickpt.engine.assemble import manifest_document
+from unickpt.engine.commit import rank_message, read_message
 from unickpt.engine.state import Sharded
 from unickpt.format import rank_message as rm
 from unickpt.format.rank_message import FragmentRecord

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.mttr import TINY, breakdown, run_job  # noqa: E402
@@ -26,6 +28,7 @@ def _losses(path: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, open(path))}  # a re-run step's last record wins
 
 
+@pytest.mark.multiprocess
 def test_three_kills_one_run_resume_from_memory_bitwise(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     whole.mkdir()

@@ -22,6 +22,8 @@ from unickpt.testing import run_ranks
 
 from train_cases import SMALL, train_many
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 LAYOUTS = {
     "1": [],
     "dp2-fsdp": ["--fsdp"],

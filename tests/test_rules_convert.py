@@ -166,6 +166,7 @@ def _peak(tmp_path: Path, n_layers: int, buffer_bytes: int) -> dict[str, int]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.multiprocess
 def test_convert_memory_does_not_grow_with_model_size(tmp_path: Path) -> None:
     """Peak RSS of a converting process, for models of 4 and 16 layers (21 MiB and 84 MiB),
     read from checkpoints with 4 MiB checksum blocks: the growth over the process's

@@ -97,6 +97,7 @@ def test_tp_model_computes_like_one_process() -> None:
             assert torch.allclose(forward_tp(stages(tp), tokens), want, atol=1e-5), tp
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("a,b,keys", PAIRS, ids=[f"{a}->{b}" for a, b, _ in PAIRS])
 def test_save_at_a_load_at_b(root: Path, tmp_path: Path, a: Layout, b: Layout, keys: tuple[str, ...]) -> None:
     src = root / _name(a, keys)
@@ -127,6 +128,7 @@ def test_save_at_a_load_at_b(root: Path, tmp_path: Path, a: Layout, b: Layout, k
     assert consolidated_mismatches(str(tmp_path / "b_consolidated"), keys, ref) == []
 
 
+@pytest.mark.multiprocess
 def test_real_ranks_write_what_simulated_ranks_write(root: Path, tmp_path: Path) -> None:
     """The spawned 4-rank saves hold the same fragments (boxes and bytes) as the same
     layouts saved by simulated ranks, and padding never reaches the checkpoint."""
@@ -151,6 +153,7 @@ def test_real_ranks_write_what_simulated_ranks_write(root: Path, tmp_path: Path)
         assert sum(e.nbytes for e in real.tensors.values()) <= stored < sum(e.nbytes for e in real.tensors.values()) + 64 << 10
 
 
+@pytest.mark.multiprocess
 def test_replicated_kv_heads_are_stored_once(root: Path) -> None:
     m = unickpt.read_manifest(str(root / "real_4110"))
     e = m.tensors["model.decoder.layers.0.self_attention.linear_qkv.weight"]
@@ -158,6 +161,7 @@ def test_replicated_kv_heads_are_stored_once(root: Path) -> None:
     assert sorted(boxes) == [(0, 4), (4, 4), (8, 4), (12, 4), (16, 4), (20, 4), (24, 4), (28, 4)]  # q heads, 2 k, 2 v
 
 
+@pytest.mark.multiprocess
 def test_torch_native_job_and_megatron_job_share_checkpoints(root: Path) -> None:
     """The spawn loaded the Megatron-style checkpoint into a DTensor (dp=2 x tp=2) job under
     the example model's names and checked it; here Megatron-style jobs resume from the
@@ -168,6 +172,7 @@ def test_torch_native_job_and_megatron_job_share_checkpoints(root: Path) -> None
         assert load_layout(b, str(root / "native"), ADAM, store="llama") == [], b
 
 
+@pytest.mark.multiprocess
 def test_averaged_replicas_are_stored_as_their_mean(root: Path) -> None:
     ref = reference(CFG, ())
     for name in ("decoder.layers.0.input_layernorm.weight", "decoder.final_layernorm.weight"):

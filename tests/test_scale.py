@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from unickpt.api.save import rank_message, read_message
+from unickpt.engine.commit import rank_message, read_message
 from unickpt.format.rank_message import FragmentRecord
 from unickpt.plan.save_plan import replica_shares
 from unickpt.testing import run_ranks
@@ -36,6 +36,7 @@ def test_replica_shares_tile_every_tensor_once_and_evenly(replicas):
     assert max(load) - min(load) <= 2 * largest_row
 
 
+@pytest.mark.multiprocess
 def test_replicas_are_written_evenly_on_a_2x2_mesh(tmp_path):
     # was: rank 0 wrote 198 KB, rank 3 33 KB (2.06x the mean); target <= 1.25x
     run_ranks(balance_rank, 4, str(tmp_path), preload=PRELOAD)
@@ -60,6 +61,7 @@ def _zero_crcs(doc: dict) -> dict:
     return doc
 
 
+@pytest.mark.multiprocess
 def test_simulated_commit_messages_match_a_real_8_rank_save(tmp_path):
     run_ranks(message_rank, 8, str(tmp_path), REPO, preload=PRELOAD)
     for r in range(8):
@@ -88,10 +90,12 @@ def _with_checksums_of(sim: bytes, real: bytes) -> bytes:
     return rank_message(dict({k: v for k, v in s.items() if k != "fragments"}, fragments=records))
 
 
+@pytest.mark.multiprocess
 def test_replicas_of_rule_described_shards_split_their_reads_with_broadcast_replicated(tmp_path):
     run_ranks(replicated_load_rank, 8, str(tmp_path), REPO, preload=PRELOAD)
 
 
+@pytest.mark.multiprocess
 def test_gather_bytes_of_different_and_empty_messages():
     run_ranks(gather_rank, 3, preload=PRELOAD)
 

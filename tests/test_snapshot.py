@@ -75,6 +75,7 @@ def keepers_down(shm_roots):
     return shm_roots
 
 
+@pytest.mark.multiprocess
 def test_killed_rank_resumes_from_memory_bitwise(tmp_path, keepers_down):
     """SIGKILL one of two trainer ranks mid-run, relaunch the same layout: it resumes by
     itself from the snapshot in memory (the durable tier holds nothing yet), the keeper
@@ -157,6 +158,7 @@ def _close_to(got: dict[int, float], want: dict[int, float], steps: list[int]) -
         assert abs(loss - want[s]) <= 1e-4 * abs(want[s]), (s, loss, want[s])
 
 
+@pytest.mark.multiprocess
 def test_lost_node_rebuilt_from_parity_onto_three_nodes(four_nodes, reference_losses):
     """Relaunch on the 3 survivors: step 6 is rebuilt from XOR parity (every chunk checked)
     and resharded from 4 ranks onto 3; the loss curve continues within 1e-4 of an unbroken run."""
@@ -171,6 +173,7 @@ def test_lost_node_rebuilt_from_parity_onto_three_nodes(four_nodes, reference_lo
     _close_to(losses(str(tmp / "resumed.jsonl")), reference_losses, [7, 8, 9, 10])
 
 
+@pytest.mark.multiprocess
 def test_replacement_node_gets_its_shards_from_the_survivors(four_nodes, reference_losses):
     """Node 2 lost, relaunch on 4 nodes where node 2 is a fresh machine (empty shm root):
     its files are rebuilt from the survivors' parity and read over the network from
@@ -190,6 +193,7 @@ def test_replacement_node_gets_its_shards_from_the_survivors(four_nodes, referen
         _no_leftovers(r)
 
 
+@pytest.mark.multiprocess
 def test_flipped_parity_bit_is_detected_and_disk_used(four_nodes):
     """One flipped bit in a survivor's parity chunk: the rebuild refuses it (crc32c), the
     run resumes from the durable tier and the line says why."""
@@ -202,6 +206,7 @@ def test_flipped_parity_bit_is_detected_and_disk_used(four_nodes):
     assert "parity of step 6 held by node 1 (group 1, block 0) fails its crc32c" in lines[0]
 
 
+@pytest.mark.multiprocess
 def test_two_lost_nodes_fall_back_to_disk(four_nodes):
     """Nodes 2 and 3 lost with parity 1: not rebuildable; resumed from disk on 2 nodes."""
     tmp, roots, flags = four_nodes
@@ -213,6 +218,7 @@ def test_two_lost_nodes_fall_back_to_disk(four_nodes):
     assert "step 6: nodes 2, 3 of 4 were lost; parity 1 rebuilds one node" in lines[0]
 
 
+@pytest.mark.multiprocess
 def test_killed_keeper_is_recreated_and_a_corrupt_snapshot_never_used(tmp_path, keepers_down):
     """The keeper SIGKILLed while the trainer runs: training goes on, the next snapshot
     starts a new keeper (which reaps a dead job's leftovers) and later steps become whole.
@@ -249,6 +255,7 @@ def test_killed_keeper_is_recreated_and_a_corrupt_snapshot_never_used(tmp_path, 
     assert "step 8: checksum mismatch in rank_00000.safetensors" in lines[0]
 
 
+@pytest.mark.multiprocess
 def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down, capsys):
     """A snapshot above max_bytes is refused before anything is written; copies and parity
     together, or more parity than nodes, are refused; parity asked of a single node is
@@ -286,6 +293,7 @@ def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down, 
     _no_leftovers(root)
 
 
+@pytest.mark.multiprocess
 def test_flushed_snapshots_are_checkpoints_and_resume_when_memory_is_lost(tmp_path, keepers_down):
     """--flush-every 2 without --save-every: the keepers write snapshot steps 4 and 8 as
     ordinary checkpoints in --ckpt-dir (the trainers gone after step 8, the keepers finish
@@ -338,6 +346,7 @@ def test_flush_commits_only_when_every_keeper_wrote_exactly_the_manifests_files(
         check_reports(manifest, {0: ok[0], 1: {"files": [["rank_00001.safetensors", 19]]}}, 2)
 
 
+@pytest.mark.multiprocess
 def test_flush_with_a_dead_keeper_commits_nothing(tmp_path, keepers_down):
     """Two real keepers; the step's manifest names both and a flush target, node 1's keeper
     is SIGKILLed before node 0's step is committed: node 0's flush cannot reach it, and
@@ -364,6 +373,7 @@ def test_flush_with_a_dead_keeper_commits_nothing(tmp_path, keepers_down):
     assert not os.path.exists(target) and os.listdir(tmp_path / "ck") == []
 
 
+@pytest.mark.multiprocess
 def test_reed_solomon_parity_2_rebuilds_two_lost_nodes_not_three(tmp_path, keepers_down, reference_losses):
     """4 nodes with --parity 2 (Reed-Solomon, k = 2 data + m = 2 parity per group, memory
     2x): nodes 2 and 3 lost, the relaunch on the 2 survivors rebuilds both nodes' files
@@ -401,6 +411,7 @@ def test_reed_solomon_parity_2_rebuilds_two_lost_nodes_not_three(tmp_path, keepe
         os.environ.pop("UNICKPT_JOB_ID", None)
 
 
+@pytest.mark.multiprocess
 def test_a_keeper_whose_root_is_deleted_exits_and_another_jobs_keeper_is_named(tmp_path, keepers_down):
     """A keeper of a job that crashed lingers to serve its recovery; it exits by itself
     once its shm root is deleted (no orphan blocking the root). Another job meeting a live
@@ -417,6 +428,7 @@ def test_a_keeper_whose_root_is_deleted_exits_and_another_jobs_keeper_is_named(t
     assert proc.wait(10) == 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("flags, message", [
     (["--snapshot-every", "-2"], "snapshot_every must be a whole number >= 0 (0: never), not -2"),
     (["--snapshot-every", "1", "--parity", "-1"], "parity must be >= 0, not -1"),
@@ -434,6 +446,7 @@ def test_a_bad_snapshot_flag_is_one_error_line(tmp_path, capsys, flags, message)
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+@pytest.mark.multiprocess
 def test_replica_on_the_neighbour_node_resumes_a_lost_node(tmp_path, keepers_down, reference_losses):
     """--snapshot-replicas 2 on 2 nodes: each keeper holds a full copy of the other node's
     snapshot (memory 2x); node 1 lost, the relaunch on node 0 resumes from memory through
@@ -459,6 +472,7 @@ def test_replica_on_the_neighbour_node_resumes_a_lost_node(tmp_path, keepers_dow
     _no_leftovers(roots[0])
 
 
+@pytest.mark.multiprocess
 def test_a_step_is_held_in_memory_until_its_flush_ends(tmp_path, keepers_down):
     """A real keeper; step 2 is due for a flush, and its rank file is a named pipe, so the
     flush's copy blocks until the test opens the pipe: deterministic. Step 4 becomes whole
@@ -497,6 +511,7 @@ def test_a_step_is_held_in_memory_until_its_flush_ends(tmp_path, keepers_down):
     assert sorted(os.listdir(jdir)) == ["step_00000004"]
 
 
+@pytest.mark.multiprocess
 def test_snapshots_go_on_while_a_slow_durable_async_save_writes(tmp_path, keepers_down):
     """A durable ``async_save`` to an object store throttled on the network (a real S3
     server behind a TCP forwarder held to 1 MB/s: the 4 MiB take seconds) is still in

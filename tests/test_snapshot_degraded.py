@@ -79,6 +79,7 @@ def test_any_range_of_a_lost_file_decodes_exactly(tmp_path, monkeypatch, n, pari
             at += size
 
 
+@pytest.mark.multiprocess
 def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
     """What a recovery fetched from other nodes (``Outcome.fetched``) is counted by
     ``Peers`` as a real keeper sends it: every payload byte received, once."""
@@ -123,6 +124,7 @@ def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
         kill_keeper(root)
 
 
+@pytest.mark.multiprocess
 def test_a_keeper_queues_every_rank_connecting_at_once(tmp_path):
     """After a failure every rank of a job may connect to a keeper at once: while the
     keeper cannot accept (stopped here), the kernel completes the handshakes of 64

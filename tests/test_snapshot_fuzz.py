@@ -124,6 +124,7 @@ CASES = [(f"{kind}: {how}", [(n, p, how) for n, p in files] + (NODE0_LOST if "no
          for kind, files, want in _kinds() for how in CORRUPTIONS]
 
 
+@pytest.mark.multiprocess
 def test_every_damaged_file_kind_resumes_from_the_next_valid_source(frozen):
     """Each (file kind x corruption) relaunch resumes from the step its damage leaves: the
     source and step exact, the reason in the one line, then bitwise the unbroken job's losses."""
@@ -150,6 +151,7 @@ def test_every_damaged_file_kind_resumes_from_the_next_valid_source(frozen):
     print(f"{len(CASES)} relaunches in {took:.1f} s")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["flipped", "truncated"])
 def test_every_file_of_a_killed_jobs_shm_root_damaged_resumes_from_disk(tmp_path, frozen, how):
     """The issue's scenario: a 2-rank job (one node) with ``--snapshot-every 1 --parity 0``

@@ -51,6 +51,7 @@ def test_the_keeper_host(monkeypatch):
         keeper_host()
 
 
+@pytest.mark.multiprocess
 def test_the_network_identity_tells_network_namespaces_apart():
     """Processes that share a loopback share the identity; a process in another network
     namespace (a container on the same kernel) does not."""
@@ -78,6 +79,7 @@ def test_keepers_on_loopback_across_machines_are_refused():
         "other machines cannot reach: set $UNICKPT_KEEPER_HOST"), why
 
 
+@pytest.mark.multiprocess
 def test_keepers_on_a_network_address_exchange_parity_and_serve_the_recovery(tmp_path):
     """2 simulated nodes whose keepers listen on this machine's network address
     ($UNICKPT_KEEPER_HOST): the parity crosses it and the recovery is served over it."""
@@ -96,6 +98,7 @@ def test_keepers_on_a_network_address_exchange_parity_and_serve_the_recovery(tmp
     assert seen["line"].startswith("resumed step 1 from memory"), seen
 
 
+@pytest.mark.multiprocess
 def test_a_keeper_on_another_address_is_replaced_and_the_snapshots_kept(tmp_path):
     """A relaunch that wants its keeper elsewhere (its nodes now on several machines)
     replaces the running keeper of the job; the snapshots in the shm root stay."""

@@ -18,6 +18,8 @@ from unickpt.snapshot.keepers import ensure_keeper, running_keeper, stop_keeper
 
 from snapshot_helpers import kill_keeper
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 def _mode(path: str) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)

@@ -199,6 +199,7 @@ print("torch" in sys.modules)
 """
 
 
+@pytest.mark.multiprocess
 def test_archive_reader_without_torch(tmp_path) -> None:
     torch.save({"dtype": torch.bfloat16, "size": torch.Size([2, 3]), "device": torch.device("cpu"),
                 "t8": torch.zeros(4, dtype=torch.float8_e4m3fn), "t": torch.zeros(2, 3, dtype=torch.bfloat16)}, tmp_path / "values.pt")

@@ -20,6 +20,8 @@ from unickpt.testing import RankFailure, run_ranks  # noqa: E402
 
 from snapshot_helpers import kill_keeper, losses  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 PRELOAD = ["torch", "torch.distributed.fsdp", "unickpt", "unickpt.testing", "titan_cases"]
 STEPS = 8
 

@@ -1,6 +1,6 @@
 """unickpt: universal, fast, fault-tolerant checkpointing for distributed PyTorch."""
 
-from .errors import (  # noqa: E402
+from .errors import (
     CorruptionError,
     FormatVersionError,
     InconsistentStateError,
@@ -15,7 +15,7 @@ from .errors import (  # noqa: E402
     UnsafePickleError,
 )
 
-from .version import __version__  # noqa: E402
+from .version import __version__ as __version__
 
 # The entry points import torch: they are loaded on first use (PEP 562), so that
 # ``import unickpt`` (and the command line's start) costs no torch import.
@@ -23,7 +23,7 @@ _LAZY = {
     "save": "api.save", "async_save": "api.async_save", "AsyncSaveHandle": "api.async_save",
     "load": "api.load", "load_rank_values": "api.load", "load_tensor": "api.load", "read_manifest": "api.load",
     "convert": "api.convert", "verify": "api.verify", "CheckpointManager": "api.manager",
-    "TierFallbackWarning": "api.manager",
+    "Checkpoints": "api.checkpoints", "TierFallbackWarning": "api.checkpoints",
     "PerRank": "engine.state", "Sharded": "engine.state", "RNGState": "engine.rng",
 }
 
@@ -43,9 +43,11 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
+# the public surface: the entry points above and the errors (tests/test_public_surface.py
+# keeps this list, _LAZY and docs/API.md in step)
 __all__ = [
-    "save", "load", "CheckpointManager", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "RNGState", "verify",
+    "save", "async_save", "AsyncSaveHandle", "load", "load_tensor", "load_rank_values", "read_manifest", "verify",
+    "convert", "CheckpointManager", "Checkpoints", "TierFallbackWarning", "PerRank", "Sharded", "RNGState",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
     "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "StorageError", "UnsafePickleError",
-    "TierFallbackWarning",
 ]

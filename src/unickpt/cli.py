@@ -5,8 +5,8 @@ Each command is a thin layer over the library (``unickpt.read_manifest``,
 ``UnickptError``) are printed as one red ``error: ...`` line with exit code 2; exit code
 1 means "ran fine, and the answer is no" (a corrupt checkpoint, a failed demo check).
 
-Commands still to come (``export``, ``diff``) get their own function here,
-registered with ``@app.command``, each wrapped in ``@_errors`` like the ones below.
+Each command is a function here, registered with ``@app.command`` and wrapped in
+``@_errors``: ``inspect``, ``verify``, ``convert``, ``export``, ``demo``.
 """
 
 from __future__ import annotations
@@ -507,7 +507,8 @@ def verify_cmd(
 @_errors
 @_cli_flag_names
 def convert_cmd(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint to read (unickpt, PyTorch DCP, DeepSpeed, Hugging Face; a URL: unickpt).", show_default=False)],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint to read (unickpt, PyTorch DCP, DeepSpeed, Hugging Face; a URL: unickpt).",
+                                       show_default=False)],
     dst: Annotated[str, typer.Argument(metavar="DST", help="Directory or URL of the new checkpoint.", show_default=False)],
     to: Annotated[
         str, typer.Option("--to", help="Output format: unickpt, dcp (PyTorch DCP), deepspeed (DeepSpeed universal checkpoint).")
@@ -609,7 +610,8 @@ def export_cmd(
     dtype: Annotated[
         str | None, typer.Option(help="Cast floating tensors: bf16, fp16 or fp32 (default: as saved).", show_default=False)
     ] = None,
-    names: Annotated[str, typer.Option(help="Name mapping: auto (the first of llama, mixtral, megatron-llama that every name fits), llama, mixtral, megatron-llama, keep.")] = "auto",
+    names: Annotated[str, typer.Option(help="Name mapping: auto (the first of llama, mixtral, megatron-llama that every "
+                                            "name fits), llama, mixtral, megatron-llama, keep.")] = "auto",
     prefix: Annotated[
         str | None,
         typer.Option(help="Export the tensors named PREFIX... (prefix removed). Default: 'model.', or none for a "

@@ -9,13 +9,13 @@
 **Writing.** DCP's planner decides what each rank writes (the chunk of each tensor it
 holds, replicas given to one rank, non-tensor items as byte items); :class:`StorageWriter`
 writes it as unickpt's own save does: the coordinator claims the checkpoint location
-(:func:`unickpt.api.save.claim`: the lock and staging directory, or an object-store
+(:func:`unickpt.engine.commit.claim`: the lock and staging directory, or an object-store
 prefix) when DCP hands it the global plan, and sends the staging directory to every rank
 inside the plan; each rank writes its chunks into ``rank_XXXXX.safetensors`` with
 CRC-32C blocks (:class:`unickpt.engine.writer.DataFileWriter`) and returns its commit
-message (:func:`unickpt.api.save.rank_payload`) among its ``WriteResult``s; in
+report (:func:`unickpt.engine.commit.write_rank`) among its ``WriteResult``s; in
 ``finish`` the coordinator builds and checks the manifest from every rank's message
-(:func:`unickpt.api.assemble.manifest_document`: tiling, duplicates) and commits it
+(:func:`unickpt.engine.assemble.manifest_document`: tiling, duplicates) and commits it
 last, or removes everything written when any rank failed. A rank's failure travels in
 its message, so the coordinator always gets to ``finish`` and no staging directory or
 lock outlives a failed save. Every tensor chunk is one fragment of one box.
@@ -74,9 +74,10 @@ from torch.futures import Future
 from .adapters.checkpoint import Checkpoint, open_checkpoint
 from .adapters.detect import checkpoint_format
 from .adapters.dcp_writer import dcp_leaves
-from .api.assemble import manifest_document
-from .api.save import LocalState, check_not_committed, claim, data_file_name, rank_message, rank_payload, rank_storage
-from .dist import Group, is_dtensor
+from .engine.assemble import manifest_document
+from .engine.collect import LocalState
+from .engine.commit import Written, check_not_committed, claim, data_file_name, rank_storage, write_rank
+from .dist import is_dtensor
 from .engine.items import TensorItem
 from .engine.staging import StagingPool, copy_batch, plan_batches, record_streams
 from .engine.tensor_reads import TensorReads
@@ -233,13 +234,11 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
 
         pickled: list[str] = []
         sizes: list[int] = []
-        try:
-            payload = self._write(plan, planner, pickled, sizes)
-        except Exception as e:
-            payload = {"rank": self._rank, "error": str(e) if isinstance(e, UnickptError) else f"{type(e).__name__}: {e}"}
+        local = LocalState()
+        report = write_rank(self._rank, local, lambda: self._write(plan, planner, local, pickled, sizes))
         results = [WriteResult(index=item.index, size_in_bytes=n, storage_data=None) for item, n in zip(plan.items, sizes)]
         results.append(WriteResult(index=MetadataIndex(_REPORT), size_in_bytes=0,
-                                   storage_data=_Report(self._rank, rank_message(payload), tuple(pickled))))
+                                   storage_data=_Report(self._rank, report.message(), tuple(pickled))))
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -356,15 +355,14 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         state["_claim"] = None  # a claim (open lock) stays with the process that made it
         return state
 
-    def _write(self, plan: Any, planner: Any, pickled: list[str], sizes: list[int]) -> dict[str, Any]:
-        """Write this rank's items; returns its payload (:func:`~unickpt.api.save.rank_payload`)."""
+    def _write(self, plan: Any, planner: Any, local: LocalState, pickled: list[str], sizes: list[int]) -> Written:
+        """Write this rank's items (their values into ``local``); returns what it wrote."""
         if getattr(planner, "_enable_plan_caching", False):
             raise SaveError("unickpt's StorageWriter does not support DCP's plan caching (enable_plan_caching=True): "
                             "a cached plan names an earlier save's staging directory")
         where = plan.storage_data.get(_STAGING_KEY) if isinstance(plan.storage_data, dict) else None
         if where is None:
             raise SaveError("the save plan carries no unickpt staging location (the coordinator is not using unickpt's StorageWriter)")
-        local = LocalState()
         plain_values = _default_transform(planner)
         items: list[tuple[Any, TensorItem]] = []
         for wi in plan.items:
@@ -420,7 +418,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
             size, fragments = writer.finish()
             files[name] = size
             written = [(item, f) for (_, item), f in zip(items, fragments)]
-        return rank_payload(Group(None, self._rank, 1), local, written, files)
+        return Written(written, files)
 
 
 @contextlib.contextmanager

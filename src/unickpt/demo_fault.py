@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .demo_resume import print_rows
+from .demo_resume import print_rows, pyplot
 from .testing import free_port, kill_session
 
 NODES, LOST = 4, 2
@@ -107,6 +107,7 @@ def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_
     last lines of the nodes' logs)."""
     from .demo import demo_dir
 
+    pyplot()  # before minutes of training: the plot needs matplotlib
     with demo_dir(directory) as base:
         return _run(str(base), plot_path, console)
 
@@ -163,8 +164,7 @@ def _run(root: str, plot_path: str, console: Any) -> FaultDemo:
 
 
 def _plot(r: FaultDemo, path: str) -> None:
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig = plot_figure(r)
     fig.savefig(path)
     plt.close(fig)
@@ -172,11 +172,7 @@ def _plot(r: FaultDemo, path: str) -> None:
 
 def plot_figure(r: FaultDemo) -> Any:
     """The demo's figure (a matplotlib Figure): both loss curves, the node loss marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
     ax.plot(list(r.reference), list(r.reference.values()), "-", color="#888888", label="unbroken run")
     ax.plot(list(r.before), list(r.before.values()), "o", color="#1f77b4", label=f"{NODES} nodes")

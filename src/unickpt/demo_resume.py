@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import UnickptError
 from .testing import run_ranks
 
 COMMON = ["--steps", "16", "--seed", "0", "--print-every", "0"]
@@ -58,9 +59,22 @@ def rel_diffs(reference: dict[int, float], resumed: dict[int, float]) -> dict[in
     return {s: abs(resumed[s] - reference[s]) / abs(reference[s]) for s in resumed}
 
 
-def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed). The demos' plots are
+    all unickpt needs matplotlib for: without it (the ``demo`` extra), a clear error."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UnickptError("the demo draws its plot with matplotlib, which is not installed: "
+                           "pip install 'unickpt[demo]'") from None
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> None:
+    plt = pyplot()
     fig = plot_figure(reference, resumed)
     fig.savefig(path)
     plt.close(fig)
@@ -69,11 +83,7 @@ def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> 
 def plot_figure(reference: dict[int, float], resumed: dict[int, float]) -> Any:
     """The demo's matplotlib figure, two panels: both loss curves, then the relative
     difference on a log scale (a 1e-3 error is invisible on the first, obvious on the second)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     resume_label = f"job lost after step {RESUME_STEP}, resumed on {AFTER[2]} ranks"
     ax.plot(list(reference), list(reference.values()), "-o", color="#888888", label=f"unbroken: {BEFORE[0]}")
@@ -106,6 +116,7 @@ def run_resume_demo(directory: str | None = None, plot_path: str = "unickpt_demo
     go under ``directory`` (kept), or a temporary directory removed at the end."""
     from .demo import demo_dir
 
+    pyplot()  # before minutes of training: the plot needs matplotlib
     start = time.time()
     say = console.print if console is not None else print
     with demo_dir(directory) as base:

@@ -1,5 +1,14 @@
 """Exceptions raised by unickpt. All derive from ``UnickptError`` (an ``Exception``)."""
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError", "LayoutError",
+    "MismatchError", "InconsistentStateError", "SaveError", "UnsafePickleError", "SnapshotError", "StorageError",
+]
+
 
 class UnickptError(Exception):
     """Base class of every error unickpt raises on purpose."""
@@ -34,7 +43,23 @@ class InconsistentStateError(UnickptError):
 
 
 class SaveError(UnickptError):
-    """Saving failed on at least one rank; the message names the ranks and causes."""
+    """Saving failed on at least one rank; the message names the ranks and causes.
+
+    ``failures`` maps each rank that failed to its cause, as that rank reported it (the
+    same map on every rank); empty when the save failed as a whole (its arguments, the
+    claim on its location). ``ranks`` lists the failed ranks in order."""
+
+    def __init__(self, message: str = "", failures: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks that failed, in order."""
+        return sorted(self.failures)
+
+    def __reduce__(self):  # pickled across processes (multiprocessing, DCP) with its map
+        return type(self), (str(self), self.failures)
 
 
 class UnsafePickleError(UnickptError):

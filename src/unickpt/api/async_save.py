@@ -1,333 +1,20 @@
 """``async_save``: capture the state into host memory, write and commit in the background.
 
-The call returns once this rank's state is staged (copied into a reusable host buffer,
-pinned for CUDA tensors); a background thread then writes the rank's file and takes part
-in the commit. All of the save's communication runs on a dedicated gloo process group
-over the same ranks, created once and cached, never on the training group: training
-collectives (NCCL or gloo) can run at the same time without interleaving with the
-checkpoint's (DCP's thread mode on the default group hangs exactly there).
-
-Saves on different *channels* are independent: each channel has its own saver (one
-staging buffer, at most one save in flight) and its own gloo group, so a save on one
-never waits for, nor interleaves collectives with, a save on another. The in-memory
-snapshot tier saves on channel ``snapshot`` while a slow durable save of the default
-channel is still writing; host memory for staging is then one copy of the rank's shard
-per channel in use.
+The machinery (staging buffers, channels, the background thread) is
+:mod:`unickpt.engine.background_save`; this is its public entry point.
 """
 
 from __future__ import annotations
 
 import os
-
-import threading
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-import crc32c as _crc
-import torch
-import torch.distributed as dist
+from ..engine.background_save import DEFAULT_CHANNEL, AsyncSaveHandle, start_save
+from ..format.manifest import DEFAULT_BLOCK_BYTES
+from .incremental import open_base
 
-from ..dist import Group, all_gather_fixed, group_cache, new_group, resolve_group
-from ..errors import SaveError, UnickptError
-from ..format.dtypes import dtype_name
-from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
-from ..storage.base import Storage
-from ..engine.gc_pause import gc_paused
-from ..engine.items import TensorItem
-from .incremental import BaseIndex, open_base, split_unchanged
-from .save import (
-    LocalState, _describe, check_not_committed, collect, commit, data_file_name, prepare_collective, rank_payload,
-    tensor_digest,
-)
-from ..engine.staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
-from ..engine.writer import DataFileWriter, as_bytes
-
-DEFAULT_CHANNEL = "default"
-_GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = group_cache()  # emptied at exit (release_groups)
-
-
-def checkpoint_group(group: Group, channel: str = DEFAULT_CHANNEL) -> Group:
-    """The gloo group that carries ``channel``'s checkpoint traffic for ``group``'s ranks:
-    created on first use (collectively, by every member) and cached for the life of the
-    default group; each channel has its own."""
-    if not group.active:
-        return group
-    world = dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(group.pg))
-    cached = _GROUPS.get((ranks, channel))
-    if cached is None or cached[0] is not world:
-        if len(ranks) == dist.get_world_size():
-            pg = new_group(backend="gloo", parent=world)
-        else:
-            pg = new_group(list(ranks), "gloo", local=True, parent=group.pg)
-        cached = _GROUPS[(ranks, channel)] = (world, pg)
-    pg = cached[1]
-    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
-
-
-class AsyncSaveHandle:
-    """A save in flight. ``result()`` waits for it and raises its error, if any, on every
-    rank alike (the message names the failing ranks and files); ``done()`` polls."""
-
-    def __init__(self, path: str, rank: int) -> None:
-        self.path, self.rank = path, rank
-        self._staged = threading.Event()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the state has been copied to host memory; after this the tensors
-        may change. Needed only with ``lazy=True`` (else the call already waited)."""
-        if not self._staged.wait(timeout):
-            raise TimeoutError(f"async save to {self.path}: state not staged after {timeout} s")
-
-    def staged(self) -> bool:
-        """True once the state has been copied to host memory."""
-        return self._staged.is_set()
-
-    def done(self) -> bool:
-        """True once the save has committed or failed."""
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> None:
-        """Wait for the save to finish; raise its failure (a :class:`SaveError` or another
-        :class:`UnickptError`) if it failed, ``TimeoutError`` if it is still running."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-
-
-@dataclass
-class _Job:
-    group: Group
-    path: str
-    overwrite: bool
-    local: LocalState | None
-    error: str | None
-    metadata: dict[str, Any]
-    block_bytes: int
-    threads: int
-    items: list[TensorItem]
-    sources: list[torch.Tensor]
-    digests: dict[int, str]
-    batches: list[list[Unit]]
-    capacity: int
-    events: list
-    lazy: bool
-    limit: int | None
-    manifest_copy: bool | None = None
-    storage_options: dict[str, Any] | None = None
-    base: BaseIndex | None = None  # an incremental save's base
-    refs: list[tuple[TensorItem, Fragment]] = field(default_factory=list)  # found unchanged in the call
-    undecided: set[int] = field(default_factory=set)  # items to hash in the background (CUDA, lazy)
-
-
-class _Saver:
-    """One channel's async saver: one staging buffer, at most one save in flight."""
-
-    def __init__(self) -> None:
-        self.pool = StagingPool()
-        self.current: AsyncSaveHandle | None = None
-        self.streams: dict[torch.device, Any] = {}
-
-    def wait(self) -> None:
-        """Wait for the save in flight, if any (its error stays with its handle)."""
-        if self.current is not None:
-            self.current._done.wait()
-
-    def start(self, job: _Job, handle: AsyncSaveHandle) -> None:
-        """Stage (here unless lazy or the shard needs several batches) and start the
-        background writer; return once staged unless lazy."""
-        self.current = handle
-        pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
-        buf = self.pool.buffer(job.capacity, pin, job.limit) if job.local is not None else None
-        crcs: dict[int, int] = {}
-        here = not job.lazy and len(job.batches) == 1 and job.error is None
-        if here:
-            try:
-                self._stage(job, 0, buf, crcs)
-            except Exception as e:
-                job.error = _describe(e)
-            handle._staged.set()
-        thread = threading.Thread(
-            target=self._run, args=(job, handle, buf, crcs, here), name="unickpt-async-save", daemon=False
-        )
-        thread.start()
-        if not job.lazy:
-            handle._staged.wait()
-
-    def _stage(self, job: _Job, k: int, buf: torch.Tensor, crcs: dict[int, int]) -> None:
-        """Copy batch ``k`` into the buffer; digest sources that are read in place."""
-        batch = job.batches[k]
-        copy_batch(batch, job.sources, buf, job.events, self.streams)
-        for u in batch:
-            if u.slot < 0 and u.index in job.digests:
-                crcs[u.index] = _crc.crc32c(memoryview(flat_bytes(job.sources[u.index]).numpy()[u.lo : u.hi]), crcs.get(u.index, 0))
-
-    def _run(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
-        try:
-            self._write_and_commit(job, handle, buf, crcs, staged_batch0)
-        except BaseException as e:
-            handle._error = e if isinstance(e, UnickptError) else SaveError(
-                f"async save to {job.path} failed on rank {job.group.rank}: {type(e).__name__}: {e}"
-            )
-        finally:
-            handle._staged.set()
-            handle._done.set()
-
-    def _write_and_commit(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
-        last = len(job.batches) - 1
-        if job.error is None and not staged_batch0:
-            try:
-                self._stage(job, 0, buf, crcs)
-            except Exception as e:
-                job.error = _describe(e)
-        if last == 0 or job.error is not None:
-            handle._staged.set()
-        # Start writing only once every rank has staged: a rank that writes while others
-        # still copy takes CPU and memory bandwidth from their (blocking) staging.
-        all_gather_fixed(job.group, b"\x01")
-        target = prepare_collective(job.group, job.path, job.overwrite, job.manifest_copy, job.storage_options)
-        if job.error is None:
-            payload = self._write(job, handle, buf, crcs, target.storage)
-        else:
-            payload = {"rank": job.group.rank, "error": job.error}
-        handle._staged.set()
-        commit(job.group, payload, target, job.metadata, job.manifest_copy)
-
-    @staticmethod
-    def _staged_bytes(job: _Job, buf: torch.Tensor):
-        """Where an incremental save hashes item ``k``: its staged copy when everything is
-        staged at once; else the source itself, which stays unchanged until the last batch
-        is staged (None for a CUDA source: the item is written)."""
-        if len(job.batches) == 1:
-            where = {u.index: u for u in job.batches[0] if u.slot >= 0}
-
-            def staged(k: int):
-                u = where.get(k) if k in job.undecided else None
-                return memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy()) if u is not None else None
-
-            return staged
-
-        def source(k: int):
-            t = job.sources[k]
-            return None if t.device.type != "cpu" or k not in job.undecided else memoryview(flat_bytes(t).numpy())
-
-        return source
-
-    def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: Storage) -> dict[str, Any]:
-        group, local = job.group, job.local
-        assert local is not None
-        writer = None
-        try:
-            files: dict[str, int] = {}
-            written: list[tuple[TensorItem, Fragment]] = []
-            base = job.base
-            slots = {k: k for k in range(len(job.items))}  # item index -> index among the items written
-            written = list(job.refs)
-            if base is not None and job.undecided:
-                changed, refs = split_unchanged(base, job.items, group.rank, job.block_bytes, job.threads, self._staged_bytes(job, buf))
-                written += [(job.items[k], f) for k, f in refs]
-                slots = {k: n for n, k in enumerate(changed)}
-            to_write = [job.items[k] for k in slots]
-            if to_write:
-                writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, to_write, job.block_bytes, job.threads)
-            for k, batch in enumerate(job.batches):
-                if k > 0:
-                    self._stage(job, k, buf, crcs)
-                    if k == len(job.batches) - 1:
-                        handle._staged.set()
-                parts = []
-                for u in batch:
-                    if u.slot < 0:
-                        continue
-                    data = memoryview(buf[u.slot : u.slot + (u.hi - u.lo)].numpy())
-                    if u.index in job.digests:
-                        crcs[u.index] = _crc.crc32c(data, crcs.get(u.index, 0))
-                    if u.index in slots:
-                        parts.append((slots[u.index], u.lo, data))
-                if writer is not None and parts:
-                    writer.write(parts)
-            if writer is not None:
-                size, fragments = writer.finish()
-                writer = None
-                files[data_file_name(group.rank)] = size
-                written += list(zip(to_write, fragments))
-            for i, name in job.digests.items():
-                t = job.sources[i]
-                local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs.get(i, 0))
-            return rank_payload(group, local, written, files, base)
-        except Exception as e:
-            if writer is not None:
-                writer.abort()
-            return {"rank": group.rank, "error": _describe(e)}
-
-
-_SAVER = _Saver()
-_SAVERS: dict[str, _Saver] = {DEFAULT_CHANNEL: _SAVER}  # channel -> its saver
-
-
-def _saver(channel: str) -> _Saver:
-    saver = _SAVERS.get(channel)
-    if saver is None:
-        saver = _SAVERS[channel] = _Saver()
-    return saver
-
-
-def _unchanged_in_call(
-    index: BaseIndex, local: LocalState, rank: int, world: int, block_bytes: int, threads: int, lazy: bool
-) -> list[tuple[TensorItem, Fragment]]:
-    """An incremental save's CPU tensors that equal the base's, found by hashing them in
-    the call (xxh3-128 runs faster than the copy into the staging buffer that it spares)
-    and taken out of what is staged and written. Lazy saves and CUDA tensors are hashed
-    in the background, from the staged copy."""
-    if lazy:
-        return []
-    items = local.to_write + local.rank_tensors
-
-    def data(k: int):
-        t = items[k].local
-        return as_bytes(flat_bytes(t)) if t.device.type == "cpu" else None
-
-    # a replicated tensor that is not staged gets its agreement digest from the pass that
-    # hashes it (other ranks compute theirs from the same bytes) when this rank writes it
-    # whole (a share of it would give a share's CRC); alone, no rank compares it
-    sources = local.digest_sources
-    crcs = {k: 0 for k, i in enumerate(items) if i.name in sources and tuple(i.local.shape) == tuple(sources[i.name].shape)}
-    crcs = crcs if world > 1 else {}
-    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data, crcs)
-    for k, f in refs:
-        name = items[k].name
-        if name in local.digest_sources and (world == 1 or k in crcs):
-            t = local.digest_sources.pop(name)
-            local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs[k]) if world > 1 else f"xxh3={f.xxh3}"
-    unchanged = {k for k, _ in refs}
-    n = len(local.to_write)
-    local.to_write = [i for k, i in enumerate(local.to_write) if k not in unchanged]
-    local.rank_tensors = [i for k, i in enumerate(local.rank_tensors, n) if k not in unchanged]
-    return [(items[k], f) for k, f in refs]
-
-
-def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: int):
-    if local is None:
-        return [], [], {}, [[]], 0
-    items = local.to_write + local.rank_tensors
-    sources = [i.local for i in items]
-    staged = [True] * len(items)
-    digests: dict[int, str] = {}
-    # a replicated tensor this rank writes whole (not a row share of it)
-    index = {i.name: k for k, i in enumerate(items) if i.name in local.digest_sources and i.local.shape == local.digest_sources[i.name].shape}
-    for name, t in local.digest_sources.items():
-        if name in index:  # this rank writes it: digest the staged copy, in the background
-            digests[index[name]] = name
-        else:
-            digests[len(sources)] = name
-            sources.append(t)
-            staged.append(t.is_cuda)
-    sizes = [t.numel() * t.element_size() for t in sources]
-    batches, capacity = plan_batches(sizes, staged, max_staging_bytes, block_bytes)
-    return items, sources, digests, batches, capacity
+__all__ = ["AsyncSaveHandle", "async_save"]
 
 
 def async_save(
@@ -341,7 +28,6 @@ def async_save(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     max_staging_bytes: int | None = None,
     lazy: bool = False,
-    manifest_copy: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
     channel: str = DEFAULT_CHANNEL,
@@ -368,11 +54,6 @@ def async_save(
     only read parameters and optimizer state, so call ``wait_staged()`` right before
     ``optimizer.step()`` (and before zeroing or editing anything that is saved).
 
-    ``manifest_copy`` (for directories local to each machine, like the in-memory
-    snapshots): None commits the manifest on rank 0 only; otherwise each rank passing
-    True also writes the committed manifest into its own ``path``, and every rank
-    creates its ``path`` if needed (all ranks must pass None, or all a bool).
-
     ``path`` may be a URL with ``storage_options``, as for :func:`unickpt.save`.
     ``base`` makes the save incremental, as for :func:`unickpt.save`. CPU tensors are
     hashed in the call (xxh3-128, faster than the copy it spares) and only those that
@@ -383,42 +64,7 @@ def async_save(
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
     without ``overwrite``) are raised here.
     """
-    if block_bytes <= 0 or block_bytes % 8:
-        raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
-    if max_staging_bytes is not None and max_staging_bytes <= 0:
-        raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
-    saver = _saver(channel)
-    saver.wait()
-    group = checkpoint_group(resolve_group(process_group), channel)
-    check_not_committed(path, overwrite, storage_options)
-    index, refs, undecided = None, [], set()
-    try:
-        with gc_paused():
-            local, error = collect(state_dict, group, defer=True), None
-            if base is not None:
-                index = open_base(os.fspath(base), str(path))
-                refs = _unchanged_in_call(index, local, group.rank, group.size, block_bytes, threads, lazy)
-            items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
-            if index is not None:
-                undecided = {k for k, i in enumerate(items) if lazy or i.local.device.type != "cpu"}
-    except Exception as e:  # reported to rank 0 by the background commit, like save()
-        local, error = None, _describe(e)
-        items, sources, digests, batches, capacity = _plan(None, None, block_bytes)
-    events = record_streams(sources)
-    job = _Job(
-        group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
-        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
-        storage_options,
-        index, refs, undecided,
-    )
-    handle = AsyncSaveHandle(str(path), group.rank)
-    saver.start(job, handle)
-    return handle
-
-
-def staging_bytes(channel: str | None = None) -> int:
-    """Bytes of host memory the async savers' staging buffers hold now (of one channel,
-    or of all)."""
-    if channel is not None:
-        return _SAVERS[channel].pool.nbytes if channel in _SAVERS else 0
-    return sum(s.pool.nbytes for s in _SAVERS.values())
+    opener = None if base is None else partial(open_base, os.fspath(base), str(path))
+    return start_save(state_dict, path, process_group=process_group, metadata=metadata, overwrite=overwrite,
+                      threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes, lazy=lazy,
+                      storage_options=storage_options, base=opener, channel=channel)

@@ -23,6 +23,8 @@ from .load import load, read_manifest
 from .save import checkpoint_file, save
 from .tiers import Tier
 
+__all__ = ["Checkpoints", "TierFallbackWarning"]
+
 log = logging.getLogger("unickpt")
 
 

@@ -53,8 +53,10 @@ from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
 from ..engine.reads import Scratch
 from ..engine.tensor_reads import aligned, batches, read_tensors
-from .save import check_not_committed, claim, data_file_name
+from ..engine.commit import check_not_committed, claim, data_file_name
 from ..engine.writer import DataFileWriter, as_bytes
+
+__all__ = ["convert", "ConvertReport"]
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 

@@ -20,48 +20,20 @@ from __future__ import annotations
 import os
 import posixpath
 import signal
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..storage.open import is_remote
 from ..adapters.detect import open_manifest
 from ..engine.bases import holder_dir, manifest_digest_on_disk
-from ..engine.items import TensorItem
-from ..engine.writer import as_bytes
+from ..engine.unchanged import BaseIndex, fragment_key
 from ..errors import SaveError, UnickptError
-from ..format.checksum import block_digests, block_digests_and_crc, identity
-from ..format.dtypes import dtype_name
-from ..format.manifest import MANIFEST_NAME, Fragment, Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.refs import BaseRef, check_base_path, rebase, ref_key, split_key
 from ..storage.local import remove_checkpoint
+from ..storage.open import is_remote
 
 # Test hook: SIGKILL this process right after the N-th file removal of a prune (tests kill
 # retention at every step with it). Read at each removal; unset in normal use.
 KILL_AFTER_UNLINK_ENV = "UNICKPT_TEST_KILL_AFTER_UNLINK"
-
-
-def _key(name: str, pieces: list, shape: tuple, dtype: str, block_bytes: int, rank: int | None) -> tuple:
-    """What must be equal for a fragment to stand for another (besides its bytes); ``rank``
-    only for per-rank tensors."""
-    return (name, tuple(pieces), tuple(shape), dtype, block_bytes, rank)
-
-
-@dataclass
-class BaseIndex:
-    """What an incremental save needs of its base: the identities of its fragments and
-    where their bytes lie, seen from the new checkpoint."""
-
-    path: str  # the base, relative to the new checkpoint
-    manifest: Manifest
-    fragments: dict[tuple, Fragment] = field(default_factory=dict)  # by _key
-    holders: dict[str, BaseRef] = field(default_factory=dict)  # holder path -> digest, referenced files
-
-    def lineage(self) -> dict[str, Any]:
-        """The ``incremental`` member of the new manifest."""
-        depth = (self.manifest.incremental or {}).get("depth", 0) + 1
-        return {"base": self.path, "digest": self.manifest.digest, "depth": depth}
 
 
 def relative_base(base: str | os.PathLike, target: str | os.PathLike) -> str:
@@ -98,69 +70,14 @@ def open_base(base: str | os.PathLike, target: str | os.PathLike) -> BaseIndex:
     for entry in manifest.tensors.values():
         for f in entry.fragments:
             if f.xxh3 is not None:
-                index.fragments[_key(entry.name, f.pieces, f.shape, entry.dtype, f.block_bytes, None)] = f
+                index.fragments[fragment_key(entry.name, f.pieces, f.shape, entry.dtype, f.block_bytes, None)] = f
     for name, row in manifest.rank_tensors.items():
         for r, entry in enumerate(row):
             if entry is not None and len(entry.fragments) == 1 and entry.fragments[0].xxh3 is not None:
                 f = entry.fragments[0]
-                index.fragments[_key(name, f.pieces, f.shape, entry.dtype, f.block_bytes, r)] = f
+                index.fragments[fragment_key(name, f.pieces, f.shape, entry.dtype, f.block_bytes, r)] = f
     return index
 
-
-def _reference(index: BaseIndex, item: TensorItem, found: Fragment, rank: int) -> Fragment:
-    """The new checkpoint's fragment for ``item``, referencing the bytes of ``found``."""
-    holder_from_base, name = split_key(found.file)
-    holder = rebase(holder_from_base, index.path)
-    digest = index.manifest.digest if holder_from_base is None else index.manifest.bases[holder_from_base].digest
-    ref = index.holders.setdefault(holder, BaseRef(holder, digest or "", {}))
-    ref.files[name] = index.manifest.files[found.file]
-    return Fragment(ref_key(holder, name), found.offset, tuple(found.shape), list(item.pieces), list(found.crc32c),
-                    found.block_bytes, rank, found.xxh3)
-
-
-def split_unchanged(
-    index: BaseIndex, items: list[TensorItem], rank: int, block_bytes: int, threads: int = 4,
-    data: Callable[[int], memoryview | None] | None = None, crcs: dict[int, int] | None = None,
-) -> tuple[list[int], list[tuple[int, Fragment]]]:
-    """Which of ``items`` to write: ``(indices of changed items, [(index, referencing
-    fragment)] for the unchanged)``. Hashes the candidates on ``threads`` threads, reading
-    item ``k``'s bytes from ``data(k)`` (default: ``items[k].local``, staged; None: write it).
-    ``crcs``, when given, receives for each item index it holds (as a key) and that is
-    hashed the CRC-32C of the item's whole data, computed in the same pass (the agreement
-    digest of a replicated tensor)."""
-    candidates = []
-    for k, item in enumerate(items):
-        per_rank = rank if item.layout == "per-rank" else None
-        hit = index.fragments.get(_key(item.name, item.pieces, item.local.shape, dtype_name(item.local.dtype), block_bytes, per_rank))
-        if hit is not None:
-            candidates.append((k, hit))
-
-    def same(c: tuple[int, Fragment]) -> bool:
-        k, f = c
-        view = as_bytes(items[k].local) if data is None else data(k)
-        if view is None:
-            return False
-        if crcs is None or k not in crcs:
-            return identity(block_digests(view, block_bytes)) == f.xxh3
-        digests, crc = block_digests_and_crc(view, block_bytes)
-        crcs[k] = crc
-        return identity(digests) == f.xxh3
-
-    if len(candidates) > 1 and threads > 1:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            verdicts = list(pool.map(same, candidates))
-    else:
-        verdicts = [same(c) for c in candidates]
-    refs = [(k, _reference(index, items[k], f, rank)) for (k, f), ok in zip(candidates, verdicts) if ok]
-    unchanged = {k for k, _ in refs}
-    return [k for k in range(len(items)) if k not in unchanged], refs
-
-
-def holders_json(index: BaseIndex | None) -> dict[str, Any]:
-    """The holders a rank references, for its report to rank 0."""
-    if index is None:
-        return {}
-    return {p: {"digest": b.digest, "files": b.files} for p, b in index.holders.items()}
 
 
 def merge_holders(manifest: Manifest, reports: list[dict[str, Any]]) -> None:

@@ -26,6 +26,8 @@ from ..engine.tensor_reads import TensorReads, mapped_entry, read_entry
 from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
 
+__all__ = ["load", "load_rank_values", "load_tensor", "read_manifest"]
+
 
 def read_manifest(path: str, storage_options: dict[str, Any] | None = None, *, bases: bool = True) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``: unickpt's own, or the
@@ -58,7 +60,6 @@ def _check_dtype(entry: TensorEntry, target: torch.Tensor, cast: str) -> None:
         )
 
 
-@gc_paused()
 def load(
     state_dict: dict[str, Any],
     path: str,
@@ -69,9 +70,7 @@ def load(
     verify: bool = True,
     stats: dict[str, Any] | None = None,
     broadcast_replicated: bool = False,
-    storage: Storage | None = None,
     storage_options: dict[str, Any] | None = None,
-    manifest: Manifest | None = None,
     per_rank: str = "error",
     cast: str = "widen",
 ) -> dict[str, Any]:
@@ -97,13 +96,8 @@ def load(
     replicated over data parallelism) among those replicas, each reading its share and
     broadcasting it to the others over a process group of theirs; the load is then
     collective (see docs/PERFORMANCE.md for when it pays; docs/SCALE.md).
-    ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
-    any :class:`~unickpt.storage.base.Storage` (only ``reader`` and ``close`` are used),
-    such as the snapshot tier's view of files spread over several machines. ``path`` may
-    be a URL (``s3://...``, any fsspec file system; ``storage_options`` for it): each rank
-    then fetches only the byte ranges it needs, with ranged GETs. ``manifest``, when given,
-    is the checkpoint's manifest already read (and validated) by the caller: it is not
-    parsed again.
+    ``path`` may be a URL (``s3://...``, any fsspec file system; ``storage_options`` for
+    it): each rank then fetches only the byte ranges it needs, with ranged GETs.
 
     A target tensor of another dtype than the saved one is filled with the saved values
     cast to it, span by span as they are read (no whole-tensor copy), as ``cast`` allows:
@@ -120,6 +114,34 @@ def load(
     saved by another number of ranks: ``"error"`` (a ``LayoutError``), or ``"keep"``: its
     value is left as it is (its name is added to ``stats["per_rank_kept"]``).
     """
+    return load_into(state_dict, path, strict=strict, process_group=process_group, threads=threads, verify=verify,
+                     stats=stats, broadcast_replicated=broadcast_replicated, storage_options=storage_options,
+                     per_rank=per_rank, cast=cast)
+
+
+@gc_paused()
+def load_into(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    threads: int = 4,
+    verify: bool = True,
+    stats: dict[str, Any] | None = None,
+    broadcast_replicated: bool = False,
+    storage: Storage | None = None,
+    storage_options: dict[str, Any] | None = None,
+    manifest: Manifest | None = None,
+    per_rank: str = "error",
+    cast: str = "widen",
+) -> dict[str, Any]:
+    """:func:`load` (which see), with the keywords of the library's own callers:
+    ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
+    any :class:`~unickpt.storage.base.Storage` (only ``reader`` and ``close`` are used),
+    such as the snapshot tier's view of files spread over several machines; ``manifest``,
+    when given, is the checkpoint's manifest already read (and validated) by the caller:
+    it is not parsed again."""
     if per_rank not in ("error", "keep"):
         raise UnickptError(f"per_rank must be 'error' or 'keep', not {per_rank!r}")
     if cast not in CASTS:
@@ -231,7 +253,8 @@ def _value_subtree(manifest: Manifest, name: str) -> dict[str, Any] | None:
 
 
 def _missing(name: str, manifest: Manifest) -> str:
-    return f"{name!r} is not in the checkpoint (it holds {len(manifest.tensors)} tensors and {len(manifest.values)} values); pass strict=False to skip missing keys"
+    return (f"{name!r} is not in the checkpoint (it holds {len(manifest.tensors)} tensors and {len(manifest.values)} values); "
+            "pass strict=False to skip missing keys")
 
 
 def _load_per_rank(

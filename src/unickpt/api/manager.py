@@ -22,15 +22,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 from ..dist import all_true, broadcast_bytes, resolve_group
+from ..engine.restored import Restored
 from ..errors import UnickptError
 from ..storage.open import is_remote
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
 from .delta_log import Replay, step_of
-from .load import load
+from .load import load_into
 from .saveable import check_saveable
 from .state_copy import StateCopy
 from .step_deltas import StepDeltas, replay_line, replay_refusal
@@ -164,14 +166,12 @@ class CheckpointManager(Checkpoints):
             got = self._durable(state, plan, latest, kept)
             seconds = time.perf_counter() - t0
             if got is None:
-                step, line = 0, f"starting fresh ({self._nothing_on_disk(plan)})"
+                restored = Restored(0, "fresh", seconds, nothing=self._nothing_on_disk(plan))
             else:
-                step, line = got[0], f"resumed step {got[0]} from disk{_logged(plan)} ({got[1]}; {seconds:.2f} s)"
+                restored = Restored(got[0], "disk", seconds, got[1], logged=_logged(plan))
         else:
-            step, line = self._recover(state, plan, latest, disk_step, kept)
-        if kept:
-            line = line[:-1] + f"; per-rank state left as it is: saved by another number of ranks ({', '.join(kept[:3])}" \
-                + (f" and {len(kept) - 3} more" if len(kept) > 3 else "") + "))"
+            restored = self._recover(state, plan, latest, disk_step, kept)
+        step, line = restored.step, replace(restored, kept=tuple(kept)).line()
         if self._deltas is not None:
             self._deltas.started(step)
             self._deltas.watch(state)
@@ -338,8 +338,8 @@ class CheckpointManager(Checkpoints):
         return f"no checkpoint in {self.root}" + (f"; {notes}" if notes else "")
 
     def _recover(self, state: dict[str, Any], plan: Replay | None, latest: str | None, disk_step: int | None,
-                 kept: list[str]) -> tuple[int, str]:
-        """Collective: memory first, then the durable tiers; (step, line)."""
+                 kept: list[str]) -> Restored:
+        """Collective: memory first, then the durable tiers; what it restored."""
         from ..snapshot import paths
         from ..snapshot.recover import recover
 
@@ -356,8 +356,8 @@ class CheckpointManager(Checkpoints):
 
         def from_memory(path: str, storage: Any) -> int:
             stats: dict[str, Any] = {}
-            load(state, path, storage=storage, manifest=storage.manifest, process_group=self.process_group,
-                 per_rank="keep", stats=stats)
+            load_into(state, path, storage=storage, manifest=storage.manifest, process_group=self.process_group,
+                      per_rank="keep", stats=stats)
             kept[:] = stats.get("per_rank_kept", [])
             return int(storage.manifest.metadata["snapshot"]["step"])
 
@@ -371,13 +371,8 @@ class CheckpointManager(Checkpoints):
             kept.clear()
             if initial is not None:
                 initial.put_back()
-            if not outcome.line.endswith(")"):
-                return 0, outcome.line
-            return 0, outcome.line[:-1].replace("no checkpoint on disk", self._nothing_on_disk(plan)) + ")"
-        line = outcome.line
-        if outcome.source == "disk" and plan is not None and plan.usable:
-            line = line.replace(" from disk (", f" from disk{_logged(plan)} (", 1)
-        return outcome.step, line
+            return replace(outcome.restored, nothing=self._nothing_on_disk(plan))
+        return replace(outcome.restored, logged=_logged(plan))
 
     def _save_step(self, state: dict[str, Any], step: int) -> None:
         """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""
@@ -448,8 +443,9 @@ class CheckpointManager(Checkpoints):
             log.warning("unickpt: %s", message)
 
 
-def _logged(plan: Replay | None) -> str:
-    return f" + {len(plan.entries)} logged steps" if plan is not None and plan.usable else ""
+def _logged(plan: Replay | None) -> int | None:
+    """How many logged steps a restore from disk replays on top of it (None: no replay)."""
+    return len(plan.entries) if plan is not None and plan.usable else None
 
 
 def _check_options(root: str, save_every: int, snapshot_every: int, parity: int | None, replicas: int, flush_every: int,

@@ -41,7 +41,7 @@ from ..engine.state import PerRank, Sharded, find_modules, flatten, optimizers_o
 from ..errors import UnickptError
 from ..format.dtypes import dtype_from_name
 from .delta_log import DELTAS_DIR, DeltaLog, Replay, replayable
-from .load import load, read_manifest
+from .load import load_into, read_manifest
 
 # The entry's own part; the rest of an entry is named as the state flattens.
 KEY = "unickpt_delta"
@@ -273,7 +273,7 @@ class StepDeltas:
                     mine[name] = torch.zeros_like(p.detach(), dtype=dtype_from_name(entry.dtype))
             grads[key] = mine
         target = {KEY: {"grad": grads, "hparams": {key: _hyperparameters(opt) for key, opt in opts}}}
-        load(target, path, process_group=self.process_group, manifest=manifest)
+        load_into(target, path, process_group=self.process_group, manifest=manifest)
         return target[KEY]
 
     def _load_rest(self, state: dict[str, Any], path: str, opts: list[tuple[str, torch.optim.Optimizer]]) -> None:
@@ -281,11 +281,11 @@ class StepDeltas:
         loader's position, per-rank values, the tensors the steps changed."""
         manifest = read_manifest(path)
         after = {KEY: {"after": {key: _hyperparameters(opt) for key, opt in opts}}}
-        load(after, path, process_group=self.process_group, manifest=manifest)
+        load_into(after, path, process_group=self.process_group, manifest=manifest)
         for key, opt in opts:
             _set_hyperparameters(opt, after[KEY]["after"][key])
         rest = without_optimizers(state)
-        load(rest, path, strict=False, process_group=self.process_group, manifest=manifest, per_rank="keep")
+        load_into(rest, path, strict=False, process_group=self.process_group, manifest=manifest, per_rank="keep")
         write_back(state, rest)
 
 

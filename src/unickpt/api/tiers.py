@@ -17,7 +17,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage, list_subdirs, remove_checkpoint
 from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import remove_abandoned
-from .save import checkpoint_file, claim
+from ..engine.commit import checkpoint_file, claim
 
 STEP = re.compile(r"^step_(\d+)$")
 

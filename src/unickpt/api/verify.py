@@ -52,6 +52,8 @@ from ..engine.gc_pause import gc_paused
 from ..engine.bases import base_problems
 from ..storage.open import is_remote
 
+__all__ = ["verify", "VerifyReport", "Problem"]
+
 # Several checksum blocks are read at once when blocks are small, to keep syscalls few.
 READ_CHUNK_BYTES = 16 << 20
 

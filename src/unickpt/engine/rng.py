@@ -9,6 +9,8 @@ import torch
 
 from .state import PerRank
 
+__all__ = ["RNGState"]
+
 
 class RNGState:
     """This rank's random generators — torch's CPU generator, each CUDA device's when CUDA

@@ -18,6 +18,8 @@ import torch
 from ..errors import UnickptError
 from .optim_state import is_optimizer, named_optimizer
 
+__all__ = ["PerRank", "Sharded"]
+
 
 @dataclass
 class PerRank:

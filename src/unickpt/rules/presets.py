@@ -160,8 +160,10 @@ def megatron_gpt(
     ), stages="any"))
     rules.append(Rule(L + n["proj"] + r"\.weight", row(unit=head_dim, size=heads * head_dim), rename=r"layers.\1.attention.wo.weight" if llama_names else None))
     rules.append(Rule(L + n["proj"] + r"\.bias", replicated(), stages="any"))
-    rules.append(Rule(L + n["fc1"] + r"\.weight", fc1_scheme(ffn_hidden, [r"layers.\1.feed_forward.w1.weight", r"layers.\1.feed_forward.w3.weight"] if llama_names else None)))
-    rules.append(Rule(L + n["fc1"] + r"\.bias", fc1_scheme(ffn_hidden, [r"layers.\1.feed_forward.w1.bias", r"layers.\1.feed_forward.w3.bias"] if llama_names else None), stages="any"))
+    w13 = [r"layers.\1.feed_forward.w1.weight", r"layers.\1.feed_forward.w3.weight"] if llama_names else None
+    b13 = [r"layers.\1.feed_forward.w1.bias", r"layers.\1.feed_forward.w3.bias"] if llama_names else None
+    rules.append(Rule(L + n["fc1"] + r"\.weight", fc1_scheme(ffn_hidden, w13)))
+    rules.append(Rule(L + n["fc1"] + r"\.bias", fc1_scheme(ffn_hidden, b13), stages="any"))
     rules.append(Rule(L + n["fc2"] + r"\.weight", row(size=ffn_hidden), rename=r"layers.\1.feed_forward.w2.weight" if llama_names else None))
     rules.append(Rule(L + n["fc2"] + r"\.bias", replicated(), stages="any"))
     if llama_names:

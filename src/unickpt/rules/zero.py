@@ -95,7 +95,7 @@ def compose_flat(targets: list[Target], local_shape: tuple[int, ...], start: int
             common = intersect(b, t.local_box) if b.ndim else b
             if common is None:
                 continue
-            delta = tuple(g - l for g, l in zip(t.global_box.offsets, t.local_box.offsets))
+            delta = tuple(g - lo for g, lo in zip(t.global_box.offsets, t.local_box.offsets))
             glob = common.shift(delta)
             out.append((t, Piece(glob, tuple(c - o for c, o in zip(common.offsets, b.offsets)), b.lengths, pos)))
         pos += b.volume

@@ -25,11 +25,11 @@ import socket
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..api.async_save import AsyncSaveHandle, async_save, checkpoint_group
+from ..engine.background_save import AsyncSaveHandle, checkpoint_group, start_save
 from ..engine.items import is_dtensor
 from ..engine.state import PerRank, Sharded, flatten
 from ..dist import Group, all_gather_fixed, resolve_group
@@ -45,7 +45,24 @@ from .parity import layout
 CHANNEL = "snapshot"
 # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, and the
 # job secret the node proposes (1: stored on the node already, 0: freshly drawn)
-_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s")
+_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s")  # a RankInfo
+
+
+class RankInfo(NamedTuple):
+    """What each rank tells the others before a snapshot (``_exchange``); the keeper's
+    members are zero except on a node's local rank 0."""
+
+    node: int
+    has_keeper: int  # 1 on a node's local rank 0, which speaks for the node's keeper
+    port: int
+    pid: int
+    pending: int  # committed steps whose parity is still running
+    used: int  # bytes the node's snapshots hold
+    rank_bytes: int  # bytes of this rank's state
+    cap: int  # the node's cap on snapshot memory
+    host: bytes  # the keeper's IPv4 address (4 bytes)
+    secret_stored: int  # 1 when ``secret`` is the job's stored secret, 0 when newly drawn
+    secret: bytes
 _WHERE = struct.Struct("<i16s")  # node, network identity
 WHOLE_WAIT_S = 60.0  # a planned stop (close(clean=False)) waits this long for the keepers' parity
 
@@ -190,11 +207,11 @@ class Snapshotter:
         ``flush_every``-th snapshot step)."""
         return bool(self.flush_every) and step % (self.every * self.flush_every) == 0
 
-    def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[tuple[int, ...]]]:
+    def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[RankInfo]]:
         """Collective: every rank's node, keeper and memory figures; the keeper table by node.
         The first time, also the job's secret: the one stored on the lowest node that holds
         one (a relaunch keeps it, whichever nodes survived), else one the first node drew."""
-        mine = (self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES)
+        mine = RankInfo(self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES)
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
@@ -202,16 +219,16 @@ class Snapshotter:
             pending = in_progress(self.jdir, getattr(self, "table", []))
             stored = self.secret or paths.read_secret(self.root, self.job)
             proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
-            mine = (self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
-                    cap, socket.inet_aton(self.keeper["host"]), *proposal)
-        rows = [_INFO.unpack(b) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
-        keepers = {r[0]: r for r in rows if r[1]}
-        if sorted(keepers) != list(range(len(keepers))) or {r[0] for r in rows} != set(keepers):
-            raise SnapshotError(f"every node needs one local rank 0; got nodes {sorted({r[0] for r in rows})}")
+            mine = RankInfo(self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
+                            cap, socket.inet_aton(self.keeper["host"]), *proposal)
+        rows = [RankInfo._make(_INFO.unpack(b)) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
+        keepers = {r.node: r for r in rows if r.has_keeper}
+        if sorted(keepers) != list(range(len(keepers))) or {r.node for r in rows} != set(keepers):
+            raise SnapshotError(f"every node needs one local rank 0; got nodes {sorted({r.node for r in rows})}")
         if self.secret is None:
             proposals = [keepers[n] for n in sorted(keepers)]
-            self.secret = next((r[10] for r in proposals if r[9]), proposals[0][10])
-        table = [{"host": socket.inet_ntoa(keepers[n][8]), "port": keepers[n][2], "pid": keepers[n][3]} for n in sorted(keepers)]
+            self.secret = next((r.secret for r in proposals if r.secret_stored), proposals[0].secret)
+        table = [{"host": socket.inet_ntoa(keepers[n].host), "port": keepers[n].port, "pid": keepers[n].pid} for n in sorted(keepers)]
         return table, rows
 
     def snapshot(self, state: dict[str, Any], step: int, flush: bool = True) -> AsyncSaveHandle | None:
@@ -230,13 +247,13 @@ class Snapshotter:
     def _snapshot(self, state: dict[str, Any], step: int, flush: bool) -> AsyncSaveHandle | None:
         self.settle()
         self.table, rows = self._exchange(state_bytes(state))
-        if any(r[4] >= 2 for r in rows if r[1]):
+        if any(r.pending >= 2 for r in rows if r.has_keeper):
             self.skipped += 1
             return None
         k = self.k
         for n in range(self.nodes):
-            node_bytes = sum(r[6] for r in rows if r[0] == n)
-            used, cap = next((r[5], r[7]) for r in rows if r[0] == n and r[1])
+            node_bytes = sum(r.rank_bytes for r in rows if r.node == n)
+            used, cap = next((r.used, r.cap) for r in rows if r.node == n and r.has_keeper)
             need = used + node_bytes + (node_bytes * self.parity) // k
             if need > cap:
                 raise SnapshotError(
@@ -249,8 +266,8 @@ class Snapshotter:
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
-        self.handle = async_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0,
-                                 process_group=self.process_group, channel=CHANNEL)
+        self.handle = start_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0,
+                                  process_group=self.process_group, channel=CHANNEL)
         self.taken += 1
         return self.handle
 

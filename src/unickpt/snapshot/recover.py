@@ -38,6 +38,7 @@ from typing import Any
 from ..dist import broadcast_bytes, gather_bytes
 from ..errors import CorruptionError, SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..engine.restored import Restored
 from ..storage.local import memory_file_reader
 from . import paths, wire
 from .client import Snapshotter
@@ -50,15 +51,28 @@ MISSING = "missing"  # a node's copy of a step's manifest, when it holds rank fi
 
 @dataclass
 class Outcome:
-    """What recovery did: the step resumed (0 when fresh), its source and the log line."""
+    """What recovery did: the step resumed (0 when fresh), its source, what the log line
+    says of it (:attr:`restored`, :attr:`line`) and what it cost."""
 
-    step: int
-    source: str  # "memory", "disk" or "fresh"
-    line: str
-    seconds: float
+    restored: Restored
     tried: bool = False  # a memory load was attempted (when it failed, the job's state is partly overwritten)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: plan, prepare, load (of the last step tried)
     fetched: int = 0  # bytes this rank received from other nodes' keepers while loading the resumed step
+
+    @property
+    def step(self) -> int:
+        """The step resumed (0 when fresh)."""
+        return self.restored.step
+
+    @property
+    def source(self) -> str:
+        """``"memory"``, ``"disk"`` or ``"fresh"``."""
+        return self.restored.source
+
+    @property
+    def line(self) -> str:
+        """The log line."""
+        return self.restored.line()
 
 
 # -- what a node holds ------------------------------------------------------------------
@@ -409,8 +423,7 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
             _reset_keeper(snap, step)
             took = time.perf_counter() - t0
             skipped = _reasons(reasons, step)
-            return Outcome(step, "memory", f"resumed step {step} from memory ({how}; "
-                           f"{f'skipped: {skipped}; ' if skipped else ''}{took:.2f} s)", took, True, timings, fetched)
+            return Outcome(Restored(step, "memory", took, how, skipped), True, timings, fetched)
         reasons.append([plan["step"], how])
     why = _reasons(reasons, 0) or "no snapshot in memory"
     got = disk() if disk is not None else None
@@ -418,11 +431,9 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
         step, path = got
         _reset_keeper(snap, step)
         took = time.perf_counter() - t0
-        return Outcome(step, "disk", f"resumed step {step} from disk ({path}; memory: {why}; {took:.2f} s)", took,
-                       bool(plans), timings)
+        return Outcome(Restored(step, "disk", took, path, memory=why), bool(plans), timings)
     _reset_keeper(snap, 0)
-    return Outcome(0, "fresh", f"starting fresh (memory: {why}; no checkpoint on disk)", time.perf_counter() - t0,
-                   bool(plans), timings)
+    return Outcome(Restored(0, "fresh", time.perf_counter() - t0, memory=why), bool(plans), timings)
 
 
 def _reasons(reasons: list[list[Any]], since: int) -> str:

@@ -41,9 +41,10 @@ def manifest_document(
 def assemble(batch: Batch, world_size: int, metadata: dict[str, Any], indexed: bool | None = None) -> dict[str, bytes]:
     """:func:`manifest_document` from the decoded messages."""
     heads = batch.heads
-    errors = [f"rank {p.get('rank')}: {p['error']}" for p in heads if p.get("error")]
-    if errors:
-        raise SaveError("save failed, nothing was committed:\n" + "\n".join(errors))
+    failed = [(k, p) for k, p in enumerate(heads) if p.get("error")]  # heads in rank order
+    if failed:
+        raise SaveError("save failed, nothing was committed:\n" + "\n".join(f"rank {p.get('rank')}: {p['error']}" for _, p in failed),
+                        {p["rank"] if isinstance(p.get("rank"), int) else k: p["error"] for k, p in failed})
     _check_agreement(heads)
     files: dict[str, int] = {}
     values: dict[str, Any] = {}
