@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("unickpt", "unickpt.__main__", "unickpt.cli", "unickpt.demo", "unickpt.demo_fault", "unickpt.demo_resume",
      "unickpt.examples", "unickpt.testing"),
-    ("unickpt.api", "unickpt.snapshot", "unickpt.dcp", "unickpt.integrations"),
+    ("unickpt.api", "unickpt.snapshot", "unickpt.live", "unickpt.dcp", "unickpt.integrations"),
     ("unickpt.adapters", "unickpt.rules"),
     ("unickpt.engine",),
     ("unickpt.format", "unickpt.plan", "unickpt.storage"),

@@ -24,6 +24,7 @@ _LAZY = {
     "load": "api.load", "load_rank_values": "api.load", "load_tensor": "api.load", "read_manifest": "api.load",
     "convert": "api.convert", "verify": "api.verify", "CheckpointManager": "api.manager",
     "TierFallbackWarning": "api.manager",
+    "run": "live.run", "World": "live.run",
     "PerRank": "engine.state", "Sharded": "engine.state", "RNGState": "engine.rng",
 }
 
@@ -47,5 +48,5 @@ __all__ = [
     "save", "load", "CheckpointManager", "load_tensor", "load_rank_values", "read_manifest", "PerRank", "Sharded", "RNGState", "verify",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
     "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "StorageError", "UnsafePickleError",
-    "TierFallbackWarning",
+    "TierFallbackWarning", "run", "World",
 ]

@@ -678,6 +678,10 @@ def _is_remote(location: str) -> bool:
 
 def main() -> None:
     """Entry point of the ``unickpt`` script and ``python -m unickpt``."""
+    if sys.argv[1:2] == ["launch"]:  # torchrun's flags, passed through untouched (the script's too)
+        from .live.launch import main as launch
+
+        sys.exit(launch(sys.argv[2:]))
     for stream in (sys.stdout, sys.stderr):
         # a name that the terminal's encoding cannot show is escaped, never a crash mid-output
         if hasattr(stream, "reconfigure"):
