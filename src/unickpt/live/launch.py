@@ -273,6 +273,8 @@ class Coordinator:
             while self.events < total:
                 ev = json.loads(self.store.get(key("event", self.events)))
                 self.events += 1
+                if os.environ.get("UNICKPT_LIVE_DEBUG"):
+                    print(f"unickpt launch: event {ev}", file=sys.stderr, flush=True)
                 if ev["kind"] == "ready":
                     self.pending.append(ev["worker"])
                     self.store.set(key("g", self.gen.number, "ready"), "1")

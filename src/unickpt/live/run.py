@@ -20,9 +20,11 @@ Under torchrun or plain ``python``, :func:`run` calls ``fn`` once.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -85,6 +87,8 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     if not control.under_launch():
         return _run_once(fn, backend)
     global _CURRENT
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV])
     try:
         return live.loop(fn, backend)
@@ -289,6 +293,7 @@ class _Live:
         if self.gen is not None and not collect:
             abandon_in_flight()
         release_groups(collect=False)
+        _forget_meshes()
         if dist.is_initialized():
             backend = str(dist.get_backend())
             if "nccl" in backend and not collect:
@@ -421,3 +426,21 @@ def _abort_nccl() -> None:
             abort()  # also forgets every group: no destroy follows
         except (RuntimeError, ValueError):
             pass
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches: they key output specs on meshes that
+    compare equal by shape alone, so a process that sits elsewhere in an equal mesh of a
+    re-formed world would get back a spec holding an old mesh, with its old coordinate
+    (its shard read and written as another rank's)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    propagator = module.DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
