@@ -198,7 +198,7 @@ class Launcher:
                 w.progress, w.progress_at = progress, now
             if alive != w.alive:
                 w.alive, w.alive_at = alive, now
-            if progress not in ("", "joining") and now - w.progress_at > limit:
+            if progress.isdigit() and now - w.progress_at > limit:  # a step done (not starting, joining, forming)
                 stale.append(w)
         stopped = [w for w in stale if now - w.alive_at > STILL_S]
         for w in stopped or [w for w in stale if now - w.progress_at > 2 * limit]:
