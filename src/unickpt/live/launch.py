@@ -36,6 +36,8 @@ STILL_S = 2.0  # a worker whose watcher thread is silent this long is stopped or
 BEAT_S = 0.2  # how often a launcher says it is alive and looks for hangs
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
+PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a worker's collective may wait for its peers
+DEFAULT_PG_TIMEOUT_S = 60.0
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -158,6 +160,8 @@ class Launcher:
                    TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
                    TORCHELASTIC_RUN_ID="unickpt", **control.worker_env(self.address, name))
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicators, never the process
+        # a survivor blocked in a collective whose peers cannot free the old group gives up then
+        env.setdefault(PG_TIMEOUT_ENV, str(max(10.0, 2 * a.hang_timeout) if a.hang_timeout else DEFAULT_PG_TIMEOUT_S))
         if a.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         self.store.set(key("beat", name), "")
@@ -183,9 +187,10 @@ class Launcher:
         return f"hung: no progress for {w.hung:.0f} s, exit {code}" if w.hung else f"exit {code}"
 
     def _find_hangs(self, now: float) -> None:
-        """Kill the workers that showed no progress for --hang-timeout seconds: first those
-        that are stopped (their watcher thread silent too); when every hung worker still
-        runs its watcher, all of them once the timeout has passed twice."""
+        """Kill the workers that showed no progress for --hang-timeout seconds and whose
+        watcher thread is silent too (a stopped process, or one holding the GIL). A worker
+        blocked in a collective on a dead peer is not hung: its collective fails within the
+        generation's timeout (``PG_TIMEOUT_ENV``) and it re-forms."""
         limit = self.args.hang_timeout
         stale = []
         for w in self.workers.values():
@@ -200,8 +205,7 @@ class Launcher:
                 w.alive, w.alive_at = alive, now
             if progress.isdigit() and now - w.progress_at > limit:  # a step done (not starting, joining, forming)
                 stale.append(w)
-        stopped = [w for w in stale if now - w.alive_at > STILL_S]
-        for w in stopped or [w for w in stale if now - w.progress_at > 2 * limit]:
+        for w in [w for w in stale if now - w.alive_at > STILL_S]:
             w.hung = now - w.progress_at
             print(f"unickpt launch: worker {w.name} (pid {w.proc.pid}) shows no progress for {w.hung:.0f} s: killed",
                   file=sys.stderr, flush=True)

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,7 +43,7 @@ from ..errors import UnickptError
 from . import control
 from .control import Generation, key
 
-PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (default 600)
+PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
 TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
 NETWORK_ERROR_WAIT_S = 15.0
 WATCH_S = 0.005  # how often the watcher looks for a new generation
@@ -241,6 +242,7 @@ class _Live:
                            place["node"], place["nodes"])
         self.store.set(key("beat", self.worker), f"g{gen.number}")
         self.mark("formed")
+        self.times["published"] = gen.at
         if gen.number > 0 and gen.cause in ("lost", "grow"):
             self.note = _describe(gen) + " at step {} " + f"(generation {gen.number})"
         if self._watcher is None:
@@ -294,12 +296,18 @@ class _Live:
             abandon_in_flight()
         release_groups(collect=False)
         _forget_meshes()
+        old = None
         if dist.is_initialized():
+            old = weakref.ref(dist.group.WORLD)
             backend = str(dist.get_backend())
             if "nccl" in backend and not collect:
                 _abort_nccl()
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         gc.collect()  # FSDP2 states and meshes hold their groups through reference cycles
+        if old is not None and old() is not None and os.environ.get("UNICKPT_LIVE_DEBUG"):
+            held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
+            print(f"unickpt: the old group is still referenced by {held}", file=sys.stderr, flush=True)
         self.mark("torn_down")
 
     def _end_if_over(self, gen: Generation) -> None:
@@ -331,7 +339,6 @@ class _Live:
             if gen.cause != "grow" or self.worker not in gen.members:
                 with self.lock:
                     if self.in_fn and self.gen is not None and gen.number > self.gen.number:
-                        self.times["published"] = gen.at
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
                                                                    ctypes.py_object(Interrupted))
 
