@@ -623,6 +623,20 @@ def export_cmd(
     _print_ledger(report.ledger)
 
 
+# ---------------------------------------------------------------- launch
+
+
+@app.command("launch", short_help="Start a node's workers (torchrun's flags); survivors of a failure go on, same processes.",
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch_cmd(ctx: typer.Context) -> None:
+    """Live recovery's launcher: ``unickpt launch --standalone --nproc-per-node 4 train.py``
+    (see ``unickpt launch --help``). main() hands every ``launch`` command line to it
+    before the other commands are parsed; this entry lists it in ``unickpt --help``."""
+    from .live.launch import main as launch
+
+    raise typer.Exit(launch(list(ctx.args)))
+
+
 # ---------------------------------------------------------------- demo
 
 

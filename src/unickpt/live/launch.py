@@ -176,9 +176,8 @@ class Launcher:
                 continue
             del self.workers[pid]
             self.codes[w.name] = code
+            control.post_event(self.store, kind="exit", worker=w.name, code=code, at=time.time(), why=self._why(w, code))
             if code != 0:
-                control.post_event(self.store, kind="exit", worker=w.name, code=code, at=time.time(),
-                                   why=self._why(w, code))
                 if self.restarts < self.args.max_restarts and self.store.check([key("run", w.name)]):
                     self.restarts += 1
                     self._spawn(self._new_name(), w.local)
@@ -238,9 +237,10 @@ class Launcher:
                 w.proc.wait()
         self.store.set(key("node", self.node, "done"), "1")
         if self.coordinator is not None:
-            print(f"unickpt launch: the job failed: {end.reason}", file=sys.stderr, flush=True)
+            if end.code:
+                print(f"unickpt launch: the job failed: {end.reason}", file=sys.stderr, flush=True)
             self.coordinator.wait_nodes_done()
-        return end.code if end.code > 0 else 1
+        return end.code if end.code >= 0 else 1
 
     def _status(self) -> int:
         """0 when this node's surviving workers ended 0 (lost ones were recovered from)."""
@@ -257,6 +257,7 @@ class Coordinator:
         self.gen: Generation | None = None
         self.events = 0
         self.pending: list[str] = []  # replacements ready to join
+        self.finished: set[str] = set()  # workers that exited 0
         self.beats: dict[int, tuple[int, float]] = {}
 
     def start(self) -> None:
@@ -284,6 +285,8 @@ class Coordinator:
                     self.store.set(key("g", self.gen.number, "ready"), "1")
                 elif ev["worker"] in self.pending:
                     self.pending.remove(ev["worker"])
+                elif ev["code"] == 0:
+                    self.finished.add(ev["worker"])
                 elif ev["worker"] in self.gen.members:
                     if not self.store.check([key("run", ev["worker"])]):
                         end = end or (ev["code"], f"worker {ev['worker']} (rank {self.gen.members.index(ev['worker'])}) "
@@ -300,6 +303,8 @@ class Coordinator:
         lost += self._lost_nodes()
         if end is not None:
             return self._end(*end)
+        if self.pending and self.finished >= set(self.gen.members):  # replacements waiting for a job that is over
+            return self._end(0, "the job finished")
         if lost:
             return self._open("lost", lost)
         if self.pending and self.store.check([key("g", self.gen.number, "grow_at")]):

@@ -313,7 +313,7 @@ class _Live:
     def _end_if_over(self, gen: Generation) -> None:
         if gen.cause == "end":
             print(f"unickpt: the job ended: {gen.reason}", file=sys.stderr, flush=True)
-            raise SystemExit(gen.code or 1)
+            raise SystemExit(gen.code if gen.code >= 0 else 1)
 
     # -- interrupting fn --------------------------------------------------------------------
     def interruptible(self) -> "_InFn":
