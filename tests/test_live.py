@@ -219,3 +219,54 @@ def test_run_refuses_fn_that_initialises_the_group(tmp_path):
     proc = subprocess.run([PY, str(script), "init"], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "fn called init_process_group" in proc.stderr
+
+
+def test_node_loss_parity(tmp_path):
+    """4 simulated nodes (a launcher each, its own shm root, one rank each, XOR parity): node
+    2 is lost (launcher, worker, keeper, its memory); the 3 others go on in the same
+    processes, node 2's share of the snapshot rebuilt from parity, on the unbroken curve."""
+    from unickpt.testing import free_port
+
+    port, steps, nodes = free_port(), 14, 4
+    log = tmp_path / "log.jsonl"
+    procs, outs = [], []
+    for n in range(nodes):
+        env = _env(tmp_path)
+        env["UNICKPT_SHM_ROOT"] = str(tmp_path / f"shm{n}")
+        outs.append(open(tmp_path / f"out{n}.txt", "w"))
+        procs.append(subprocess.Popen(
+            [PY, "-m", "unickpt", "launch", "--nnodes", str(nodes), "--node-rank", str(n), "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--nproc-per-node", "1", LOOP, "--steps", str(steps), "--ckpt-dir",
+             str(tmp_path / "ckpt"), "--log", str(log), "--sleep", "0.25"],
+            env=env, stdout=outs[-1], stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True))
+        if n == 0:
+            time.sleep(0.5)  # node 0 hosts the store
+    try:
+        deadline = time.monotonic() + 150
+        while not (log.exists() and any(json.loads(x)["step"] >= 4 for x in log.read_text().splitlines() if x)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        rows = [json.loads(x) for x in log.read_text().splitlines() if x]
+        before = {r["rank"]: r["pid"] for r in rows}
+        os.killpg(procs[2].pid, signal.SIGKILL)  # the launcher and its worker
+        for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines():
+            if str(tmp_path / "shm2") in line and "unickpt.snapshot.keeper" in line:
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+        time.sleep(0.2)
+        subprocess.run(["rm", "-rf", str(tmp_path / "shm2")])
+        for n in (0, 1, 3):
+            assert procs[n].wait(150) == 0, (tmp_path / f"out{n}.txt").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for o in outs:
+            o.close()
+    out = (tmp_path / "out0.txt").read_text()
+    assert "rank 2 lost (node 2 lost); continuing on 3 ranks at step" in out, out[-4000:]
+    assert "from memory" in out and "parity" in out.split("rank 2 lost")[0].rsplit("resumed", 1)[-1]
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x]
+    assert {r["pid"] for r in rows if r["generation"] == 1} == {before[0], before[1], before[3]}
+    ref = live_loop.reference(steps)
+    assert {r["step"] for r in rows} == set(range(1, steps + 1))
+    assert max(abs(r["loss"] - ref[r["step"] - 1]) for r in rows) < 1e-4
