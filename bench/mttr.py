@@ -2,7 +2,11 @@
 step of the relaunched job, recovering from memory (``--snapshot-every 1``) against
 recovering from the last disk checkpoint (no snapshots), under the same run conditions.
 
-    python -m bench.mttr [--kills 3] [--nproc 2]
+    python -m bench.mttr [--kills 3] [--nproc 2] [--live]
+
+``--live`` first measures live recovery (``unickpt launch``: the survivors stay in their
+processes, a replacement joins later): kill -> next step split into detection, publish,
+interruption, tear-down, re-forming, the user's rebuild + restore and the first step.
 
 Runs the example trainer under ``torchrun --standalone --max-restarts K`` (with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless ``--shared-store``: without snapshots
@@ -145,6 +149,48 @@ def breakdown(job: dict) -> list[dict]:
     return out
 
 
+LIVE_LOOP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "live_loop.py")
+PHASES = (("detect", "kill", "died"), ("publish", "died", "published"), ("interrupt", "published", "interrupted"),
+          ("teardown", "interrupted", "torn_down"), ("reform", "torn_down", "formed"),
+          ("rebuild+restore", "formed", "restored"), ("first_step", "restored", "first_step"))
+
+
+def run_live(work: str, nproc: int, kills: int, steps: int, sleep: float) -> tuple[int, list[dict]]:
+    """Live recovery: ``unickpt launch --max-restarts K`` of tests/live_loop.py (an FSDP2
+    loop under ``unickpt.run``); SIGKILL rank 1 K times, each once the replacement of the
+    last kill has joined. Per kill, the phases rank 0 logged ($UNICKPT_LIVE_TIMINGS)."""
+    log, timings = os.path.join(work, "log.jsonl"), os.path.join(work, "timings.jsonl")
+    env = dict(os.environ, UNICKPT_LIVE_TIMINGS=timings, UNICKPT_SHM_ROOT=os.path.join(work, "shm"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc), "--max-restarts",
+           str(kills), LIVE_LOOP, "--steps", str(steps), "--ckpt-dir", os.path.join(work, "ckpt"), "--log", log,
+           "--sleep", str(sleep)]
+    with open(os.path.join(work, "out.log"), "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        killed: list[float] = []
+        for k in range(kills):
+            gen, pid = 2 * k, None
+            while pid is None and proc.poll() is None:
+                rows = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
+                mine = [r for r in rows if r["generation"] == gen]
+                if len({r["step"] for r in mine}) >= 3:
+                    pid = next(r["pid"] for r in mine if r["rank"] == 1)
+                time.sleep(0.01)
+            if pid is None:
+                break
+            killed.append(time.time())
+            os.kill(pid, signal.SIGKILL)
+        rc = proc.wait()
+    lost = [json.loads(x) for x in open(timings)] if os.path.exists(timings) else []
+    lost = [r for r in lost if r["cause"] == "lost"]
+    rows = []
+    for t, r in zip(killed, lost):
+        r["kill"] = t
+        row = {name: r[b] - r[a] for name, a, b in PHASES if a in r and b in r}
+        row["total_s"] = r["first_step"] - t if "first_step" in r else None
+        rows.append(row)
+    return rc, rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure the MTTR from memory and from disk; print one line per kill and medians."""
     p = argparse.ArgumentParser(prog="bench.mttr")
@@ -156,7 +202,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="leave torchrun's store shared across restart rounds (torch's default): without snapshots "
                    "no unickpt group cleans the default group's keys, and torch's own restarts can fail")
     p.add_argument("--compute-sleep", type=float, default=0.05, help="seconds per step standing in for compute")
+    p.add_argument("--live", action="store_true", help="also live recovery under `unickpt launch` (survivors stay), "
+                   "first, on max(--nproc, 3) ranks")
     args = p.parse_args(argv)
+    if args.live:
+        work = tempfile.mkdtemp(prefix="mttr-live-")
+        rc, rows = run_live(work, max(args.nproc, 3), args.kills, args.steps, args.compute_sleep)
+        for r in rows:
+            print("live   " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if v is not None), flush=True)
+        totals = [r["total_s"] for r in rows if r["total_s"] is not None]
+        print(f"live   rc {rc}  kill -> next step median {statistics.median(totals):.3f} s over {len(totals)} kills"
+              if totals else f"live   rc {rc}  no recovery completed; see {work}/out.log", flush=True)
+        if rc == 0:
+            shutil.rmtree(work, ignore_errors=True)
     gap = args.steps // (args.kills + 1)
     kill_after = [gap * (k + 1) + args.save_every // 2 for k in range(args.kills)]
     base = ["--dp", str(args.nproc), "--fsdp", "--steps", str(args.steps), "--save-every", str(args.save_every),

@@ -15,6 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("unickpt", "unickpt.__main__", "unickpt.cli", "unickpt.demo", "unickpt.demo_fault", "unickpt.demo_resume",
      "unickpt.examples", "unickpt.testing"),
     ("unickpt.api", "unickpt.dcp", "unickpt.integrations"),
+    ("unickpt.live",),
     ("unickpt.snapshot",),
     ("unickpt.adapters", "unickpt.rules"),
     ("unickpt.engine",),

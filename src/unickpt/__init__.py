@@ -24,6 +24,7 @@ _LAZY = {
     "load": "api.load", "load_rank_values": "api.load", "load_tensor": "api.load", "read_manifest": "api.load",
     "convert": "api.convert", "verify": "api.verify", "CheckpointManager": "api.manager",
     "Checkpoints": "api.checkpoints", "TierFallbackWarning": "api.checkpoints",
+    "run": "live.run", "World": "live.run",
     "PerRank": "engine.state", "Sharded": "engine.state", "RNGState": "engine.rng",
 }
 
@@ -50,4 +51,5 @@ __all__ = [
     "convert", "CheckpointManager", "Checkpoints", "TierFallbackWarning", "PerRank", "Sharded", "RNGState",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
     "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "StorageError", "UnsafePickleError",
+    "run", "World",
 ]

@@ -673,6 +673,20 @@ def export_cmd(
     _print_ledger(report.ledger)
 
 
+# ---------------------------------------------------------------- launch
+
+
+@app.command("launch", short_help="Start a node's workers (torchrun's flags); survivors of a failure go on, same processes.",
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch_cmd(ctx: typer.Context) -> None:
+    """Live recovery's launcher: ``unickpt launch --standalone --nproc-per-node 4 train.py``
+    (see ``unickpt launch --help``). main() hands every ``launch`` command line to it
+    before the other commands are parsed; this entry lists it in ``unickpt --help``."""
+    from .live.launch import main as launch
+
+    raise typer.Exit(launch(list(ctx.args)))
+
+
 # ---------------------------------------------------------------- demo
 
 
@@ -766,6 +780,10 @@ def _is_remote(location: str) -> bool:
 
 def main() -> None:
     """Entry point of the ``unickpt`` script and ``python -m unickpt``."""
+    if sys.argv[1:2] == ["launch"]:  # torchrun's flags, passed through untouched (the script's too)
+        from .live.launch import main as launch
+
+        sys.exit(launch(sys.argv[2:]))
     for stream in (sys.stdout, sys.stderr):
         # a name that the terminal's encoding cannot show is escaped, never a crash mid-output
         if hasattr(stream, "reconfigure"):

@@ -28,6 +28,7 @@ from typing import Any
 from ..dist import all_true, broadcast_bytes, resolve_group
 from ..engine.restored import Restored
 from ..errors import UnickptError
+from ..live.run import Interrupted, restored, step_boundary
 from ..storage.open import is_remote
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
@@ -180,6 +181,7 @@ class CheckpointManager(Checkpoints):
         if group.rank == 0:
             print(line, flush=True)
             log.info("%s", line)
+        restored(step)  # under `unickpt launch`, after a re-forming: its line
         return step
 
     def before_update(self, state: dict[str, Any] | None = None) -> None:
@@ -240,6 +242,9 @@ class CheckpointManager(Checkpoints):
                 self._counts["snapshots_failed"] += 1
                 self._warn(f"snapshot of step {step} failed, training goes on: {e}")
         self._stall_s += time.perf_counter() - t0
+        if step_boundary(step):  # under `unickpt launch`: a replacement joins after this step
+            self._last_snapshot(state, step, saved)
+            raise Interrupted(f"the job re-forms after step {step}")
 
     def close(self, keep_snapshots: bool = False) -> None:
         """Wait for what is in flight (a durable save, the delta log's writes, the durable
@@ -373,6 +378,17 @@ class CheckpointManager(Checkpoints):
                 initial.put_back()
             return replace(outcome.restored, nothing=self._nothing_on_disk(plan))
         return replace(outcome.restored, logged=_logged(plan))
+
+    def _last_snapshot(self, state: dict[str, Any], step: int, saved: bool) -> None:
+        """Before the job re-forms at a step boundary: the step's snapshot (or checkpoint),
+        whole, so that the new world resumes from it."""
+        if self._snap is not None:
+            if not self._snap.due(step):
+                self._snap.snapshot(state, step, flush=not saved)
+            self._snap.settle()
+        elif self.save_every and not saved:
+            self._save_step(state, step)
+        self._finish_pending()
 
     def _save_step(self, state: dict[str, Any], step: int) -> None:
         """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""

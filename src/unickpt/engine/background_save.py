@@ -40,7 +40,7 @@ from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, re
 from .unchanged import BaseIndex, split_unchanged
 from .writer import DataFileWriter, as_bytes
 
-__all__ = ["AsyncSaveHandle", "DEFAULT_CHANNEL", "checkpoint_group", "staging_bytes", "start_save"]
+__all__ = ["AsyncSaveHandle", "DEFAULT_CHANNEL", "abandon_in_flight", "checkpoint_group", "staging_bytes", "start_save"]
 
 DEFAULT_CHANNEL = "default"
 _GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = group_cache()  # emptied at exit (release_groups)
@@ -387,3 +387,14 @@ def staging_bytes(channel: str | None = None) -> int:
     if channel is not None:
         return _SAVERS[channel].pool.nbytes if channel in _SAVERS else 0
     return sum(s.pool.nbytes for s in _SAVERS.values())
+
+
+def abandon_in_flight() -> int:
+    """Forget every channel's save still in flight, so that the next save on the channel
+    does not wait for it: live recovery calls it when a peer died, where such a save is
+    stuck on the dead generation's process group (its thread ends once that group's
+    sockets close; its files are never committed). Returns how many were abandoned."""
+    stuck = [name for name, saver in _SAVERS.items() if saver.current is not None and not saver.current.done()]
+    for name in stuck:
+        _SAVERS[name] = _Saver()
+    return len(stuck)

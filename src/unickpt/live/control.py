@@ -1,0 +1,113 @@
+"""The job's control plane: what the launchers and the trainers of a live-recovery job
+say to each other through the c10d ``TCPStore`` that node 0's launcher hosts.
+
+Every membership change opens a new *generation*: node 0's launcher (the coordinator)
+writes its document ``g<N>`` (members in rank order, why it was opened) and then the
+counter ``gen``. The process group of generation N rendezvouses under its own prefix
+``g<N>/pg/``, never reused, so no key of an earlier generation can mislead a later one.
+The launchers report what they see (a worker that exited, a replacement that is ready)
+as numbered events; the trainers report progress (``beat``) and liveness (``alive``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+STORE_ENV = "UNICKPT_LIVE_STORE"  # host:port of the job's store, set by `unickpt launch`
+WORKER_ENV = "UNICKPT_LIVE_WORKER"  # this worker's id in the job (node.local[.replacement])
+PREFIX = "unickpt/live/"
+
+
+def key(*parts: Any) -> str:
+    """A key of the control plane."""
+    return PREFIX + "/".join(str(p) for p in parts)
+
+
+def connect(address: str, timeout_s: float = 600.0) -> Any:
+    """A new client connection to the job's store at ``host:port``."""
+    from torch.distributed import TCPStore
+
+    host, _, port = address.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False, use_libuv=True)
+
+
+def node_of(worker: str) -> int:
+    """The node a worker id belongs to."""
+    return int(worker.split(".")[0])
+
+
+@dataclass
+class Generation:
+    """One generation of the job: its members (worker ids, in rank order) and why it began.
+
+    ``cause``: ``start``, ``lost`` (members died or hung), ``grow`` (replacements join at
+    the step boundary ``grow_at`` rank 0 sets) or ``end`` (the job is over: ``code``)."""
+
+    number: int
+    members: list[str]
+    cause: str = "start"
+    lost: list[dict[str, Any]] = field(default_factory=list)  # {"rank": old rank, "worker", "exit": code}
+    joined: list[str] = field(default_factory=list)
+    code: int = 0
+    reason: str = ""
+    at: float = 0.0  # when the coordinator published it (wall clock)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Generation":
+        doc = json.loads(raw)
+        return cls(int(doc["number"]), [str(m) for m in doc["members"]], str(doc["cause"]), list(doc["lost"]),
+                   [str(j) for j in doc["joined"]], int(doc["code"]), str(doc["reason"]), float(doc["at"]))
+
+    def place(self, worker: str) -> dict[str, int]:
+        """Where ``worker`` sits in this generation: rank, size, local rank, local size,
+        node index and node count (nodes and local ranks dense, in member order)."""
+        nodes = sorted({node_of(m) for m in self.members})
+        mine = node_of(worker)
+        local = [m for m in self.members if node_of(m) == mine]
+        return {"rank": self.members.index(worker), "size": len(self.members), "local_rank": local.index(worker),
+                "local_size": len(local), "node": nodes.index(mine), "nodes": len(nodes)}
+
+
+def publish(store: Any, gen: Generation) -> None:
+    """Coordinator: open generation ``gen`` (its document first, then the counter)."""
+    gen.at = time.time()
+    store.set(key("g", gen.number), gen.to_json())
+    store.set(key("gen"), str(gen.number))
+
+
+def newest(store: Any) -> int:
+    """The number of the newest generation published (-1 before the first)."""
+    if not store.check([key("gen")]):
+        return -1
+    return int(store.get(key("gen")))
+
+
+def read(store: Any, number: int) -> Generation:
+    """Generation ``number``'s document (waits until it is published)."""
+    return Generation.from_json(store.get(key("g", number)))
+
+
+def post_event(store: Any, **event: Any) -> None:
+    """A launcher's report to the coordinator: ``kind`` ``exit`` (worker, code) or
+    ``ready`` (a replacement waiting to join)."""
+    i = store.add(key("nevents"), 1) - 1
+    store.set(key("event", i), json.dumps(event))
+
+
+def worker_env(address: str, worker: str) -> dict[str, str]:
+    """The variables through which ``unickpt.run`` finds the job's control plane."""
+    return {STORE_ENV: address, WORKER_ENV: worker}
+
+
+def under_launch() -> bool:
+    """True in a worker that ``unickpt launch`` started."""
+    return bool(os.environ.get(STORE_ENV)) and bool(os.environ.get(WORKER_ENV))

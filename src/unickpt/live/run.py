@@ -1,0 +1,453 @@
+"""``unickpt.run(fn)``: a training function that survives the loss of its peers in the
+same process.
+
+Under ``unickpt launch``, :func:`run` joins the job's current generation (see
+:mod:`.control`), initialises the default process group for it and calls ``fn(world)``.
+When a peer dies (its launcher publishes a new generation) a watcher thread raises
+:class:`Interrupted` into the main thread; a collective blocked on the dead peer fails
+on its own once the survivors next to it have dropped the old group (gloo cannot abort
+a collective in flight, but closed sockets end it). Every reference to the old groups
+is then dropped, the group is formed again on the survivors (dense ranks, in the old
+order, under the new generation's store prefix) and ``fn(world)`` is called again: the
+imports, the CUDA context and the node's snapshot keeper stay, and the
+``CheckpointManager`` in ``fn`` restores from memory onto the new world. A replacement
+that is ready joins at a step boundary (:func:`step_boundary`, called by
+``CheckpointManager.maybe_save``), after that step's snapshot.
+
+Under torchrun or plain ``python``, :func:`run` calls ``fn`` once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..dist import release_groups
+from ..errors import UnickptError
+from . import control
+from .control import Generation, key
+
+PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
+TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
+NETWORK_ERROR_WAIT_S = 15.0
+WATCH_S = 0.005  # how often the watcher looks for a new generation
+ALIVE_S = 0.5  # how often it tells the launcher that this process runs  # after a failed collective, how long to wait for the coordinator's verdict
+
+
+class Interrupted(BaseException):
+    """Raised into ``fn`` when the job's membership changes (a peer lost, or a replacement
+    joining at this step boundary); ``unickpt.run`` catches it and calls ``fn`` again.
+    A BaseException, so that ``except Exception`` in a training loop lets it through."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands in the current generation of the job."""
+
+    rank: int
+    size: int
+    local_rank: int
+    generation: int
+    local_size: int = 1
+    node: int = 0
+    nodes: int = 1
+
+
+_CURRENT: "_Live | None" = None  # this process's live-recovery state, under `unickpt launch`
+
+
+def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
+    """Initialise the default process group, call ``fn(world)`` and destroy the group when
+    it returns; returns what ``fn`` returned.
+
+    Under ``unickpt launch``, when a peer dies (or a replacement is ready to join), ``fn``
+    is interrupted, every process group is torn down, the world is formed again from the
+    survivors (dense ranks, in the old order) and ``fn(world)`` is called again in this
+    same process. Under torchrun or plain ``python`` ``fn`` is called once. ``backend``:
+    torch's default for the device when None. ``fn`` must not call
+    ``init_process_group`` or ``destroy_process_group`` itself."""
+    if dist.is_initialized():
+        raise UnickptError("unickpt.run(fn) initialises the process group itself: call it before "
+                           "init_process_group, not after (and not from inside another unickpt.run)")
+    if not control.under_launch():
+        return _run_once(fn, backend)
+    global _CURRENT
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV])
+    try:
+        return live.loop(fn, backend)
+    finally:
+        live.stop()
+        _CURRENT = None
+
+
+def _run_once(fn: Callable[[World], Any], backend: str | None) -> Any:
+    """torchrun or plain python: one group, one call."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:  # a single process: a group of one, no rendezvous
+        dist.init_process_group(backend or "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), 0,
+                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("GROUP_RANK", 0)),
+                  int(os.environ.get("GROUP_WORLD_SIZE", 1)))
+    try:
+        result = fn(world)
+    except BaseException as e:
+        _check_group_kept(e)
+        raise
+    _check_group_kept(None)
+    dist.destroy_process_group()
+    release_groups()
+    return result
+
+
+def _check_group_kept(error: BaseException | None) -> None:
+    """A clear error when ``fn`` initialised or destroyed the default group itself."""
+    text = str(error or "")
+    if "twice" in text and "process group" in text:
+        raise UnickptError("fn called init_process_group: unickpt.run(fn) initialises the default process group "
+                           "itself (and forms it again after a failure); remove that call from fn") from error
+    if not dist.is_initialized():
+        raise UnickptError("fn called destroy_process_group: unickpt.run(fn) destroys the default process group "
+                           "when fn returns (and tears it down after a failure); remove that call from fn") from error
+
+
+def step_boundary(step: int) -> bool:
+    """Called by ``CheckpointManager.maybe_save`` after each step: reports progress to the
+    launcher (its hang detection) and says whether the job re-forms after this step (a
+    replacement is ready: the caller snapshots the step, then raises :class:`Interrupted`).
+    False, at no cost, outside ``unickpt launch``."""
+    live = _CURRENT
+    if live is None or live.gen is None:
+        return False
+    return live.boundary(step)
+
+
+def restored(step: int) -> None:
+    """Called by ``CheckpointManager.restore``: rank 0 prints the re-forming's line
+    (``rank 2 lost (exit -9); continuing on 3 ranks at step 14 (generation 1)``) once the
+    step the survivors continue from is known."""
+    live = _CURRENT
+    if live is not None:
+        live.mark("restored")
+        live.say(step + 1)
+
+
+def interrupted() -> type[BaseException]:
+    """The exception to raise at a step boundary where the job re-forms."""
+    return Interrupted
+
+
+class _Live:
+    """One worker's side of a live-recovery job."""
+
+    def __init__(self, address: str, worker: str) -> None:
+        self.address, self.worker = address, worker
+        self.store = control.connect(address)
+        self.gen: Generation | None = None
+        self.world: World | None = None
+        self.main = threading.get_ident()
+        self.lock = threading.Lock()
+        self.in_fn = False
+        self.grow_at: int | None = None
+        self.note: str | None = None
+        self.times: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._seen = -1
+        self._watcher: threading.Thread | None = None
+
+    # -- the generations ------------------------------------------------------------------
+    def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
+        self.store.set(key("run", self.worker), "1")  # the launcher treats this worker's death as recoverable
+        gen = self.join()
+        while True:
+            if not self.arrive(gen):  # a member was lost while the others gathered
+                gen = self.newer(gen)
+                continue
+            self.form(gen, backend)
+            try:
+                with self.interruptible():
+                    result = fn(self.world)
+            except BaseException as e:  # noqa: BLE001 — sorted below: a membership change or a real error
+                self.mark("interrupted")
+                nxt = self.verdict(e)
+                if nxt is None:
+                    _check_group_kept(e)
+                    self.teardown()
+                    raise
+                traceback.clear_frames(e.__traceback__)  # the frames of fn hold the model, the mesh, the groups
+                del e
+                self.teardown()
+                gen = nxt
+                continue
+            _check_group_kept(None)
+            self.teardown(collect=True)
+            return result
+
+    def join(self) -> Generation:
+        """The first generation this worker belongs to (a replacement says it is ready and
+        waits for the coordinator to take it in)."""
+        n = control.newest(self.store)
+        while n < 0:
+            time.sleep(0.01)
+            n = control.newest(self.store)
+        gen = control.read(self.store, n)
+        if self.worker in gen.members:
+            self._seen = n
+            return gen
+        control.post_event(self.store, kind="ready", worker=self.worker, node=control.node_of(self.worker))
+        self.store.set(key("beat", self.worker), "joining")
+        while True:
+            if not self.store.check([key("g", n + 1)]):
+                self.store.add(key("alive", self.worker), 1)
+                time.sleep(0.01)
+                continue
+            n += 1
+            gen = control.read(self.store, n)
+            self._end_if_over(gen)
+            if self.worker in gen.members:
+                self._seen = n
+                return gen
+
+    def form(self, gen: Generation, backend: str | None) -> None:
+        """Initialise the default group of ``gen`` (its own store prefix) and this process's
+        torchrun variables for it."""
+        place = gen.place(self.worker)
+        os.environ.update(RANK=str(place["rank"]), WORLD_SIZE=str(place["size"]), LOCAL_RANK=str(place["local_rank"]),
+                          LOCAL_WORLD_SIZE=str(place["local_size"]), GROUP_RANK=str(place["node"]),
+                          GROUP_WORLD_SIZE=str(place["nodes"]), ROLE_RANK=str(place["rank"]),
+                          ROLE_WORLD_SIZE=str(place["size"]), TORCHELASTIC_RESTART_COUNT=str(gen.number))
+        store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
+        timeout = timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "600")))
+        dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
+        self.gen, self.grow_at = gen, None
+        self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
+                           place["node"], place["nodes"])
+        self.store.set(key("beat", self.worker), f"g{gen.number}")
+        self.mark("formed")
+        self.times["published"] = gen.at
+        if gen.number > 0 and gen.cause in ("lost", "grow"):
+            self.note = _describe(gen) + " at step {} " + f"(generation {gen.number})"
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="unickpt-live-watch", daemon=True)
+            self._watcher.start()
+
+    def verdict(self, error: BaseException) -> Generation | None:
+        """The generation to go on in after ``error`` ended ``fn``, or None when ``error``
+        is the training's own (no membership change): raised as it is."""
+        gen = self.gen
+        assert gen is not None
+        deadline = time.monotonic()
+        if isinstance(error, Interrupted):
+            deadline += 3600
+        elif _network_error(error):
+            deadline += NETWORK_ERROR_WAIT_S
+        while True:
+            if control.newest(self.store) > gen.number:
+                return self.newer(gen)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.002)
+
+    def newer(self, gen: Generation) -> Generation:
+        """The newest generation, published after ``gen`` (this worker must be in it)."""
+        n = control.newest(self.store)
+        newer = control.read(self.store, n)
+        self._end_if_over(newer)
+        if self.worker not in newer.members:
+            raise SystemExit(f"unickpt: this worker ({self.worker}) was left out of generation {n}")
+        return newer
+
+    def arrive(self, gen: Generation) -> bool:
+        """A barrier of ``gen``'s members on the store before its process group forms (whose
+        rendezvous would wait for a member lost meanwhile); False when a newer generation
+        is published while waiting."""
+        arrived = key("g", gen.number, "arrived")
+        self.store.add(arrived, 1)
+        while self.store.add(arrived, 0) < len(gen.members):
+            if control.newest(self.store) > gen.number:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def teardown(self, collect: bool = False) -> None:
+        """Drop every process group of the generation (unickpt's cached ones too) so that
+        their sockets close and peers blocked on them fail at once."""
+        from ..engine.background_save import abandon_in_flight
+
+        if self.gen is not None and not collect:
+            abandon_in_flight()
+        release_groups(collect=False)
+        _forget_meshes()
+        old = None
+        if dist.is_initialized():
+            old = weakref.ref(dist.group.WORLD)
+            backend = str(dist.get_backend())
+            if "nccl" in backend and not collect:
+                _abort_nccl()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        gc.collect()  # FSDP2 states and meshes hold their groups through reference cycles
+        if old is not None and old() is not None and os.environ.get("UNICKPT_LIVE_DEBUG"):
+            held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
+            print(f"unickpt: the old group is still referenced by {held}", file=sys.stderr, flush=True)
+        self.mark("torn_down")
+
+    def _end_if_over(self, gen: Generation) -> None:
+        if gen.cause == "end":
+            print(f"unickpt: the job ended: {gen.reason}", file=sys.stderr, flush=True)
+            raise SystemExit(gen.code if gen.code >= 0 else 1)
+
+    # -- interrupting fn --------------------------------------------------------------------
+    def interruptible(self) -> "_InFn":
+        return _InFn(self)
+
+    def _watch(self) -> None:
+        """Wait for the next generation; one that removes members ends ``fn`` at once."""
+        store = control.connect(self.address)
+        alive_at = 0.0
+        while not self._stop.is_set():
+            nxt = self._seen + 1
+            try:
+                if not store.check([key("g", nxt)]):
+                    if time.monotonic() - alive_at > ALIVE_S:
+                        store.add(key("alive", self.worker), 1)
+                        alive_at = time.monotonic()
+                    time.sleep(WATCH_S)
+                    continue
+                gen = control.read(store, nxt)
+            except RuntimeError:
+                return  # the store is gone: the control plane (node 0's launcher) was lost
+            self._seen = nxt
+            if gen.cause != "grow" or self.worker not in gen.members:
+                with self.lock:
+                    if self.in_fn and self.gen is not None and gen.number > self.gen.number:
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
+                                                                   ctypes.py_object(Interrupted))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- the step boundary ------------------------------------------------------------------
+    def boundary(self, step: int) -> bool:
+        store, gen, world = self.store, self.gen, self.world
+        assert gen is not None and world is not None
+        store.set(key("beat", self.worker), str(step))
+        if "first_step" not in self.times and "formed" in self.times:
+            self.mark("first_step")
+            self.say(step)
+            self._report()
+        if self.grow_at is None:
+            grow = key("g", gen.number, "grow_at")
+            if world.rank == 0 and store.check([key("g", gen.number, "ready")]):
+                # every rank reaches maybe_save(step + 1) only after a collective rank 0 joins
+                # after this line, so each sees grow_at there at the latest
+                store.set(grow, str(step + 1))
+            if store.check([grow]):
+                self.grow_at = int(store.get(grow))
+        return self.grow_at == step
+
+    def say(self, step: int) -> None:
+        """Rank 0 prints the pending re-forming line, now that the step is known."""
+        if self.note is None:
+            return
+        line, self.note = self.note.format(step), None
+        if self.world is not None and self.world.rank == 0:
+            print(line, flush=True)
+
+    def mark(self, what: str) -> None:
+        self.times[what] = time.time()
+
+    def _report(self) -> None:
+        """Rank 0 appends the last re-forming's phases to $UNICKPT_LIVE_TIMINGS (bench)."""
+        path = os.environ.get(TIMINGS_ENV)
+        if not path or self.world is None or self.world.rank != 0 or self.gen is None or self.gen.number == 0:
+            self.times.clear()
+            return
+        doc = {"generation": self.gen.number, "cause": self.gen.cause, "size": self.world.size,
+               "died": self.gen.lost[0].get("at") if self.gen.lost else None, **self.times}
+        with open(path, "a") as f:
+            f.write(json.dumps(doc) + "\n")
+        self.times.clear()
+
+
+class _InFn:
+    """While ``fn`` runs: the watcher may raise :class:`Interrupted` into the main thread."""
+
+    def __init__(self, live: _Live) -> None:
+        self.live = live
+
+    def __enter__(self) -> None:
+        with self.live.lock:
+            self.live.in_fn = True
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.live.lock:
+            self.live.in_fn = False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.live.main), None)  # one not yet raised
+
+
+def _describe(gen: Generation) -> str:
+    """The first part of a re-forming's line: who was lost or who joined, and the new size."""
+    if gen.cause == "grow" or not gen.lost:
+        n = len(gen.joined)
+        return f"{n} replacement{'s' if n != 1 else ''} joined; continuing on {len(gen.members)} ranks"
+    ranks = [int(x["rank"]) for x in gen.lost]
+    why = ", ".join(str(x["why"]) for x in gen.lost)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    joined = f", {len(gen.joined)} joined" if gen.joined else ""
+    return f"{who} lost ({why}){joined}; continuing on {len(gen.members)} ranks"
+
+
+def _network_error(error: BaseException) -> bool:
+    """True for an error a dead or departed peer causes (a failed collective or store call)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in ("gloo", "connection", "nccl", "socket", "peer"))
+
+
+def _abort_nccl() -> None:
+    """NCCL: abort every communicator of the generation at once (a serial abort per group
+    can deadlock); never destroy after a peer crash. Untested without a GPU."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()  # also forgets every group: no destroy follows
+        except (RuntimeError, ValueError):
+            pass
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches: they key output specs on meshes that
+    compare equal by shape alone, so a process that sits elsewhere in an equal mesh of a
+    re-formed world would get back a spec holding an old mesh, with its old coordinate
+    (its shard read and written as another rank's)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    propagator = module.DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()

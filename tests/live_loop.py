@@ -1,0 +1,98 @@
+"""A user's FSDP2 training loop under ``unickpt.run``, started by ``unickpt launch`` in
+tests/test_live.py (and under torchrun there: ``fn`` called once).
+
+Every rank appends one line per step to ``--log``: the step, the global mean loss, the
+world size, the generation, its rank and pid. The loss is the mean over one global
+batch whatever the number of ranks (each rank takes an equal slice), so a run that loses
+a rank and goes on with fewer follows the unbroken curve (:func:`reference`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import unickpt
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4 and 6 ranks
+
+
+def build() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(96, 8, generator=g)
+    y = torch.randn(96, 2, generator=g)
+    return model, x, y
+
+
+def batch(step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (1-based)."""
+    i = ((step - 1) * GLOBAL_BATCH) % len(x)
+    return x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
+
+
+def reference(steps: int) -> list[float]:
+    """The unbroken run's loss per step, on one process (the same arithmetic, up to the
+    order of the sums)."""
+    model, x, y = build()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for step in range(1, steps + 1):
+        xb, yb = batch(step, x, y)
+        loss = F.mse_loss(model(xb), yb)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        out.append(float(loss.detach()))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")
+    p.add_argument("--snapshot-every", type=int, default=1)
+    args = p.parse_args()
+
+    def train(world: unickpt.World) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world.size,))
+        model, x, y = build()
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = {"model": model, "optim": optim}
+        manager = unickpt.CheckpointManager(args.ckpt_dir, snapshot_every=args.snapshot_every)
+        start = manager.restore(state)
+        for step in range(start + 1, args.steps + 1):
+            xb, yb = batch(step, x, y)
+            loss = F.mse_loss(model(xb[world.rank::world.size]), yb[world.rank::world.size])
+            loss.backward()
+            if args.sleep:
+                time.sleep(args.sleep)
+            manager.before_update()
+            optim.step()
+            optim.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            with open(args.log, "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(total) / world.size, "size": world.size,
+                                    "generation": world.generation, "rank": world.rank, "pid": os.getpid()}) + "\n")
+            manager.maybe_save(state, step)
+        manager.close()
+
+    unickpt.run(train)
+
+
+if __name__ == "__main__":
+    main()

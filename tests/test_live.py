@@ -1,0 +1,272 @@
+"""Live recovery end to end: ``unickpt launch`` with real workers, real SIGKILL and
+SIGSTOP; the survivors go on in the same processes (tests/live_loop.py, an FSDP2 loop
+under ``unickpt.run``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import live_loop  # noqa: E402
+
+PY = sys.executable
+LOOP = str(Path(__file__).parent / "live_loop.py")
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env.update(PYTHONPATH=src + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               UNICKPT_SHM_ROOT=str(tmp / "shm"))
+    return env
+
+
+class Job:
+    """A ``unickpt launch`` of tests/live_loop.py, its log read as it grows."""
+
+    def __init__(self, tmp: Path, nproc: int, steps: int, *flags: str, sleep: float = 0.25,
+                 script_args: tuple[str, ...] = ()) -> None:
+        self.tmp, self.log = tmp, tmp / "log.jsonl"
+        self.out = open(tmp / "out.txt", "w")
+        self.proc = subprocess.Popen(
+            [PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc), *flags, LOOP,
+             "--steps", str(steps), "--ckpt-dir", str(tmp / "ckpt"), "--log", str(self.log), "--sleep", str(sleep), *script_args],
+            env=_env(tmp), stdout=self.out, stderr=subprocess.STDOUT, cwd=tmp)
+
+    def lines(self) -> list[dict]:
+        if not self.log.exists():
+            return []
+        return [json.loads(x) for x in self.log.read_text().splitlines() if x.strip()]
+
+    def wait_step(self, step: int, generation: int = 0, timeout: float = 120) -> dict[int, int]:
+        """Wait until ``step`` is logged in ``generation``; the pid of each rank then."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = [r for r in self.lines() if r["generation"] == generation]
+            if any(r["step"] >= step for r in rows):
+                return {r["rank"]: r["pid"] for r in rows}
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.05)
+        raise AssertionError(f"step {step} of generation {generation} not reached:\n{self.output()}")
+
+    def finish(self, timeout: float = 150) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:  # every worker's stacks into the output, then the failure
+            children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+            for pid in children.split():
+                os.kill(int(pid), signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"the job did not end:\n{self.output()}") from None
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.out.close()
+
+    def output(self) -> str:
+        if not self.out.closed:
+            self.out.flush()
+        text = (self.tmp / "out.txt").read_text()
+        return "\n".join(x for x in text.splitlines() if "socket.cpp" not in x)[-6000:]
+
+
+def _check_curve(job: Job, steps: int) -> None:
+    """Every logged step, on every rank and generation, on the unbroken run's curve, and
+    every step logged."""
+    ref = live_loop.reference(steps)
+    rows = job.lines()
+    assert {r["step"] for r in rows} == set(range(1, steps + 1))
+    worst = max(abs(r["loss"] - ref[r["step"] - 1]) for r in rows)
+    assert worst < 1e-4, worst
+
+
+def _clean(tmp: Path) -> None:
+    """No keeper left and no snapshot in the shm root."""
+    shm = tmp / "shm"
+    assert not shm.exists() or not any(shm.iterdir()), list(shm.rglob("*"))[:5]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(shm) not in ps
+
+
+def test_crash_shrinks_then_replacement_grows_back(tmp_path):
+    """4 ranks, rank 2 SIGKILLed: the 3 survivors go on in the same processes from the
+    snapshot in memory; the replacement the launcher starts joins at a step boundary:
+    4 -> 3 -> 4 ranks, every loss on the unbroken curve, nothing left behind."""
+    steps = 16
+    job = Job(tmp_path, 4, steps, "--max-restarts", "1")
+    pids = job.wait_step(4)
+    t_kill = time.time()
+    os.kill(pids[2], signal.SIGKILL)
+    assert job.finish() == 0, job.output()
+    out = job.output()
+    rows = job.lines()
+    sizes = {r["generation"]: r["size"] for r in rows}
+    assert sizes == {0: 4, 1: 3, 2: 4}, (sizes, out)
+    survivors = {pids[0], pids[1], pids[3]}
+    assert {r["pid"] for r in rows if r["generation"] == 1} == survivors  # no relaunch
+    assert survivors < {r["pid"] for r in rows if r["generation"] == 2}
+    assert "rank 2 lost (exit -9); continuing on 3 ranks at step" in out and "(generation 1)" in out
+    assert "1 replacement joined; continuing on 4 ranks at step" in out
+    assert "from memory" in out
+    _check_curve(job, steps)
+    first = min(r["step"] for r in rows if r["generation"] == 1)
+    assert max(r["step"] for r in rows if r["generation"] == 0) <= first + 1  # at most the step in flight is redone
+    assert time.time() - t_kill < 120
+    _clean(tmp_path)
+
+
+def test_hang_and_second_failure(tmp_path):
+    """SIGSTOP on rank 1 with --hang-timeout: killed as hung, the survivors go on; then
+    SIGKILL on another: two failures in one run, 4 -> 3 -> 2 ranks, losses exact."""
+    steps = 16
+    job = Job(tmp_path, 4, steps, "--hang-timeout", "4", "--min-ranks", "2")
+    pids = job.wait_step(3)
+    os.kill(pids[1], signal.SIGSTOP)
+    after = job.wait_step(7, generation=1)
+    assert pids[1] not in after.values()
+    os.kill(after[2], signal.SIGKILL)
+    assert job.finish() == 0, job.output()
+    out = job.output()
+    assert "rank 1 lost (hung: no progress for" in out and "continuing on 3 ranks" in out
+    assert "continuing on 2 ranks" in out and "(generation 2)" in out
+    assert {r["generation"]: r["size"] for r in job.lines()} == {0: 4, 1: 3, 2: 2}
+    _check_curve(job, steps)
+    _clean(tmp_path)
+
+
+def test_min_ranks_ends_the_job(tmp_path):
+    """Below --min-ranks the job ends, non-zero, within seconds."""
+    job = Job(tmp_path, 2, 200, "--min-ranks", "2", script_args=("--snapshot-every", "0"))
+    pids = job.wait_step(2)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    code = job.finish(60)
+    assert code != 0
+    assert time.monotonic() - t0 < 30
+    assert "fewer than --min-ranks 2" in job.output()
+
+
+PLAIN = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size() * (dist.get_world_size() + 1) / 2
+    assert os.environ["LOCAL_RANK"] == str(dist.get_rank()) and os.environ["LOCAL_WORLD_SIZE"] == "2"
+    if sys.argv[1] == "fail" and dist.get_rank() == 1:
+        sys.exit(3)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_plain_script(tmp_path, mode):
+    """A plain torch script runs unchanged (torchrun's environment, a store it can use);
+    when one of its ranks exits 3 the launcher ends the job non-zero within seconds."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    t0 = time.monotonic()
+    proc = subprocess.run([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2", str(script), mode],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    if mode == "ok":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 3, proc.stderr[-3000:]
+        assert "outside unickpt.run" in proc.stderr
+        assert time.monotonic() - t0 < 90
+
+
+RUN_ONCE = textwrap.dedent("""
+    import os, sys, unickpt
+    import torch.distributed as dist
+    calls = []
+    def fn(world):
+        calls.append(world)
+        assert dist.get_world_size() == world.size == int(os.environ.get("WORLD_SIZE", 1))
+        if sys.argv[1] == "init":
+            dist.init_process_group("gloo")
+        return world.rank
+    got = unickpt.run(fn)
+    assert len(calls) == 1 and not dist.is_initialized()
+    print("calls", len(calls), "rank", got, "size", calls[0].size, "generation", calls[0].generation)
+""")
+
+
+def test_run_under_torchrun_calls_fn_once(tmp_path):
+    script = tmp_path / "once.py"
+    script.write_text(RUN_ONCE)
+    torchrun = str(Path(PY).parent / "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script), "ok"],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("calls 1 rank") == 2 and "size 2 generation 0" in proc.stdout
+
+
+def test_run_refuses_fn_that_initialises_the_group(tmp_path):
+    script = tmp_path / "once.py"
+    script.write_text(RUN_ONCE)
+    proc = subprocess.run([PY, str(script), "init"], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "fn called init_process_group" in proc.stderr
+
+
+def test_node_loss_parity(tmp_path):
+    """4 simulated nodes (a launcher each, its own shm root, one rank each, XOR parity): node
+    2 is lost (launcher, worker, keeper, its memory); the 3 others go on in the same
+    processes, node 2's share of the snapshot rebuilt from parity, on the unbroken curve."""
+    from unickpt.testing import free_port
+
+    port, steps, nodes = free_port(), 14, 4
+    log = tmp_path / "log.jsonl"
+    procs, outs = [], []
+    for n in range(nodes):
+        env = _env(tmp_path)
+        env["UNICKPT_SHM_ROOT"] = str(tmp_path / f"shm{n}")
+        outs.append(open(tmp_path / f"out{n}.txt", "w"))
+        procs.append(subprocess.Popen(
+            [PY, "-m", "unickpt", "launch", "--nnodes", str(nodes), "--node-rank", str(n), "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--nproc-per-node", "1", LOOP, "--steps", str(steps), "--ckpt-dir",
+             str(tmp_path / "ckpt"), "--log", str(log), "--sleep", "0.25"],
+            env=env, stdout=outs[-1], stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True))
+        if n == 0:
+            time.sleep(0.5)  # node 0 hosts the store
+    try:
+        deadline = time.monotonic() + 150
+        while not (log.exists() and any(json.loads(x)["step"] >= 4 for x in log.read_text().splitlines() if x)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        rows = [json.loads(x) for x in log.read_text().splitlines() if x]
+        before = {r["rank"]: r["pid"] for r in rows}
+        os.killpg(procs[2].pid, signal.SIGKILL)  # the launcher and its worker
+        for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines():
+            if str(tmp_path / "shm2") in line and "unickpt.snapshot.keeper" in line:
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+        time.sleep(0.2)
+        subprocess.run(["rm", "-rf", str(tmp_path / "shm2")])
+        for n in (0, 1, 3):
+            assert procs[n].wait(150) == 0, (tmp_path / f"out{n}.txt").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for o in outs:
+            o.close()
+    out = (tmp_path / "out0.txt").read_text()
+    assert "rank 2 lost (node 2 lost); continuing on 3 ranks at step" in out, out[-4000:]
+    assert "from memory" in out and "parity" in out.split("rank 2 lost")[0].rsplit("resumed", 1)[-1]
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x]
+    assert {r["pid"] for r in rows if r["generation"] == 1} == {before[0], before[1], before[3]}
+    ref = live_loop.reference(steps)
+    assert {r["step"] for r in rows} == set(range(1, steps + 1))
+    assert max(abs(r["loss"] - ref[r["step"] - 1]) for r in rows) < 1e-4
