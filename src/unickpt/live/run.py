@@ -43,6 +43,8 @@ from ..errors import UnickptError
 from . import control
 from .control import Generation, key
 
+__all__ = ["run", "World", "Interrupted"]
+
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
 TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
 NETWORK_ERROR_WAIT_S = 15.0
