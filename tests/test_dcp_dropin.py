@@ -60,6 +60,7 @@ def test_validate_checkpoint_id_says_no_where_unickpt_cannot_open(tmp_path):
     assert not StorageWriter.validate_checkpoint_id(123)
 
 
+@pytest.mark.multiprocess
 def test_async_save_in_process_mode(tmp_path):
     from dcp_dropin_cases import async_save_process_mode
     from unickpt.testing import run_ranks

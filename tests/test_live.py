@@ -18,6 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import live_loop  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 PY = sys.executable
 LOOP = str(Path(__file__).parent / "live_loop.py")
 

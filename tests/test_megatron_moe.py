@@ -24,6 +24,8 @@ from unickpt.testing import run_ranks  # noqa: E402
 
 import megatron_moe_cases as cases  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 FC1 = f"{cases.PREFIX}experts.linear_fc1.weight"
 FC2 = f"{cases.PREFIX}experts.linear_fc2.weight"
 

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from unickpt.testing import run_ranks
 
 from trust_cases import corrupt_newest_is_passed_over, every_checkpoint_corrupt_is_an_error
 
 
+@pytest.mark.multiprocess
 def test_a_corrupt_newest_checkpoint_is_passed_over_by_every_rank(tmp_path):
     run_ranks(corrupt_newest_is_passed_over, 2, str(tmp_path / "ckpt"))
 
 
+@pytest.mark.multiprocess
 def test_no_whole_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     run_ranks(every_checkpoint_corrupt_is_an_error, 2, str(tmp_path / "ckpt"))
 
@@ -76,6 +80,7 @@ def test_async_save_without_save_every_is_one_clear_error(tmp_path):
         unickpt.CheckpointManager(str(tmp_path / "ckpt"), async_save=True, snapshot_every=1)
 
 
+@pytest.mark.multiprocess
 def test_inspect_on_a_manager_root_lists_its_checkpoints(tmp_path):
     import json
 
@@ -106,6 +111,7 @@ def test_inspect_on_a_manager_root_lists_its_checkpoints(tmp_path):
     assert r.exit_code == 2
 
 
+@pytest.mark.multiprocess
 def test_snapshots_a_job_left_behind_are_listed_and_freed(tmp_path):
     import json
     import time
@@ -140,6 +146,7 @@ def test_snapshots_a_job_left_behind_are_listed_and_freed(tmp_path):
         free_snapshots(shm)
 
 
+@pytest.mark.multiprocess
 def test_export_of_a_hf_trainer_checkpoint_writes_its_config(tmp_path):
     """The Hugging Face integration keeps the model's config in the checkpoint's metadata:
     ``unickpt export`` without --config writes config.json, and from_pretrained loads the
