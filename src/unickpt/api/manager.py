@@ -167,12 +167,12 @@ class CheckpointManager(Checkpoints):
             got = self._durable(state, plan, latest, kept)
             seconds = time.perf_counter() - t0
             if got is None:
-                restored = Restored(0, "fresh", seconds, nothing=self._nothing_on_disk(plan))
+                outcome = Restored(0, "fresh", seconds, nothing=self._nothing_on_disk(plan))
             else:
-                restored = Restored(got[0], "disk", seconds, got[1], logged=_logged(plan))
+                outcome = Restored(got[0], "disk", seconds, got[1], logged=_logged(plan))
         else:
-            restored = self._recover(state, plan, latest, disk_step, kept)
-        step, line = restored.step, replace(restored, kept=tuple(kept)).line()
+            outcome = self._recover(state, plan, latest, disk_step, kept)
+        step, line = outcome.step, replace(outcome, kept=tuple(kept)).line()
         if self._deltas is not None:
             self._deltas.started(step)
             self._deltas.watch(state)
