@@ -76,11 +76,15 @@ class Ctx:
         return buf
 
     def compute(self, seconds: float) -> None:
-        """Stand-in for forward and backward: the device busy for ``seconds``, the host free."""
+        """Stand-in for forward and backward: the device busy for ``seconds`` (the default
+        stream, while a lazy copy runs on its side stream), and the host waiting for it as
+        a loop that reads its loss does. Without that wait the host would reach
+        ``wait_staged`` at once and time the whole copy (as the H200 runs of 2026-11-28 did)."""
         if self.cuda:
             import torch
 
             torch.cuda._sleep(int(seconds * 1.4e9))  # ~1.4-2 GHz: spins about ``seconds``
+            torch.cuda.synchronize()
         else:
             time.sleep(seconds)
 
