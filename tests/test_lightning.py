@@ -279,6 +279,7 @@ def test_ddp_stateful_loader_resumes_mid_epoch_in_the_right_epoch_order(tmp_path
 
     from unickpt.testing import free_port
 
+    saved = dict(os.environ)  # Lightning's DDP sets RANK, WORLD_SIZE, LOCAL_RANK, ... in this process
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     try:
@@ -289,6 +290,8 @@ def test_ddp_stateful_loader_resumes_mid_epoch_in_the_right_epoch_order(tmp_path
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()  # later tests of this process must not see a distributed launch
+        os.environ.update(saved)
     assert again.restored_step == 10
     ref = [json.loads(line) for line in open(tmp_path / "ref.jsonl")]
     run = [json.loads(line) for line in open(tmp_path / "run.jsonl")]

@@ -49,7 +49,7 @@ import argparse
 import os
 import re
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptionError, LayoutError, NotACheckpointError, UnickptError
 from ..format.dtypes import itemsize
@@ -57,11 +57,12 @@ from ..format.ledger import Region
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
 from ..plan.piece import box_piece, whole_piece
-from ..rules.coords import Coords
-from ..rules.language import Rules
-from ..rules.presets import megatron_gpt
 from ..storage.open import open_storage
 from .torch_archive import StoredTensor, archive_layout, inert_records, read_archive, records_in, stored_tensors
+
+if TYPE_CHECKING:  # the rules import torch: loaded when a legacy checkpoint is read, not when formats are probed
+    from ..rules.coords import Coords
+    from ..rules.language import Rules
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -199,8 +200,16 @@ def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def _coords(**kw: int) -> "Coords":
+    from ..rules.coords import Coords
+
+    return Coords(**kw)
+
+
 def rules_from_args(args: argparse.Namespace, naming: str) -> Rules:
     """The rules of the GPT model Megatron-LM's ``args`` describe (:func:`megatron_gpt`)."""
+    from ..rules.presets import megatron_gpt
+
     try:
         heads = int(args.num_attention_heads)
         hidden = int(args.hidden_size)
@@ -525,7 +534,7 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
     for (t, p), d in sorted(dirs.items(), key=lambda x: (x[0][1], x[0][0])):
         rel = f"{prefix}{d}/{MODEL_FILE}"
         obj = first if (t, p) == min(dirs) else b.archive(rel)
-        r = _Rank(rel, obj, Coords(tp=tp, tp_rank=t, pp=pp, pp_rank=p))
+        r = _Rank(rel, obj, _coords(tp=tp, tp_rank=t, pp=pp, pp_rank=p))
         if not isinstance(r.obj.get("model"), dict):
             raise CorruptionError(f"{rel}: no model state dict")
         params = _read_model(b, rules, args, r)

@@ -353,8 +353,8 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn,
             got = load(rdir, storage)
             if got != step:
                 error = f"the snapshot says step {got}, its directory step {step}"
-        except UnickptError as e:
-            error = str(e)
+        except UnickptError as e:  # the step names the snapshot: not the scratch directory it was read through
+            error = str(e).removeprefix(f"{rdir}: ")
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         finally:
