@@ -251,7 +251,8 @@ class CheckpointManager(Checkpoints):
         copy, a snapshot) and clean up: the keepers stop and delete the job's snapshots,
         leaving no process and no shared memory behind; collective. ``keep_snapshots=True``
         leaves the snapshots and keepers for a relaunch (a planned stop that is to resume
-        from memory). A second call does nothing."""
+        from memory), once the keepers hold the newest snapshot whole (waiting up to 2 s plus a
+        second per 256 MiB of the node's snapshot). A second call does nothing."""
         if self._closed:
             return
         self._closed = True
