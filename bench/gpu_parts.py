@@ -141,12 +141,13 @@ def init_group(ctx: Ctx, store_prefix: str = "gen0") -> Any:
 
 def stage_copy(ctx: Ctx, state: dict[str, Any], buf: Any) -> float:
     """Seconds to copy every tensor of ``state`` into ``buf`` (the pinned limit)."""
+    from unickpt.engine.staging import flat_bytes
 
     def go() -> None:
         off = 0
         for t in state.values():
             n = t.numel() * t.element_size()
-            buf[off: off + n].copy_(t.reshape(-1).view(__import__("torch").uint8), non_blocking=ctx.cuda)
+            buf[off: off + n].copy_(flat_bytes(t), non_blocking=ctx.cuda)
             off += n
 
     return min(ctx.timed(go) for _ in range(2))
