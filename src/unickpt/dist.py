@@ -109,6 +109,33 @@ def broadcast_bytes(group: Group, payload: bytes | None, src: int = 0) -> bytes:
     return bytes(buf.cpu().numpy())
 
 
+def scatter_bytes(group: Group, payloads: list[bytes] | None, src: int = 0) -> bytes:
+    """Send ``payloads[r]`` from group rank ``src`` to each rank ``r`` (others pass None);
+    every rank returns its own. One ``scatter`` of equal sizes: each string travels padded
+    to the longest, after a broadcast of the lengths."""
+    if not group.active:
+        return (payloads or [b""])[0]
+    dev = group.device()
+    src_global = group.global_rank(src)
+    n = torch.tensor([len(p) for p in payloads] if group.rank == src and payloads else [0] * group.size,
+                     dtype=torch.int64, device=dev)
+    dist.broadcast(n, src=src_global, group=group.pg)
+    lengths = n.tolist()
+    longest = max(lengths)
+    if not longest:
+        return b""
+    buf = torch.empty(longest, dtype=torch.uint8, device=dev)
+    chunks = None
+    if group.rank == src and payloads:
+        out = torch.zeros((group.size, longest), dtype=torch.uint8)
+        for r, p in enumerate(payloads):
+            if p:
+                out[r, : len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
+        chunks = list(out.to(dev).unbind(0))
+    dist.scatter(buf, chunks, src=src_global, group=group.pg)
+    return bytes(buf[: lengths[group.rank]].cpu().numpy())
+
+
 def all_true(group: Group, flag: bool) -> bool:
     """True on every rank when ``flag`` is true on every rank (one small all-reduce)."""
     if not group.active:

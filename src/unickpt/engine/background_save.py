@@ -33,7 +33,7 @@ from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
 from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
-from .commit import Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
+from .commit import IndexParts, Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
 from .gc_pause import gc_paused
 from .items import TensorItem
 from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
@@ -116,7 +116,7 @@ class _Job:
     events: list
     lazy: bool
     limit: int | None
-    manifest_copy: bool | None = None
+    manifest_copy: bool | IndexParts | None = None
     storage_options: dict[str, Any] | None = None
     base: BaseIndex | None = None  # an incremental save's base
     refs: list[tuple[TensorItem, Fragment]] = field(default_factory=list)  # found unchanged in the call
@@ -335,7 +335,7 @@ def start_save(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     max_staging_bytes: int | None = None,
     lazy: bool = False,
-    manifest_copy: bool | None = None,
+    manifest_copy: bool | IndexParts | None = None,
     storage_options: dict[str, Any] | None = None,
     base: Callable[[], BaseIndex] | None = None,
     channel: str = DEFAULT_CHANNEL,
@@ -347,7 +347,9 @@ def start_save(
     waits for a durable save); ``manifest_copy`` (for directories local to each machine,
     like the in-memory snapshots): None commits the manifest on rank 0 only; otherwise
     each rank passing True also writes the committed manifest into its own ``path``, and
-    every rank creates its ``path`` if needed (all ranks must pass None, or all a bool)."""
+    every rank creates its ``path`` if needed (all ranks must pass None, or all a bool; or
+    all the same :class:`~unickpt.engine.commit.IndexParts`: an indexed manifest, each rank
+    keeping only its parts of the index)."""
     if block_bytes <= 0 or block_bytes % 8:
         raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
     if max_staging_bytes is not None and max_staging_bytes <= 0:

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .. import errors
-from ..dist import Group, broadcast_bytes, gather_bytes
+from ..dist import Group, broadcast_bytes, gather_bytes, scatter_bytes
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
-from ..format.index import INDEX_NAME
+from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
 from ..format.manifest import MANIFEST_NAME, Fragment, fragment_to_json
 from ..format.rank_message import FragmentRecord, decode as decode_message, encode as encode_message
 from ..storage.base import Storage
@@ -52,7 +52,7 @@ from .unchanged import BaseIndex, holders_json
 from .writer import DataFileWriter, as_bytes
 
 __all__ = [
-    "RankReport", "Target", "Written", "check_not_committed", "checkpoint_file", "claim", "commit", "data_file_name",
+    "IndexParts", "RankReport", "Target", "Written", "check_not_committed", "checkpoint_file", "claim", "commit", "data_file_name",
     "describe", "prepare_collective", "rank_message", "rank_report", "rank_storage", "read_message", "write_data_file",
     "write_items", "write_rank",
 ]
@@ -227,7 +227,7 @@ class Target:
     write: Any  # DirectoryWrite, PrefixWrite (object stores) or None
 
 
-def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: bool | None = None,
+def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: Any = None,
                        storage_options: dict[str, Any] | None = None) -> Target:
     """Collective: rank 0 claims the checkpoint directory (an exclusive lock, then the
     overwrite check) and makes the staging directory every rank writes to. Raises the same
@@ -365,9 +365,42 @@ class Outcome:
         raise cls(self.message)
 
 
+@dataclass(frozen=True)
+class IndexParts:
+    """A manifest committed into directories local to each machine (the in-memory
+    snapshots), in the index form (format 2.0): the index cut into ``count`` parts at line
+    starts (:func:`~unickpt.format.index.part_bounds`); group rank ``r`` writes the parts
+    ``kept[r]`` and then the root into its own directory (nothing when ``kept[r]`` is
+    empty). Rank 0 writes the whole index and the root."""
+
+    count: int
+    kept: tuple[tuple[int, ...], ...]
+
+    def payloads(self, index: bytes) -> list[bytes]:
+        """What rank 0 sends each rank: a JSON line ``[[part, length], ...]``, then the parts' bytes."""
+        bounds = part_bounds(line_offsets(index), len(index), self.count)
+        out = []
+        for r, kept in enumerate(self.kept):
+            if r == 0 or not kept:
+                out.append(b"")
+                continue
+            head = json.dumps([[j, bounds[j + 1] - bounds[j]] for j in kept]).encode()
+            out.append(head + b"\n" + b"".join(index[bounds[j] : bounds[j + 1]] for j in kept))
+        return out
+
+    @staticmethod
+    def write(storage: Storage, payload: bytes) -> None:
+        """Write the parts of a payload of :meth:`payloads` into ``storage``."""
+        head, _, rest = payload.partition(b"\n")
+        at = 0
+        for j, n in json.loads(head):
+            storage.write_atomic(part_name(j), rest[at : at + n])
+            at += n
+
+
 def commit(
     group: Group, report: RankReport, target: Target, metadata: dict[str, Any],
-    manifest_copy: bool | None = None,
+    manifest_copy: bool | IndexParts | None = None,
 ) -> None:
     """Collective: gather every rank's report to rank 0, which checks them and commits the
     manifest (swapping the staging directory in), or, when any rank failed, removes
@@ -377,18 +410,24 @@ def commit(
     straight into their own directories (``prepare_collective``), rank 0 sends the
     committed manifest to every rank, and each rank passing True also writes it into its
     own directory (ranks writing to different machines' directories, as the in-memory
-    snapshots do: every node needs the manifest)."""
+    snapshots do: every node needs the manifest). As :class:`IndexParts` the manifest is
+    indexed: the root goes to every rank, each rank gets only the index parts it keeps."""
+    parts = manifest_copy if isinstance(manifest_copy, IndexParts) else None
     gathered = gather_bytes(group, report.message(), 0)
-    outcome = Outcome()
+    outcome, payloads = Outcome(), None
     if gathered is not None:
         try:
-            # a manifest sent to every rank (snapshots) stays one document
-            docs = manifest_document(gathered, group.size, metadata, False if manifest_copy is not None else None)
+            # a manifest sent to every rank is one document, or indexed with its index in parts
+            indexed = None if manifest_copy is None else parts is not None
+            docs = manifest_document(gathered, group.size, metadata, indexed)
             doc = docs[MANIFEST_NAME]
+            if parts is not None:
+                payloads = parts.payloads(docs[INDEX_NAME])
             if target.write is not None:
                 target.write.commit(docs)
             else:
-                target.storage.write_atomic(MANIFEST_NAME, doc)
+                for name in sorted(docs, key=lambda n: n == MANIFEST_NAME):  # the root last: it commits
+                    target.storage.write_atomic(name, docs[name])
             if manifest_copy is not None:
                 outcome = Outcome(manifest=doc)
         except Exception as e:
@@ -398,5 +437,15 @@ def commit(
                 target.write.abort()
     outcome = Outcome.decode(broadcast_bytes(group, outcome.encode(), 0))
     outcome.raise_error()
-    if manifest_copy and group.rank != 0 and outcome.manifest is not None:
-        target.storage.write_atomic(MANIFEST_NAME, outcome.manifest)
+    if group.rank == 0 or outcome.manifest is None:
+        if parts is not None:
+            scatter_bytes(group, payloads, 0)
+        return
+    if parts is not None:
+        mine = scatter_bytes(group, None, 0)
+        if not parts.kept[group.rank]:
+            return
+        IndexParts.write(target.storage, mine)
+    elif not manifest_copy:
+        return
+    target.storage.write_atomic(MANIFEST_NAME, outcome.manifest)

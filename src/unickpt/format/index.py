@@ -169,3 +169,43 @@ def read_line(read_range: IndexReader | None, name: str, offset: int, length: in
         raise CorruptionError(f"checksum mismatch in {INDEX_NAME} (tensor {name!r}, bytes {offset}-{offset + length}): "
                               "the checkpoint's index was changed after it was written")
     return raw
+
+
+# -- an index spread over machines (the in-memory snapshots) ------------------------------
+def part_name(part: int) -> str:
+    """File name of part ``part`` of an index cut into parts (:func:`part_bounds`)."""
+    return f"fragments_{part:05d}.jsonl"
+
+
+def line_offsets(index: bytes | memoryview) -> list[int]:
+    """Where each line of an index file starts (its lines end with a newline)."""
+    import numpy as np
+
+    ends = np.flatnonzero(np.frombuffer(index, dtype=np.uint8) == 10) + 1
+    return [0, *ends[:-1].tolist()] if len(ends) else []
+
+
+def part_bounds(offsets: list[int], size: int, count: int) -> list[int]:
+    """The ``count + 1`` byte bounds of an index of ``size`` bytes cut into ``count`` parts
+    at line starts: part ``j`` holds the lines starting in ``[j * size / count, (j + 1) *
+    size / count)``. Computed alike from the index (``line_offsets``) by its writer and
+    from the root's ``fragments_at`` by a reader; a part may be empty."""
+    import bisect
+
+    starts = sorted(offsets)
+    bounds = [0]
+    for j in range(1, count):
+        k = bisect.bisect_left(starts, -(-j * size // count))
+        bounds.append(max(bounds[-1], starts[k] if k < len(starts) else size))
+    return [*bounds, size] if count else [0]
+
+
+def root_lines(doc: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """``offset -> (length, crc32c)`` of every line an indexed root lists (unchecked
+    entries are left out: the manifest's own parse names them)."""
+    out: dict[int, tuple[int, int]] = {}
+    for t in (doc.get("tensors") or {}).values():
+        for c in (t.get("fragments_at") or []) if isinstance(t, dict) else []:
+            if isinstance(c, list) and len(c) == 5 and all(_nat(x) for x in c[:3]):
+                out[c[0]] = (c[1], c[2])
+    return out

@@ -6,8 +6,10 @@ through :mod:`unickpt.snapshot.keepers`).
 shared memory with :func:`unickpt.async_save` (``lazy=True``: the copy runs in the
 background while the next step computes; call :meth:`Snapshotter.before_update` before
 the optimizer changes the tensors). A snapshot is an ordinary unickpt checkpoint whose
-manifest is committed on every node (``manifest_copy``); its metadata names the keepers
-of the step, so each keeper knows where the parity of its node goes.
+manifest is indexed (format 2.0): its root is committed on every node, its index cut into
+one part per node, each kept by its node and the next ``parity`` nodes
+(:func:`index_parts`); its metadata names the keepers of the step, so each keeper knows
+where the parity of its node goes.
 
 Snapshots are saved on their own async-save channel (``CHANNEL``): their own staging
 buffer and gloo group, so a snapshot goes on at its own rhythm while a durable
@@ -30,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..engine.background_save import AsyncSaveHandle, checkpoint_group, start_save
+from ..engine.commit import IndexParts
 from ..engine.items import is_dtensor
 from ..engine.state import PerRank, Sharded, flatten
 from ..dist import Group, all_gather_fixed, resolve_group
@@ -129,6 +132,16 @@ def default_max_bytes(root: str) -> int:
     """Half the size of the shm root's file system (tmpfs: half of what it may take of RAM)."""
     st = os.statvfs(root)
     return st.f_blocks * st.f_frsize // 2
+
+
+def index_parts(rows: list[RankInfo], nodes: int, parity: int) -> IndexParts:
+    """Where a snapshot's manifest goes (format 2.0, docs/SCALE.md): the root on every
+    node; its index cut into one part per node, part ``j`` kept by node ``j`` (its local
+    rank 0) and copied on the next ``parity`` nodes (as many nodes may be lost as the
+    parity rebuilds); node 0, whose keeper coordinates flushes, keeps the whole index."""
+    copies = min(parity, nodes - 1)
+    return IndexParts(nodes, tuple(tuple(sorted({(r.node - c) % nodes for c in range(copies + 1)})) if r.has_keeper else ()
+                                   for r in rows))
 
 
 class Snapshotter:
@@ -271,7 +284,8 @@ class Snapshotter:
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
-        self.handle = start_save(state, path, lazy=True, metadata=meta, overwrite=True, manifest_copy=self.local_rank == 0,
+        self.handle = start_save(state, path, lazy=True, metadata=meta, overwrite=True,
+                                  manifest_copy=index_parts(rows, self.nodes, self.parity),
                                   process_group=self.process_group, channel=CHANNEL)
         self.taken += 1
         return self.handle

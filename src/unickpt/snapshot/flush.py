@@ -26,11 +26,32 @@ from ..errors import SnapshotError
 COPY_BUFFER_BYTES = 4 << 20  # the most a keeper holds in memory while it copies
 FLUSH_TIMEOUT_S = 600.0  # the coordinator gives up on keepers that do not report by then
 MANIFEST = "manifest.json"
+INDEX = "fragments.jsonl"  # the index of an indexed manifest, kept whole by the step's node 0
 
 
 def checkpoint_file(name: str) -> bool:
     """True for the names of a unickpt checkpoint's own files (replaced with it)."""
-    return name == MANIFEST or (name.startswith("rank_") and name.endswith(".safetensors"))
+    return name in (MANIFEST, INDEX) or (name.startswith("rank_") and name.endswith(".safetensors"))
+
+
+def documents(sdir: str) -> dict[str, bytes]:
+    """The manifest of a snapshot step as the coordinator's flush commits it: the whole
+    index when the manifest is indexed (each line checked against the CRC-32C its root
+    lists), then the root. A SnapshotError when the index is missing or damaged."""
+    from ..format.index import root_lines
+    from ..format.checksum import crc32c
+
+    with open(os.path.join(sdir, MANIFEST), "rb") as f:
+        root = f.read()
+    lines = root_lines(json.loads(root))
+    if not lines:
+        return {MANIFEST: root}
+    with open(os.path.join(sdir, INDEX), "rb") as f:
+        index = f.read()
+    bad = [at for at, (n, crc) in lines.items() if crc32c(index[at : at + n]) != crc]
+    if bad:
+        raise SnapshotError(f"{INDEX}: {len(bad)} of its {len(lines)} lines fail their crc32c")
+    return {INDEX: index, MANIFEST: root}
 
 
 def copy_files(sdir: str, staging: str, files: list[tuple[str, int]]) -> list[tuple[str, int]]:

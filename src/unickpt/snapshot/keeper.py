@@ -493,8 +493,7 @@ class Keeper:
         t0 = time.perf_counter()
         write = None
         try:
-            with open(os.path.join(sdir, flush.MANIFEST), "rb") as f:
-                manifest = f.read()
+            docs = flush.documents(sdir)
             write = DirectoryWrite.begin(target, flush.MANIFEST, True, flush.checkpoint_file)
             staging = str(write.staging)
             for j, peer in enumerate(nodes):
@@ -510,8 +509,8 @@ class Keeper:
                         break
                     self.cond.wait(left)
                 reports = dict(got)
-            flush.check_reports(manifest, reports, len(nodes))
-            write.commit({flush.MANIFEST: manifest})
+            flush.check_reports(docs[flush.MANIFEST], reports, len(nodes))
+            write.commit(docs)
             write = None
             _log(f"step {step} flushed to {target} in {time.perf_counter() - t0:.3f} s")
         except Exception as e:

@@ -3,7 +3,9 @@
     <shm root>/keeper.pid                      the node's keeper process id (plain text)
     <shm root>/unickpt/keeper.json             its address and job: {"pid", "host", "port", "job"}
     <shm root>/unickpt/<job>/step_00000012/    a snapshot: an ordinary unickpt checkpoint
-        manifest.json                          (on every node), this node's rank files,
+        manifest.json                          (on every node: the root of an indexed manifest),
+        fragments_00003.jsonl                  the parts of its index this node keeps (node 0:
+                                               fragments.jsonl, the whole index), this node's rank files,
         parity_g3_r0.bin, parity_g3_r0.json    the parity blocks this node holds for the step
                                                (group 3, block 0), with their crc32c,
         whole                                  written once every keeper holds data + parity
@@ -150,6 +152,15 @@ def data_files(sdir: str) -> list[str]:
     """The rank files a node holds in a snapshot directory, sorted (its parity blob's order);
     a directory of such a name holds nothing (other files are checked by size and checksum)."""
     return sorted(n for n in _entries(sdir) if n.startswith("rank_") and n.endswith(".safetensors"))
+
+
+def index_files(sdir: str) -> list[str]:
+    """The parts of a snapshot's index (``fragments_00003.jsonl``) and the whole index
+    (``fragments.jsonl``) a node holds in a snapshot directory, sorted."""
+    return sorted(n for n in _entries(sdir) if _INDEX.match(n))
+
+
+_INDEX = re.compile(r"^fragments(_\d{5,})?\.jsonl$")
 
 
 def _entries(sdir: str) -> list[str]:

@@ -43,6 +43,7 @@ from ..storage.local import memory_file_reader
 from . import paths, wire
 from .client import Snapshotter
 from .degraded import DegradedReader, Peers, Source, diagnose
+from .index_parts import IndexSource
 from .parity import code_name, group_of, members, open_record
 
 LoadFn = Callable[[str, Any], int]
@@ -90,7 +91,8 @@ def inventory(snap: Snapshotter) -> dict[str, Any]:
         manifest, bad = _manifest_copy(sdir, step, snap.job)
         if manifest is None and bad is None and files:
             bad = MISSING
-        entry: dict[str, Any] = {"files": files, "manifest": manifest, "bad": bad, "parity": [], "notes": []}
+        entry: dict[str, Any] = {"files": files, "manifest": manifest, "bad": bad, "parity": [], "notes": [],
+                                 "index": paths.index_files(sdir)}
         for name in paths.parity_metas(sdir):
             try:
                 entry["parity"].append(_parity_record(sdir, name, step))
@@ -199,7 +201,11 @@ def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] |
             if files.get(name) == size and name not in where:
                 where[name] = [n["node"], f"{paths.step_name(step)}/{name}"]
     missing = sorted(set(files) - set(where))
-    plan = {"step": step, "manifest": text, "where": where, "rebuild": None, "files": len(files)}
+    index: dict[str, list[Any]] = {}  # a part of the index (or the whole) -> every node holding it
+    for n in nodes:
+        for name in n["steps"].get(key, {}).get("index", []):
+            index.setdefault(name, []).append([n["node"], f"{paths.step_name(step)}/{name}"])
+    plan = {"step": step, "manifest": text, "where": where, "rebuild": None, "files": len(files), "index": index}
     if not missing:
         return plan, ""
     n_old, m = len(snap.get("nodes", [])), int(snap.get("parity", 0))
@@ -264,10 +270,13 @@ class SnapshotStorage:
     the others' from their keepers, a lost node's decoded from its parity groups as they
     are read (:mod:`.degraded`)."""
 
-    def __init__(self, snap: Snapshotter, plan: dict[str, Any], manifest: Manifest) -> None:
-        self.snap, self.where, self.manifest = snap, plan["where"], manifest  # the manifest, parsed once for the load
-        self.sizes = {name: int(size) for name, size in manifest.files.items()}
+    def __init__(self, snap: Snapshotter, plan: dict[str, Any], manifest: Manifest | None = None) -> None:
+        self.snap, self.where = snap, plan["where"]
         self.peers = Peers(snap.table, snap.secret)
+        if manifest is None:  # the root, parsed once for the load; its index lines read from the nodes keeping them
+            manifest = Manifest.from_json(plan["manifest"], IndexSource(plan, snap.node, snap.jdir, self.peers))
+        self.manifest = manifest
+        self.sizes = {name: int(size) for name, size in manifest.files.items()}
         self.source = Source(self.peers, snap.node, snap.jdir, int(plan["step"]))
         self.rebuild = plan["rebuild"]
         self.lost = {name: int(x) for x, rec in (self.rebuild or {}).get("info", {}).items() for name, _ in rec["files"]}
@@ -349,7 +358,7 @@ def _try_step(snap: Snapshotter, plan: dict[str, Any], load: LoadFn,
     t1 = time.perf_counter()
     if error is None:
         try:
-            storage = SnapshotStorage(snap, plan, Manifest.from_json(plan["manifest"]))
+            storage = SnapshotStorage(snap, plan, None)
             got = load(rdir, storage)
             if got != step:
                 error = f"the snapshot says step {got}, its directory step {step}"
