@@ -70,6 +70,9 @@ def frozen(tmp_path_factory):
             for old in [d for d in os.listdir(jdir) if d.startswith("step_") and int(d[5:]) < 5]:
                 shutil.rmtree(os.path.join(jdir, old))  # a keeper under load may be midway through dropping it
             assert steps_whole(r) == [5] and _committed(r) == [5, 6, 7], (steps_whole(r), _committed(r))
+            # the manifest in the index form: the root everywhere, node 0 the whole index, node 1 its part and a copy of node 0's
+            held = sorted(n for n in os.listdir(os.path.join(jdir, "step_00000007")) if n.startswith("fragments"))
+            assert held == (["fragments.jsonl"] if roots.index(r) == 0 else ["fragments_00000.jsonl", "fragments_00001.jsonl"])
             shutil.copytree(r, tmp / f"frozen{roots.index(r)}", symlinks=True)
         assert sorted(os.listdir(tmp / "ck")) == ["step_00000004", "step_00000008"]
         shutil.rmtree(tmp / "ck" / "step_00000008")  # the durable tier older than every snapshot in memory
@@ -118,10 +121,15 @@ def _kinds():
         **{c: ("disk", 4, f"step 5: {NO_PARITY}") for c in ("deleted", "directory")},  # a directory is no record
         "digit": ("disk", 4, "parity_g1_r0.json: its digest does not match its content")}
     yield "node 0's keeper files, secret and whole marker", KEEPER_FILES0, {c: ("memory", 7, None) for c in everywhere}
+    yield "node 1's parts of step 7's index", INDEX1, {  # node 0's whole index serves
+        c: ("memory", 7, None) for c in ("flipped", "digit", "truncated", "deleted")}
+    yield "every copy of step 7's index", [(0, f"{_step(7)}/fragments.jsonl"), *INDEX1], {
+        c: ("memory", 6, "step 7: no node holds a valid copy of part") for c in ("truncated", "emptied", "deleted")}
 
 
+INDEX1 = [(1, f"{_step(7)}/fragments_0000{j}.jsonl") for j in (0, 1)]
 CASES = [(f"{kind}: {how}", [(n, p, how) for n, p in files] + (NODE0_LOST if "node 0's data lost" in kind else []), want[how])
-         for kind, files, want in _kinds() for how in CORRUPTIONS]
+         for kind, files, want in _kinds() for how in want]
 
 
 @pytest.mark.multiprocess
