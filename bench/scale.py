@@ -109,7 +109,31 @@ def simulate_save(
         "world": world, "messages": [len(m) for m in messages], "written": written, "build_s": build,
         "docs": docs, "commit_s": commit_s, "commit_peak": commit_peak, "gathered": world * max(len(m) for m in messages),
         "group_balance": max(max(g) / statistics.fmean(g) for g in groups.values()),
+        "snapshot": snapshot_manifest(messages, world, metadata, docs) if INDEX_NAME in docs else None,
     }
+
+
+def snapshot_manifest(messages: list[bytes], world: int, metadata: dict[str, Any], docs: dict[str, bytes],
+                      per_node: int = 8, parity: int = 1) -> dict[str, Any]:
+    """The same save as an in-memory snapshot on ``world / per_node`` nodes: the bytes of
+    manifest each node keeps in the index form (``snapshot.client.index_parts``: the root,
+    its part of the index and a copy of ``parity`` neighbours' parts; node 0 the whole
+    index) against the one 1.1 document every node kept before, and rank 0's added work
+    (cutting the index into the parts it scatters)."""
+    from types import SimpleNamespace
+
+    from unickpt.snapshot.client import index_parts
+
+    nodes = world // per_node
+    rows = [SimpleNamespace(node=r // per_node, has_keeper=r % per_node == 0) for r in range(world)]
+    parts = index_parts(rows, nodes, parity)  # type: ignore[arg-type]
+    t0 = time.process_time()
+    payloads = parts.payloads(docs[INDEX_NAME])
+    cut_s = time.process_time() - t0
+    kept = [len(p) - len(p.partition(b"\n")[0]) - 1 for p in payloads if p]
+    single = len(manifest_document(messages, world, metadata, False)[MANIFEST_NAME])
+    return {"nodes": nodes, "root": len(docs[MANIFEST_NAME]), "index": len(docs[INDEX_NAME]), "kept": kept,
+            "single": single, "cut_s": cut_s, "parity": parity}
 
 
 def _write_messages(path: str, messages: list[bytes], written: list[int]) -> None:
@@ -241,6 +265,14 @@ def report_save(s: dict[str, Any], tp: int, pp: int, dp: int) -> None:
     kind = "indexed (2.0)" if INDEX_NAME in docs else "one document (1.1)"
     print(f"  manifest on disk, {kind}: manifest.json {_mb(len(docs[MANIFEST_NAME]))}"
           + (f" + {INDEX_NAME} {_mb(len(docs[INDEX_NAME]))}" if INDEX_NAME in docs else ""))
+    snap = s.get("snapshot")
+    if snap:
+        root, mean = snap["root"], statistics.fmean(snap["kept"])
+        print(f"  as an in-memory snapshot on {snap['nodes']} nodes (parity {snap['parity']}): each node keeps the root "
+              f"{_mb(root)} + {_mb(min(snap['kept']))} .. {_mb(max(snap['kept']))} of index parts = {_mb(root + mean)} "
+              f"on average (node 0: {_mb(root + snap['index'])}, the whole index), against {_mb(snap['single'])} for the "
+              f"one 1.1 document every node kept before: {(root + mean) / snap['single']:.3f}x; rank 0 cuts the parts in "
+              f"{snap['cut_s']:.3f} s of CPU")
     print(f"  model replicas (same tp and pp rank): the most-loaded writer is {s['group_balance']:.3f}x its group's mean "
           "(the rest of the spread is pipeline stages of 7 and 8 layers, and the embeddings)")
     print(f"  commit work on rank 0 (manifest_document: parse every message, assemble, check, serialise, seal): "

@@ -21,7 +21,7 @@ from ..storage.base import Storage
 from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
 from ..engine.items import is_dtensor, sharded_item, tensor_item
-from ..engine.replicated import ReplicatedReads, ShardedReplicas
+from ..engine.replicated import ReplicatedReads, ShardedReplicas, share_by_default
 from ..engine.tensor_reads import TensorReads, mapped_entry, read_entry
 from ..engine.optim_state import NamedOptimizer
 from ..engine.state import PerRank, Sharded, flatten
@@ -69,7 +69,7 @@ def load(
     threads: int = 4,
     verify: bool = True,
     stats: dict[str, Any] | None = None,
-    broadcast_replicated: bool = False,
+    broadcast_replicated: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     per_rank: str = "error",
     cast: str = "widen",
@@ -90,12 +90,15 @@ def load(
     it (other parameter names) is an error.
     Every byte read is checked against its checksum unless ``verify=False``.
     A ``stats`` dict, when given, receives ``bytes_read`` and ``files_read`` of this rank.
-    ``broadcast_replicated=True`` reads each plain (replicated) target tensor on one rank
-    and broadcasts it over ``process_group`` instead of reading it on every rank, and
-    splits ``Sharded`` targets held by several replicas (rule-described weights
-    replicated over data parallelism) among those replicas, each reading its share and
-    broadcasting it to the others over a process group of theirs; the load is then
-    collective (see docs/PERFORMANCE.md for when it pays; docs/SCALE.md).
+    ``Sharded`` targets held by several replicas (rule-described weights replicated over
+    data parallelism) are split among those replicas, each reading its share and
+    broadcasting it to the others over a process group of theirs (the load is then
+    collective), by default (``broadcast_replicated=None``) where the rule of
+    docs/SCALE.md says it is faster (``engine.replicated.sharing_pays``: a broadcast
+    faster than the storage, such as NCCL, or a remote storage such as the snapshot
+    tier's); ``False`` reads them whole on every rank; ``True`` always shares them, and
+    also reads each plain (replicated) target tensor on one rank and broadcasts it over
+    ``process_group`` instead of reading it on every rank.
     ``path`` may be a URL (``s3://...``, any fsspec file system; ``storage_options`` for
     it): each rank then fetches only the byte ranges it needs, with ranged GETs.
 
@@ -129,7 +132,7 @@ def load_into(
     threads: int = 4,
     verify: bool = True,
     stats: dict[str, Any] | None = None,
-    broadcast_replicated: bool = False,
+    broadcast_replicated: bool | None = None,
     storage: Storage | None = None,
     storage_options: dict[str, Any] | None = None,
     manifest: Manifest | None = None,
@@ -164,8 +167,9 @@ def load_into(
         return sd
 
     reader = TensorReads(storage, threads, verify)
+    share = share_by_default(state_dict, group, storage) if broadcast_replicated is None else broadcast_replicated
     shared = ReplicatedReads(group) if broadcast_replicated else None
-    replicas = ShardedReplicas(group) if broadcast_replicated else None
+    replicas = ShardedReplicas(group) if share else None
     error: BaseException | None = None
     try:
         for leaf in flatten(state_dict, on_stateful):

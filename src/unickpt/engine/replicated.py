@@ -1,11 +1,14 @@
-"""Optional on load: read each replicated plain tensor on one rank and broadcast it.
+"""On load: read replicated state once per replica group and broadcast it.
 
-By default every rank reads every byte it needs (no collective, so a failing rank cannot
-hang the others). A plain (non-DTensor) target tensor is whole on every rank, so N ranks
-read it N times. With ``load(..., broadcast_replicated=True)`` each such tensor is read
-by one rank (chosen by a hash of its name, spreading them over the ranks) and broadcast
-over the group; the load becomes collective. Whether that is faster depends on where the
-bytes come from and on the network: see docs/PERFORMANCE.md.
+Rule-described shards held by several replicas (``Sharded`` with ``replicas > 1``: the
+weights replicated over data parallelism) are split among their replicas, each reading its
+share and broadcasting it (:class:`ShardedReplicas`): by default wherever the rule
+(:func:`sharing_pays`) says it is faster, given where the bytes come from (the storage's
+``read_rate``) and the group's backend; ``load(..., broadcast_replicated=False)`` reads
+them whole on every rank. With ``broadcast_replicated=True`` they are always shared, and
+each plain (non-DTensor) target tensor too, which is whole on every rank: one rank
+(chosen by a hash of its name) reads it and broadcasts it over the group. Shared, the load
+is collective. The rule and its figures: docs/SCALE.md, "Replicated state: the rule".
 """
 
 from __future__ import annotations
@@ -18,8 +21,37 @@ import torch.distributed as dist
 
 from ..dist import Group, all_gather_fixed, group_cache, new_group
 from ..errors import LayoutError, UnickptError
+from ..storage.base import READ_RATE
 from ..plan.save_plan import replica_owner, replica_shares
 from .items import TensorItem, cut_rows, row_slice
+from .state import Sharded, flatten
+
+
+# bytes/s one replica receives while the replicas broadcast their shares, by backend: gloo
+# between processes over TCP (bench/scale_recovery.py), NCCL over NVLink / InfiniBand
+BROADCAST_RATE = {"gloo": 1.0e9, "nccl": 20e9}
+
+
+def sharing_pays(read_rate: float, broadcast_rate: float) -> bool:
+    """Whether R >= 2 replicas needing the same B bytes load them faster by reading a share
+    each and broadcasting: whole, B / s; shared, B / (R s) + B (R - 1) / (R b). Shared is
+    faster exactly when b > s, whatever B and R (the fixed cost, one small all-gather and
+    the first time the replicas' process group, aside)."""
+    return broadcast_rate > read_rate
+
+
+def share_by_default(state: dict[str, Any], group: Group, storage: Any) -> bool:
+    """``broadcast_replicated``'s default: share when the rule says it pays for ``storage``
+    (its ``read_rate``, else a local file's) and the group's backend, and the state holds
+    replicated rule-described shards. Decided alike on every rank of a data-parallel job
+    (the storage, the backend, and replicas: a dimension of the mesh every rank has), so
+    the collective it implies is entered by all or by none."""
+    if not group.active or group.size < 2:
+        return False
+    rate = float(getattr(storage, "read_rate", READ_RATE["local"]))
+    if not sharing_pays(rate, BROADCAST_RATE.get(str(dist.get_backend(group.pg)), BROADCAST_RATE["gloo"])):
+        return False
+    return any(isinstance(leaf.value, Sharded) and leaf.value.replicas > 1 for leaf in flatten(state, lambda n, o: {}))
 
 
 class ReplicatedReads:

@@ -39,6 +39,7 @@ from ..dist import broadcast_bytes, gather_bytes
 from ..errors import CorruptionError, SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..engine.restored import Restored
+from ..storage.base import READ_RATE
 from ..storage.local import memory_file_reader
 from . import paths, wire
 from .client import Snapshotter
@@ -269,6 +270,8 @@ class SnapshotStorage:
     """The files of one snapshot as ``load`` reads them: this node's from its shm root,
     the others' from their keepers, a lost node's decoded from its parity groups as they
     are read (:mod:`.degraded`)."""
+
+    read_rate = READ_RATE["remote"]  # most bytes come from other nodes' keepers (load's rule for sharing replicas)
 
     def __init__(self, snap: Snapshotter, plan: dict[str, Any], manifest: Manifest | None = None) -> None:
         self.snap, self.where = snap, plan["where"]

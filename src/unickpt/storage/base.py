@@ -37,6 +37,13 @@ class DataWriter(Protocol):
     def close(self, durable: bool = True) -> None:
         """Finish the file; with ``durable`` its bytes are on stable storage when this returns."""
 
+# bytes/s one rank reads when every rank reads at once, by where the bytes are: files of
+# this machine (page cache, local NVMe) and remote ones (another node's snapshot keeper over
+# a socket, an object store); a storage says which by its ``read_rate`` (local when it has
+# none). load's rule for sharing replicated reads compares them with the broadcast's rate
+# (``engine.replicated.sharing_pays``; docs/SCALE.md, bench/scale_recovery.py).
+READ_RATE = {"local": 2.0e9, "remote": 0.45e9}
+
 
 @runtime_checkable
 class Storage(Protocol):

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CorruptionError, NotACheckpointError, SaveError, StorageError, UnickptError
+from .base import READ_RATE
 
 PART_BYTES = 16 << 20
 READ_PART_BYTES = 16 << 20
@@ -225,6 +226,8 @@ class MultipartWriter:
 
 class FsspecStorage:
     """A checkpoint location on an fsspec file system: objects under a URL prefix."""
+
+    read_rate = READ_RATE["remote"]  # bytes/s a rank reads (load's rule for sharing replicated reads)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, part_bytes: int = PART_BYTES) -> None:
         self.url = url.rstrip("/")
