@@ -75,8 +75,9 @@ def message_rank(rank: int, world: int, root: str, repo: str) -> None:
 
 
 def gather_rank(rank: int, world: int) -> None:
-    """gather_bytes with messages of different lengths (rank 0's empty), then all empty."""
-    from unickpt.dist import gather_bytes, resolve_group
+    """gather_bytes with messages of different lengths (rank 0's empty), then all empty;
+    scatter_bytes likewise (each rank gets its own)."""
+    from unickpt.dist import gather_bytes, resolve_group, scatter_bytes
 
     group = resolve_group()
     for dst in (0, world - 1):
@@ -84,13 +85,18 @@ def gather_rank(rank: int, world: int) -> None:
         assert got == ([bytes([65 + r]) * (3 * r) for r in range(world)] if rank == dst else None), got
         got = gather_bytes(group, b"", dst)
         assert got == ([b""] * world if rank == dst else None), got
+        sent = [bytes([97 + r]) * (5 * r) for r in range(world)]
+        assert scatter_bytes(group, sent if rank == dst else None, dst) == sent[rank]
+        assert scatter_bytes(group, [b""] * world if rank == dst else None, dst) == b""
 
 
 def replicated_load_rank(rank: int, world: int, root: str, repo: str) -> None:
     """The bench's model saved by 8 real ranks (TP2 x PP2 x DP2), then loaded onto TP2 x
     PP2 x DP2 and TP1 x PP2 x DP4, each rank reading everything it needs, and with
     ``broadcast_replicated=True`` (the replicas of a shard split its reads): the same
-    tensors, fewer bytes read."""
+    tensors, fewer bytes read. By default the rule decides: from local files (read
+    faster than gloo broadcasts) each reads whole; through an fsspec URL (an object
+    store's rate) the replicas share, bitwise the same tensors."""
     sys.path.insert(0, repo)
     from bench.scale_model import ModelSpec, rank_state
     from unickpt.engine.state import Sharded, flatten
@@ -104,15 +110,16 @@ def replicated_load_rank(rank: int, world: int, root: str, repo: str) -> None:
     for layout in (LAYOUT, dict(tp=1, pp=2, dp=4)):
         t = Coords.from_rank(rank, **layout)
         got, reads = [], []
-        for share in (False, True):
+        for share, where in ((False, ""), (True, ""), (None, ""), (None, "local://")):
             state, stats = rank_state(spec, rules, t, "load", fill=zeros), {}
-            unickpt.load(state, os.path.join(root, "ck"), broadcast_replicated=share, stats=stats)
+            unickpt.load(state, where + os.path.join(root, "ck"), broadcast_replicated=share, stats=stats)
             got.append({leaf.name: leaf.value.local for leaf in flatten(state) if isinstance(leaf.value, Sharded)})
             reads.append(stats["bytes_read"])
             replicated = [v.local for v in (leaf.value for leaf in flatten(state)) if isinstance(v, Sharded) and v.replicas > 1]
         weights = sum(t.numel() * t.element_size() for t in replicated)
         assert weights, "no replicated shard to share"
-        assert got[0].keys() == got[1].keys() and all(torch.equal(got[0][k], got[1][k]) for k in got[0]), layout
+        assert all(g.keys() == got[0].keys() and all(torch.equal(got[0][k], g[k]) for k in got[0]) for g in got), layout
+        assert reads[2] == reads[0] and reads[3] == reads[1], (layout, reads)  # the default: whole from files, shared via fsspec
         assert any(v.abs().sum() > 0 for v in got[0].values())
         dp = layout["dp"]
         # each replica reads about 1/dp of the replicated weights (checksum blocks widen a little), all of the rest

@@ -271,7 +271,7 @@ class SnapshotStorage:
     the others' from their keepers, a lost node's decoded from its parity groups as they
     are read (:mod:`.degraded`)."""
 
-    read_rate = READ_RATE["remote"]  # most bytes come from other nodes' keepers (load's rule for sharing replicas)
+    read_rate = READ_RATE["keeper"]  # most bytes come from other nodes' keepers (load's rule for sharing replicas)
 
     def __init__(self, snap: Snapshotter, plan: dict[str, Any], manifest: Manifest | None = None) -> None:
         self.snap, self.where = snap, plan["where"]

@@ -38,11 +38,13 @@ class DataWriter(Protocol):
         """Finish the file; with ``durable`` its bytes are on stable storage when this returns."""
 
 # bytes/s one rank reads when every rank reads at once, by where the bytes are: files of
-# this machine (page cache, local NVMe) and remote ones (another node's snapshot keeper over
-# a socket, an object store); a storage says which by its ``read_rate`` (local when it has
-# none). load's rule for sharing replicated reads compares them with the broadcast's rate
-# (``engine.replicated.sharing_pays``; docs/SCALE.md, bench/scale_recovery.py).
-READ_RATE = {"local": 2.0e9, "remote": 0.45e9}
+# this machine (page cache, local NVMe: 2.4 GB/s, docs/PERFORMANCE.md "Object stores"),
+# another node's snapshot keeper over a socket (0.45 GB/s a rank, "In-memory snapshots"),
+# an object store (50-100 MiB/s a connection, a few connections a rank); a storage says
+# which by its ``read_rate`` (a local file's when it has none). load's rule for sharing
+# replicated reads compares them with the broadcast's rate (``engine.replicated.sharing_pays``;
+# docs/SCALE.md "Replicated state: the rule", bench/scale_recovery.py).
+READ_RATE = {"local": 2.0e9, "keeper": 0.45e9, "object": 0.2e9}
 
 
 @runtime_checkable

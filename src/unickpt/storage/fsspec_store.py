@@ -227,7 +227,7 @@ class MultipartWriter:
 class FsspecStorage:
     """A checkpoint location on an fsspec file system: objects under a URL prefix."""
 
-    read_rate = READ_RATE["remote"]  # bytes/s a rank reads (load's rule for sharing replicated reads)
+    read_rate = READ_RATE["object"]  # bytes/s a rank reads (load's rule for sharing replicated reads)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, part_bytes: int = PART_BYTES) -> None:
         self.url = url.rstrip("/")
