@@ -53,12 +53,26 @@ def _shm_dir() -> str:
     return tempfile.mkdtemp(prefix="unickpt-cal-", dir=base)
 
 
+def _read_checked(read, nbytes: int) -> float:
+    """Seconds to read ``nbytes`` with ``read(offset, view)`` in 64 MiB requests, checking
+    the CRC-32C of every 4 MiB block as a load does."""
+    from unickpt.format.checksum import crc32c
+
+    buf = memoryview(bytearray(64 << 20))
+    t0 = time.perf_counter()
+    for at in range(0, nbytes, len(buf)):
+        n = min(len(buf), nbytes - at)
+        read(at, buf[:n])
+        for b in range(0, n, 4 << 20):
+            crc32c(buf[b : min(n, b + (4 << 20))])
+    return time.perf_counter() - t0
+
+
 def shm_read_rate(nbytes: int) -> float:
     """Bytes/s of one process reading a file in shared memory through the reader ``load``
     uses for it, checking the CRC-32C of every 4 MiB block."""
     from pathlib import Path
 
-    from unickpt.format.checksum import crc32c
     from unickpt.storage.local import memory_file_reader
 
     d = _shm_dir()
@@ -66,14 +80,7 @@ def shm_read_rate(nbytes: int) -> float:
         path = Path(d) / "rank_00000.safetensors"
         path.write_bytes(os.urandom(1 << 20) * (nbytes >> 20))
         reader = memory_file_reader(path)
-        buf = memoryview(bytearray(64 << 20))
-        t0 = time.perf_counter()
-        for at in range(0, nbytes, len(buf)):
-            n = min(len(buf), nbytes - at)
-            reader.pread_into(at, buf[:n])
-            for b in range(0, n, 4 << 20):
-                crc32c(buf[b : min(n, b + (4 << 20))])
-        took = time.perf_counter() - t0
+        took = _read_checked(reader.pread_into, nbytes)
         reader.close()
         return nbytes / took
     finally:
@@ -84,7 +91,6 @@ def keeper_read_rate(nbytes: int) -> float:
     """Bytes/s of reading a snapshot file from a real keeper over its socket (loopback
     here), in 64 MiB requests on one connection, checking every 4 MiB block's CRC-32C, as a
     rank reads another node's files."""
-    from unickpt.format.checksum import crc32c
     from unickpt.snapshot import paths
     from unickpt.snapshot.degraded import Peers
     from unickpt.snapshot.keepers import ensure_keeper, stop_keeper
@@ -101,16 +107,13 @@ def keeper_read_rate(nbytes: int) -> float:
             f.write(os.urandom(1 << 20) * (nbytes >> 20))
         doc = ensure_keeper(root, job)
         peers = Peers([{"host": doc["host"], "port": doc["port"], "pid": doc["pid"]}], secret)
-        buf = memoryview(bytearray(64 << 20))
         rel = f"{paths.step_name(1)}/rank_00000.safetensors"
-        peers.read_views(0, {"op": "read", "path": rel, "offset": 0}, [buf[: 1 << 20]])  # connect, authenticate
-        t0 = time.perf_counter()
-        for at in range(0, nbytes, len(buf)):
-            n = min(len(buf), nbytes - at)
-            peers.read_views(0, {"op": "read", "path": rel, "offset": at}, [buf[:n]])
-            for b in range(0, n, 4 << 20):
-                crc32c(buf[b : min(n, b + (4 << 20))])
-        took = time.perf_counter() - t0
+
+        def read(at: int, view: memoryview) -> None:
+            peers.read_views(0, {"op": "read", "path": rel, "offset": at}, [view])
+
+        read(0, memoryview(bytearray(1 << 20)))  # connect, authenticate
+        took = _read_checked(read, nbytes)
         peers.close()
         return nbytes / took
     finally:
