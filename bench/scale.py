@@ -269,7 +269,7 @@ def report_save(s: dict[str, Any], tp: int, pp: int, dp: int) -> None:
     if snap:
         root, mean = snap["root"], statistics.fmean(snap["kept"])
         print(f"  as an in-memory snapshot on {snap['nodes']} nodes (parity {snap['parity']}): each node keeps the root "
-              f"{_mb(root)} + {_mb(min(snap['kept']))} .. {_mb(max(snap['kept']))} of index parts = {_mb(root + mean)} "
+              f"{_mb(root)} + {min(snap['kept']) / 1e3:.1f} .. {max(snap['kept']) / 1e3:.1f} KB of index parts = {_mb(root + mean)} "
               f"on average (node 0: {_mb(root + snap['index'])}, the whole index), against {_mb(snap['single'])} for the "
               f"one 1.1 document every node kept before: {(root + mean) / snap['single']:.3f}x; rank 0 cuts the parts in "
               f"{snap['cut_s']:.3f} s of CPU")
