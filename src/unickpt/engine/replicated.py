@@ -24,7 +24,7 @@ from ..errors import LayoutError, UnickptError
 from ..storage.base import READ_RATE
 from ..plan.save_plan import replica_owner, replica_shares
 from .items import TensorItem, cut_rows, row_slice
-from .state import Sharded, flatten
+from .state import Sharded
 
 
 # bytes/s one replica receives while the replicas broadcast their shares, by backend: gloo
@@ -52,7 +52,19 @@ def share_by_default(state: dict[str, Any], group: Group, storage: Any) -> bool:
     rate = float(getattr(storage, "read_rate", READ_RATE["local"]))
     if not sharing_pays(rate, BROADCAST_RATE.get(str(dist.get_backend(group.pg)), BROADCAST_RATE["gloo"])):
         return False
-    return any(isinstance(leaf.value, Sharded) and leaf.value.replicas > 1 for leaf in flatten(state, lambda n, o: {}))
+    return _holds_replicated(state)
+
+
+def _holds_replicated(value: Any) -> bool:
+    """Whether ``value`` holds a ``Sharded`` with replicas, in nested dicts, lists and
+    tuples (Stateful objects are not asked for their state: no side effect before the load)."""
+    if isinstance(value, Sharded):
+        return value.replicas > 1
+    if isinstance(value, dict):
+        return any(_holds_replicated(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_replicated(v) for v in value)
+    return False
 
 
 class ReplicatedReads:
