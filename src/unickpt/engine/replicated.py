@@ -50,7 +50,8 @@ def share_by_default(state: dict[str, Any], group: Group, storage: Any) -> bool:
     if not group.active or group.size < 2:
         return False
     rate = float(getattr(storage, "read_rate", READ_RATE["local"]))
-    if not sharing_pays(rate, BROADCAST_RATE.get(str(dist.get_backend(group.pg)), BROADCAST_RATE["gloo"])):
+    backend = "nccl" if group.device().type == "cuda" else "gloo"  # the device the group's collectives run on
+    if not sharing_pays(rate, BROADCAST_RATE[backend]):
         return False
     return _holds_replicated(state)
 
