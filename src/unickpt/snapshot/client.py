@@ -1,5 +1,5 @@
 """The trainer's side of the snapshot tier: take snapshots (the node's keeper is started
-through :mod:`unickpt.snapshot.keepers`).
+through :mod:`unickpt.snapshot.keeper_admin`).
 
 :class:`Snapshotter` is made once per rank after the process group is up. Every
 ``every`` steps, :meth:`Snapshotter.snapshot` writes this rank's state into the node's
@@ -37,7 +37,7 @@ from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from ..units import human_bytes
 from . import paths
-from .keepers import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
+from .keeper_admin import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
 from .parity import layout
 
 # The snapshots' own async-save channel: staging buffer, gloo group and save in flight

@@ -1,6 +1,6 @@
 """The snapshot keeper: one process per node that owns the node's snapshots in host memory.
 
-Started by the first local rank of a job (:func:`unickpt.snapshot.keepers.ensure_keeper`),
+Started by the first local rank of a job (:func:`unickpt.snapshot.keeper_admin.ensure_keeper`),
 in its own session, so it outlives a crashed trainer. It
 
 * reaps the snapshot directories of other (dead) jobs under its shm root at start;
@@ -21,7 +21,7 @@ in its own session, so it outlives a crashed trainer. It
   files, the keeper of the step's node 0 commits the manifest once all are durable;
 * on ``stop`` (the job ended cleanly) deletes the job's directory and exits.
 
-Run as ``python -m unickpt.snapshot.keeper --root R --job J``.
+Run as ``python -m unickpt.snapshot.keeper_server --root R --job J``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
-from .keepers import _alive
+from .keeper_admin import _alive
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
 POLL_S = 0.02
@@ -602,7 +602,7 @@ def _snapshot_meta(sdir: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the keeper process."""
-    p = argparse.ArgumentParser(prog="unickpt.snapshot.keeper")
+    p = argparse.ArgumentParser(prog="unickpt.snapshot.keeper_server")
     p.add_argument("--root", required=True, help="the node's shared-memory root")
     p.add_argument("--job", required=True, help="the job whose snapshots this keeper owns")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
