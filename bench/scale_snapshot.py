@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import multiprocessing
-import os
 import secrets
 import statistics
 import subprocess
@@ -33,22 +33,31 @@ from typing import Any
 
 from unickpt.snapshot.store_commit import StoreCommit, connect, control_doc
 
-STORE_BOOT = ("import sys, time; from torch.distributed import TCPStore; "
+# the store's process answers each line on its stdin with the CPU seconds it has used
+STORE_BOOT = ("import resource, sys; from torch.distributed import TCPStore; "
               "s = TCPStore('127.0.0.1', 0, is_master=True, use_libuv=True, wait_for_workers=False); "
-              "print(s.port, flush=True); sys.stdin.read()")
+              "print(s.port, flush=True)\n"
+              "for _ in sys.stdin:\n"
+              "    u = resource.getrusage(resource.RUSAGE_SELF); print(u.ru_utime + u.ru_stime, flush=True)")
+
+
+_STORES: dict[int, subprocess.Popen] = {}
 
 
 def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used: the store's own work."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the store's process ``pid`` has used (its own getrusage, in
+    microseconds: /proc's figures here are 10 ms ticks): the store's own work."""
+    proc = _STORES[pid]
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    return float(proc.stdout.readline())
 
 
 def start_store() -> tuple[subprocess.Popen, str]:
     """A libuv TCPStore in its own process (as node 0's launcher hosts it); (process, address)."""
     proc = subprocess.Popen([sys.executable, "-c", STORE_BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     port = int(proc.stdout.readline())
+    _STORES[proc.pid] = proc
     return proc, f"127.0.0.1:{port}"
 
 
@@ -208,6 +217,47 @@ def simulate_reform(address: str, ranks: int, waiters: int = 64, store_pid: int 
             "store_cpu_s": cpu_s(store_pid) - c0 if store_pid else 0.0}
 
 
+def inventories(nodes: int, ranks_per_node: int = 8, step: int = 7) -> list[dict[str, Any]]:
+    """What every node's local rank 0 sends rank 0 for recovery planning (recover.inventory)
+    for one snapshot of ``nodes`` nodes with XOR parity, as the keepers record it: each
+    node's files, its copy of the manifest (files and keeper table only: no tensors), and
+    the parity record of the group it holds (every member's stripe, crc and files)."""
+    from unickpt.snapshot.parity import group_of, layout, members
+
+    k, m = layout(nodes, 1)
+    files = {j: [[f"rank_{j * ranks_per_node + r:05d}.safetensors", 1 << 20] for r in range(ranks_per_node)]
+             for j in range(nodes)}
+    table = [{"host": "10.0.0.1", "port": 40000 + j, "pid": 1000 + j} for j in range(nodes)]
+    manifest = json.dumps({"files": {n: sz for j in range(nodes) for n, sz in files[j]},
+                           "metadata": {"snapshot": {"step": step, "parity": m, "k": k, "nodes": table}}})
+    blob = ranks_per_node << 20
+    out = []
+    for j in range(nodes):
+        g = j  # node j holds block 0 of group j (parity.held_groups)
+        record = {"step": step, "group": g, "r": 0, "k": k, "m": m, "holder": j, "nodes": nodes, "nbytes": blob // k,
+                  "crc": 0, "members": {str(i): {"stripe": s, "len": blob // k, "crc": 0, "files": files[i], "blob": blob}
+                                        for i, s in members(g, k, nodes)}, "peers": table}
+        assert all(group_of(i, s, nodes) == g for i, s in members(g, k, nodes))
+        out.append({"node": j, "steps": {str(step): {"files": dict(files[j]), "manifest": manifest, "bad": None,
+                                                     "parity": [record], "notes": []}}})
+    return out
+
+
+def plan_cpu(nodes: int, lost: int | None = 0) -> dict[str, Any]:
+    """CPU seconds of rank 0's recovery plan (recover.plan_candidates) over ``nodes``
+    inventories, with node ``lost`` gone (None: none), and the bytes rank 0 gathers."""
+    from unickpt.snapshot.recover import plan_candidates
+
+    docs = inventories(nodes)
+    wire = [json.dumps(d).encode() for d in docs]
+    t0 = time.process_time()
+    parsed = [json.loads(w) for w in wire if lost is None or json.loads(w)["node"] != lost]
+    plans, reasons = plan_candidates(parsed)
+    cpu = time.process_time() - t0
+    assert plans and (lost is None or plans[0]["rebuild"]["lost"] == [lost]), reasons
+    return {"nodes": nodes, "cpu_s": cpu, "gathered_bytes": sum(map(len, wire)), "lost": lost}
+
+
 def round_trip(address: str, n: int = 2000) -> float:
     """Median seconds of one request to the store from one client."""
     client = connect(address)
@@ -229,9 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     """Run the simulation and the calibration; print docs/SCALE.md's tables."""
     ap = argparse.ArgumentParser(prog="bench.scale_snapshot")
     ap.add_argument("--nodes", default="128,256,1024,2048")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--procs", type=int, default=128, help="real keeper processes of the calibration (0: none)")
     ap.add_argument("--ranks", type=int, default=16384, help="ranks of the re-forming (0: none)")
+    ap.add_argument("--plan-nodes", default="64,128,256,512", help="nodes of the recovery plans timed (O(N^2) records)")
     args = ap.parse_args(argv)
     proc, address = start_store()
     try:
@@ -249,8 +300,10 @@ def main(argv: list[str] | None = None) -> None:
         proc.wait()
     print("| nodes | direct round: requests/step (connections held) | store: requests/step (by name) | keeper requests/step "
           "| commit, slowest keeper -> whole everywhere, measured (median of steps) | the store's CPU a step (mean) | "
-          "commit by the model: 5 round trips + the store's CPU for 2N+4 requests | target 0.1 s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "commit by the model: 5 round trips + the store's CPU for 2N+4 requests | the same at the real processes' "
+          "CPU a request | target 0.1 s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    cal_req = cal["store_cpu_s"] / sum(cal["ops"].values()) * cal["steps"] if cal else None
     for r in ([cal] if cal else []) + rows:
         per = {k: round(v / r["steps"]) for k, v in r.get("ops_all", r["ops"]).items()}
         total = sum(per.values())
@@ -260,16 +313,30 @@ def main(argv: list[str] | None = None) -> None:
         cpu = r["store_cpu_s"]
         per_req = cpu / total
         model = 5 * rtt + per_req * (2 * r["nodes"] + 4)
-        more = f"{cpu * 1e3:.0f} ms ({per_req * 1e6:.1f} us a request) | {model * 1e3:.1f} ms | {model / 0.1:.2f}x"
+        worst = 5 * rtt + max(per_req, cal_req or 0.0) * (2 * r["nodes"] + 4)
+        more = (f"{cpu * 1e3:.0f} ms ({per_req * 1e6:.1f} us a request) | {model * 1e3:.1f} ms | {worst * 1e3:.1f} ms | "
+                f"{worst / 0.1:.2f}x")
         print(f"| {r['nodes']}{kind} | {d['requests']:,} ({d['connections']:,}) | {total:,} ({per}) | "
               f"{total / r['nodes']:.1f} | {med * 1e3:.1f} ms | {more} |")
     print(f"\nround trip to the store (one client, median of 2000 adds): {rtt * 1e6:.0f} us")
+    sim128 = next((r for r in rows if r["nodes"] == 128), None)
+    factor = 1.0
+    if cal and sim128:
+        factor = max(1.0, cal_req / (sim128["store_cpu_s"] / sum(sim128["ops_all"].values()) * sim128["steps"]))
+        print(f"calibration: the store's CPU a request with {cal['nodes']} real processes / in the simulation at "
+              f"{sim128['nodes']} nodes: {factor:.2f}x")
     if reform:
         per = dict(reform["ops"])
         print(f"\nre-forming, {reform['ranks']} ranks arrive: {sum(per.values()):,} store requests ({per}); the "
-              f"store's CPU {reform['store_cpu_s']:.3f} s (target 1 s: {reform['store_cpu_s']:.2f}x); wall time with every "
+              f"store's CPU {reform['store_cpu_s']:.3f} s, calibrated x{factor:.2f}: {reform['store_cpu_s'] * factor:.3f} s "
+              f"(target 1 s: {reform['store_cpu_s'] * factor:.2f}x); wall time with every "
               f"rank's requests sent from this one process: {reform['s']:.3f} s; all arrived: {reform['all_arrived']}")
     print(f"keys in the store after every run: {left}")
+    print("\n| nodes | bytes rank 0 gathers for the plan | plan CPU, no node lost | plan CPU, node 0 lost |")
+    print("|---|---|---|---|")
+    for n in [int(x) for x in args.plan_nodes.split(",") if x]:
+        whole, one = plan_cpu(n, None), plan_cpu(n, 0)
+        print(f"| {n} | {whole['gathered_bytes'] / 1e6:,.1f} MB | {whole['cpu_s']:.3f} s | {one['cpu_s']:.3f} s |")
 
 
 if __name__ == "__main__":

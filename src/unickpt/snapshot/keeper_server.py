@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
-from .store_commit import StoreCommit, check_control
+from .store_commit import StoreCommit, check_control, store_address
 from .keeper_admin import _alive
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
@@ -109,7 +109,7 @@ class Keeper:
         self.peers: dict[int, list[dict[str, Any]]] = {}
         self.conns: dict[tuple[str, int], wire.Connection] = {}
         self.planes: dict[tuple[str, str], StoreCommit] = {}  # (store, prefix) -> this keeper's commit there
-        self.plane_of: dict[int, StoreCommit] = {}  # step -> the plane it commits on
+        self.control_of: dict[int, Any] = {}  # step -> the control entry of its manifest (unchecked)
         self.calls: Counter[str] = Counter()  # requests sent to other keepers, by op ("connect": connections opened)
         self.stopping = threading.Event()
         self.server: _Server | None = None
@@ -135,6 +135,8 @@ class Keeper:
         self.server = _Server((self.host, 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="keeper-server", daemon=True).start()
+        if store_address():  # the job commits on a store: its client (torch) loaded before the first step needs it
+            threading.Thread(target=_load_store_client, name="keeper-import", daemon=True).start()
         doc = {"pid": os.getpid(), "host": self.host, "port": self.port, "job": self.job}
         _write_atomic(paths.address_file(self.root), paths.seal(doc))
         _write_atomic(paths.pid_file(self.root), f"{os.getpid()}\n".encode())
@@ -225,11 +227,10 @@ class Keeper:
             self.mark_whole(step)
             return
         k = int(snap.get("k", n - m))
-        plane = self.plane_for(snap, me) if "control" in snap else None
         with self.lock:
             self.peers[step] = nodes
-            if plane is not None:
-                self.plane_of[step] = plane
+            if "control" in snap:
+                self.control_of[step] = snap["control"]
         files = node_files(sdir)
         blob = sum(s for _, s in files)
         t0 = time.perf_counter()
@@ -283,13 +284,13 @@ class Keeper:
                     raise
         raise AssertionError("unreachable")
 
-    def plane_for(self, snap: dict[str, Any], me: int) -> StoreCommit | None:
+    def plane_for(self, step: int, control: Any, me: int) -> StoreCommit | None:
         """This keeper's commit on the store a step's manifest names (connected on first use,
         with a thread waiting for whole steps); None when the entry is refused or the store
         cannot be reached (the step then commits by the direct round, reason logged)."""
-        checked = check_control(snap["control"])
+        checked = check_control(control)
         if isinstance(checked, str):
-            _log(f"step {snap.get('step')}: {checked}; the keepers tell each other directly")
+            _log(f"step {step}: {checked}; the keepers tell each other directly")
             return None
         with self.lock:
             plane = self.planes.get(checked)
@@ -298,7 +299,7 @@ class Keeper:
         try:
             plane = StoreCommit(*checked, me, f"{os.getpid()}-{self.port}")
         except Exception as e:
-            _log(f"step {snap.get('step')}: cannot reach the store {checked[0]}: {type(e).__name__}: {e}; "
+            _log(f"step {step}: cannot reach the store {checked[0]}: {type(e).__name__}: {e}; "
                  f"the keepers tell each other directly")
             return None
         with self.lock:
@@ -346,7 +347,8 @@ class Keeper:
             self.announced.add(step)
             nodes = self.peers[step]
             me = self.my_index(nodes)
-            plane = self.plane_of.get(step)
+            control = self.control_of.get(step)
+        plane = self.plane_for(step, control, me) if control is not None and me is not None else None
         if plane is not None:
             try:
                 plane.announce(step, len(nodes))
@@ -487,7 +489,7 @@ class Keeper:
 
     def _forget(self, drop) -> None:
         """Forget the in-progress records of the steps ``drop(step)`` selects (lock held)."""
-        for d in (self.partial, self.haves, self.peers, self.groups_stored, self.plane_of):
+        for d in (self.partial, self.haves, self.peers, self.groups_stored, self.control_of):
             for key in [key for key in d if drop(key[0] if isinstance(key, tuple) else key)]:
                 del d[key]
 
@@ -657,6 +659,13 @@ class Keeper:
             if self.pinned == step:
                 self.pinned = None
         self.retain()
+
+
+def _load_store_client() -> None:
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception as e:  # the step that names a store says why it cannot reach it
+        _log(f"cannot load the store client: {type(e).__name__}: {e}")
 
 
 def _peer_name(sock) -> str:
