@@ -331,10 +331,10 @@ class Keeper:
                 self.mark_whole(step)
             self._forget_records(plane, lambda s, w=step: s > w, plane.next - 1)
 
-    def _forget_records(self, plane: StoreCommit, keep, whole_index: int | None = None) -> None:
+    def _forget_records(self, plane: StoreCommit, keep, whole_index: int | None = None, counts: bool = False) -> None:
         """Delete this keeper's store records of the steps ``keep`` rejects (a store gone: left)."""
         try:
-            plane.forget(keep, whole_index)
+            plane.forget(keep, whole_index, counts)
         except Exception as e:
             _log(f"cannot delete records in the store {plane.address}: {type(e).__name__}: {e}")
 
@@ -504,8 +504,8 @@ class Keeper:
             if self.pinned is not None and self.pinned > keep_upto:
                 self.pinned = None
             planes = list(self.planes.values())
-        for plane in planes:  # the abandoned timeline's records: its steps are taken again
-            self._forget_records(plane, lambda s: s <= keep_upto)
+        for plane in planes:  # the abandoned timeline's records and counters: its steps are taken again
+            self._forget_records(plane, lambda s: s <= keep_upto, counts=True)
         for step in paths.steps(self.jdir):
             if step > keep_upto:
                 paths.remove_tree(paths.step_dir(self.root, self.job, step))

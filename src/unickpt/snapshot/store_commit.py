@@ -141,15 +141,16 @@ class StoreCommit:
         self.seen = max(self.seen, step)
         return step
 
-    def forget(self, keep: Callable[[int], bool], whole_index: int | None = None) -> None:
-        """Delete this keeper's records of the announced steps ``keep(step)`` rejects (node 0:
-        their counters too, and the sequence entries ``WINDOW`` behind ``whole_index``)."""
+    def forget(self, keep: Callable[[int], bool], whole_index: int | None = None, counts: bool = False) -> None:
+        """Delete this keeper's records of the announced steps ``keep(step)`` rejects (node 0,
+        or every keeper with ``counts``: their counters too; node 0: the sequence entries
+        ``WINDOW`` behind ``whole_index``)."""
         with self.lock:
             drop = sorted(s for s in self.mine if not keep(s))
             self.mine.difference_update(drop)
         for s in drop:
             self._op("delete_key", self._k(f"s{s}", f"n{self.node}"))
-            if self.node == 0:
+            if self.node == 0 or counts:
                 self._op("delete_key", self._k(f"s{s}", "count"))
         if self.node == 0 and whole_index is not None and whole_index > WINDOW:
             self._op("delete_key", self._k(f"w{whole_index - WINDOW}"))
