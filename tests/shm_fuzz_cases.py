@@ -58,7 +58,7 @@ def relaunch_cases(rank: int, world: int, tmp: str, job: str, flags: list[str],
     import torch.distributed as dist
 
     from unickpt.examples.train import run
-    from unickpt.snapshot import keepers
+    from unickpt.snapshot import keeper_admin as keepers
 
     os.environ.update(UNICKPT_JOB_ID=job, GROUP_RANK=str(rank), LOCAL_RANK="0")
     results = {}

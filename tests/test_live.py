@@ -252,7 +252,7 @@ def test_node_loss_parity(tmp_path):
         before = {r["rank"]: r["pid"] for r in rows}
         os.killpg(procs[2].pid, signal.SIGKILL)  # the launcher and its worker
         for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines():
-            if str(tmp_path / "shm2") in line and "unickpt.snapshot.keeper" in line:
+            if str(tmp_path / "shm2") in line and "unickpt.snapshot.keeper_server" in line:
                 os.kill(int(line.split()[0]), signal.SIGKILL)
         time.sleep(0.2)
         subprocess.run(["rm", "-rf", str(tmp_path / "shm2")])

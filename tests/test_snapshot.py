@@ -271,7 +271,7 @@ def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down, 
     for bad, why in ((afile, "not a directory"), (afile / "sub", "Not a directory")):
         with pytest.raises(SnapshotError, match=rf"the shm root {bad} \(\$UNICKPT_SHM_ROOT\) cannot hold snapshots: {why}$"):
             Snapshotter("cap", 1, 0, root=str(bad))
-    from unickpt.snapshot.keepers import ensure_keeper
+    from unickpt.snapshot.keeper_admin import ensure_keeper
 
     with pytest.raises(SnapshotError, match=r"the snapshot keeper exited at start \(code 1: OSError: .*Cannot assign requested "
                        r"address\); see .*keeper\.log$"):
@@ -416,7 +416,7 @@ def test_a_keeper_whose_root_is_deleted_exits_and_another_jobs_keeper_is_named(t
     """A keeper of a job that crashed lingers to serve its recovery; it exits by itself
     once its shm root is deleted (no orphan blocking the root). Another job meeting a live
     keeper of a different job gets one error naming it and how to stop it."""
-    from unickpt.snapshot import keepers
+    from unickpt.snapshot import keeper_admin as keepers
 
     root = str(tmp_path / "shm")
     keepers_down.append(root)

@@ -13,7 +13,7 @@ import torch
 import unickpt
 from unickpt.snapshot import paths
 from unickpt.snapshot.client import in_progress
-from unickpt.snapshot.keepers import stop_keeper
+from unickpt.snapshot.keeper_admin import stop_keeper
 from unickpt.testing import run_ranks
 
 

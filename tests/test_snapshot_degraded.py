@@ -83,7 +83,7 @@ def test_any_range_of_a_lost_file_decodes_exactly(tmp_path, monkeypatch, n, pari
 def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
     """What a recovery fetched from other nodes (``Outcome.fetched``) is counted by
     ``Peers`` as a real keeper sends it: every payload byte received, once."""
-    from unickpt.snapshot.keepers import ensure_keeper, stop_keeper
+    from unickpt.snapshot.keeper_admin import ensure_keeper, stop_keeper
 
     from snapshot_helpers import kill_keeper
 
@@ -134,7 +134,7 @@ def test_a_keeper_queues_every_rank_connecting_at_once(tmp_path):
     import signal
     import socket
 
-    from unickpt.snapshot.keepers import ensure_keeper, stop_keeper
+    from unickpt.snapshot.keeper_admin import ensure_keeper, stop_keeper
 
     from snapshot_helpers import kill_keeper
 

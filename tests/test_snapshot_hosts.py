@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from unickpt.errors import SnapshotError
-from unickpt.snapshot.keepers import keeper_host, network_identity, unreachable_keepers
+from unickpt.snapshot.keeper_admin import keeper_host, network_identity, unreachable_keepers
 from unickpt.testing import run_ranks
 
 from snapshot_helpers import kill_keeper, two_machines_rank
@@ -59,7 +59,7 @@ def test_the_network_identity_tells_network_namespaces_apart():
     import subprocess
     import sys
 
-    code = "from unickpt.snapshot.keepers import network_identity as n; print(n().hex())"
+    code = "from unickpt.snapshot.keeper_admin import network_identity as n; print(n().hex())"
     here = network_identity().hex()
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == here
     unshare = shutil.which("unshare")
@@ -105,7 +105,7 @@ def test_a_keeper_on_another_address_is_replaced_and_the_snapshots_kept(tmp_path
     import os
 
     from unickpt.snapshot import paths
-    from unickpt.snapshot.keepers import ensure_keeper, running_keeper
+    from unickpt.snapshot.keeper_admin import ensure_keeper, running_keeper
 
     root = str(tmp_path / "shm")
     try:

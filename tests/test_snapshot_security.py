@@ -14,7 +14,7 @@ import torch
 from unickpt.errors import SnapshotError
 from unickpt.snapshot import paths, wire
 from unickpt.snapshot.client import Snapshotter
-from unickpt.snapshot.keepers import ensure_keeper, running_keeper, stop_keeper
+from unickpt.snapshot.keeper_admin import ensure_keeper, running_keeper, stop_keeper
 
 from snapshot_helpers import kill_keeper
 

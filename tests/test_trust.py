@@ -120,7 +120,7 @@ def test_snapshots_a_job_left_behind_are_listed_and_freed(tmp_path):
 
     from trust_cases import leave_snapshots
     from unickpt.cli import app
-    from unickpt.snapshot.keepers import running_keeper
+    from unickpt.snapshot.keeper_admin import running_keeper
     from unickpt.snapshot.leftovers import free_snapshots
     from unickpt.testing import run_ranks
 

@@ -100,7 +100,7 @@ def kill_session(p: subprocess.Popen) -> None:
     own sessions) are left alone: they outlive the trainers."""
     for pid in [p.pid, *descendants(p.pid)]:
         try:
-            if b"unickpt.snapshot.keeper" in open(f"/proc/{pid}/cmdline", "rb").read():
+            if b"unickpt.snapshot.keeper_server" in open(f"/proc/{pid}/cmdline", "rb").read():
                 continue
         except OSError:
             continue

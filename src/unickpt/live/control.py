@@ -77,11 +77,17 @@ class Generation:
                 "local_size": len(local), "node": nodes.index(mine), "nodes": len(nodes)}
 
 
+GO_ALL = "all"  # generation N's ``go`` key: every member arrived (else "superseded": a newer one exists)
+
+
 def publish(store: Any, gen: Generation) -> None:
-    """Coordinator: open generation ``gen`` (its document first, then the counter)."""
+    """Coordinator: open generation ``gen`` (its document first, then the counter), and
+    close the previous one's arrival (its members still gathering go on to ``gen``)."""
     gen.at = time.time()
     store.set(key("g", gen.number), gen.to_json())
     store.set(key("gen"), str(gen.number))
+    if gen.number > 0:
+        store.compare_set(key("g", gen.number - 1, "go"), "", "superseded")
 
 
 def newest(store: Any) -> int:

@@ -48,7 +48,6 @@ __all__ = ["run", "World", "Interrupted"]
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
 TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
 NETWORK_ERROR_WAIT_S = 15.0
-WATCH_S = 0.005  # how often the watcher looks for a new generation
 ALIVE_S = 0.5  # how often it tells the launcher that this process runs  # after a failed collective, how long to wait for the coordinator's verdict
 
 
@@ -261,6 +260,8 @@ class _Live:
             deadline += 3600
         elif _network_error(error):
             deadline += NETWORK_ERROR_WAIT_S
+        if deadline > time.monotonic():  # one wake-up when the coordinator publishes, no polling
+            _wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
         while True:
             if control.newest(self.store) > gen.number:
                 return self.newer(gen)
@@ -280,14 +281,23 @@ class _Live:
     def arrive(self, gen: Generation) -> bool:
         """A barrier of ``gen``'s members on the store before its process group forms (whose
         rendezvous would wait for a member lost meanwhile); False when a newer generation
-        is published while waiting."""
-        arrived = key("g", gen.number, "arrived")
-        self.store.add(arrived, 1)
-        while self.store.add(arrived, 0) < len(gen.members):
-            if control.newest(self.store) > gen.number:
-                return False
-            time.sleep(0.002)
-        return True
+        is published while waiting. Three requests a member (``add``, ``wait``, ``get``),
+        one wake-up: O(members) for the store, however long the gathering takes."""
+        self.say_arrived(gen)
+        return self.all_arrived(gen)
+
+    def say_arrived(self, gen: Generation) -> None:
+        """Count this member in; the last one opens the generation's ``go`` key."""
+        if int(self.store.add(key("g", gen.number, "arrived"), 1)) == len(gen.members):
+            self.store.compare_set(key("g", gen.number, "go"), "", control.GO_ALL)
+
+    def all_arrived(self, gen: Generation) -> bool:
+        """Wait for the ``go`` key: every member arrived (True), or the coordinator published
+        a newer generation first (False: it closes the key of the one it replaces)."""
+        go = key("g", gen.number, "go")
+        while not _wait_key(self.store, go, 3600.0):
+            pass
+        return self.store.get(go) == control.GO_ALL.encode()
 
     def teardown(self, collect: bool = False) -> None:
         """Drop every process group of the generation (unickpt's cached ones too) so that
@@ -322,17 +332,14 @@ class _Live:
         return _InFn(self)
 
     def _watch(self) -> None:
-        """Wait for the next generation; one that removes members ends ``fn`` at once."""
+        """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
+        generation, no polling); one that removes members ends ``fn`` at once."""
         store = control.connect(self.address)
-        alive_at = 0.0
+        threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True).start()
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
-                if not store.check([key("g", nxt)]):
-                    if time.monotonic() - alive_at > ALIVE_S:
-                        store.add(key("alive", self.worker), 1)
-                        alive_at = time.monotonic()
-                    time.sleep(WATCH_S)
+                if not _wait_key(store, key("g", nxt), 3600.0):
                     continue
                 gen = control.read(store, nxt)
             except RuntimeError:
@@ -343,6 +350,16 @@ class _Live:
                     if self.in_fn and self.gen is not None and gen.number > self.gen.number:
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
                                                                    ctypes.py_object(Interrupted))
+
+    def _beat(self) -> None:
+        """Tell the launcher this process runs, every ALIVE_S (its own connection: the
+        watcher's is blocked in ``wait``)."""
+        try:
+            store = control.connect(self.address)
+            while not self._stop.wait(ALIVE_S):
+                store.add(key("alive", self.worker), 1)
+        except RuntimeError:
+            return  # the store is gone
 
     def stop(self) -> None:
         self._stop.set()
@@ -404,6 +421,17 @@ class _InFn:
         with self.live.lock:
             self.live.in_fn = False
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.live.main), None)  # one not yet raised
+
+
+def _wait_key(store: Any, name: str, timeout_s: float) -> bool:
+    """Block until ``name`` exists in the store (True) or ``timeout_s`` passed (False)."""
+    try:
+        store.wait([name], timedelta(seconds=max(timeout_s, 0.001)))
+        return True
+    except dist.DistStoreError as e:
+        if "timeout" in str(e).lower():
+            return False
+        raise
 
 
 def _describe(gen: Generation) -> str:

@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Snapshotter": "client", "ensure_keeper": "keepers", "stop_keeper": "keepers", "job_id": "client",
+    "Snapshotter": "client", "ensure_keeper": "keeper_admin", "stop_keeper": "keeper_admin", "job_id": "client",
     "recover": "recover", "Outcome": "recover",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,5 +1,5 @@
 """The trainer's side of the snapshot tier: take snapshots (the node's keeper is started
-through :mod:`unickpt.snapshot.keepers`).
+through :mod:`unickpt.snapshot.keeper_admin`).
 
 :class:`Snapshotter` is made once per rank after the process group is up. Every
 ``every`` steps, :meth:`Snapshotter.snapshot` writes this rank's state into the node's
@@ -40,8 +40,9 @@ from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME
 from ..units import human_bytes
 from . import paths
-from .keepers import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
+from .keeper_admin import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
 from .parity import layout
+from .store_commit import control_doc, store_address
 
 # The snapshots' own async-save channel: staging buffer, gloo group and save in flight
 # apart from the trainer's durable saves, so a snapshot never waits for one.
@@ -196,6 +197,11 @@ class Snapshotter:
         if self.local_rank == 0 and paths.read_secret(self.root, job) != self.secret:
             paths.write_secret(self.root, job, self.secret)
         self.k, self.parity = layout(len(self.table), parity, replicas)
+        # the keepers' commit on the job's store (.store_commit), under a prefix drawn for this
+        # Snapshotter by rank 0: a relaunch or a re-formed job never meets an earlier one's keys
+        address = store_address()
+        token = all_gather_fixed(self.group, secrets.token_bytes(8))[0]
+        self.control = control_doc(address, job, token) if address else None
         asked = replicas - 1 if replicas > 1 else parity
         if self.parity < asked and self.group.rank == 0:
             what = (f"{self.nodes} nodes hold at most {self.parity} parity block(s) per group: snapshots protected "
@@ -281,6 +287,8 @@ class Snapshotter:
                 )
         meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "k": self.k,
                              "replicas": self.replicas, "nodes": self.table}}
+        if self.control:
+            meta["snapshot"]["control"] = self.control
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from . import paths
-from .keepers import running_keeper, stop_keeper
+from .keeper_admin import running_keeper, stop_keeper
 
 
 def held_snapshots(root: str) -> dict[str, Any]:

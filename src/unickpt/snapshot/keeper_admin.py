@@ -108,7 +108,7 @@ def _alive(pid: int) -> bool:
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 return False
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"unickpt.snapshot.keeper" in f.read()
+            return b"unickpt.snapshot.keeper_server" in f.read()
     except (FileNotFoundError, IndexError):
         return False
 
@@ -132,7 +132,7 @@ _CHILDREN: list[subprocess.Popen] = []
 # fraction of a second and holds no torch runtime in memory.
 _KEEPER_BOOT = (
     "import sys, types; pkg = types.ModuleType('unickpt'); pkg.__path__ = [sys.argv.pop(1)]; "
-    "sys.modules['unickpt'] = pkg; from unickpt.snapshot.keeper import main; main(sys.argv[1:])"
+    "sys.modules['unickpt'] = pkg; from unickpt.snapshot.keeper_server import main; main(sys.argv[1:])"
 )
 
 

@@ -1,6 +1,6 @@
 """The snapshot keeper: one process per node that owns the node's snapshots in host memory.
 
-Started by the first local rank of a job (:func:`unickpt.snapshot.keepers.ensure_keeper`),
+Started by the first local rank of a job (:func:`unickpt.snapshot.keeper_admin.ensure_keeper`),
 in its own session, so it outlives a crashed trainer. It
 
 * reaps the snapshot directories of other (dead) jobs under its shm root at start;
@@ -10,9 +10,10 @@ in its own session, so it outlives a crashed trainer. It
 * encodes the stripes other keepers send it into the parity blocks it holds for the
   step, stored beside the data with their crc32c and every stripe's crc32c
   (``parity_g<group>_r<block>.bin`` / ``.json``);
-* runs the per-step commit: once it holds its data and its parity it tells every keeper
-  (``have``); a step is *whole* when all keepers said so, then older steps are deleted
-  (retention: the newest whole step plus the steps in progress);
+* runs the per-step commit: once it holds its data and its parity it says so on the job's
+  store when the step's manifest names one (:mod:`.store_commit`: O(N) requests a step),
+  else to every keeper (``have``); a step is *whole* when all keepers said so, then older
+  steps are deleted (retention: the newest whole step plus the steps in progress);
 * serves byte ranges of its files to recovering trainers of any node (``read``/``blob``,
   sent with ``sendfile``), like every request only on a connection that proved the job's
   secret (:func:`.wire.challenge`; docs/SNAPSHOT.md, Security);
@@ -21,7 +22,7 @@ in its own session, so it outlives a crashed trainer. It
   files, the keeper of the step's node 0 commits the manifest once all are durable;
 * on ``stop`` (the job ended cleanly) deletes the job's directory and exits.
 
-Run as ``python -m unickpt.snapshot.keeper --root R --job J``.
+Run as ``python -m unickpt.snapshot.keeper_server --root R --job J``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import socketserver
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import crc32c as _crc
@@ -41,7 +43,8 @@ import numpy as np
 from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
-from .keepers import _alive
+from .store_commit import StoreCommit, check_control, store_address
+from .keeper_admin import _alive
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
 POLL_S = 0.02
@@ -105,6 +108,9 @@ class Keeper:
         self.workers: list[threading.Thread] = []
         self.peers: dict[int, list[dict[str, Any]]] = {}
         self.conns: dict[tuple[str, int], wire.Connection] = {}
+        self.planes: dict[tuple[str, str], StoreCommit] = {}  # (store, prefix) -> this keeper's commit there
+        self.control_of: dict[int, Any] = {}  # step -> the control entry of its manifest (unchecked)
+        self.calls: Counter[str] = Counter()  # requests sent to other keepers, by op ("connect": connections opened)
         self.stopping = threading.Event()
         self.server: _Server | None = None
         self.port = 0
@@ -129,6 +135,8 @@ class Keeper:
         self.server = _Server((self.host, 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="keeper-server", daemon=True).start()
+        if store_address():  # the job commits on a store: its client (torch) loaded before the first step needs it
+            threading.Thread(target=_load_store_client, name="keeper-import", daemon=True).start()
         doc = {"pid": os.getpid(), "host": self.host, "port": self.port, "job": self.job}
         _write_atomic(paths.address_file(self.root), paths.seal(doc))
         _write_atomic(paths.pid_file(self.root), f"{os.getpid()}\n".encode())
@@ -221,6 +229,8 @@ class Keeper:
         k = int(snap.get("k", n - m))
         with self.lock:
             self.peers[step] = nodes
+            if "control" in snap:
+                self.control_of[step] = snap["control"]
         files = node_files(sdir)
         blob = sum(s for _, s in files)
         t0 = time.perf_counter()
@@ -262,7 +272,9 @@ class Keeper:
                     secret = self.secret()
                     if secret is None:
                         raise SnapshotError("this keeper holds no job secret to call its peers with")
+                    self.calls["connect"] += 1
                     conn = self.conns[addr] = wire.Connection(*addr, secret)
+                self.calls[str(header.get("op"))] += 1
                 return conn.request(header, payload)[0]
             except Exception:
                 self.conns.pop(addr, None)
@@ -272,14 +284,77 @@ class Keeper:
                     raise
         raise AssertionError("unreachable")
 
+    def plane_for(self, step: int, control: Any, me: int) -> StoreCommit | None:
+        """This keeper's commit on the store a step's manifest names (connected on first use,
+        with a thread waiting for whole steps); None when the entry is refused or the store
+        cannot be reached (the step then commits by the direct round, reason logged)."""
+        checked = check_control(control)
+        if isinstance(checked, str):
+            _log(f"step {step}: {checked}; the keepers tell each other directly")
+            return None
+        with self.lock:
+            plane = self.planes.get(checked)
+        if plane is not None:
+            return plane
+        try:
+            plane = StoreCommit(*checked, me, f"{os.getpid()}-{self.port}")
+        except Exception as e:
+            _log(f"step {step}: cannot reach the store {checked[0]}: {type(e).__name__}: {e}; "
+                 f"the keepers tell each other directly")
+            return None
+        with self.lock:
+            old = list(self.planes.values())
+            self.planes = {checked: plane}
+        for p in old:  # a new prefix: the job's trainers started again (a new Snapshotter)
+            p.closed = True
+            self._forget_records(p, lambda s: False)
+        threading.Thread(target=self.wait_whole, args=(plane,), name="keeper-whole", daemon=True).start()
+        return plane
+
+    def wait_whole(self, plane: StoreCommit) -> None:
+        """The plane's waiter: mark every step the store says is whole, until stopped or
+        replaced (the store gone: tried again every few seconds, said once)."""
+        said = False
+        while not self.stopping.is_set() and not plane.closed:
+            try:
+                step = plane.next_whole(_log)
+                said = False
+            except Exception as e:
+                if not said:
+                    _log(f"the store {plane.address} does not answer: {type(e).__name__}: {e}")
+                    said = True
+                self.stopping.wait(5.0)
+                continue
+            if step is None or plane.closed:
+                continue
+            if step > self.whole_step:
+                self.mark_whole(step)
+            self._forget_records(plane, lambda s, w=step: s > w, plane.next - 1)
+
+    def _forget_records(self, plane: StoreCommit, keep, whole_index: int | None = None, counts: bool = False) -> None:
+        """Delete this keeper's store records of the steps ``keep`` rejects (a store gone: left)."""
+        try:
+            plane.forget(keep, whole_index, counts)
+        except Exception as e:
+            _log(f"cannot delete records in the store {plane.address}: {type(e).__name__}: {e}")
+
     def maybe_announce(self, step: int) -> None:
-        """Once this node holds its data and its parity of ``step``, tell every keeper."""
+        """Once this node holds its data and its parity of ``step``, say so on the step's
+        store, or else tell every keeper."""
         with self.lock:
             if step in self.announced or step not in self.sent or step not in self.stored:
                 return
             self.announced.add(step)
             nodes = self.peers[step]
             me = self.my_index(nodes)
+            control = self.control_of.get(step)
+        plane = self.plane_for(step, control, me) if control is not None and me is not None else None
+        if plane is not None:
+            try:
+                plane.announce(step, len(nodes))
+                return
+            except Exception as e:
+                _log(f"step {step}: the store {plane.address} failed: {type(e).__name__}: {e}; telling every keeper")
         for j, peer in enumerate(nodes):
             header = {"op": "have", "step": step, "node": me, "nodes": len(nodes)}
             if j == me:
@@ -414,7 +489,7 @@ class Keeper:
 
     def _forget(self, drop) -> None:
         """Forget the in-progress records of the steps ``drop(step)`` selects (lock held)."""
-        for d in (self.partial, self.haves, self.peers, self.groups_stored):
+        for d in (self.partial, self.haves, self.peers, self.groups_stored, self.control_of):
             for key in [key for key in d if drop(key[0] if isinstance(key, tuple) else key)]:
                 del d[key]
 
@@ -428,6 +503,9 @@ class Keeper:
                 st.difference_update({s for s in st if s > keep_upto})
             if self.pinned is not None and self.pinned > keep_upto:
                 self.pinned = None
+            planes = list(self.planes.values())
+        for plane in planes:  # the abandoned timeline's records and counters: its steps are taken again
+            self._forget_records(plane, lambda s: s <= keep_upto, counts=True)
         for step in paths.steps(self.jdir):
             if step > keep_upto:
                 paths.remove_tree(paths.step_dir(self.root, self.job, step))
@@ -452,9 +530,16 @@ class Keeper:
             if due:
                 self.pinned = step
         self.retain()
-        _log(f"step {step} whole")
+        _log(f"step {step} whole (requests to other keepers so far: {dict(self.calls)}; "
+             f"to the store: {self.store_ops()})")
         if due and self.my_index(snap["nodes"]) == 0:
             self.start_flush(step, sdir, snap)
+
+    def store_ops(self) -> dict[str, int]:
+        """Requests this keeper sent to its stores so far, by name."""
+        with self.lock:
+            planes = list(self.planes.values())
+        return dict(sum((p.ops for p in planes), Counter()))
 
     def retain(self) -> None:
         """Delete the snapshots older than the newest whole step, except those a flush needs."""
@@ -575,6 +660,13 @@ class Keeper:
         self.retain()
 
 
+def _load_store_client() -> None:
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception as e:  # the step that names a store says why it cannot reach it
+        _log(f"cannot load the store client: {type(e).__name__}: {e}")
+
+
 def _peer_name(sock) -> str:
     try:
         host, port = sock.getpeername()[:2]
@@ -601,7 +693,7 @@ def _snapshot_meta(sdir: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the keeper process."""
-    p = argparse.ArgumentParser(prog="unickpt.snapshot.keeper")
+    p = argparse.ArgumentParser(prog="unickpt.snapshot.keeper_server")
     p.add_argument("--root", required=True, help="the node's shared-memory root")
     p.add_argument("--job", required=True, help="the job whose snapshots this keeper owns")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
