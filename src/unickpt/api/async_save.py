@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from ..engine.background_save import DEFAULT_CHANNEL, AsyncSaveHandle, start_save
+from ..engine.save_options import SaveOptions
 from ..format.manifest import DEFAULT_BLOCK_BYTES
 from .incremental import open_base
 
@@ -31,6 +32,7 @@ def async_save(
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
     channel: str = DEFAULT_CHANNEL,
+    options: SaveOptions | None = None,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
@@ -64,7 +66,9 @@ def async_save(
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
     without ``overwrite``) are raised here.
     """
+    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes,
+                                        "max_staging_bytes": max_staging_bytes})
     opener = None if base is None else partial(open_base, os.fspath(base), str(path))
     return start_save(state_dict, path, process_group=process_group, metadata=metadata, overwrite=overwrite,
-                      threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes, lazy=lazy,
+                      threads=opts.threads, block_bytes=opts.block_bytes, max_staging_bytes=opts.max_staging_bytes, lazy=lazy,
                       storage_options=storage_options, base=opener, channel=channel)

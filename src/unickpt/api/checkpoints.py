@@ -20,6 +20,7 @@ from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
 from .incremental import prune
 from .load import load, read_manifest
+from .options import DurableOptions, SaveSchedule, check_tiers
 from .save import checkpoint_file, save
 from .tiers import Tier
 
@@ -65,29 +66,26 @@ class Checkpoints:
         keep: int | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
-        durable: str | os.PathLike | None = None,
+        durable: str | os.PathLike | DurableOptions | None = None,
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         full_every: int | None = None,
+        saves: SaveSchedule | None = None,
     ) -> None:
-        if full_every is not None and full_every < 1:
-            raise UnickptError(f"full_every must be at least 1, not {full_every}")
-        if incremental and (durable is not None or "://" in str(root) and not str(root).startswith("file://")):
-            raise UnickptError("incremental=True needs a local root and no durable tier (incremental checkpoints "
-                               "reference their bases by relative paths; an object store holds whole checkpoints)")
-        if durable_every < 1:
-            raise UnickptError(f"durable_every must be at least 1, not {durable_every}")
+        saves = SaveSchedule.merged(saves, {"incremental": incremental, "full_every": full_every})
+        tier = durable_options(durable, durable_every, durable_keep, durable_storage_options)
+        check_tiers(str(root), saves, tier)
         self.fast = Tier(root, keep, storage_options)
-        self.durable = Tier(durable, durable_keep, durable_storage_options) if durable is not None else None
-        self.durable_every = durable_every
+        self.durable = Tier(tier.url, tier.keep, tier.storage_options) if tier is not None else None
+        self.durable_every = tier.every if tier is not None else durable_every
         self.durable_errors: list[BaseException] = []
         self._saves = 0
         self._copy: threading.Thread | None = None
         self._copying: int | None = None
-        self.incremental = incremental
-        self.full_every = full_every
+        self.incremental = saves.incremental
+        self.full_every = saves.full_every
         self.passed_over: list[str] = []  # the checkpoints the last load() passed over, and why
         self._failed: set[str] = set()  # checkpoints that failed their checks in a load of this process
 
@@ -328,6 +326,17 @@ class Checkpoints:
         if self.durable is not None and _under(path, self.durable):
             return self.durable.storage_options
         return self.fast.storage_options if _under(path, self.fast) else None
+
+
+def durable_options(durable: str | os.PathLike | DurableOptions | None, every: int, keep: int | None,
+                    storage_options: dict[str, Any] | None) -> DurableOptions | None:
+    """The durable tier of ``durable=`` (a :class:`DurableOptions`, or the location with the
+    flat ``durable_*`` keywords), or None."""
+    if durable is None:
+        return None
+    given = durable if isinstance(durable, DurableOptions) else None
+    flat = {"every": every, "keep": keep, "storage_options": storage_options} | ({} if given else {"url": durable})
+    return DurableOptions.merged(given, flat, {"url": None})
 
 
 def _reason(error: BaseException, path: str) -> str:

@@ -22,18 +22,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..dist import all_true, broadcast_bytes, resolve_group
 from ..engine.restored import Restored
 from ..errors import UnickptError
 from ..live.run import Interrupted, restored, step_boundary
-from ..storage.open import is_remote
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
 from .delta_log import Replay, step_of
 from .load import load_into
+from .options import DeltaDtype, DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions, check_loop
 from .saveable import check_saveable
 from .state_copy import StateCopy
 from .step_deltas import StepDeltas, replay_line, replay_refusal
@@ -92,9 +92,9 @@ class CheckpointManager(Checkpoints):
         flush_every: int = 0,
         snapshot_max_bytes: int | None = None,
         log_deltas: bool = False,
-        delta_dtype: str = "exact",
+        delta_dtype: DeltaDtype = "exact",
         storage_options: dict[str, Any] | None = None,
-        durable: str | os.PathLike | None = None,
+        durable: str | os.PathLike | DurableOptions | None = None,
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_storage_options: dict[str, Any] | None = None,
@@ -102,18 +102,23 @@ class CheckpointManager(Checkpoints):
         full_every: int | None = None,
         process_group: Any = None,
         metadata: dict[str, Any] | None = None,
+        saves: SaveSchedule | None = None,
+        snapshot: SnapshotOptions | None = None,
+        deltas: DeltaLogOptions | None = None,
     ) -> None:
+        saves = SaveSchedule.merged(saves, {"every": save_every, "mode": "async" if async_save else "sync",
+                                            "incremental": incremental, "full_every": full_every})
+        snap = SnapshotOptions.merged(snapshot, {"every": snapshot_every, "parity": parity, "replicas": snapshot_replicas,
+                                                 "flush_every": flush_every, "max_bytes": snapshot_max_bytes},
+                                      {"every": 0})
+        logged = DeltaLogOptions.merged(deltas, {"enabled": log_deltas, "dtype": delta_dtype}, {"enabled": False})
         super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,
-                         durable_keep=durable_keep, durable_storage_options=durable_storage_options,
-                         incremental=incremental, full_every=full_every)
-        _check_options(str(root), save_every, snapshot_every, parity, snapshot_replicas, flush_every,
-                       snapshot_max_bytes, log_deltas, delta_dtype)
-        if async_save and not save_every:
-            raise UnickptError("async_save=True writes the checkpoints of save_every in the background: set save_every "
-                               "too (maybe_save(..., force=True) then saves in the background as well)")
-        self.save_every, self.async_save, self.snapshot_every = save_every, async_save, snapshot_every
-        self.parity, self.snapshot_replicas, self.flush_every = parity, snapshot_replicas, flush_every
-        self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snapshot_max_bytes, log_deltas, delta_dtype
+                         durable_keep=durable_keep, durable_storage_options=durable_storage_options, saves=saves)
+        check_loop(self.root, saves, snap, logged)
+        self.options = ManagerOptions(saves, snap if snap.every else None, logged if logged.enabled else None)
+        self.save_every, self.async_save, self.snapshot_every = saves.every, saves.mode == "async", snap.every
+        self.parity, self.snapshot_replicas, self.flush_every = snap.parity, snap.replicas, snap.flush_every
+        self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snap.max_bytes, logged.enabled, logged.dtype
         self.process_group = process_group
         self.metadata = metadata  # stored in every durable checkpoint's manifest (plain values)
         self.restored_line: str | None = None
@@ -460,39 +465,17 @@ class CheckpointManager(Checkpoints):
             log.warning("unickpt: %s", message)
 
 
+@dataclass(frozen=True)
+class ManagerOptions:
+    """What a :class:`CheckpointManager` was configured with, grouped (each group checked
+    when built): the save schedule, the memory snapshots (None: off) and the delta log
+    (None: off)."""
+
+    saves: SaveSchedule
+    snapshot: SnapshotOptions | None
+    deltas: DeltaLogOptions | None
+
+
 def _logged(plan: Replay | None) -> int | None:
     """How many logged steps a restore from disk replays on top of it (None: no replay)."""
     return len(plan.entries) if plan is not None and plan.usable else None
-
-
-def _check_options(root: str, save_every: int, snapshot_every: int, parity: int | None, replicas: int, flush_every: int,
-                   max_bytes: int | None, log_deltas: bool, delta_dtype: str) -> None:
-    """One clear error for a bad value or combination, before anything starts."""
-    for name, value in (("save_every", save_every), ("snapshot_every", snapshot_every), ("flush_every", flush_every)):
-        if not isinstance(value, int) or value < 0:
-            raise UnickptError(f"{name} must be a whole number >= 0 (0: never), not {value!r}")
-    if replicas < 1:
-        raise UnickptError(f"snapshot_replicas must be at least 1, not {replicas}")
-    if parity is not None and parity < 0:
-        raise UnickptError(f"parity must be >= 0, not {parity}")
-    if not snapshot_every:
-        for name, value in (("parity", parity), ("flush_every", flush_every or None),
-                            ("snapshot_max_bytes", max_bytes), ("snapshot_replicas", replicas if replicas > 1 else None)):
-            if value is not None:
-                raise UnickptError(f"{name}={value} configures the memory snapshots: set snapshot_every too")
-    if replicas > 1 and parity:
-        raise UnickptError(f"snapshot_replicas={replicas} and parity={parity} exclude each other: a node's snapshot is "
-                           "protected by copies on neighbours or by parity, not both")
-    if max_bytes is not None and max_bytes < 1:
-        raise UnickptError(f"snapshot_max_bytes must be positive, not {max_bytes}")
-    if flush_every and is_remote(root):
-        raise UnickptError("flush_every needs a local root: the keepers write files (use durable= for an object store)")
-    if delta_dtype not in ("exact", "bf16"):
-        raise UnickptError(f"delta_dtype must be 'exact' or 'bf16', not {delta_dtype!r}")
-    if delta_dtype != "exact" and not log_deltas:
-        raise UnickptError(f"delta_dtype={delta_dtype!r} is the delta log's: set log_deltas=True too")
-    if log_deltas and not save_every:
-        raise UnickptError("log_deltas=True needs save_every: the log replays onto the last full checkpoint")
-    if log_deltas and is_remote(root):
-        raise UnickptError("log_deltas=True needs a local root (the log's entries are files beside the checkpoints)")
-

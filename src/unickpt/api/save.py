@@ -16,8 +16,8 @@ from ..engine.collect import LocalState, collect
 from ..engine.commit import Written, check_not_committed, commit, describe, prepare_collective, write_items, write_rank
 from ..engine.commit import checkpoint_file  # noqa: F401  (api.checkpoints names it from here)
 from ..engine.gc_pause import gc_paused
+from ..engine.save_options import SaveOptions
 from ..engine.unchanged import split_unchanged
-from ..errors import SaveError
 from ..format.manifest import DEFAULT_BLOCK_BYTES
 from ..storage.base import Storage
 from .incremental import open_base
@@ -53,6 +53,7 @@ def stage(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
+    options: SaveOptions | None = None,
 ) -> StagedSave:
     """Phase 1 of a save (collective): check the arguments and capture this rank's state.
     Nothing is written yet.
@@ -60,15 +61,14 @@ def stage(
     After it returns, the caller may change the state freely. A failure on this rank is
     recorded and reported to every rank by :func:`write_and_commit`.
     """
-    if block_bytes <= 0 or block_bytes % 8:
-        raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
+    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes})
     group = resolve_group(process_group)
     check_not_committed(path, overwrite, storage_options)
     try:
         local, error = collect(state_dict, group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
         local, error = None, describe(e)
-    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
+    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), opts.block_bytes, opts.threads,
                       storage_options, None if base is None else os.fspath(base))
 
 
@@ -111,6 +111,7 @@ def save(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
+    options: SaveOptions | None = None,
 ) -> None:
     """Save ``state_dict`` to the checkpoint directory ``path``.
 
@@ -135,5 +136,6 @@ def save(
     staged = stage(
         state_dict, path, process_group=process_group, metadata=metadata,
         overwrite=overwrite, threads=threads, block_bytes=block_bytes, storage_options=storage_options, base=base,
+        options=options,
     )
     write_and_commit(staged)

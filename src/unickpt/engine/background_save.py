@@ -35,6 +35,7 @@ from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
 from .commit import Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
 from .gc_pause import gc_paused
+from .save_options import SaveOptions
 from .items import TensorItem
 from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
 from .unchanged import BaseIndex, split_unchanged
@@ -348,10 +349,7 @@ def start_save(
     like the in-memory snapshots): None commits the manifest on rank 0 only; otherwise
     each rank passing True also writes the committed manifest into its own ``path``, and
     every rank creates its ``path`` if needed (all ranks must pass None, or all a bool)."""
-    if block_bytes <= 0 or block_bytes % 8:
-        raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
-    if max_staging_bytes is not None and max_staging_bytes <= 0:
-        raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
+    SaveOptions.from_keywords(threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes)
     saver = _saver(channel)
     saver.wait()
     group = checkpoint_group(resolve_group(process_group), channel)
