@@ -72,3 +72,19 @@ def test_save_takes_save_options_or_the_flat_keywords(tmp_path):
         unickpt.save(state, str(tmp_path / "c"), block_bytes=12)
     with pytest.raises(unickpt.SaveError, match=r"^threads and a SaveOptions were both given"):
         unickpt.save(state, str(tmp_path / "c"), threads=2, options=SaveOptions())
+
+
+def test_the_async_handle_is_future_like(tmp_path):
+    state = {"w": torch.ones(8)}
+    seen: list = []
+    ok = unickpt.async_save(state, str(tmp_path / "ok"))
+    ok.add_done_callback(seen.append)
+    assert ok.exception(30) is None and ok.done() and ok.staged()
+    bad = unickpt.async_save({"w": torch.ones(8), "x": object()}, str(tmp_path / "bad"))
+    bad.add_done_callback(seen.append)
+    error = bad.exception(30)
+    assert isinstance(error, unickpt.SaveError) and "'x'" in str(error), error
+    with pytest.raises(unickpt.SaveError):
+        bad.result(0)
+    assert seen == [ok, bad]
+    assert not (tmp_path / "bad" / "manifest.json").exists()
