@@ -16,6 +16,7 @@ from .errors import (
 )
 
 from .version import __version__ as __version__
+from . import logs as _logs  # noqa: F401  (the unickpt logger's default handler: console lines, warnings)
 
 # The entry points import torch: they are loaded on first use (PEP 562), so that
 # ``import unickpt`` (and the command line's start) costs no torch import.

@@ -8,7 +8,6 @@ loop's tiers on top; the delta log keeps its entries in one too."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import warnings
@@ -16,6 +15,7 @@ from typing import Any
 
 from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
 from ..errors import CorruptionError, UnickptError
+from ..logs import log
 from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
 from .incremental import prune
@@ -25,8 +25,6 @@ from .save import checkpoint_file, save
 from .tiers import Tier
 
 __all__ = ["Checkpoints", "TierFallbackWarning"]
-
-log = logging.getLogger("unickpt")
 
 
 class TierFallbackWarning(UserWarning):

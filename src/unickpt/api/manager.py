@@ -19,7 +19,6 @@ warning, a counter in :meth:`CheckpointManager.stats`, and the next one tries ag
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, replace
@@ -28,6 +27,7 @@ from typing import Any
 from ..dist import all_true, broadcast_bytes, resolve_group
 from ..engine.restored import Restored
 from ..errors import UnickptError
+from ..logs import log, say
 from ..live.run import Interrupted, restored, step_boundary
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
@@ -37,8 +37,6 @@ from .options import DeltaDtype, DeltaLogOptions, DurableOptions, SaveSchedule, 
 from .saveable import check_saveable
 from .state_copy import StateCopy
 from .step_deltas import StepDeltas, replay_line, replay_refusal
-
-log = logging.getLogger("unickpt")
 
 __all__ = ["CheckpointManager", "TierFallbackWarning"]
 
@@ -184,8 +182,7 @@ class CheckpointManager(Checkpoints):
         self._stepped = step
         self.restored_line = line
         if group.rank == 0:
-            print(line, flush=True)
-            log.info("%s", line)
+            say(line)
         restored(step)  # under `unickpt launch`, after a re-forming: its line
         return step
 

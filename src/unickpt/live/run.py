@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ..dist import release_groups
 from ..errors import UnickptError
+from ..logs import say
 from . import control
 from .control import Generation, key
 
@@ -372,7 +373,7 @@ class _Live:
             return
         line, self.note = self.note.format(step), None
         if self.world is not None and self.world.rank == 0:
-            print(line, flush=True)
+            say(line)
 
     def mark(self, what: str) -> None:
         self.times[what] = time.time()
