@@ -59,3 +59,37 @@ def test_the_library_does_not_print_to_stdout():
                 if not any(k.arg == "file" for k in node.keywords):
                     found.append(f"{rel}:{node.lineno}")
     assert not found, f"print to stdout in the library (use unickpt.logs.say or the unickpt logger): {found}"
+
+
+def test_each_durable_save_is_one_record_counted_once(tmp_path, caplog):
+    import torch
+
+    import unickpt
+
+    state = {"w": torch.arange(1024, dtype=torch.float32)}
+    for mode in ("sync", "async"):
+        manager = unickpt.CheckpointManager(str(tmp_path / mode), save_every=2, async_save=mode == "async")
+        manager.restore(state)
+        for step in (1, 2, 3, 4):
+            manager.maybe_save(state, step)
+        manager.close()
+        stats = manager.stats()
+        last = stats["last_save"]
+        assert stats["saves"] == 2 and stats["saves_failed"] == 0, stats
+        assert (last["step"], last["mode"], last["error"]) == (4, mode, None), last
+        assert last["bytes"] >= 4096 and 0 <= last["stall_s"] <= last["seconds"], last
+    # a failure: counted once, told once (one warning), kept as the record's error
+    blocked = tmp_path / "blocked"
+    manager = unickpt.CheckpointManager(str(blocked), save_every=1)
+    manager.restore(state)
+    blocked.mkdir()
+    (blocked / "step_00000001").write_text("a file where the checkpoint goes")
+    with caplog.at_level(logging.WARNING, logger="unickpt"):
+        manager.maybe_save(state, 1)
+    manager.close()
+    stats = manager.stats()
+    assert stats["saves"] == 0 and stats["saves_failed"] == 1, stats
+    assert stats["last_save"]["error"] and stats["last_save"]["bytes"] is None
+    told = [r.getMessage() for r in caplog.records if r.name == "unickpt" and r.levelno >= logging.WARNING]
+    assert len(told) == 1 and told[0].startswith("unickpt: checkpoint of step 1 failed, training goes on: "), told
+    assert stats["last_error"] == told[0].removeprefix("unickpt: ")

@@ -154,14 +154,18 @@ class Checkpoints:
         """Save ``state_dict`` as the checkpoint of ``step`` (collective) into the fast
         tier, then apply retention; every ``durable_every``-th save also starts its copy
         to the durable tier (in the background, on rank 0). Returns its location."""
+        return self._save(state_dict, step, **kwargs)[0]
+
+    def _save(self, state_dict: dict[str, Any], step: int, **kwargs: Any) -> tuple[str, int]:
+        """:meth:`save`; returns the location and the bytes this rank wrote."""
         path = self.path_for(step)
         group = resolve_group(kwargs.get("process_group"))
         if self.incremental and "base" not in kwargs:
             kwargs["base"] = self.shared_base(step, group)
-        save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
+        written = save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
         if group.rank == 0:
             self.committed(step)
-        return path
+        return path, written
 
     def shared_base(self, step: int, group: Any) -> str | None:
         """Collective: the base of an incremental save of ``step``, chosen by rank 0."""

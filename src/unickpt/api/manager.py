@@ -27,13 +27,14 @@ from typing import Any
 from ..dist import all_true, broadcast_bytes, resolve_group
 from ..engine.restored import Restored
 from ..errors import UnickptError
-from ..logs import log, say
+from ..logs import say
 from ..live.run import Interrupted, restored, step_boundary
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
 from .delta_log import Replay, step_of
 from .load import load_into
-from .options import DeltaDtype, DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions, check_loop
+from .stats import RunStats, SaveRecord
+from .options import DeltaDtype, SaveMode, DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions, check_loop
 from .saveable import check_saveable
 from .state_copy import StateCopy
 from .step_deltas import StepDeltas, replay_line, replay_refusal
@@ -125,15 +126,13 @@ class CheckpointManager(Checkpoints):
         self._snap: Any = None
         self._deltas: StepDeltas | None = None
         self._state: dict[str, Any] | None = None
-        self._pending: tuple[AsyncSaveHandle, int, dict[str, int]] | None = None
+        self._pending: _Pending | None = None
         self._housekept: int | None = None  # the step of the last async save whose retention ran
         self._stepped: int | None = None  # the last step restored or passed to maybe_save, and the last saved
         self._saved_step: int | None = None
         self._newest_seen: int | None = None  # the newest checkpoint seen, and the step the valid ones cover
         self._covers: int | None = None
-        self._counts = {"saves": 0, "saves_failed": 0, "snapshots_failed": 0, "delta_steps_missed": 0}
-        self._stall_s = 0.0
-        self._last_error: str | None = None
+        self.run_stats = RunStats()  # every count and failure of this run, told once
 
     # -- the training loop's calls -----------------------------------------------------
     def restore(self, state: dict[str, Any]) -> int:
@@ -200,7 +199,7 @@ class CheckpointManager(Checkpoints):
             self._snap.before_update()
         if self._deltas is not None and self._state is not None:
             self._deltas.capture(self._state)
-        self._stall_s += time.perf_counter() - t0
+        self.run_stats.stall_s += time.perf_counter() - t0
 
     def maybe_save(self, state: dict[str, Any], step: int, force: bool = False) -> None:
         """After the optimizer (and scheduler) step of ``step``: whatever is due — a durable
@@ -221,29 +220,28 @@ class CheckpointManager(Checkpoints):
         if step == self._stepped:  # the same step again (a framework's end of fit): its durable checkpoint only
             if force and self._saved_step != step:
                 self._save_step(state, step)
-            self._stall_s += time.perf_counter() - t0
+            self.run_stats.stall_s += time.perf_counter() - t0
             return
         self._stepped = step
         saved = force or (bool(self.save_every) and step % self.save_every == 0)
         if saved:
             self._save_step(state, step)
-        elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending[0].done():
+        elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending.handle.done():
             self._housekeep()
         if self._deltas is not None:
             failed = self._deltas.failures
             if not self._deltas.commit(state, step):
-                self._counts["delta_steps_missed"] += 1
-                self._warn(f"step {step} is not in the delta log: before_update() was not called before optimizer.step()")
+                self._count_failure("delta_steps_missed",
+                             f"step {step} is not in the delta log: before_update() was not called before optimizer.step()")
             elif self._deltas.failures > failed:
-                self._warn(f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
+                self._count_failure(None, f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
                            f"{self._deltas.last_failure}")
         if self._snap is not None and self._snap.due(step):
             try:
                 self._snap.snapshot(state, step, flush=not saved)
             except UnickptError as e:
-                self._counts["snapshots_failed"] += 1
-                self._warn(f"snapshot of step {step} failed, training goes on: {e}")
-        self._stall_s += time.perf_counter() - t0
+                self._count_failure("snapshots_failed", f"snapshot of step {step} failed, training goes on: {e}")
+        self.run_stats.stall_s += time.perf_counter() - t0
         if step_boundary(step):  # under `unickpt launch`: a replacement joins after this step
             self._last_snapshot(state, step, saved)
             raise Interrupted(f"the job re-forms after step {step}")
@@ -265,25 +263,32 @@ class CheckpointManager(Checkpoints):
             except UnickptError as e:  # the entries still queued: the replay stops before the failed one
                 self._deltas.failures += 1
                 self._deltas.last_failure = str(e).splitlines()[0]
-                self._warn(f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
-                           f"{self._deltas.last_failure}")
+                self._count_failure(None, f"a delta log entry failed, training goes on (no replay past it until the next "
+                             f"checkpoint): {self._deltas.last_failure}")
         self.wait()
         if self._snap is not None:
             self._snap.close(clean=not keep_snapshots)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this run: ``saves`` committed and ``saves_failed``, ``snapshots``
-        taken, ``snapshots_skipped`` (the keepers still encoding earlier ones) and
-        ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
-        ``delta_steps_missed``, ``durable_copies_failed``, ``stall_s`` (seconds the loop
-        spent in ``before_update`` and ``maybe_save``), ``snapshot_stall_s`` (of which the
-        snapshots') and ``last_error``."""
+        """Counters of this run.
+
+        Returns:
+            ``saves`` committed and ``saves_failed``, ``snapshots`` taken,
+            ``snapshots_skipped`` (the keepers still encoding earlier ones) and
+            ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
+            ``delta_steps_missed``, ``durable_copies_failed``, ``stall_s`` (seconds the loop
+            spent in ``before_update`` and ``maybe_save``), ``snapshot_stall_s`` (of which
+            the snapshots'), ``last_error`` and ``last_save`` (the last durable save's
+            :class:`~unickpt.api.stats.SaveRecord` as a dict: step, path, mode, seconds,
+            stall_s, bytes, error). Plain values (JSON-ready); the manager keeps them in
+            :attr:`run_stats`.
+        """
         snap = self._snap
-        out = dict(self._counts)
+        out = self.run_stats.as_dict()
         out.update(snapshots=snap.taken if snap else 0, snapshots_skipped=snap.skipped if snap else 0,
                    delta_entries=self._deltas.log.stats["entries"] if self._deltas else 0,
                    delta_entries_failed=self._deltas.failures if self._deltas else 0,
-                   durable_copies_failed=len(self.durable_errors), stall_s=self._stall_s, last_error=self._last_error)
+                   durable_copies_failed=len(self.durable_errors))
         out["snapshot_stall_s"] = snap.stall_s if snap else 0.0
         if snap is not None:
             out["snapshots_failed"] += len(snap.failures)
@@ -394,72 +399,98 @@ class CheckpointManager(Checkpoints):
         self._finish_pending()
 
     def _save_step(self, state: dict[str, Any], step: int) -> None:
-        """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""
+        """The durable checkpoint of ``step`` (collective); its record counted and told."""
         group = resolve_group(self.process_group)
         self._saved_step = step
         replace = self.failed_checks(self.path_for(step))  # a checkpoint restore passed over is replaced
         versions = self._deltas.versions() if self._deltas is not None else {}
+        t0 = time.perf_counter()
         if not self.async_save:
             try:
-                self.save(state, step, process_group=self.process_group, metadata=self.metadata, overwrite=replace)
+                _, written = self._save(state, step, process_group=self.process_group, metadata=self.metadata,
+                                        overwrite=replace)
             except UnickptError as e:
-                self._save_failed(step, e)
+                self._saved(step, "sync", t0, time.perf_counter(), error=e)
                 return
-            self._counts["saves"] += 1
+            self._saved(step, "sync", t0, time.perf_counter(), written)
             if self._deltas is not None:
                 self._deltas.rebase(versions)
             return
         self._finish_pending()
+        t0 = time.perf_counter()
         base = self.shared_base(step, group) if self.incremental else None
         try:
             handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
                                 storage_options=self.fast.storage_options, metadata=self.metadata, overwrite=replace)
         except UnickptError as e:
-            self._save_failed(step, e)
+            self._saved(step, "async", t0, time.perf_counter(), error=e)
             return
-        self._pending = (handle, step, versions)
+        self._pending = _Pending(handle, step, versions, t0, time.perf_counter())
+        handle.add_done_callback(self._pending.over)
 
     def _finish_pending(self) -> None:
         """Wait for the async save in flight (collective: every rank waits at the same
         call); on success its retention and durable copy, and the delta log's new base."""
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return
-        handle, step, versions = self._pending
         try:
-            handle.result()
+            written = pending.handle.result()
         except UnickptError as e:
             self._pending = None
-            self._save_failed(step, e)
+            self._saved(pending.step, "async", pending.started, pending.end(), error=e, stall=pending.stall)
             return
         self._housekeep()
         self._pending = None
-        self._counts["saves"] += 1
+        self._saved(pending.step, "async", pending.started, pending.end(), written, stall=pending.stall)
         if self._deltas is not None:
-            self._deltas.rebase(versions)
+            self._deltas.rebase(pending.versions)
 
     def _housekeep(self) -> None:
         """Rank 0, once the async save in flight has committed: its retention and durable
         copy (once per save)."""
         if self._pending is None or resolve_group(self.process_group).rank != 0:
             return
-        handle, step, _ = self._pending
-        if self._housekept == step or not handle.done():
-            return
-        try:
-            handle.result()
-        except UnickptError:  # counted and warned by _finish_pending
-            return
+        handle, step = self._pending.handle, self._pending.step
+        if self._housekept == step or not handle.done() or handle.exception() is not None:
+            return  # a failure is counted and told by _finish_pending
         self._housekept = step
         self.committed(step)
 
-    def _save_failed(self, step: int, error: UnickptError) -> None:
-        self._counts["saves_failed"] += 1
-        self._warn(f"checkpoint of step {step} failed, training goes on: {error}")
+    def _saved(self, step: int, mode: SaveMode, started: float, ended: float, written: int | None = None,
+               error: UnickptError | None = None, stall: float | None = None) -> None:
+        """Count and tell the durable save of ``step`` (its :class:`SaveRecord`)."""
+        record = SaveRecord(step, self.path_for(step), mode, ended - started, ended - started if stall is None else stall,
+                            written, None if error is None else str(error))
+        self.run_stats.saved(record, resolve_group(self.process_group).rank == 0)
 
-    def _warn(self, message: str) -> None:
-        self._last_error = message
-        if resolve_group(self.process_group).rank == 0:
-            log.warning("unickpt: %s", message)
+    def _count_failure(self, counter: str | None, message: str) -> None:
+        """Count and tell a failure (training goes on)."""
+        self.run_stats.failed(counter, message, resolve_group(self.process_group).rank == 0)
+
+
+@dataclass
+class _Pending:
+    """The async save in flight: its handle, step and the delta log's versions at its call;
+    when it started, how long the call stalled the loop, and when it was over."""
+
+    handle: AsyncSaveHandle
+    step: int
+    versions: dict[str, int]
+    started: float
+    staged: float
+    ended: float = 0.0
+
+    @property
+    def stall(self) -> float:
+        return self.staged - self.started
+
+    def over(self, _: AsyncSaveHandle) -> None:
+        self.ended = time.perf_counter()
+
+    def end(self) -> float:
+        """When the save was over (now, if its callback has not run yet)."""
+        return self.ended or time.perf_counter()
 
 
 @dataclass(frozen=True)

@@ -88,15 +88,16 @@ def _write(staged: StagedSave, storage: Storage) -> Written:
     return Written(refs + done.fragments, done.files, base)
 
 
-def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
+def write_and_commit(staged: StagedSave, group: Group | None = None) -> int:
     """Phase 2 of a save (collective): claim the directory, write this rank's file, then
     rank 0 checks every rank's report and commits the manifest. Raises the same error on
     every rank if any rank failed. ``group`` overrides the group used to talk (async saves
-    use their own)."""
+    use their own). Returns the bytes this rank wrote."""
     group = group or staged.group
     target = prepare_collective(group, staged.path, staged.overwrite, storage_options=staged.storage_options)
     report = write_rank(staged.group.rank, staged.local, lambda: _write(staged, target.storage), staged.error)
     commit(group, report, target, staged.metadata)
+    return sum(report.files.values())
 
 
 @gc_paused()
@@ -112,7 +113,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
     options: SaveOptions | None = None,
-) -> None:
+) -> int:
     """Save ``state_dict`` to the checkpoint directory ``path``.
 
     Collective over ``process_group`` (default: the default group if initialised, else a
@@ -138,4 +139,4 @@ def save(
         overwrite=overwrite, threads=threads, block_bytes=block_bytes, storage_options=storage_options, base=base,
         options=options,
     )
-    write_and_commit(staged)
+    return write_and_commit(staged)

@@ -74,16 +74,16 @@ class _Progress:
 
     def __init__(self) -> None:
         self.staged = threading.Event()
-        self.future: Future[None] = Future()
+        self.future: Future[int] = Future()
         self.future.set_running_or_notify_cancel()
 
     def fail(self, error: BaseException) -> None:
         self.staged.set()
         self.future.set_exception(error)
 
-    def succeed(self) -> None:
+    def succeed(self, written: int) -> None:
         self.staged.set()
-        self.future.set_result(None)
+        self.future.set_result(written)
 
 
 class AsyncSaveHandle:
@@ -127,18 +127,21 @@ class AsyncSaveHandle:
             True once the save has committed or failed."""
         return self._progress.future.done()
 
-    def result(self, timeout: float | None = None) -> None:
+    def result(self, timeout: float | None = None) -> int:
         """Wait for the save to finish.
 
         Args:
             timeout: Seconds to wait at most (None: as long as it takes).
+
+        Returns:
+            The bytes this rank wrote (its data file; less for an incremental save).
 
         Raises:
             SaveError: The save failed (or another :class:`~unickpt.UnickptError`).
             TimeoutError: The save is still running after ``timeout`` seconds.
         """
         try:
-            self._progress.future.result(timeout)
+            return self._progress.future.result(timeout)
         except FutureTimeout:
             raise TimeoutError(f"async save to {self.path} still running after {timeout} s") from None
 
@@ -238,15 +241,15 @@ class _Saver:
 
     def _run(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
         try:
-            self._write_and_commit(job, progress, buf, crcs, staged_batch0)
+            written = self._write_and_commit(job, progress, buf, crcs, staged_batch0)
         except BaseException as e:
             progress.fail(e if isinstance(e, UnickptError) else SaveError(
                 f"async save to {job.path} failed on rank {job.group.rank}: {type(e).__name__}: {e}"
             ))
         else:
-            progress.succeed()
+            progress.succeed(written)
 
-    def _write_and_commit(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
+    def _write_and_commit(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> int:
         last = len(job.batches) - 1
         if job.error is None and not staged_batch0:
             try:
@@ -262,6 +265,7 @@ class _Saver:
         report = write_rank(job.group.rank, job.local, lambda: self._write(job, progress, buf, crcs, target.storage), job.error)
         progress.staged.set()
         commit(job.group, report, target, job.metadata, job.manifest_copy)
+        return sum(report.files.values())
 
     @staticmethod
     def _staged_bytes(job: _Job, buf: torch.Tensor):
