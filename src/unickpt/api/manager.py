@@ -13,7 +13,7 @@
 It owns every tier and the order of recovery: the in-memory snapshots held by the
 node's keeper (:mod:`unickpt.snapshot`), the durable checkpoints of :class:`Checkpoints`
 (fast tier, optional ``durable=`` tier, retention, incremental saves) and the per-step
-delta log (:mod:`.step_deltas`). Training never stops for a failed snapshot or save: a
+delta log (:mod:`.deltas`). Training never stops for a failed snapshot or save: a
 warning, a counter in :meth:`CheckpointManager.stats`, and the next one tries again.
 """
 
@@ -31,13 +31,13 @@ from ..logs import say
 from ..live.run import Interrupted, restored, step_boundary
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
-from .delta_log import Replay, step_of
+from .deltas.log import Replay, step_of
 from .load import load_into
 from .stats import RunStats, SaveRecord
 from .options import DeltaDtype, SaveMode, DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions, check_loop
 from .saveable import check_saveable
 from .state_copy import StateCopy
-from .step_deltas import StepDeltas, replay_line, replay_refusal
+from .deltas.replay import StepDeltas, replay_line, replay_refusal
 
 __all__ = ["CheckpointManager", "TierFallbackWarning"]
 

@@ -1,7 +1,7 @@
 """What a training step changes, as a delta log entry, and its exact replay (any loop).
 
 :class:`StepDeltas` is the :class:`unickpt.CheckpointManager`'s ``log_deltas=True``. For
-step ``s`` it writes one entry of the :class:`~unickpt.api.delta_log.DeltaLog` holding:
+step ``s`` it writes one entry of the :class:`~unickpt.api.deltas.log.DeltaLog` holding:
 
 * the gradients every optimizer of the state consumed (captured by ``before_update()``,
   right before ``optimizer.step()``: after the data-parallel reduction and any clipping),
@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
-from ..engine.items import is_dtensor
-from ..engine.optim_state import named_parameters
-from ..engine.state import PerRank, Sharded, find_modules, flatten, optimizers_of, without_optimizers, write_back
-from ..errors import UnickptError
-from ..format.dtypes import dtype_from_name
-from .delta_log import DELTAS_DIR, DeltaLog, Replay, replayable
-from .load import load_into, read_manifest
+from ...dist import all_true, broadcast_bytes, gather_bytes, resolve_group
+from ...engine.items import is_dtensor
+from ...engine.optim_state import named_parameters
+from ...engine.state import PerRank, Sharded, find_modules, flatten, optimizers_of, without_optimizers, write_back
+from ...errors import UnickptError
+from ...format.dtypes import dtype_from_name
+from .log import DELTAS_DIR, DeltaLog, Replay, replayable
+from ..load import load_into, read_manifest
 
 # The entry's own part; the rest of an entry is named as the state flattens.
 KEY = "unickpt_delta"
