@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
-from .adapters.checkpoint import Checkpoint, open_checkpoint
+from .adapters.checkpoint import OpenCheckpoint, open_checkpoint
 from .adapters.detect import checkpoint_format
 from .adapters.dcp_writer import dcp_leaves
 from .engine.assemble import manifest_document
@@ -484,7 +484,7 @@ class StorageReader(_storage.StorageReader):
         self.path = os.fspath(path)
         self.threads = max(1, threads)
         self.storage_options = storage_options
-        self._ckpt: Checkpoint | None = None
+        self._ckpt: OpenCheckpoint | None = None
         self._values: dict[str, Any] = {}  # flat name -> plain value, or bytes of an opaque pickle
         self._pickled: set[str] = set()
 

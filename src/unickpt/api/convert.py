@@ -41,7 +41,7 @@ import torch
 
 from ..version import __version__
 from ..errors import SaveError, UnickptError
-from ..adapters.checkpoint import Checkpoint, using_checkpoint
+from ..adapters.checkpoint import OpenCheckpoint, using_checkpoint
 from ..adapters.regions import source_ledger
 from ..format.dtypes import dtype_from_name
 from ..format.ledger import Ledger
@@ -77,7 +77,7 @@ class ConvertReport:
 
 @gc_paused()
 def convert(
-    src: str | Checkpoint,
+    src: str | OpenCheckpoint,
     dst: str,
     *,
     consolidate: bool = True,

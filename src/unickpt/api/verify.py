@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ..adapters.checkpoint import Checkpoint, using_checkpoint
+from ..adapters.checkpoint import OpenCheckpoint, using_checkpoint
 from ..adapters.regions import source_ledger
 from ..engine.reads import Segment, SpanRead, block_checks, execute
 from ..errors import CorruptionError, StorageError, UnickptError
@@ -256,7 +256,7 @@ _MESSAGES = {
 
 
 @gc_paused()
-def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = None, threads: int = 4,
+def verify(path: str | OpenCheckpoint, *, progress: Callable[[int], None] | None = None, threads: int = 4,
            storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Re-check every checksum of the checkpoint at ``path`` (or of a checkpoint the caller
     opened) and report what is wrong.
@@ -273,7 +273,7 @@ def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = N
         return _verify(ckpt, progress, threads)
 
 
-def _base_problems(ckpt: Checkpoint, manifest: Manifest) -> list[tuple[str, str]]:
+def _base_problems(ckpt: OpenCheckpoint, manifest: Manifest) -> list[tuple[str, str]]:
     """The bases of an incremental checkpoint that are missing or replaced."""
     if not manifest.bases:
         return []
@@ -282,7 +282,7 @@ def _base_problems(ckpt: Checkpoint, manifest: Manifest) -> list[tuple[str, str]
     return base_problems(str(ckpt.storage.root), manifest)
 
 
-def _verify(ckpt: Checkpoint, progress: Callable[[int], None] | None, threads: int) -> VerifyReport:
+def _verify(ckpt: OpenCheckpoint, progress: Callable[[int], None] | None, threads: int) -> VerifyReport:
     storage, manifest = ckpt.storage, ckpt.manifest
     report = VerifyReport(ckpt.location, format=ckpt.format, manifest_digest=manifest.digest)
     problems: list[Problem] = []
