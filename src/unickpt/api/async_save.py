@@ -65,6 +65,30 @@ def async_save(
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
     without ``overwrite``) are raised here.
+
+    Args:
+        state_dict: What to save, as for :func:`unickpt.save`.
+        path: The checkpoint's directory or URL.
+        process_group: The group saving together (default: the default group if
+            initialised, else a single process); every rank calls with its own shards.
+        metadata: Plain values stored in the manifest.
+        overwrite: Replace a committed checkpoint at ``path`` (only once the new one commits).
+        threads: Threads writing this rank's file (or ``options``).
+        block_bytes: The checksum block, a positive multiple of 8 (or ``options``).
+        max_staging_bytes: A cap on the host staging buffer (or ``options``).
+        lazy: Return at once; copy in the background (see the contract above).
+        storage_options: Options of a URL's file system (fsspec).
+        base: An earlier checkpoint: save incrementally against it.
+        channel: The saver to use (one save in flight per channel).
+        options: The write options as one :class:`~unickpt.SaveOptions` (instead of
+            ``threads``, ``block_bytes`` and ``max_staging_bytes``).
+
+    Returns:
+        An :class:`AsyncSaveHandle` (future-like: ``result()``, ``done()``, ``exception()``).
+
+    Raises:
+        SaveError: A bad option, or a committed checkpoint at ``path`` without
+            ``overwrite`` (the save's own failures come from ``handle.result()``).
     """
     opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes,
                                         "max_staging_bytes": max_staging_bytes})

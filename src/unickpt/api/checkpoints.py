@@ -29,7 +29,12 @@ __all__ = ["Checkpoints", "TierFallbackWarning"]
 
 class TierFallbackWarning(UserWarning):
     """A checkpoint was loaded from the durable tier because the fast tier's copy was
-    missing or failed its checks."""
+    missing or failed its checks (also a warning on the ``unickpt`` logger).
+
+    Example:
+        ``warnings.simplefilter("error", unickpt.TierFallbackWarning)`` makes a fallback
+        an error.
+    """
 
 
 class Checkpoints:
@@ -56,6 +61,22 @@ class Checkpoints:
     deletes in an order that a kill at any point leaves every committed checkpoint whole
     (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
     bytes of kept ones; they go once nothing kept references them).
+
+    Args:
+        root: The fast tier: a directory or a URL.
+        keep: Keep the newest ``keep`` checkpoints (None: all).
+        storage_options: Options of the root's file system (fsspec).
+        durable: The durable tier: a URL or directory, or a :class:`~unickpt.DurableOptions`
+            (then without the ``durable_*`` keywords).
+        durable_every: Copy every ``durable_every``-th checkpoint there.
+        durable_keep: Keep the newest ``durable_keep`` there (None: all).
+        durable_storage_options: Options of the durable tier's file system.
+        incremental: Incremental saves (a local root, no durable tier).
+        full_every: With ``incremental``, a full save every ``full_every`` saves.
+        saves: ``incremental`` and ``full_every`` as a :class:`~unickpt.SaveSchedule`.
+
+    Raises:
+        UnickptError: A bad value or combination, naming the keyword.
     """
 
     def __init__(

@@ -76,6 +76,44 @@ class CheckpointManager(Checkpoints):
     ``path_for``, ``prune``, ``steps`` and ``wait`` work as on a plain manager (see
     :class:`Checkpoints`): ``save``/``load`` are collective, ``latest``, ``path_for`` and
     ``steps`` local, ``prune`` and the durable copy rank 0's.
+
+    Each group of options may also be given as one object (never both ways for one group),
+    checked when built: ``saves=SaveSchedule(every=50, mode="async")``,
+    ``snapshot=SnapshotOptions(every=1, parity=1)``, ``deltas=DeltaLogOptions(dtype="bf16")``,
+    ``durable=DurableOptions("s3://bucket/run", every=4)``; :attr:`options` holds the
+    groups in effect. What the run did is :meth:`stats` (each durable save's
+    :class:`~unickpt.api.stats.SaveRecord` in ``last_save``); what it tells goes through the
+    ``unickpt`` logger (:mod:`unickpt.logs`).
+
+    Args:
+        root: The fast tier: a directory or a URL.
+        keep: Keep the newest ``keep`` checkpoints (None: all).
+        save_every: A durable checkpoint every N steps (0: only forced ones).
+        async_save: Write them in the background.
+        snapshot_every: A memory snapshot every N steps (0: none).
+        parity: Parity blocks per group across nodes (None: 1, XOR; 0: local only).
+        snapshot_replicas: Full copies per node's snapshot instead of parity.
+        flush_every: The keepers write every Nth snapshot as a checkpoint under ``root``.
+        snapshot_max_bytes: A cap on the snapshots' host memory per node.
+        log_deltas: Log every step for replay after the last full checkpoint.
+        delta_dtype: ``"exact"`` or ``"bf16"``.
+        storage_options: Options of the root's file system (fsspec).
+        durable: The durable tier: a URL or directory, or a :class:`~unickpt.DurableOptions`.
+        durable_every: Copy every Nth checkpoint to the durable tier.
+        durable_keep: Keep the newest N there (None: all).
+        durable_storage_options: Options of the durable tier's file system.
+        incremental: Incremental saves (a local root, no durable tier).
+        full_every: With ``incremental``, a full save every N saves.
+        process_group: The job's group (default: the default group).
+        metadata: Plain values stored in every durable checkpoint's manifest.
+        saves: ``save_every``, ``async_save``, ``incremental``, ``full_every`` as one
+            :class:`~unickpt.SaveSchedule`.
+        snapshot: The snapshot options as one :class:`~unickpt.SnapshotOptions`.
+        deltas: The delta log's options as one :class:`~unickpt.DeltaLogOptions`.
+
+    Raises:
+        UnickptError: A bad value or combination, naming the keyword (or ``Group.field``),
+            the value and what is allowed; nothing has started then.
     """
 
     def __init__(
@@ -141,16 +179,29 @@ class CheckpointManager(Checkpoints):
 
         Memory first (after a crash; after a lost node, decoded from parity or copies, onto
         whatever ranks run now), else the durable checkpoints (the fast tier's copy, else
-        the ``durable`` tier's) plus the delta log's steps after them. Rank 0 prints one
-        line saying from where and why the newer sources were passed over, also logged on
-        the ``unickpt`` logger and kept in :attr:`restored_line`: ``resumed step S from
+        the ``durable`` tier's) plus the delta log's steps after them. Rank 0 says one
+        line, from where and why the newer sources were passed over, on the ``unickpt``
+        logger (by default on stdout: :mod:`unickpt.logs`), kept in :attr:`restored_line`: ``resumed step S from
         memory (...)``, ``resumed step S from disk (...)`` (``from disk + D logged steps``)
         or ``starting fresh (...)``. On the same layout ``state`` is then bitwise what it
         was after step S of the broken run; on another number of ranks per-rank entries
         (:class:`unickpt.RNGState`) keep their values, as the line says. An entry of
         ``state`` that no save could store (not a tensor, a Stateful object or plain data,
         e.g. a plain ``DataLoader``) is a :class:`~unickpt.UnickptError` naming it, before
-        anything is loaded."""
+        anything is loaded.
+
+        Args:
+            state: The training state, filled in place (as for :func:`unickpt.load`).
+
+        Returns:
+            The step restored (0: nothing to restore, a fresh start).
+
+        Raises:
+            UnickptError: An entry no save could store, or a state whose steps the delta
+                log cannot replay exactly.
+            CorruptionError: Checkpoints are there but none is whole (never a silent
+                fresh start).
+        """
         t0 = time.perf_counter()
         self._state = state
         check_saveable(state)
@@ -189,7 +240,11 @@ class CheckpointManager(Checkpoints):
         """Right before ``optimizer.step()``: wait until a lazy snapshot has copied the
         state, and capture the step's gradients for the delta log (of ``state``, by default
         the one given to :meth:`restore` or the last :meth:`maybe_save`). Costs nothing
-        when neither is on."""
+        when neither is on.
+
+        Args:
+            state: The training state (None: the last one given).
+        """
         if state is not None:
             self._state = state
         if self._snap is None and self._deltas is None:
@@ -209,7 +264,17 @@ class CheckpointManager(Checkpoints):
         framework's last step); called again for the step just passed (or restored), it
         takes only that checkpoint, if not taken yet. Collective. A failure is a warning
         and a count in :meth:`stats`, never an exception: the next save or snapshot tries
-        again."""
+        again.
+
+        Args:
+            state: The training state after the step.
+            step: The step just taken.
+            force: Take the durable checkpoint of ``step`` whether due or not.
+
+        Raises:
+            unickpt.live.run.Interrupted: Under ``unickpt launch``, the job re-forms after
+                this step (caught by :func:`unickpt.run`).
+        """
         t0 = time.perf_counter()
         self._state = state
         if not self._started:  # restore() was not called (the state was loaded otherwise)
@@ -252,7 +317,11 @@ class CheckpointManager(Checkpoints):
         leaving no process and no shared memory behind; collective. ``keep_snapshots=True``
         leaves the snapshots and keepers for a relaunch (a planned stop that is to resume
         from memory), once the keepers hold the newest snapshot whole (waiting up to 2 s plus a
-        second per 256 MiB of the node's snapshot). A second call does nothing."""
+        second per 256 MiB of the node's snapshot). A second call does nothing.
+
+        Args:
+            keep_snapshots: Leave the snapshots and keepers for a relaunch.
+        """
         if self._closed:
             return
         self._closed = True

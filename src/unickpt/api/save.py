@@ -133,6 +133,29 @@ def save(
     equal the base's (same xxh3-128 identity) is not written but referenced where its bytes
     lie, in the base or in a checkpoint the base references (docs/FORMAT.md, "Incremental
     checkpoints"). The result loads on its own, as long as those checkpoints are kept.
+
+    Args:
+        state_dict: What to save: tensors, DTensors, Stateful objects (modules,
+            optimizers, schedulers, :class:`~unickpt.RNGState`), plain values,
+            :class:`~unickpt.PerRank` and :class:`~unickpt.Sharded` entries, nested.
+        path: The checkpoint's directory or URL.
+        process_group: The group saving together (default: the default group if
+            initialised, else a single process); every rank calls with its own shards.
+        metadata: Plain values stored in the manifest.
+        overwrite: Replace a committed checkpoint at ``path`` (only once the new one commits).
+        threads: Threads writing this rank's file (or ``options``).
+        block_bytes: The checksum block, a positive multiple of 8 (or ``options``).
+        storage_options: Options of a URL's file system (fsspec).
+        base: An earlier checkpoint: save incrementally against it.
+        options: The write options as one :class:`~unickpt.SaveOptions` (instead of
+            ``threads`` and ``block_bytes``).
+
+    Returns:
+        The bytes this rank wrote (its data file; less for an incremental save).
+
+    Raises:
+        SaveError: On every rank, when any rank failed (naming each rank and why), or a
+            bad option, or a committed checkpoint at ``path`` without ``overwrite``.
     """
     staged = stage(
         state_dict, path, process_group=process_group, metadata=metadata,

@@ -268,6 +268,20 @@ def verify(path: str | OpenCheckpoint, *, progress: Callable[[int], None] | None
     is invalid; every other problem is reported, not raised. ``path`` may be a URL
     (``storage_options`` for its file system); a store that cannot be reached is a
     :class:`~unickpt.StorageError`.
+
+    Args:
+        path: The checkpoint's directory or URL, or a checkpoint opened by the caller.
+        progress: Called with the bytes just checked.
+        threads: Parallel reads.
+        storage_options: Options of a URL's file system (fsspec).
+
+    Returns:
+        A :class:`VerifyReport`: ``ok``, and each problem with the file it is in.
+
+    Raises:
+        NotACheckpointError: ``path`` holds no committed checkpoint.
+        ManifestError: Its manifest is invalid.
+        StorageError: The store cannot be reached.
     """
     with using_checkpoint(path, storage_options, bases=False) as ckpt:  # a missing base is a problem reported
         return _verify(ckpt, progress, threads)

@@ -61,7 +61,17 @@ class Interrupted(BaseException):
 
 @dataclass(frozen=True)
 class World:
-    """Where this process stands in the current generation of the job."""
+    """Where this process stands in the current generation of the job.
+
+    Attributes:
+        rank: This process's rank (dense: 0 .. size-1, in the old order after a re-forming).
+        size: The number of ranks now.
+        local_rank: The rank among this node's processes.
+        generation: How many times the job has re-formed (0: never).
+        local_size: The processes on this node.
+        node: This node's index.
+        nodes: The number of nodes.
+    """
 
     rank: int
     size: int
@@ -84,7 +94,18 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     survivors (dense ranks, in the old order) and ``fn(world)`` is called again in this
     same process. Under torchrun or plain ``python`` ``fn`` is called once. ``backend``:
     torch's default for the device when None. ``fn`` must not call
-    ``init_process_group`` or ``destroy_process_group`` itself."""
+    ``init_process_group`` or ``destroy_process_group`` itself.
+
+    Args:
+        fn: The training function; called with the current :class:`World`.
+        backend: The process group's backend (None: torch's default for the device).
+
+    Returns:
+        What ``fn`` returned (in its last generation).
+
+    Raises:
+        UnickptError: The default process group is already initialised.
+    """
     if dist.is_initialized():
         raise UnickptError("unickpt.run(fn) initialises the process group itself: call it before "
                            "init_process_group, not after (and not from inside another unickpt.run)")
