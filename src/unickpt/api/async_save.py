@@ -69,12 +69,11 @@ def async_save(
     Args:
         state_dict: What to save, as for :func:`unickpt.save`.
         path: The checkpoint's directory or URL.
-        process_group: The group saving together (default: the default group if
-            initialised, else a single process); every rank calls with its own shards.
-        metadata: Plain values stored in the manifest.
-        overwrite: Replace a committed checkpoint at ``path`` (only once the new one commits).
-        threads: Threads writing this rank's file (or ``options``).
-        block_bytes: The checksum block, a positive multiple of 8 (or ``options``).
+        process_group: The group saving together, as for :func:`unickpt.save`.
+        metadata: Plain values for the manifest.
+        overwrite: Replace a committed checkpoint at ``path`` once this one commits.
+        threads: Writer threads (or ``options``).
+        block_bytes: The checksum block (or ``options``).
         max_staging_bytes: A cap on the host staging buffer (or ``options``).
         lazy: Return at once; copy in the background (see the contract above).
         storage_options: Options of a URL's file system (fsspec).
