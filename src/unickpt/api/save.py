@@ -27,50 +27,34 @@ __all__ = ["save"]
 
 @dataclass
 class StagedSave:
-    """A save whose state is captured (staged in host memory): it can finish without the
-    live state_dict, now or in a background thread."""
+    """A save: where and how it writes, and, once :func:`stage` has run, this rank's
+    captured state (staged in host memory), so that it can finish without the live
+    state_dict, now or in a background thread."""
 
     group: Group
     path: str
     overwrite: bool
-    local: LocalState | None
-    error: str | None
     metadata: dict[str, Any]
-    block_bytes: int
-    threads: int
+    options: SaveOptions
     storage_options: dict[str, Any] | None = None
     base: str | None = None
+    local: LocalState | None = None
+    error: str | None = None
 
 
-def stage(
-    state_dict: dict[str, Any],
-    path: str,
-    *,
-    process_group: Any = None,
-    metadata: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    threads: int = 4,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    storage_options: dict[str, Any] | None = None,
-    base: str | os.PathLike | None = None,
-    options: SaveOptions | None = None,
-) -> StagedSave:
-    """Phase 1 of a save (collective): check the arguments and capture this rank's state.
-    Nothing is written yet.
+def stage(state_dict: dict[str, Any], staged: StagedSave) -> StagedSave:
+    """Phase 1 of a save (collective): check the location and capture this rank's state
+    into ``staged``. Nothing is written yet.
 
     After it returns, the caller may change the state freely. A failure on this rank is
     recorded and reported to every rank by :func:`write_and_commit`.
     """
-    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes})
-    group = resolve_group(process_group)
-    check_not_committed(path, overwrite, storage_options)
+    check_not_committed(staged.path, staged.overwrite, staged.storage_options)
     try:
-        local, error = collect(state_dict, group), None
+        staged.local, staged.error = collect(state_dict, staged.group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
-        local, error = None, describe(e)
-    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), opts.block_bytes, opts.threads,
-                      storage_options, None if base is None else os.fspath(base))
-
+        staged.local, staged.error = None, describe(e)
+    return staged
 
 
 def _write(staged: StagedSave, storage: Storage) -> Written:
@@ -81,10 +65,10 @@ def _write(staged: StagedSave, storage: Storage) -> Written:
     base = open_base(staged.base, staged.path) if staged.base is not None else None
     refs: list = []
     if base is not None:
-        changed, found = split_unchanged(base, to_write, rank, staged.block_bytes, staged.threads)
+        changed, found = split_unchanged(base, to_write, rank, staged.options.block_bytes, staged.options.threads)
         refs = [(to_write[k], f) for k, f in found]
         to_write = [to_write[k] for k in changed]
-    done = write_items(storage, rank, to_write, staged.block_bytes, staged.threads)
+    done = write_items(storage, rank, to_write, staged.options.block_bytes, staged.options.threads)
     return Written(refs + done.fragments, done.files, base)
 
 
@@ -157,9 +141,8 @@ def save(
         SaveError: On every rank, when any rank failed (naming each rank and why), or a
             bad option, or a committed checkpoint at ``path`` without ``overwrite``.
     """
-    staged = stage(
-        state_dict, path, process_group=process_group, metadata=metadata,
-        overwrite=overwrite, threads=threads, block_bytes=block_bytes, storage_options=storage_options, base=base,
-        options=options,
-    )
+    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes})
+    staged = StagedSave(resolve_group(process_group), str(path), overwrite, dict(metadata or {}), opts, storage_options,
+                        None if base is None else os.fspath(base))
+    stage(state_dict, staged)
     return write_and_commit(staged)
