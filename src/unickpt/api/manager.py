@@ -294,13 +294,13 @@ class CheckpointManager(Checkpoints):
         elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending.handle.done():
             self._housekeep()
         if self._deltas is not None:
-            failed = self._deltas.failures
             if not self._deltas.commit(state, step):
                 self._count_failure("delta_steps_missed",
-                             f"step {step} is not in the delta log: before_update() was not called before optimizer.step()")
-            elif self._deltas.failures > failed:
-                self._count_failure(None, f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
-                           f"{self._deltas.last_failure}")
+                                    f"step {step} is not in the delta log: before_update() was not called before "
+                                    "optimizer.step()")
+            why = self._deltas.take_failure()
+            if why is not None:
+                self._delta_failed(why)
         if self._snap is not None and self._snap.due(step):
             try:
                 self._snap.snapshot(state, step, flush=not saved)
@@ -330,10 +330,7 @@ class CheckpointManager(Checkpoints):
             try:
                 self._deltas.close()
             except UnickptError as e:  # the entries still queued: the replay stops before the failed one
-                self._deltas.failures += 1
-                self._deltas.last_failure = str(e).splitlines()[0]
-                self._count_failure(None, f"a delta log entry failed, training goes on (no replay past it until the next "
-                             f"checkpoint): {self._deltas.last_failure}")
+                self._delta_failed(str(e).splitlines()[0])
         self.wait()
         if self._snap is not None:
             self._snap.close(clean=not keep_snapshots)
@@ -356,7 +353,6 @@ class CheckpointManager(Checkpoints):
         out = self.run_stats.as_dict()
         out.update(snapshots=snap.taken if snap else 0, snapshots_skipped=snap.skipped if snap else 0,
                    delta_entries=self._deltas.log.stats["entries"] if self._deltas else 0,
-                   delta_entries_failed=self._deltas.failures if self._deltas else 0,
                    durable_copies_failed=len(self.durable_errors))
         out["snapshot_stall_s"] = snap.stall_s if snap else 0.0
         if snap is not None:
@@ -532,6 +528,11 @@ class CheckpointManager(Checkpoints):
         record = SaveRecord(step, self.path_for(step), mode, ended - started, ended - started if stall is None else stall,
                             written, None if error is None else str(error))
         self.run_stats.saved(record, resolve_group(self.process_group).rank == 0)
+
+    def _delta_failed(self, why: str) -> None:
+        """Count and tell a delta log entry that could not be written."""
+        self._count_failure("delta_entries_failed", "a delta log entry failed, training goes on (no replay past it "
+                                                    f"until the next checkpoint): {why}")
 
     def _count_failure(self, counter: str | None, message: str) -> None:
         """Count and tell a failure (training goes on)."""

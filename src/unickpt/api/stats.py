@@ -51,6 +51,7 @@ class RunStats:
         saves_failed: Durable saves that failed (training went on).
         snapshots_failed: Snapshots the manager saw fail (the snapshot tier counts its own
             besides).
+        delta_entries_failed: Delta log entries that could not be written.
         delta_steps_missed: Steps the delta log missed (``before_update`` not called).
         stall_s: Seconds the loop spent in ``before_update`` and ``maybe_save``.
         last_error: The last failure, as told.
@@ -60,6 +61,7 @@ class RunStats:
     saves: int = 0
     saves_failed: int = 0
     snapshots_failed: int = 0
+    delta_entries_failed: int = 0
     delta_steps_missed: int = 0
     stall_s: float = 0.0
     last_error: str | None = None

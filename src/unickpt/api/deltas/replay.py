@@ -131,8 +131,7 @@ class StepDeltas:
         self._captured: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._baseline: dict[str, int] = {}  # name of a watched tensor -> its version at the full checkpoint
         self._tensors: list[tuple[str, torch.Tensor]] = []
-        self.failures = 0  # entries whose write failed (the latest reason in last_failure)
-        self.last_failure: str | None = None
+        self._failure: str | None = None  # why an entry's write failed, until the manager takes it
 
     # -- the state's parts -------------------------------------------------------------
     def watch(self, state: dict[str, Any]) -> None:
@@ -196,10 +195,14 @@ class StepDeltas:
                 entry[leaf.name] = copy.deepcopy(v)
         failed = self.log.take_error()
         if failed is not None:  # counted, said by the manager; the log goes on (a replay stops at the gap)
-            self.failures += 1
-            self.last_failure = str(failed).splitlines()[0]
+            self._failure = str(failed).splitlines()[0]
         self.log.append(step, entry)
         return True
+
+    def take_failure(self) -> str | None:
+        """Why an earlier entry's write failed (its first line), once; None when none did."""
+        why, self._failure = self._failure, None
+        return why
 
     def started(self, step: int) -> None:
         """The run continues after ``step``: drop the entries it will rewrite."""
