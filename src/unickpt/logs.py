@@ -13,10 +13,10 @@ With no configuration the library's own :class:`ConsoleHandler` (on the ``unickp
 logger, added when this module is imported) writes the console lines to stdout and the
 warnings to stderr. A handler of your own on the ``unickpt`` logger takes over: the
 library's then writes nothing (``logging.getLogger("unickpt").addHandler(...)``; a
-``logging.NullHandler()`` silences it). A handler on the root logger gets every warning
-(the library's stays quiet about them) and the console lines too, which still reach
-stdout. Information (level INFO) reaches the handlers you configure, never the console
-by default.
+``logging.NullHandler()`` silences it; so does a level above INFO on that logger). A
+handler on the root logger gets every warning (the library's stays quiet about them) and
+the console lines too, which still reach stdout. Information (level INFO) reaches your
+handlers once the ``unickpt`` logger's level is INFO, never the console.
 """
 
 from __future__ import annotations
