@@ -11,7 +11,7 @@ the steps a crash loses with it against full checkpoints alone.
 * **steps lost**: the trainer (1 process) SIGKILLed at random moments between full
   checkpoints; steps done (its loss log) minus the step recovery reaches: from the
   newest full checkpoint alone, and from it plus the log (the plan a relaunch makes,
-  :func:`unickpt.api.delta_log.replayable`, with every entry's checksums verified).
+  :func:`unickpt.api.deltas.log.replayable`, with every entry's checksums verified).
 
 Prints a markdown table (docs/PERFORMANCE.md, "Per-step delta log").
 """
@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from unickpt.api.delta_log import replayable, step_of
+from unickpt.api.deltas.log import replayable, step_of
 from unickpt.testing import run_ranks
 
 K = 10

@@ -262,7 +262,7 @@ def test_damaged_delta_log_entries_end_the_replay_with_a_reason(tmp_path):
     import torch
 
     import unickpt
-    from unickpt.api.delta_log import DeltaLog, replayable
+    from unickpt.api.deltas.log import DeltaLog, replayable
 
     ck = tmp_path / "orig" / "ck"
     unickpt.CheckpointManager(str(ck)).save({"w": torch.ones(10)}, 2)

@@ -16,6 +16,7 @@ from .errors import (
 )
 
 from .version import __version__ as __version__
+from . import logs as _logs  # noqa: F401  (the unickpt logger's default handler: console lines, warnings)
 
 # The entry points import torch: they are loaded on first use (PEP 562), so that
 # ``import unickpt`` (and the command line's start) costs no torch import.
@@ -24,6 +25,8 @@ _LAZY = {
     "load": "api.load", "load_rank_values": "api.load", "load_tensor": "api.load", "read_manifest": "api.load",
     "convert": "api.convert", "verify": "api.verify", "CheckpointManager": "api.manager",
     "Checkpoints": "api.checkpoints", "TierFallbackWarning": "api.checkpoints",
+    "SaveOptions": "api.options", "SaveSchedule": "api.options", "SnapshotOptions": "api.options",
+    "DurableOptions": "api.options", "DeltaLogOptions": "api.options",
     "run": "live.run", "World": "live.run",
     "PerRank": "engine.state", "Sharded": "engine.state", "RNGState": "engine.rng",
 }
@@ -48,7 +51,8 @@ def __dir__() -> list[str]:
 # keeps this list, _LAZY and docs/API.md in step)
 __all__ = [
     "save", "async_save", "AsyncSaveHandle", "load", "load_tensor", "load_rank_values", "read_manifest", "verify",
-    "convert", "CheckpointManager", "Checkpoints", "TierFallbackWarning", "PerRank", "Sharded", "RNGState",
+    "convert", "CheckpointManager", "Checkpoints", "TierFallbackWarning",
+    "SaveOptions", "SaveSchedule", "SnapshotOptions", "DurableOptions", "DeltaLogOptions", "PerRank", "Sharded", "RNGState",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
     "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "StorageError", "UnsafePickleError",
     "run", "World",

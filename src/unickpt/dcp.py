@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
-from .adapters.checkpoint import Checkpoint, open_checkpoint
+from .adapters.checkpoint import OpenCheckpoint, open_checkpoint
 from .adapters.detect import checkpoint_format
 from .adapters.dcp_writer import dcp_leaves
 from .engine.assemble import manifest_document
@@ -79,6 +79,7 @@ from .engine.collect import LocalState
 from .engine.commit import Written, check_not_committed, claim, data_file_name, rank_storage, write_rank
 from .dist import is_dtensor
 from .engine.items import TensorItem
+from .engine.save_options import SaveOptions
 from .engine.staging import StagingPool, copy_batch, plan_batches, record_streams
 from .engine.tensor_reads import TensorReads
 from .engine.writer import DataFileWriter, as_bytes
@@ -179,8 +180,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
     def __init__(self, path: str | os.PathLike, *, overwrite: bool | None = None, metadata: dict[str, Any] | None = None,
                  threads: int = 4, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  storage_options: dict[str, Any] | None = None) -> None:
-        if block_bytes <= 0 or block_bytes % 8:
-            raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
+        SaveOptions.from_keywords(threads=max(1, threads), block_bytes=block_bytes)
         if metadata is not None and "dcp" in metadata:
             raise SaveError("StorageWriter: the metadata key 'dcp' is unickpt's (DCP's flattening map)")
         self.path = os.fspath(path)
@@ -484,7 +484,7 @@ class StorageReader(_storage.StorageReader):
         self.path = os.fspath(path)
         self.threads = max(1, threads)
         self.storage_options = storage_options
-        self._ckpt: Checkpoint | None = None
+        self._ckpt: OpenCheckpoint | None = None
         self._values: dict[str, Any] = {}  # flat name -> plain value, or bytes of an opaque pickle
         self._pickled: set[str] = set()
 

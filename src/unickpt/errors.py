@@ -45,9 +45,16 @@ class InconsistentStateError(UnickptError):
 class SaveError(UnickptError):
     """Saving failed on at least one rank; the message names the ranks and causes.
 
-    ``failures`` maps each rank that failed to its cause, as that rank reported it (the
-    same map on every rank); empty when the save failed as a whole (its arguments, the
-    claim on its location). ``ranks`` lists the failed ranks in order."""
+    Args:
+        message: What failed (the ranks and causes, the file, the remedy).
+        failures: Each rank that failed and its cause.
+
+    Attributes:
+        failures: Each rank that failed, mapped to its cause as that rank reported it (the
+            same map on every rank); empty when the save failed as a whole (its
+            arguments, the claim on its location).
+        ranks: The failed ranks, in order.
+    """
 
     def __init__(self, message: str = "", failures: Mapping[int, str] | None = None) -> None:
         super().__init__(message)

@@ -22,7 +22,7 @@ from .detect import REGION_FORMATS, open_manifest
 
 
 @dataclass
-class Checkpoint:
+class OpenCheckpoint:
     """An open checkpoint: where it is, its storage, its (validated) manifest."""
 
     location: str
@@ -39,7 +39,7 @@ class Checkpoint:
         """Release the storage's open readers."""
         self.storage.close()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> "OpenCheckpoint":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -47,7 +47,7 @@ class Checkpoint:
 
 
 def open_checkpoint(location: str | os.PathLike | Storage, storage_options: dict[str, Any] | None = None, *,
-                    bases: bool = True) -> Checkpoint:
+                    bases: bool = True) -> OpenCheckpoint:
     """Open the checkpoint at ``location`` (a path, a URL, or a Storage already open):
     NotACheckpointError when nothing committed is there, ManifestError when its manifest
     is invalid, CorruptionError when an incremental checkpoint's base is missing or
@@ -61,15 +61,15 @@ def open_checkpoint(location: str | os.PathLike | Storage, storage_options: dict
     except BaseException:
         storage.close()
         raise
-    return Checkpoint(name, storage, manifest, regions if manifest.provenance.get("format") in REGION_FORMATS else None)
+    return OpenCheckpoint(name, storage, manifest, regions if manifest.provenance.get("format") in REGION_FORMATS else None)
 
 
 @contextmanager
-def using_checkpoint(src: "str | os.PathLike | Checkpoint", storage_options: dict[str, Any] | None = None, *,
-                     bases: bool = True) -> Iterator[Checkpoint]:
+def using_checkpoint(src: "str | os.PathLike | OpenCheckpoint", storage_options: dict[str, Any] | None = None, *,
+                     bases: bool = True) -> Iterator[OpenCheckpoint]:
     """``src`` as an open checkpoint: used as it is when the caller opened it (and left
     open), else opened here (with ``storage_options``) and closed at the end."""
-    if isinstance(src, Checkpoint):
+    if isinstance(src, OpenCheckpoint):
         yield src
         return
     with open_checkpoint(src, storage_options, bases=bases) as ckpt:

@@ -52,7 +52,7 @@ from ..storage.open import open_storage
 from ..storage.files import cleans_up_output
 from ..storage.output import begin_output
 from .dcp import DATA_SUFFIX, METADATA_NAME
-from .checkpoint import Checkpoint, using_checkpoint
+from .checkpoint import OpenCheckpoint, using_checkpoint
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 _COALESCE_BYTES = 1 << 20
@@ -134,7 +134,7 @@ def _terminal(values: list[Any]) -> bool:
 
 @cleans_up_output
 def write_dcp(
-    src: str | Checkpoint,
+    src: str | OpenCheckpoint,
     dst: str,
     *,
     progress: Callable[[int], None] | None = None,
@@ -154,7 +154,7 @@ def write_dcp(
         return _write_dcp(ckpt, dst, buffer_bytes, threads, overwrite, progress, t0)
 
 
-def _write_dcp(ckpt: Checkpoint, dst: str, buffer_bytes: int, threads: int, overwrite: bool,
+def _write_dcp(ckpt: OpenCheckpoint, dst: str, buffer_bytes: int, threads: int, overwrite: bool,
                progress: Callable[[int], None] | None, t0: float) -> DcpWriteReport:
     from torch.distributed.checkpoint import filesystem as dcp_fs
     from torch.distributed.checkpoint import metadata as dcp_md

@@ -62,7 +62,7 @@ from ..storage.open import open_storage
 from ..storage.transaction import DirectoryWrite
 from ..engine.byte_reads import read_whole
 from ..engine.reads import Scratch
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import OpenCheckpoint, open_checkpoint
 from .torch_save import Size, TensorData, archive, write_archive
 
 UNIVERSAL_CHECKPOINT_VERSION = 0.4
@@ -318,7 +318,7 @@ def _write_documents(batch: DurableBatch, manifest: Manifest, shapes: collection
 
 
 def write_universal(
-    src: str | Checkpoint,
+    src: str | OpenCheckpoint,
     dst: str,
     *,
     progress: Callable[[int], None] | None = None,
@@ -351,7 +351,7 @@ def write_universal(
     if threads < 1:
         raise UnickptError("write_universal: threads must be >= 1")
     t0 = time.perf_counter()
-    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    ckpt = src if isinstance(src, OpenCheckpoint) else open_checkpoint(src)
     manifest, source, src = ckpt.manifest, ckpt.storage, ckpt.location
     dst_path = Path(dst)
     if dst_path.resolve() == Path(src).resolve():

@@ -49,7 +49,7 @@ from ..storage.open import open_storage, same_location
 from ..storage.output import OutputFolder, begin_output
 from ..storage.files import cleans_up_output
 from .hf import CONFIG_NAME, INDEX_NAME, HfError
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import OpenCheckpoint, open_checkpoint
 from .regions import source_ledger
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -286,7 +286,7 @@ def _check_dst(src: str, dst: str, overwrite: bool, storage_options: dict[str, A
 
 @cleans_up_output
 def export_hf(
-    src: str | Checkpoint,
+    src: str | OpenCheckpoint,
     dst: str,
     *,
     max_shard_size: str | int = "5GB",
@@ -310,7 +310,7 @@ def export_hf(
     whole until then (:mod:`unickpt.storage.output`), files of other names stay."""
     t0 = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
-    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options)
+    ckpt = src if isinstance(src, OpenCheckpoint) else open_checkpoint(src, storage_options)
     source = ckpt.storage
     folder: OutputFolder | None = None
     try:
@@ -360,7 +360,7 @@ def export_hf(
                         time.perf_counter() - t0, weight_map, export_ledger(ckpt, manifest, plan))
 
 
-def export_ledger(src: str | Checkpoint, manifest: Manifest, plan: ExportPlan) -> Ledger:
+def export_ledger(src: str | OpenCheckpoint, manifest: Manifest, plan: ExportPlan) -> Ledger:
     """The source's ledger as an export sees it: the exported tensors read; the others
     left out, or skipped (dropped by the prefix, or skipped by the source's reader)."""
     ledger = source_ledger(src)

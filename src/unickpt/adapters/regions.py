@@ -33,7 +33,7 @@ from ..format.manifest import Manifest
 from ..format.refs import ref_key
 from ..format.safetensors_header import read_header
 from ..storage.base import Storage
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import OpenCheckpoint, open_checkpoint
 
 
 def safetensors_regions(storage: Storage, name: str) -> list[Region]:
@@ -68,11 +68,11 @@ def _dcp_regions(path: str, manifest: Manifest) -> tuple[dict[str, list[Region]]
     return regions, ignored
 
 
-def source_ledger(checkpoint: Checkpoint | str, storage_options: dict[str, Any] | None = None) -> Ledger:
+def source_ledger(checkpoint: OpenCheckpoint | str, storage_options: dict[str, Any] | None = None) -> Ledger:
     """The ledger of an open checkpoint (or of the one at a path or URL, opened with
     ``storage_options``). Files whose header
     cannot be read are left unchecked here: ``verify`` reports them."""
-    if not isinstance(checkpoint, Checkpoint):
+    if not isinstance(checkpoint, OpenCheckpoint):
         with open_checkpoint(checkpoint, storage_options) as opened:
             return source_ledger(opened)
     manifest, storage = checkpoint.manifest, checkpoint.storage

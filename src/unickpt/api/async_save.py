@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from ..engine.background_save import DEFAULT_CHANNEL, AsyncSaveHandle, start_save
+from ..engine.save_options import SaveOptions
 from ..format.manifest import DEFAULT_BLOCK_BYTES
 from .incremental import open_base
 
@@ -31,6 +32,7 @@ def async_save(
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
     channel: str = DEFAULT_CHANNEL,
+    options: SaveOptions | None = None,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` to ``path`` like :func:`unickpt.save`, returning once the state
     is captured; a background thread writes this rank's file and the commit follows.
@@ -63,8 +65,33 @@ def async_save(
     Returns an :class:`AsyncSaveHandle`; ``handle.result()`` raises the save's failure.
     Errors in the arguments (bad ``block_bytes``, a committed checkpoint at ``path``
     without ``overwrite``) are raised here.
+
+    Args:
+        state_dict: What to save, as for :func:`unickpt.save`.
+        path: The checkpoint's directory or URL.
+        process_group: The group saving together, as for :func:`unickpt.save`.
+        metadata: Plain values for the manifest.
+        overwrite: Replace a committed checkpoint at ``path`` once this one commits.
+        threads: Writer threads (or ``options``).
+        block_bytes: The checksum block (or ``options``).
+        max_staging_bytes: A cap on the host staging buffer (or ``options``).
+        lazy: Return at once; copy in the background (see the contract above).
+        storage_options: Options of a URL's file system (fsspec).
+        base: An earlier checkpoint: save incrementally against it.
+        channel: The saver to use (one save in flight per channel).
+        options: The write options as one :class:`~unickpt.SaveOptions` (instead of
+            ``threads``, ``block_bytes`` and ``max_staging_bytes``).
+
+    Returns:
+        An :class:`AsyncSaveHandle` (future-like: ``result()``, ``done()``, ``exception()``).
+
+    Raises:
+        SaveError: A bad option, or a committed checkpoint at ``path`` without
+            ``overwrite`` (the save's own failures come from ``handle.result()``).
     """
+    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes,
+                                        "max_staging_bytes": max_staging_bytes})
     opener = None if base is None else partial(open_base, os.fspath(base), str(path))
     return start_save(state_dict, path, process_group=process_group, metadata=metadata, overwrite=overwrite,
-                      threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes, lazy=lazy,
+                      threads=opts.threads, block_bytes=opts.block_bytes, max_staging_bytes=opts.max_staging_bytes, lazy=lazy,
                       storage_options=storage_options, base=opener, channel=channel)

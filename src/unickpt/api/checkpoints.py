@@ -8,7 +8,6 @@ loop's tiers on top; the delta log keeps its entries in one too."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import warnings
@@ -16,21 +15,26 @@ from typing import Any
 
 from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
 from ..errors import CorruptionError, UnickptError
+from ..logs import log
 from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
 from .incremental import prune
 from .load import load, read_manifest
+from .options import DurableOptions, SaveSchedule, check_tiers
 from .save import checkpoint_file, save
 from .tiers import Tier
 
 __all__ = ["Checkpoints", "TierFallbackWarning"]
 
-log = logging.getLogger("unickpt")
-
 
 class TierFallbackWarning(UserWarning):
     """A checkpoint was loaded from the durable tier because the fast tier's copy was
-    missing or failed its checks."""
+    missing or failed its checks (also a warning on the ``unickpt`` logger).
+
+    Example:
+        ``warnings.simplefilter("error", unickpt.TierFallbackWarning)`` makes a fallback
+        an error.
+    """
 
 
 class Checkpoints:
@@ -57,6 +61,22 @@ class Checkpoints:
     deletes in an order that a kill at any point leaves every committed checkpoint whole
     (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
     bytes of kept ones; they go once nothing kept references them).
+
+    Args:
+        root: The fast tier: a directory or a URL.
+        keep: Keep the newest ``keep`` checkpoints (None: all).
+        storage_options: Options of the root's file system (fsspec).
+        durable: The durable tier: a URL or directory, or a :class:`~unickpt.DurableOptions`
+            (then without the ``durable_*`` keywords).
+        durable_every: Copy every ``durable_every``-th checkpoint there.
+        durable_keep: Keep the newest ``durable_keep`` there (None: all).
+        durable_storage_options: Options of the durable tier's file system.
+        incremental: Incremental saves (a local root, no durable tier).
+        full_every: With ``incremental``, a full save every ``full_every`` saves.
+        saves: ``incremental`` and ``full_every`` as a :class:`~unickpt.SaveSchedule`.
+
+    Raises:
+        UnickptError: A bad value or combination, naming the keyword.
     """
 
     def __init__(
@@ -65,29 +85,26 @@ class Checkpoints:
         keep: int | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
-        durable: str | os.PathLike | None = None,
+        durable: str | os.PathLike | DurableOptions | None = None,
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         full_every: int | None = None,
+        saves: SaveSchedule | None = None,
     ) -> None:
-        if full_every is not None and full_every < 1:
-            raise UnickptError(f"full_every must be at least 1, not {full_every}")
-        if incremental and (durable is not None or "://" in str(root) and not str(root).startswith("file://")):
-            raise UnickptError("incremental=True needs a local root and no durable tier (incremental checkpoints "
-                               "reference their bases by relative paths; an object store holds whole checkpoints)")
-        if durable_every < 1:
-            raise UnickptError(f"durable_every must be at least 1, not {durable_every}")
+        saves = SaveSchedule.merged(saves, {"incremental": incremental, "full_every": full_every})
+        tier = durable_options(durable, durable_every, durable_keep, durable_storage_options)
+        check_tiers(str(root), saves, tier)
         self.fast = Tier(root, keep, storage_options)
-        self.durable = Tier(durable, durable_keep, durable_storage_options) if durable is not None else None
-        self.durable_every = durable_every
+        self.durable = Tier(tier.url, tier.keep, tier.storage_options) if tier is not None else None
+        self.durable_every = tier.every if tier is not None else durable_every
         self.durable_errors: list[BaseException] = []
         self._saves = 0
         self._copy: threading.Thread | None = None
         self._copying: int | None = None
-        self.incremental = incremental
-        self.full_every = full_every
+        self.incremental = saves.incremental
+        self.full_every = saves.full_every
         self.passed_over: list[str] = []  # the checkpoints the last load() passed over, and why
         self._failed: set[str] = set()  # checkpoints that failed their checks in a load of this process
 
@@ -158,14 +175,18 @@ class Checkpoints:
         """Save ``state_dict`` as the checkpoint of ``step`` (collective) into the fast
         tier, then apply retention; every ``durable_every``-th save also starts its copy
         to the durable tier (in the background, on rank 0). Returns its location."""
+        return self._save(state_dict, step, **kwargs)[0]
+
+    def _save(self, state_dict: dict[str, Any], step: int, **kwargs: Any) -> tuple[str, int]:
+        """:meth:`save`; returns the location and the bytes this rank wrote."""
         path = self.path_for(step)
         group = resolve_group(kwargs.get("process_group"))
         if self.incremental and "base" not in kwargs:
             kwargs["base"] = self.shared_base(step, group)
-        save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
+        written = save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
         if group.rank == 0:
             self.committed(step)
-        return path
+        return path, written
 
     def shared_base(self, step: int, group: Any) -> str | None:
         """Collective: the base of an incremental save of ``step``, chosen by rank 0."""
@@ -328,6 +349,17 @@ class Checkpoints:
         if self.durable is not None and _under(path, self.durable):
             return self.durable.storage_options
         return self.fast.storage_options if _under(path, self.fast) else None
+
+
+def durable_options(durable: str | os.PathLike | DurableOptions | None, every: int, keep: int | None,
+                    storage_options: dict[str, Any] | None) -> DurableOptions | None:
+    """The durable tier of ``durable=`` (a :class:`DurableOptions`, or the location with the
+    flat ``durable_*`` keywords), or None."""
+    if durable is None:
+        return None
+    given = durable if isinstance(durable, DurableOptions) else None
+    flat = {"every": every, "keep": keep, "storage_options": storage_options} | ({} if given else {"url": durable})
+    return DurableOptions.merged(given, flat, {"url": None})
 
 
 def _reason(error: BaseException, path: str) -> str:

@@ -41,7 +41,7 @@ import torch
 
 from ..version import __version__
 from ..errors import SaveError, UnickptError
-from ..adapters.checkpoint import Checkpoint, using_checkpoint
+from ..adapters.checkpoint import OpenCheckpoint, using_checkpoint
 from ..adapters.regions import source_ledger
 from ..format.dtypes import dtype_from_name
 from ..format.ledger import Ledger
@@ -77,7 +77,7 @@ class ConvertReport:
 
 @gc_paused()
 def convert(
-    src: str | Checkpoint,
+    src: str | OpenCheckpoint,
     dst: str,
     *,
     consolidate: bool = True,
@@ -105,6 +105,27 @@ def convert(
     could not account for; check ``report.ledger.complete`` (the command line refuses an
     incomplete source unless ``--allow-skip``). ``ledger``: the source's, when the caller
     has already built it (it is then not built twice).
+
+    Args:
+        src: The source checkpoint (any format ``load`` reads), or one opened by the caller.
+        dst: Where the consolidated copy goes (a directory or URL, not ``src``).
+        consolidate: One fragment per tensor (the only conversion implemented).
+        threads: Parallel reads and writes.
+        buffer_bytes: The fixed copy buffer.
+        block_bytes: The checksum block of the copy (a positive multiple of 8).
+        overwrite: Replace a committed checkpoint at ``dst``.
+        verify: Check every byte read against its checksum.
+        progress: Called with the bytes just written.
+        ledger: The source's ledger, when the caller has built it.
+        storage_options: Options of a URL's file system (fsspec).
+
+    Returns:
+        A :class:`ConvertReport`: tensors and bytes written, seconds, the source's ledger.
+
+    Raises:
+        UnickptError: A bad argument.
+        SaveError: ``dst`` is ``src``, or holds a committed checkpoint without ``overwrite``.
+        CorruptionError: A byte read fails its checksum.
     """
     if not consolidate:
         raise UnickptError("convert: only consolidate=True is implemented (one fragment per tensor)")

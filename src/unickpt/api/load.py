@@ -6,7 +6,7 @@ a rank that fails cannot hang the others, and a single process needs no process 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -32,7 +32,21 @@ __all__ = ["load", "load_rank_values", "load_tensor", "read_manifest"]
 def read_manifest(path: str, storage_options: dict[str, Any] | None = None, *, bases: bool = True) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``: unickpt's own, or the
     one built from a foreign format's metadata (PyTorch DCP, DeepSpeed, Hugging Face).
-    An incremental checkpoint's bases must be there unless ``bases=False``."""
+    An incremental checkpoint's bases must be there unless ``bases=False``.
+
+    Args:
+        path: The checkpoint's directory or URL.
+        storage_options: Options of a URL's file system (fsspec).
+        bases: Require an incremental checkpoint's bases to be there.
+
+    Returns:
+        The checkpoint's :class:`~unickpt.format.manifest.Manifest`.
+
+    Raises:
+        NotACheckpointError: Nothing at ``path`` is a checkpoint of a known format.
+        ManifestError: The manifest is malformed or contradicts itself.
+        FormatVersionError: Written by a newer format version than this unickpt reads.
+    """
     with open_checkpoint(path, storage_options, bases=bases) as ckpt:
         return ckpt.manifest
 
@@ -71,8 +85,8 @@ def load(
     stats: dict[str, Any] | None = None,
     broadcast_replicated: bool | None = None,
     storage_options: dict[str, Any] | None = None,
-    per_rank: str = "error",
-    cast: str = "widen",
+    per_rank: Literal["error", "keep"] = "error",
+    cast: Literal["widen", "any", "none"] = "widen",
 ) -> dict[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
@@ -116,6 +130,32 @@ def load(
     ``per_rank``: what a :class:`~unickpt.PerRank` target gets when the checkpoint was
     saved by another number of ranks: ``"error"`` (a ``LayoutError``), or ``"keep"``: its
     value is left as it is (its name is added to ``stats["per_rank_kept"]``).
+
+    Args:
+        state_dict: The target, filled in place: tensors, DTensors, Stateful objects
+            (modules, optimizers, schedulers, :class:`~unickpt.RNGState`), plain values,
+            nested dicts and lists.
+        path: The checkpoint's directory or URL.
+        strict: Every target key must be in the checkpoint.
+        process_group: The group loading together (default: the default group, if any).
+        threads: Parallel reads.
+        verify: Check every byte read against its checksum.
+        stats: Receives ``bytes_read``, ``files_read`` (and ``per_rank_kept``).
+        broadcast_replicated: Read replicated tensors once and broadcast them (collective).
+        storage_options: Options of a URL's file system (fsspec).
+        per_rank: ``"error"`` or ``"keep"``, for per-rank state saved by another number of
+            ranks.
+        cast: ``"widen"``, ``"any"`` or ``"none"``: the dtype casts allowed.
+
+    Returns:
+        ``state_dict``, filled.
+
+    Raises:
+        NotACheckpointError: Nothing at ``path`` is a checkpoint.
+        CorruptionError: A byte read fails its checksum, or a file is missing or short.
+        MismatchError: A target's shape or dtype does not fit the saved tensor, or a
+            strict key is missing.
+        LayoutError: Per-rank state saved by another number of ranks (``per_rank="error"``).
     """
     return load_into(state_dict, path, strict=strict, process_group=process_group, threads=threads, verify=verify,
                      stats=stats, broadcast_replicated=broadcast_replicated, storage_options=storage_options,
@@ -292,7 +332,22 @@ def _rank_value(storage: Storage, manifest: Manifest, name: str, rank: int, thre
 
 def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True,
                      storage_options: dict[str, Any] | None = None) -> list[Any]:
-    """Every rank's saved value of the per-rank entry ``name`` (index = saving rank)."""
+    """Every rank's saved value of the per-rank entry ``name``.
+
+    Args:
+        path: The checkpoint's directory or URL.
+        name: The per-rank entry (a :class:`~unickpt.PerRank` key, dotted).
+        threads: Parallel reads.
+        verify: Check every byte read against its checksum.
+        storage_options: Options of a URL's file system (fsspec).
+
+    Returns:
+        One value per saving rank, in rank order.
+
+    Raises:
+        MismatchError: ``name`` is not per-rank state in the checkpoint.
+        CorruptionError: A byte read fails its checksum.
+    """
     ckpt = open_checkpoint(path, storage_options)
     storage, manifest = ckpt.storage, ckpt.manifest
     if name not in manifest.rank_values and name not in manifest.rank_tensors:
@@ -315,7 +370,23 @@ def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, 
     memory: private copy-on-write pages, so nothing is allocated or copied up front and
     writes to the tensor stay in this process. Checksums are still verified, which reads
     every page once; with ``verify=False`` pages are read only when first used. A tensor
-    stored in several pieces is read as usual (and every tensor of a checkpoint at a URL)."""
+    stored in several pieces is read as usual (and every tensor of a checkpoint at a URL).
+
+    Args:
+        path: The checkpoint's directory or URL.
+        name: The tensor's dotted name (``model.layers.0.weight``).
+        threads: Parallel reads.
+        verify: Check every byte read against its checksum.
+        mmap: Map a tensor stored whole in one file instead of reading it.
+        storage_options: Options of a URL's file system (fsspec).
+
+    Returns:
+        The global tensor, on the CPU.
+
+    Raises:
+        MismatchError: No tensor ``name`` (the message names the closest ones).
+        CorruptionError: A byte read fails its checksum.
+    """
     ckpt = open_checkpoint(path, storage_options)
     storage, manifest = ckpt.storage, ckpt.manifest
     try:

@@ -13,32 +13,31 @@
 It owns every tier and the order of recovery: the in-memory snapshots held by the
 node's keeper (:mod:`unickpt.snapshot`), the durable checkpoints of :class:`Checkpoints`
 (fast tier, optional ``durable=`` tier, retention, incremental saves) and the per-step
-delta log (:mod:`.step_deltas`). Training never stops for a failed snapshot or save: a
+delta log (:mod:`.deltas`). Training never stops for a failed snapshot or save: a
 warning, a counter in :meth:`CheckpointManager.stats`, and the next one tries again.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..dist import all_true, broadcast_bytes, resolve_group
 from ..engine.restored import Restored
 from ..errors import UnickptError
+from ..logs import say
 from ..live.run import Interrupted, restored, step_boundary
-from ..storage.open import is_remote
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning
-from .delta_log import Replay, step_of
+from .deltas.log import Replay, step_of
 from .load import load_into
+from .stats import RunStats, SaveRecord
+from .options import DeltaDtype, SaveMode, DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions, check_loop
 from .saveable import check_saveable
 from .state_copy import StateCopy
-from .step_deltas import StepDeltas, replay_line, replay_refusal
-
-log = logging.getLogger("unickpt")
+from .deltas.replay import StepDeltas, replay_line, replay_refusal
 
 __all__ = ["CheckpointManager", "TierFallbackWarning"]
 
@@ -77,6 +76,44 @@ class CheckpointManager(Checkpoints):
     ``path_for``, ``prune``, ``steps`` and ``wait`` work as on a plain manager (see
     :class:`Checkpoints`): ``save``/``load`` are collective, ``latest``, ``path_for`` and
     ``steps`` local, ``prune`` and the durable copy rank 0's.
+
+    Each group of options may also be given as one object (never both ways for one group),
+    checked when built: ``saves=SaveSchedule(every=50, mode="async")``,
+    ``snapshot=SnapshotOptions(every=1, parity=1)``, ``deltas=DeltaLogOptions(dtype="bf16")``,
+    ``durable=DurableOptions("s3://bucket/run", every=4)``; :attr:`options` holds the
+    groups in effect. What the run did is :meth:`stats` (each durable save's
+    :class:`~unickpt.api.stats.SaveRecord` in ``last_save``); what it tells goes through the
+    ``unickpt`` logger (:mod:`unickpt.logs`).
+
+    Args:
+        root: The fast tier: a directory or a URL.
+        keep: Keep the newest ``keep`` checkpoints (None: all).
+        save_every: A durable checkpoint every N steps (0: only forced ones).
+        async_save: Write them in the background.
+        snapshot_every: A memory snapshot every N steps (0: none).
+        parity: Parity blocks per group across nodes (None: 1, XOR; 0: local only).
+        snapshot_replicas: Full copies per node's snapshot instead of parity.
+        flush_every: The keepers write every Nth snapshot as a checkpoint under ``root``.
+        snapshot_max_bytes: A cap on the snapshots' host memory per node.
+        log_deltas: Log every step for replay after the last full checkpoint.
+        delta_dtype: ``"exact"`` or ``"bf16"``.
+        storage_options: Options of the root's file system (fsspec).
+        durable: The durable tier: a URL or directory, or a :class:`~unickpt.DurableOptions`.
+        durable_every: Copy every Nth checkpoint to the durable tier.
+        durable_keep: Keep the newest N there (None: all).
+        durable_storage_options: Options of the durable tier's file system.
+        incremental: Incremental saves (a local root, no durable tier).
+        full_every: With ``incremental``, a full save every N saves.
+        process_group: The job's group (default: the default group).
+        metadata: Plain values stored in every durable checkpoint's manifest.
+        saves: ``save_every``, ``async_save``, ``incremental``, ``full_every`` as one
+            :class:`~unickpt.SaveSchedule`.
+        snapshot: The snapshot options as one :class:`~unickpt.SnapshotOptions`.
+        deltas: The delta log's options as one :class:`~unickpt.DeltaLogOptions`.
+
+    Raises:
+        UnickptError: A bad value or combination, naming the keyword (or ``Group.field``),
+            the value and what is allowed; nothing has started then.
     """
 
     def __init__(
@@ -92,9 +129,9 @@ class CheckpointManager(Checkpoints):
         flush_every: int = 0,
         snapshot_max_bytes: int | None = None,
         log_deltas: bool = False,
-        delta_dtype: str = "exact",
+        delta_dtype: DeltaDtype = "exact",
         storage_options: dict[str, Any] | None = None,
-        durable: str | os.PathLike | None = None,
+        durable: str | os.PathLike | DurableOptions | None = None,
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_storage_options: dict[str, Any] | None = None,
@@ -102,18 +139,23 @@ class CheckpointManager(Checkpoints):
         full_every: int | None = None,
         process_group: Any = None,
         metadata: dict[str, Any] | None = None,
+        saves: SaveSchedule | None = None,
+        snapshot: SnapshotOptions | None = None,
+        deltas: DeltaLogOptions | None = None,
     ) -> None:
+        saves = SaveSchedule.merged(saves, {"every": save_every, "mode": "async" if async_save else "sync",
+                                            "incremental": incremental, "full_every": full_every})
+        snap = SnapshotOptions.merged(snapshot, {"every": snapshot_every, "parity": parity, "replicas": snapshot_replicas,
+                                                 "flush_every": flush_every, "max_bytes": snapshot_max_bytes},
+                                      {"every": 0})
+        logged = DeltaLogOptions.merged(deltas, {"enabled": log_deltas, "dtype": delta_dtype}, {"enabled": False})
         super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,
-                         durable_keep=durable_keep, durable_storage_options=durable_storage_options,
-                         incremental=incremental, full_every=full_every)
-        _check_options(str(root), save_every, snapshot_every, parity, snapshot_replicas, flush_every,
-                       snapshot_max_bytes, log_deltas, delta_dtype)
-        if async_save and not save_every:
-            raise UnickptError("async_save=True writes the checkpoints of save_every in the background: set save_every "
-                               "too (maybe_save(..., force=True) then saves in the background as well)")
-        self.save_every, self.async_save, self.snapshot_every = save_every, async_save, snapshot_every
-        self.parity, self.snapshot_replicas, self.flush_every = parity, snapshot_replicas, flush_every
-        self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snapshot_max_bytes, log_deltas, delta_dtype
+                         durable_keep=durable_keep, durable_storage_options=durable_storage_options, saves=saves)
+        check_loop(self.root, saves, snap, logged)
+        self.options = ManagerOptions(saves, snap if snap.every else None, logged if logged.enabled else None)
+        self.save_every, self.async_save, self.snapshot_every = saves.every, saves.mode == "async", snap.every
+        self.parity, self.snapshot_replicas, self.flush_every = snap.parity, snap.replicas, snap.flush_every
+        self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snap.max_bytes, logged.enabled, logged.dtype
         self.process_group = process_group
         self.metadata = metadata  # stored in every durable checkpoint's manifest (plain values)
         self.restored_line: str | None = None
@@ -122,15 +164,13 @@ class CheckpointManager(Checkpoints):
         self._snap: Any = None
         self._deltas: StepDeltas | None = None
         self._state: dict[str, Any] | None = None
-        self._pending: tuple[AsyncSaveHandle, int, dict[str, int]] | None = None
+        self._pending: _Pending | None = None
         self._housekept: int | None = None  # the step of the last async save whose retention ran
         self._stepped: int | None = None  # the last step restored or passed to maybe_save, and the last saved
         self._saved_step: int | None = None
         self._newest_seen: int | None = None  # the newest checkpoint seen, and the step the valid ones cover
         self._covers: int | None = None
-        self._counts = {"saves": 0, "saves_failed": 0, "snapshots_failed": 0, "delta_steps_missed": 0}
-        self._stall_s = 0.0
-        self._last_error: str | None = None
+        self.run_stats = RunStats()  # every count and failure of this run, told once
 
     # -- the training loop's calls -----------------------------------------------------
     def restore(self, state: dict[str, Any]) -> int:
@@ -139,16 +179,29 @@ class CheckpointManager(Checkpoints):
 
         Memory first (after a crash; after a lost node, decoded from parity or copies, onto
         whatever ranks run now), else the durable checkpoints (the fast tier's copy, else
-        the ``durable`` tier's) plus the delta log's steps after them. Rank 0 prints one
-        line saying from where and why the newer sources were passed over, also logged on
-        the ``unickpt`` logger and kept in :attr:`restored_line`: ``resumed step S from
+        the ``durable`` tier's) plus the delta log's steps after them. Rank 0 says one
+        line, from where and why the newer sources were passed over, on the ``unickpt``
+        logger (by default on stdout: :mod:`unickpt.logs`), kept in :attr:`restored_line`: ``resumed step S from
         memory (...)``, ``resumed step S from disk (...)`` (``from disk + D logged steps``)
         or ``starting fresh (...)``. On the same layout ``state`` is then bitwise what it
         was after step S of the broken run; on another number of ranks per-rank entries
         (:class:`unickpt.RNGState`) keep their values, as the line says. An entry of
         ``state`` that no save could store (not a tensor, a Stateful object or plain data,
         e.g. a plain ``DataLoader``) is a :class:`~unickpt.UnickptError` naming it, before
-        anything is loaded."""
+        anything is loaded.
+
+        Args:
+            state: The training state, filled in place (as for :func:`unickpt.load`).
+
+        Returns:
+            The step restored (0: nothing to restore, a fresh start).
+
+        Raises:
+            UnickptError: An entry no save could store, or a state whose steps the delta
+                log cannot replay exactly.
+            CorruptionError: Checkpoints are there but none is whole (never a silent
+                fresh start).
+        """
         t0 = time.perf_counter()
         self._state = state
         check_saveable(state)
@@ -179,8 +232,7 @@ class CheckpointManager(Checkpoints):
         self._stepped = step
         self.restored_line = line
         if group.rank == 0:
-            print(line, flush=True)
-            log.info("%s", line)
+            say(line)
         restored(step)  # under `unickpt launch`, after a re-forming: its line
         return step
 
@@ -188,7 +240,11 @@ class CheckpointManager(Checkpoints):
         """Right before ``optimizer.step()``: wait until a lazy snapshot has copied the
         state, and capture the step's gradients for the delta log (of ``state``, by default
         the one given to :meth:`restore` or the last :meth:`maybe_save`). Costs nothing
-        when neither is on."""
+        when neither is on.
+
+        Args:
+            state: The training state (None: the last one given).
+        """
         if state is not None:
             self._state = state
         if self._snap is None and self._deltas is None:
@@ -198,7 +254,7 @@ class CheckpointManager(Checkpoints):
             self._snap.before_update()
         if self._deltas is not None and self._state is not None:
             self._deltas.capture(self._state)
-        self._stall_s += time.perf_counter() - t0
+        self.run_stats.stall_s += time.perf_counter() - t0
 
     def maybe_save(self, state: dict[str, Any], step: int, force: bool = False) -> None:
         """After the optimizer (and scheduler) step of ``step``: whatever is due — a durable
@@ -208,7 +264,17 @@ class CheckpointManager(Checkpoints):
         framework's last step); called again for the step just passed (or restored), it
         takes only that checkpoint, if not taken yet. Collective. A failure is a warning
         and a count in :meth:`stats`, never an exception: the next save or snapshot tries
-        again."""
+        again.
+
+        Args:
+            state: The training state after the step.
+            step: The step just taken.
+            force: Take the durable checkpoint of ``step`` whether due or not.
+
+        Raises:
+            unickpt.live.run.Interrupted: Under ``unickpt launch``, the job re-forms after
+                this step (caught by :func:`unickpt.run`).
+        """
         t0 = time.perf_counter()
         self._state = state
         if not self._started:  # restore() was not called (the state was loaded otherwise)
@@ -219,29 +285,28 @@ class CheckpointManager(Checkpoints):
         if step == self._stepped:  # the same step again (a framework's end of fit): its durable checkpoint only
             if force and self._saved_step != step:
                 self._save_step(state, step)
-            self._stall_s += time.perf_counter() - t0
+            self.run_stats.stall_s += time.perf_counter() - t0
             return
         self._stepped = step
         saved = force or (bool(self.save_every) and step % self.save_every == 0)
         if saved:
             self._save_step(state, step)
-        elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending[0].done():
+        elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending.handle.done():
             self._housekeep()
         if self._deltas is not None:
-            failed = self._deltas.failures
             if not self._deltas.commit(state, step):
-                self._counts["delta_steps_missed"] += 1
-                self._warn(f"step {step} is not in the delta log: before_update() was not called before optimizer.step()")
-            elif self._deltas.failures > failed:
-                self._warn(f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
-                           f"{self._deltas.last_failure}")
+                self._count_failure("delta_steps_missed",
+                                    f"step {step} is not in the delta log: before_update() was not called before "
+                                    "optimizer.step()")
+            why = self._deltas.take_failure()
+            if why is not None:
+                self._delta_failed(why)
         if self._snap is not None and self._snap.due(step):
             try:
                 self._snap.snapshot(state, step, flush=not saved)
             except UnickptError as e:
-                self._counts["snapshots_failed"] += 1
-                self._warn(f"snapshot of step {step} failed, training goes on: {e}")
-        self._stall_s += time.perf_counter() - t0
+                self._count_failure("snapshots_failed", f"snapshot of step {step} failed, training goes on: {e}")
+        self.run_stats.stall_s += time.perf_counter() - t0
         if step_boundary(step):  # under `unickpt launch`: a replacement joins after this step
             self._last_snapshot(state, step, saved)
             raise Interrupted(f"the job re-forms after step {step}")
@@ -252,7 +317,11 @@ class CheckpointManager(Checkpoints):
         leaving no process and no shared memory behind; collective. ``keep_snapshots=True``
         leaves the snapshots and keepers for a relaunch (a planned stop that is to resume
         from memory), once the keepers hold the newest snapshot whole (waiting up to 2 s plus a
-        second per 256 MiB of the node's snapshot). A second call does nothing."""
+        second per 256 MiB of the node's snapshot). A second call does nothing.
+
+        Args:
+            keep_snapshots: Leave the snapshots and keepers for a relaunch.
+        """
         if self._closed:
             return
         self._closed = True
@@ -261,27 +330,30 @@ class CheckpointManager(Checkpoints):
             try:
                 self._deltas.close()
             except UnickptError as e:  # the entries still queued: the replay stops before the failed one
-                self._deltas.failures += 1
-                self._deltas.last_failure = str(e).splitlines()[0]
-                self._warn(f"a delta log entry failed, training goes on (no replay past it until the next checkpoint): "
-                           f"{self._deltas.last_failure}")
+                self._delta_failed(str(e).splitlines()[0])
         self.wait()
         if self._snap is not None:
             self._snap.close(clean=not keep_snapshots)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this run: ``saves`` committed and ``saves_failed``, ``snapshots``
-        taken, ``snapshots_skipped`` (the keepers still encoding earlier ones) and
-        ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
-        ``delta_steps_missed``, ``durable_copies_failed``, ``stall_s`` (seconds the loop
-        spent in ``before_update`` and ``maybe_save``), ``snapshot_stall_s`` (of which the
-        snapshots') and ``last_error``."""
+        """Counters of this run.
+
+        Returns:
+            ``saves`` committed and ``saves_failed``, ``snapshots`` taken,
+            ``snapshots_skipped`` (the keepers still encoding earlier ones) and
+            ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
+            ``delta_steps_missed``, ``durable_copies_failed``, ``stall_s`` (seconds the loop
+            spent in ``before_update`` and ``maybe_save``), ``snapshot_stall_s`` (of which
+            the snapshots'), ``last_error`` and ``last_save`` (the last durable save's
+            :class:`~unickpt.api.stats.SaveRecord` as a dict: step, path, mode, seconds,
+            stall_s, bytes, error). Plain values (JSON-ready); the manager keeps them in
+            :attr:`run_stats`.
+        """
         snap = self._snap
-        out = dict(self._counts)
+        out = self.run_stats.as_dict()
         out.update(snapshots=snap.taken if snap else 0, snapshots_skipped=snap.skipped if snap else 0,
                    delta_entries=self._deltas.log.stats["entries"] if self._deltas else 0,
-                   delta_entries_failed=self._deltas.failures if self._deltas else 0,
-                   durable_copies_failed=len(self.durable_errors), stall_s=self._stall_s, last_error=self._last_error)
+                   durable_copies_failed=len(self.durable_errors))
         out["snapshot_stall_s"] = snap.stall_s if snap else 0.0
         if snap is not None:
             out["snapshots_failed"] += len(snap.failures)
@@ -392,107 +464,116 @@ class CheckpointManager(Checkpoints):
         self._finish_pending()
 
     def _save_step(self, state: dict[str, Any], step: int) -> None:
-        """The durable checkpoint of ``step`` (collective); a failure is counted and warned."""
+        """The durable checkpoint of ``step`` (collective); its record counted and told."""
         group = resolve_group(self.process_group)
         self._saved_step = step
         replace = self.failed_checks(self.path_for(step))  # a checkpoint restore passed over is replaced
         versions = self._deltas.versions() if self._deltas is not None else {}
+        t0 = time.perf_counter()
         if not self.async_save:
             try:
-                self.save(state, step, process_group=self.process_group, metadata=self.metadata, overwrite=replace)
+                _, written = self._save(state, step, process_group=self.process_group, metadata=self.metadata,
+                                        overwrite=replace)
             except UnickptError as e:
-                self._save_failed(step, e)
+                self._saved(step, "sync", t0, time.perf_counter(), error=e)
                 return
-            self._counts["saves"] += 1
+            self._saved(step, "sync", t0, time.perf_counter(), written)
             if self._deltas is not None:
                 self._deltas.rebase(versions)
             return
         self._finish_pending()
+        t0 = time.perf_counter()
         base = self.shared_base(step, group) if self.incremental else None
         try:
             handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
                                 storage_options=self.fast.storage_options, metadata=self.metadata, overwrite=replace)
         except UnickptError as e:
-            self._save_failed(step, e)
+            self._saved(step, "async", t0, time.perf_counter(), error=e)
             return
-        self._pending = (handle, step, versions)
+        self._pending = _Pending(handle, step, versions, t0, time.perf_counter())
+        handle.add_done_callback(self._pending.over)
 
     def _finish_pending(self) -> None:
         """Wait for the async save in flight (collective: every rank waits at the same
         call); on success its retention and durable copy, and the delta log's new base."""
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return
-        handle, step, versions = self._pending
         try:
-            handle.result()
+            written = pending.handle.result()
         except UnickptError as e:
             self._pending = None
-            self._save_failed(step, e)
+            self._saved(pending.step, "async", pending.started, pending.end(), error=e, stall=pending.stall)
             return
         self._housekeep()
         self._pending = None
-        self._counts["saves"] += 1
+        self._saved(pending.step, "async", pending.started, pending.end(), written, stall=pending.stall)
         if self._deltas is not None:
-            self._deltas.rebase(versions)
+            self._deltas.rebase(pending.versions)
 
     def _housekeep(self) -> None:
         """Rank 0, once the async save in flight has committed: its retention and durable
         copy (once per save)."""
         if self._pending is None or resolve_group(self.process_group).rank != 0:
             return
-        handle, step, _ = self._pending
-        if self._housekept == step or not handle.done():
-            return
-        try:
-            handle.result()
-        except UnickptError:  # counted and warned by _finish_pending
-            return
+        handle, step = self._pending.handle, self._pending.step
+        if self._housekept == step or not handle.done() or handle.exception() is not None:
+            return  # a failure is counted and told by _finish_pending
         self._housekept = step
         self.committed(step)
 
-    def _save_failed(self, step: int, error: UnickptError) -> None:
-        self._counts["saves_failed"] += 1
-        self._warn(f"checkpoint of step {step} failed, training goes on: {error}")
+    def _saved(self, step: int, mode: SaveMode, started: float, ended: float, written: int | None = None,
+               error: UnickptError | None = None, stall: float | None = None) -> None:
+        """Count and tell the durable save of ``step`` (its :class:`SaveRecord`)."""
+        record = SaveRecord(step, self.path_for(step), mode, ended - started, ended - started if stall is None else stall,
+                            written, None if error is None else str(error))
+        self.run_stats.saved(record, resolve_group(self.process_group).rank == 0)
 
-    def _warn(self, message: str) -> None:
-        self._last_error = message
-        if resolve_group(self.process_group).rank == 0:
-            log.warning("unickpt: %s", message)
+    def _delta_failed(self, why: str) -> None:
+        """Count and tell a delta log entry that could not be written."""
+        self._count_failure("delta_entries_failed", "a delta log entry failed, training goes on (no replay past it "
+                                                    f"until the next checkpoint): {why}")
+
+    def _count_failure(self, counter: str | None, message: str) -> None:
+        """Count and tell a failure (training goes on)."""
+        self.run_stats.failed(counter, message, resolve_group(self.process_group).rank == 0)
+
+
+@dataclass
+class _Pending:
+    """The async save in flight: its handle, step and the delta log's versions at its call;
+    when it started, how long the call stalled the loop, and when it was over."""
+
+    handle: AsyncSaveHandle
+    step: int
+    versions: dict[str, int]
+    started: float
+    staged: float
+    ended: float = 0.0
+
+    @property
+    def stall(self) -> float:
+        return self.staged - self.started
+
+    def over(self, _: AsyncSaveHandle) -> None:
+        self.ended = time.perf_counter()
+
+    def end(self) -> float:
+        """When the save was over (now, if its callback has not run yet)."""
+        return self.ended or time.perf_counter()
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """What a :class:`CheckpointManager` was configured with, grouped (each group checked
+    when built): the save schedule, the memory snapshots (None: off) and the delta log
+    (None: off)."""
+
+    saves: SaveSchedule
+    snapshot: SnapshotOptions | None
+    deltas: DeltaLogOptions | None
 
 
 def _logged(plan: Replay | None) -> int | None:
     """How many logged steps a restore from disk replays on top of it (None: no replay)."""
     return len(plan.entries) if plan is not None and plan.usable else None
-
-
-def _check_options(root: str, save_every: int, snapshot_every: int, parity: int | None, replicas: int, flush_every: int,
-                   max_bytes: int | None, log_deltas: bool, delta_dtype: str) -> None:
-    """One clear error for a bad value or combination, before anything starts."""
-    for name, value in (("save_every", save_every), ("snapshot_every", snapshot_every), ("flush_every", flush_every)):
-        if not isinstance(value, int) or value < 0:
-            raise UnickptError(f"{name} must be a whole number >= 0 (0: never), not {value!r}")
-    if replicas < 1:
-        raise UnickptError(f"snapshot_replicas must be at least 1, not {replicas}")
-    if parity is not None and parity < 0:
-        raise UnickptError(f"parity must be >= 0, not {parity}")
-    if not snapshot_every:
-        for name, value in (("parity", parity), ("flush_every", flush_every or None),
-                            ("snapshot_max_bytes", max_bytes), ("snapshot_replicas", replicas if replicas > 1 else None)):
-            if value is not None:
-                raise UnickptError(f"{name}={value} configures the memory snapshots: set snapshot_every too")
-    if replicas > 1 and parity:
-        raise UnickptError(f"snapshot_replicas={replicas} and parity={parity} exclude each other: a node's snapshot is "
-                           "protected by copies on neighbours or by parity, not both")
-    if max_bytes is not None and max_bytes < 1:
-        raise UnickptError(f"snapshot_max_bytes must be positive, not {max_bytes}")
-    if flush_every and is_remote(root):
-        raise UnickptError("flush_every needs a local root: the keepers write files (use durable= for an object store)")
-    if delta_dtype not in ("exact", "bf16"):
-        raise UnickptError(f"delta_dtype must be 'exact' or 'bf16', not {delta_dtype!r}")
-    if delta_dtype != "exact" and not log_deltas:
-        raise UnickptError(f"delta_dtype={delta_dtype!r} is the delta log's: set log_deltas=True too")
-    if log_deltas and not save_every:
-        raise UnickptError("log_deltas=True needs save_every: the log replays onto the last full checkpoint")
-    if log_deltas and is_remote(root):
-        raise UnickptError("log_deltas=True needs a local root (the log's entries are files beside the checkpoints)")
-

@@ -16,8 +16,8 @@ from ..engine.collect import LocalState, collect
 from ..engine.commit import Written, check_not_committed, commit, describe, prepare_collective, write_items, write_rank
 from ..engine.commit import checkpoint_file  # noqa: F401  (api.checkpoints names it from here)
 from ..engine.gc_pause import gc_paused
+from ..engine.save_options import SaveOptions
 from ..engine.unchanged import split_unchanged
-from ..errors import SaveError
 from ..format.manifest import DEFAULT_BLOCK_BYTES
 from ..storage.base import Storage
 from .incremental import open_base
@@ -27,50 +27,34 @@ __all__ = ["save"]
 
 @dataclass
 class StagedSave:
-    """A save whose state is captured (staged in host memory): it can finish without the
-    live state_dict, now or in a background thread."""
+    """A save: where and how it writes, and, once :func:`stage` has run, this rank's
+    captured state (staged in host memory), so that it can finish without the live
+    state_dict, now or in a background thread."""
 
     group: Group
     path: str
     overwrite: bool
-    local: LocalState | None
-    error: str | None
     metadata: dict[str, Any]
-    block_bytes: int
-    threads: int
+    options: SaveOptions
     storage_options: dict[str, Any] | None = None
     base: str | None = None
+    local: LocalState | None = None
+    error: str | None = None
 
 
-def stage(
-    state_dict: dict[str, Any],
-    path: str,
-    *,
-    process_group: Any = None,
-    metadata: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    threads: int = 4,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    storage_options: dict[str, Any] | None = None,
-    base: str | os.PathLike | None = None,
-) -> StagedSave:
-    """Phase 1 of a save (collective): check the arguments and capture this rank's state.
-    Nothing is written yet.
+def stage(state_dict: dict[str, Any], staged: StagedSave) -> StagedSave:
+    """Phase 1 of a save (collective): check the location and capture this rank's state
+    into ``staged``. Nothing is written yet.
 
     After it returns, the caller may change the state freely. A failure on this rank is
     recorded and reported to every rank by :func:`write_and_commit`.
     """
-    if block_bytes <= 0 or block_bytes % 8:
-        raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
-    group = resolve_group(process_group)
-    check_not_committed(path, overwrite, storage_options)
+    check_not_committed(staged.path, staged.overwrite, staged.storage_options)
     try:
-        local, error = collect(state_dict, group), None
+        staged.local, staged.error = collect(state_dict, staged.group), None
     except Exception as e:  # reported to rank 0, which fails the whole save
-        local, error = None, describe(e)
-    return StagedSave(group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
-                      storage_options, None if base is None else os.fspath(base))
-
+        staged.local, staged.error = None, describe(e)
+    return staged
 
 
 def _write(staged: StagedSave, storage: Storage) -> Written:
@@ -81,22 +65,23 @@ def _write(staged: StagedSave, storage: Storage) -> Written:
     base = open_base(staged.base, staged.path) if staged.base is not None else None
     refs: list = []
     if base is not None:
-        changed, found = split_unchanged(base, to_write, rank, staged.block_bytes, staged.threads)
+        changed, found = split_unchanged(base, to_write, rank, staged.options.block_bytes, staged.options.threads)
         refs = [(to_write[k], f) for k, f in found]
         to_write = [to_write[k] for k in changed]
-    done = write_items(storage, rank, to_write, staged.block_bytes, staged.threads)
+    done = write_items(storage, rank, to_write, staged.options.block_bytes, staged.options.threads)
     return Written(refs + done.fragments, done.files, base)
 
 
-def write_and_commit(staged: StagedSave, group: Group | None = None) -> None:
+def write_and_commit(staged: StagedSave, group: Group | None = None) -> int:
     """Phase 2 of a save (collective): claim the directory, write this rank's file, then
     rank 0 checks every rank's report and commits the manifest. Raises the same error on
     every rank if any rank failed. ``group`` overrides the group used to talk (async saves
-    use their own)."""
+    use their own). Returns the bytes this rank wrote."""
     group = group or staged.group
     target = prepare_collective(group, staged.path, staged.overwrite, storage_options=staged.storage_options)
     report = write_rank(staged.group.rank, staged.local, lambda: _write(staged, target.storage), staged.error)
     commit(group, report, target, staged.metadata)
+    return sum(report.files.values())
 
 
 @gc_paused()
@@ -111,7 +96,8 @@ def save(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike | None = None,
-) -> None:
+    options: SaveOptions | None = None,
+) -> int:
     """Save ``state_dict`` to the checkpoint directory ``path``.
 
     Collective over ``process_group`` (default: the default group if initialised, else a
@@ -131,9 +117,32 @@ def save(
     equal the base's (same xxh3-128 identity) is not written but referenced where its bytes
     lie, in the base or in a checkpoint the base references (docs/FORMAT.md, "Incremental
     checkpoints"). The result loads on its own, as long as those checkpoints are kept.
+
+    Args:
+        state_dict: What to save: tensors, DTensors, Stateful objects (modules,
+            optimizers, schedulers, :class:`~unickpt.RNGState`), plain values,
+            :class:`~unickpt.PerRank` and :class:`~unickpt.Sharded` entries, nested.
+        path: The checkpoint's directory or URL.
+        process_group: The group saving together (default: the default group if
+            initialised, else a single process); every rank calls with its own shards.
+        metadata: Plain values stored in the manifest.
+        overwrite: Replace a committed checkpoint at ``path`` (only once the new one commits).
+        threads: Threads writing this rank's file (or ``options``).
+        block_bytes: The checksum block, a positive multiple of 8 (or ``options``).
+        storage_options: Options of a URL's file system (fsspec).
+        base: An earlier checkpoint: save incrementally against it.
+        options: The write options as one :class:`~unickpt.SaveOptions` (instead of
+            ``threads`` and ``block_bytes``).
+
+    Returns:
+        The bytes this rank wrote (its data file; less for an incremental save).
+
+    Raises:
+        SaveError: On every rank, when any rank failed (naming each rank and why), or a
+            bad option, or a committed checkpoint at ``path`` without ``overwrite``.
     """
-    staged = stage(
-        state_dict, path, process_group=process_group, metadata=metadata,
-        overwrite=overwrite, threads=threads, block_bytes=block_bytes, storage_options=storage_options, base=base,
-    )
-    write_and_commit(staged)
+    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes})
+    staged = StagedSave(resolve_group(process_group), str(path), overwrite, dict(metadata or {}), opts, storage_options,
+                        None if base is None else os.fspath(base))
+    stage(state_dict, staged)
+    return write_and_commit(staged)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ..adapters.checkpoint import Checkpoint, using_checkpoint
+from ..adapters.checkpoint import OpenCheckpoint, using_checkpoint
 from ..adapters.regions import source_ledger
 from ..engine.reads import Segment, SpanRead, block_checks, execute
 from ..errors import CorruptionError, StorageError, UnickptError
@@ -256,7 +256,7 @@ _MESSAGES = {
 
 
 @gc_paused()
-def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = None, threads: int = 4,
+def verify(path: str | OpenCheckpoint, *, progress: Callable[[int], None] | None = None, threads: int = 4,
            storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Re-check every checksum of the checkpoint at ``path`` (or of a checkpoint the caller
     opened) and report what is wrong.
@@ -268,12 +268,26 @@ def verify(path: str | Checkpoint, *, progress: Callable[[int], None] | None = N
     is invalid; every other problem is reported, not raised. ``path`` may be a URL
     (``storage_options`` for its file system); a store that cannot be reached is a
     :class:`~unickpt.StorageError`.
+
+    Args:
+        path: The checkpoint's directory or URL, or a checkpoint opened by the caller.
+        progress: Called with the bytes just checked.
+        threads: Parallel reads.
+        storage_options: Options of a URL's file system (fsspec).
+
+    Returns:
+        A :class:`VerifyReport`: ``ok``, and each problem with the file it is in.
+
+    Raises:
+        NotACheckpointError: ``path`` holds no committed checkpoint.
+        ManifestError: Its manifest is invalid.
+        StorageError: The store cannot be reached.
     """
     with using_checkpoint(path, storage_options, bases=False) as ckpt:  # a missing base is a problem reported
         return _verify(ckpt, progress, threads)
 
 
-def _base_problems(ckpt: Checkpoint, manifest: Manifest) -> list[tuple[str, str]]:
+def _base_problems(ckpt: OpenCheckpoint, manifest: Manifest) -> list[tuple[str, str]]:
     """The bases of an incremental checkpoint that are missing or replaced."""
     if not manifest.bases:
         return []
@@ -282,7 +296,7 @@ def _base_problems(ckpt: Checkpoint, manifest: Manifest) -> list[tuple[str, str]
     return base_problems(str(ckpt.storage.root), manifest)
 
 
-def _verify(ckpt: Checkpoint, progress: Callable[[int], None] | None, threads: int) -> VerifyReport:
+def _verify(ckpt: OpenCheckpoint, progress: Callable[[int], None] | None, threads: int) -> VerifyReport:
     storage, manifest = ckpt.storage, ckpt.manifest
     report = VerifyReport(ckpt.location, format=ckpt.format, manifest_digest=manifest.digest)
     problems: list[Problem] = []

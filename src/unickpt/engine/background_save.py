@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
 from .commit import IndexParts, Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
 from .gc_pause import gc_paused
+from .save_options import SaveOptions
 from .items import TensorItem
 from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
 from .unchanged import BaseIndex, split_unchanged
@@ -65,37 +68,108 @@ def checkpoint_group(group: Group, channel: str = DEFAULT_CHANNEL) -> Group:
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
 
 
-class AsyncSaveHandle:
-    """A save in flight. ``result()`` waits for it and raises its error, if any, on every
-    rank alike (the message names the failing ranks and files); ``done()`` polls."""
+class _Progress:
+    """What the saver tells a handle: the state is staged (an event), the save is over
+    (a future: its result, or its error)."""
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self) -> None:
+        self.staged = threading.Event()
+        self.future: Future[int] = Future()
+        self.future.set_running_or_notify_cancel()
+
+    def fail(self, error: BaseException) -> None:
+        self.staged.set()
+        self.future.set_exception(error)
+
+    def succeed(self, written: int) -> None:
+        self.staged.set()
+        self.future.set_result(written)
+
+
+class AsyncSaveHandle:
+    """A save in flight, returned by :func:`unickpt.async_save`; future-like.
+
+    ``result()`` waits for the save and raises its error, if any, on every rank alike
+    (the message names the failing ranks and files); ``done()`` polls; ``exception()``
+    returns the error instead of raising it; ``add_done_callback(fn)`` calls ``fn(handle)``
+    once the save is over (in the saver's thread, or at once when it already is).
+    ``wait_staged()`` waits for the copy into host memory (``lazy=True`` saves).
+
+    Attributes:
+        path: Where the checkpoint is written.
+        rank: This process's rank in the save's group.
+    """
+
+    def __init__(self, path: str, rank: int, progress: _Progress) -> None:
         self.path, self.rank = path, rank
-        self._staged = threading.Event()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
+        self._progress = progress
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state has been copied to host memory; after this the tensors
-        may change. Needed only with ``lazy=True`` (else the call already waited)."""
-        if not self._staged.wait(timeout):
+        may change. Needed only with ``lazy=True`` (else the call already waited).
+
+        Args:
+            timeout: Seconds to wait at most (None: as long as it takes).
+
+        Raises:
+            TimeoutError: The state is not staged after ``timeout`` seconds.
+        """
+        if not self._progress.staged.wait(timeout):
             raise TimeoutError(f"async save to {self.path}: state not staged after {timeout} s")
 
     def staged(self) -> bool:
-        """True once the state has been copied to host memory."""
-        return self._staged.is_set()
+        """Returns:
+            True once the state has been copied to host memory."""
+        return self._progress.staged.is_set()
 
     def done(self) -> bool:
-        """True once the save has committed or failed."""
-        return self._done.is_set()
+        """Returns:
+            True once the save has committed or failed."""
+        return self._progress.future.done()
 
-    def result(self, timeout: float | None = None) -> None:
-        """Wait for the save to finish; raise its failure (a :class:`SaveError` or another
-        :class:`UnickptError`) if it failed, ``TimeoutError`` if it is still running."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
+    def result(self, timeout: float | None = None) -> int:
+        """Wait for the save to finish.
+
+        Args:
+            timeout: Seconds to wait at most (None: as long as it takes).
+
+        Returns:
+            The bytes this rank wrote (its data file; less for an incremental save).
+
+        Raises:
+            SaveError: The save failed (or another :class:`~unickpt.UnickptError`).
+            TimeoutError: The save is still running after ``timeout`` seconds.
+        """
+        try:
+            return self._progress.future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"async save to {self.path} still running after {timeout} s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the save to finish and return its error instead of raising it.
+
+        Args:
+            timeout: Seconds to wait at most (None: as long as it takes).
+
+        Returns:
+            The save's error, or None when it committed.
+
+        Raises:
+            TimeoutError: The save is still running after ``timeout`` seconds.
+        """
+        try:
+            return self._progress.future.exception(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"async save to {self.path} still running after {timeout} s") from None
+
+    def add_done_callback(self, fn: Callable[[AsyncSaveHandle], Any]) -> None:
+        """Call ``fn(handle)`` once the save is over (committed or failed).
+
+        Args:
+            fn: Called with this handle, in the saver's thread (at once when the save is
+                already over).
+        """
+        self._progress.future.add_done_callback(lambda _: fn(self))
 
 
 @dataclass
@@ -128,18 +202,18 @@ class _Saver:
 
     def __init__(self) -> None:
         self.pool = StagingPool()
-        self.current: AsyncSaveHandle | None = None
+        self.current: _Progress | None = None
         self.streams: dict[torch.device, Any] = {}
 
     def wait(self) -> None:
         """Wait for the save in flight, if any (its error stays with its handle)."""
         if self.current is not None:
-            self.current._done.wait()
+            wait([self.current.future])
 
-    def start(self, job: _Job, handle: AsyncSaveHandle) -> None:
+    def start(self, job: _Job, progress: _Progress) -> None:
         """Stage (here unless lazy or the shard needs several batches) and start the
         background writer; return once staged unless lazy."""
-        self.current = handle
+        self.current = progress
         pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
         buf = self.pool.buffer(job.capacity, pin, job.limit) if job.local is not None else None
         crcs: dict[int, int] = {}
@@ -149,13 +223,13 @@ class _Saver:
                 self._stage(job, 0, buf, crcs)
             except Exception as e:
                 job.error = describe(e)
-            handle._staged.set()
+            progress.staged.set()
         thread = threading.Thread(
-            target=self._run, args=(job, handle, buf, crcs, here), name="unickpt-async-save", daemon=False
+            target=self._run, args=(job, progress, buf, crcs, here), name="unickpt-async-save", daemon=False
         )
         thread.start()
         if not job.lazy:
-            handle._staged.wait()
+            progress.staged.wait()
 
     def _stage(self, job: _Job, k: int, buf: torch.Tensor, crcs: dict[int, int]) -> None:
         """Copy batch ``k`` into the buffer; digest sources that are read in place."""
@@ -165,18 +239,17 @@ class _Saver:
             if u.slot < 0 and u.index in job.digests:
                 crcs[u.index] = _crc.crc32c(memoryview(flat_bytes(job.sources[u.index]).numpy()[u.lo : u.hi]), crcs.get(u.index, 0))
 
-    def _run(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
+    def _run(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
         try:
-            self._write_and_commit(job, handle, buf, crcs, staged_batch0)
+            written = self._write_and_commit(job, progress, buf, crcs, staged_batch0)
         except BaseException as e:
-            handle._error = e if isinstance(e, UnickptError) else SaveError(
+            progress.fail(e if isinstance(e, UnickptError) else SaveError(
                 f"async save to {job.path} failed on rank {job.group.rank}: {type(e).__name__}: {e}"
-            )
-        finally:
-            handle._staged.set()
-            handle._done.set()
+            ))
+        else:
+            progress.succeed(written)
 
-    def _write_and_commit(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
+    def _write_and_commit(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> int:
         last = len(job.batches) - 1
         if job.error is None and not staged_batch0:
             try:
@@ -184,14 +257,15 @@ class _Saver:
             except Exception as e:
                 job.error = describe(e)
         if last == 0 or job.error is not None:
-            handle._staged.set()
+            progress.staged.set()
         # Start writing only once every rank has staged: a rank that writes while others
         # still copy takes CPU and memory bandwidth from their (blocking) staging.
         all_gather_fixed(job.group, b"\x01")
         target = prepare_collective(job.group, job.path, job.overwrite, job.manifest_copy, job.storage_options)
-        report = write_rank(job.group.rank, job.local, lambda: self._write(job, handle, buf, crcs, target.storage), job.error)
-        handle._staged.set()
+        report = write_rank(job.group.rank, job.local, lambda: self._write(job, progress, buf, crcs, target.storage), job.error)
+        progress.staged.set()
         commit(job.group, report, target, job.metadata, job.manifest_copy)
+        return sum(report.files.values())
 
     @staticmethod
     def _staged_bytes(job: _Job, buf: torch.Tensor):
@@ -213,7 +287,7 @@ class _Saver:
 
         return source
 
-    def _write(self, job: _Job, handle: AsyncSaveHandle, buf: torch.Tensor, crcs: dict[int, int], storage: Storage) -> Written:
+    def _write(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], storage: Storage) -> Written:
         """Write this rank's file from the staging buffer, batch by batch (staging the
         next batch once the previous one is written)."""
         group, local, base = job.group, job.local, job.base
@@ -232,7 +306,7 @@ class _Saver:
                 if k > 0:
                     self._stage(job, k, buf, crcs)
                     if k == len(job.batches) - 1:
-                        handle._staged.set()
+                        progress.staged.set()
                 parts = []
                 for u in batch:
                     if u.slot < 0:
@@ -350,10 +424,7 @@ def start_save(
     every rank creates its ``path`` if needed (all ranks must pass None, or all a bool; or
     all the same :class:`~unickpt.engine.commit.IndexParts`: an indexed manifest, each rank
     keeping only its parts of the index)."""
-    if block_bytes <= 0 or block_bytes % 8:
-        raise SaveError(f"block_bytes must be a positive multiple of 8, not {block_bytes}")
-    if max_staging_bytes is not None and max_staging_bytes <= 0:
-        raise SaveError(f"max_staging_bytes must be positive, not {max_staging_bytes}")
+    SaveOptions.from_keywords(threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes)
     saver = _saver(channel)
     saver.wait()
     group = checkpoint_group(resolve_group(process_group), channel)
@@ -378,9 +449,9 @@ def start_save(
         storage_options,
         index, refs, undecided,
     )
-    handle = AsyncSaveHandle(str(path), group.rank)
-    saver.start(job, handle)
-    return handle
+    progress = _Progress()
+    saver.start(job, progress)
+    return AsyncSaveHandle(str(path), group.rank, progress)
 
 
 def staging_bytes(channel: str | None = None) -> int:
@@ -396,7 +467,7 @@ def abandon_in_flight() -> int:
     does not wait for it: live recovery calls it when a peer died, where such a save is
     stuck on the dead generation's process group (its thread ends once that group's
     sockets close; its files are never committed). Returns how many were abandoned."""
-    stuck = [name for name, saver in _SAVERS.items() if saver.current is not None and not saver.current.done()]
+    stuck = [name for name, saver in _SAVERS.items() if saver.current is not None and not saver.current.future.done()]
     for name in stuck:
         _SAVERS[name] = _Saver()
     return len(stuck)

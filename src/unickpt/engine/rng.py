@@ -20,7 +20,11 @@ class RNGState:
     Every entry is per-rank (:class:`unickpt.PerRank`): a restore onto the same number of
     ranks sets each rank's generators as they were; onto another number of ranks the
     :class:`unickpt.CheckpointManager` leaves them as they are and says so (a rank's
-    random stream has no meaning on another layout)."""
+    random stream has no meaning on another layout).
+
+    Example:
+        ``state = {"model": model, "optim": optim, "rng": unickpt.RNGState()}``
+    """
 
     def state_dict(self) -> dict[str, Any]:
         """The generators' states now."""

@@ -28,6 +28,9 @@ class PerRank:
 
     On load, a ``PerRank`` in the target receives this rank's saved value in ``.value``
     (same world size), or use :func:`unickpt.load_rank_values` to reshard it yourself.
+
+    Args:
+        value: This rank's value: a tensor or plain data.
     """
 
     value: Any
@@ -42,6 +45,15 @@ class Sharded:
     builds these. ``replica_index``/``replicas`` say which copy this is when several ranks
     hold the same pieces (exactly one copy is written). On load the target's ``local``
     is filled in place; elements covered by no piece (padding) are left as they are.
+
+    Args:
+        local: This rank's tensor (saved from, loaded into in place).
+        global_shape: The shape of the whole tensor.
+        pieces: The pieces of the global tensor ``local`` holds
+            (:class:`~unickpt.plan.piece.Piece`).
+        replica_index: Which copy this is, when several ranks hold the same pieces.
+        replicas: How many ranks hold them (exactly one copy is written).
+        layout: A name for the layout, stored in the manifest.
     """
 
     local: torch.Tensor

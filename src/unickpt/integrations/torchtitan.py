@@ -41,6 +41,7 @@ from ..api.manager import CheckpointManager
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import MismatchError, UnickptError
+from ..logs import say
 
 __all__ = ["UnickptCheckpointManager"]
 
@@ -254,7 +255,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         wrapper.load_state_dict({k: flat[k] for k in model})
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             what = "the model" if self.config.initial_load_model_only else "the model, optimizers, LR schedulers, train state"
-            print(f"initial state: {what} from {path}", flush=True)
+            say(f"initial state: {what} from {path}")
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """The step's snapshot, delta log entry and, every ``interval`` steps, at the first

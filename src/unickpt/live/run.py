@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ..dist import release_groups
 from ..errors import UnickptError
+from ..logs import say
 from . import control
 from .control import Generation, key
 
@@ -59,7 +60,17 @@ class Interrupted(BaseException):
 
 @dataclass(frozen=True)
 class World:
-    """Where this process stands in the current generation of the job."""
+    """Where this process stands in the current generation of the job.
+
+    Attributes:
+        rank: This process's rank (dense: 0 .. size-1, in the old order after a re-forming).
+        size: The number of ranks now.
+        local_rank: The rank among this node's processes.
+        generation: How many times the job has re-formed (0: never).
+        local_size: The processes on this node.
+        node: This node's index.
+        nodes: The number of nodes.
+    """
 
     rank: int
     size: int
@@ -82,7 +93,18 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     survivors (dense ranks, in the old order) and ``fn(world)`` is called again in this
     same process. Under torchrun or plain ``python`` ``fn`` is called once. ``backend``:
     torch's default for the device when None. ``fn`` must not call
-    ``init_process_group`` or ``destroy_process_group`` itself."""
+    ``init_process_group`` or ``destroy_process_group`` itself.
+
+    Args:
+        fn: The training function; called with the current :class:`World`.
+        backend: The process group's backend (None: torch's default for the device).
+
+    Returns:
+        What ``fn`` returned (in its last generation).
+
+    Raises:
+        UnickptError: The default process group is already initialised.
+    """
     if dist.is_initialized():
         raise UnickptError("unickpt.run(fn) initialises the process group itself: call it before "
                            "init_process_group, not after (and not from inside another unickpt.run)")
@@ -389,7 +411,7 @@ class _Live:
             return
         line, self.note = self.note.format(step), None
         if self.world is not None and self.world.rank == 0:
-            print(line, flush=True)
+            say(line)
 
     def mark(self, what: str) -> None:
         self.times[what] = time.time()

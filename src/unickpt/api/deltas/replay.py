@@ -1,7 +1,7 @@
 """What a training step changes, as a delta log entry, and its exact replay (any loop).
 
 :class:`StepDeltas` is the :class:`unickpt.CheckpointManager`'s ``log_deltas=True``. For
-step ``s`` it writes one entry of the :class:`~unickpt.api.delta_log.DeltaLog` holding:
+step ``s`` it writes one entry of the :class:`~unickpt.api.deltas.log.DeltaLog` holding:
 
 * the gradients every optimizer of the state consumed (captured by ``before_update()``,
   right before ``optimizer.step()``: after the data-parallel reduction and any clipping),
@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
-from ..engine.items import is_dtensor
-from ..engine.optim_state import named_parameters
-from ..engine.state import PerRank, Sharded, find_modules, flatten, optimizers_of, without_optimizers, write_back
-from ..errors import UnickptError
-from ..format.dtypes import dtype_from_name
-from .delta_log import DELTAS_DIR, DeltaLog, Replay, replayable
-from .load import load_into, read_manifest
+from ...dist import all_true, broadcast_bytes, gather_bytes, resolve_group
+from ...engine.items import is_dtensor
+from ...engine.optim_state import named_parameters
+from ...engine.state import PerRank, Sharded, find_modules, flatten, optimizers_of, without_optimizers, write_back
+from ...errors import UnickptError
+from ...format.dtypes import dtype_from_name
+from .log import DELTAS_DIR, DeltaLog, Replay, replayable
+from ..load import load_into, read_manifest
 
 # The entry's own part; the rest of an entry is named as the state flattens.
 KEY = "unickpt_delta"
@@ -131,8 +131,7 @@ class StepDeltas:
         self._captured: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._baseline: dict[str, int] = {}  # name of a watched tensor -> its version at the full checkpoint
         self._tensors: list[tuple[str, torch.Tensor]] = []
-        self.failures = 0  # entries whose write failed (the latest reason in last_failure)
-        self.last_failure: str | None = None
+        self._failure: str | None = None  # why an entry's write failed, until the manager takes it
 
     # -- the state's parts -------------------------------------------------------------
     def watch(self, state: dict[str, Any]) -> None:
@@ -196,10 +195,14 @@ class StepDeltas:
                 entry[leaf.name] = copy.deepcopy(v)
         failed = self.log.take_error()
         if failed is not None:  # counted, said by the manager; the log goes on (a replay stops at the gap)
-            self.failures += 1
-            self.last_failure = str(failed).splitlines()[0]
+            self._failure = str(failed).splitlines()[0]
         self.log.append(step, entry)
         return True
+
+    def take_failure(self) -> str | None:
+        """Why an earlier entry's write failed (its first line), once; None when none did."""
+        why, self._failure = self._failure, None
+        return why
 
     def started(self, step: int) -> None:
         """The run continues after ``step``: drop the entries it will rewrite."""

@@ -17,7 +17,7 @@ of committed, verified entries right after it. Entries a newer full checkpoint c
 folded away (deleted) as soon as it commits, so the log holds at most the steps since the
 newest full checkpoint plus the one in flight. Layer: an entry point beside ``save`` and
 the durable checkpoints, on which it stands; what a step's entry holds, and how to replay
-it in any loop, is :mod:`unickpt.api.step_deltas` (``CheckpointManager(log_deltas=True)``).
+it in any loop, is :mod:`unickpt.api.deltas.replay` (``CheckpointManager(log_deltas=True)``).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dist import new_group, resolve_group
-from ..errors import SaveError, UnickptError
-from ..format.manifest import MANIFEST_NAME
-from ..storage.local import list_subdirs, remove_checkpoint
-from ..storage.transaction import remove_abandoned
-from .checkpoints import Checkpoints
-from .save import save
+from ...dist import new_group, resolve_group
+from ...errors import SaveError, UnickptError
+from ...format.manifest import MANIFEST_NAME
+from ...storage.local import list_subdirs, remove_checkpoint
+from ...storage.transaction import remove_abandoned
+from ..checkpoints import Checkpoints
+from ..save import save
 
 DELTAS_DIR = "deltas"
 
@@ -214,7 +214,7 @@ def replayable(ckpt_root: str, log_root: str, verify_entries: bool = True) -> Re
     entries of ``log_root`` after it. An entry is replayed only if its manifest is
     committed, its data files have their recorded sizes and (``verify_entries``) every
     checksum holds; the first one that fails ends the run, and the reason is noted."""
-    from .verify import verify
+    from ..verify import verify
 
     full = Checkpoints(ckpt_root).latest()
     plan = Replay(full, step_of(full) if full is not None else 0)
@@ -248,7 +248,7 @@ def _entry_problem(log: Checkpoints, path: str, step: int, verify: Callable, ful
     if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
         return "no commit marker"
     try:
-        from .load import read_manifest
+        from ..load import read_manifest
 
         manifest = read_manifest(path)
         for name, size in manifest.files.items():
