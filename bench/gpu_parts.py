@@ -429,7 +429,7 @@ def part_restart(ctx: Ctx) -> None:
     process group -> first step, against re-forming the group inside the same process
     (tear-down, new group on a fresh store prefix, first step) — by hand with torch, and
     through ``unickpt.run``'s re-forming where this unickpt has it."""
-    for _ in range(2):  # the first also warms the file cache of torch's libraries
+    for _ in range(1 if ctx.dry else 2):  # the first also warms the file cache of torch's libraries (a dry run: once)
         cmd = [sys.executable, "-m", "bench.gpu_parts", "restart_child", "--out", ctx.out, "--spawned", repr(time.time()),
                *(["--dry-run"] if ctx.dry else [])]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
