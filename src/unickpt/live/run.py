@@ -98,6 +98,7 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     finally:
         live.stop()
         _CURRENT = None
+        gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
 
 
 def _run_once(fn: Callable[[World], Any], backend: str | None) -> Any:
@@ -196,7 +197,7 @@ class _Live:
                     _check_group_kept(e)
                     self.teardown()
                     raise
-                traceback.clear_frames(e.__traceback__)  # the frames of fn hold the model, the mesh, the groups
+                _forget_exception(e)  # its frames (and its chain's) hold the model, the mesh, the groups
                 del e
                 self.teardown()
                 gen = nxt
@@ -408,6 +409,22 @@ class _InFn:
         with self.live.lock:
             self.live.in_fn = False
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.live.main), None)  # one not yet raised
+
+
+def _forget_exception(error: BaseException) -> None:
+    """Clear the frames of ``error``'s traceback and of every exception chained to it (a
+    collective's error re-raised through autograd or a hook keeps the original, with
+    frames that hold the model and its groups, as ``__context__``)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        todo += [x.__cause__, x.__context__]
+        x.__traceback__ = x.__cause__ = x.__context__ = None
 
 
 def _freeze_heap() -> None:
