@@ -113,7 +113,12 @@ def _run_once(fn: Callable[[World], Any], backend: str | None) -> Any:
     try:
         result = fn(world)
     except BaseException as e:
-        _check_group_kept(e)
+        try:
+            _check_group_kept(e)
+        finally:
+            if dist.is_initialized():  # an error leaves no group behind (a caller in the same process goes on)
+                dist.destroy_process_group()
+                release_groups()
         raise
     _check_group_kept(None)
     dist.destroy_process_group()
