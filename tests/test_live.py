@@ -110,6 +110,7 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     os.kill(pids[1], signal.SIGSTOP)
     after = job.wait_step(7, generation=1)
     assert pids[1] not in after.values()
+    killed = time.time()
     os.kill(after[2], signal.SIGKILL)
     time.sleep(0.15)  # the coordinator batches exits 20 ms apart: this one opens generation 3
     os.kill(after[1], signal.SIGKILL)
@@ -120,6 +121,9 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     sizes = {r["generation"]: r["size"] for r in job.lines()}
     assert sizes[0] == 4 and sizes[1] == 3 and sizes[3] == 1 and sizes.get(2, 2) == 2, sizes
     assert {r["pid"] for r in job.lines() if r["generation"] == 3} == {after[0]}  # the last survivor, never relaunched
+    # no survivor waited out the collective timeout (10 s here) on the old gloo group
+    recovered = min(r["t"] for r in job.lines() if r["generation"] == 3) - killed
+    assert recovered < 8, recovered
     _check_curve(job, steps)
     _clean(tmp_path)
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import release_groups
+from ..dist import open_sockets, opened_since, release_groups, shut_group_sockets
 from ..errors import UnickptError
 from . import control
 from .control import Generation, key
@@ -180,6 +180,7 @@ class _Live:
         self._stop = threading.Event()
         self._seen = -1
         self._watcher: threading.Thread | None = None
+        self.mesh: dict[int, str] = {}  # the sockets of this generation's gloo default group
 
     # -- the generations ------------------------------------------------------------------
     def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
@@ -246,7 +247,10 @@ class _Live:
                           ROLE_WORLD_SIZE=str(place["size"]), TORCHELASTIC_RESTART_COUNT=str(gen.number))
         store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
         timeout = timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "600")))
+        before = open_sockets()
         dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
+        if "gloo" in str(dist.get_backend()):
+            self.mesh = opened_since(before)  # gloo connects its full mesh here
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -304,6 +308,7 @@ class _Live:
 
         if self.gen is not None and not collect:
             abandon_in_flight()
+            self.shut_mesh()
         release_groups(collect=False)
         _forget_meshes()
         old = None
@@ -321,6 +326,13 @@ class _Live:
             held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
             print(f"unickpt: the old group is still referenced by {held}", file=sys.stderr, flush=True)
         self.mark("torn_down")
+
+    def shut_mesh(self) -> None:
+        """Shut the old generation's gloo sockets down (its default group's, unickpt's
+        groups'), so that a collective blocked on one fails at once here and in every
+        survivor, whoever still holds the group."""
+        mesh, self.mesh = self.mesh, {}
+        shut_group_sockets(mesh)
 
     def _end_if_over(self, gen: Generation) -> None:
         if gen.cause == "end":
@@ -351,6 +363,7 @@ class _Live:
             if gen.cause != "grow" or self.worker not in gen.members:
                 with self.lock:
                     if self.in_fn and self.gen is not None and gen.number > self.gen.number:
+                        self.shut_mesh()  # the main thread may be blocked in a gloo collective
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
                                                                    ctypes.py_object(Interrupted))
 
