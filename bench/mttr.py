@@ -152,7 +152,8 @@ def breakdown(job: dict) -> list[dict]:
 LIVE_LOOP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "live_loop.py")
 PHASES = (("detect", "kill", "died"), ("publish", "died", "published"), ("interrupt", "published", "interrupted"),
           ("teardown", "interrupted", "torn_down"), ("reform", "torn_down", "formed"),
-          ("rebuild+restore", "formed", "restored"), ("first_step", "restored", "first_step"))
+          ("rebuild+restore", "formed", "restored"), ("first_step", "restored", "first_step"),
+          ("(collect)", "destroyed", "torn_down"), ("(freeze)", "formed", "frozen"))  # the part of the tear-down spent in gc.collect()
 
 
 def run_live(work: str, nproc: int, kills: int, steps: int, sleep: float) -> tuple[int, list[dict]]:

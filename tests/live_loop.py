@@ -87,7 +87,7 @@ def main() -> None:
             dist.all_reduce(total)
             with open(args.log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(total) / world.size, "size": world.size,
-                                    "generation": world.generation, "rank": world.rank, "pid": os.getpid()}) + "\n")
+                                    "generation": world.generation, "rank": world.rank, "pid": os.getpid(), "t": time.time()}) + "\n")
             manager.maybe_save(state, step)
         manager.close()
 

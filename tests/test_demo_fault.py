@@ -1,6 +1,10 @@
-"""``unickpt demo --fault-tolerance`` as a newcomer meets it (issue 29, item 5).
+"""``unickpt demo --fault-tolerance`` as a newcomer meets it (issue 29, item 5; issue 32).
 
-* end to end (4 torchrun nodes, one lost, about 25 s): exit 0, a table whose every step
+* live recovery end to end (``unickpt launch`` of the example trainer on 4 ranks, rank 2
+  SIGKILLed, a replacement joins): the survivors go on in their own processes, no step
+  lost, every loss within 1e-4 of the unbroken run, nothing left behind. This is also
+  the test of the example trainer under ``unickpt launch`` with a kill;
+* ``--node-loss`` end to end (4 torchrun nodes, one lost, about 25 s): exit 0, a table whose every step
   with a loss has its relative difference and whose last column is named, and nothing
   left in the temporary directory;
 * the PNG's note on the node loss lies inside the plot frame;
@@ -68,7 +72,8 @@ def test_fault_demo_end_to_end_leaves_nothing_behind_slow(tmp_path: Path) -> Non
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "COLUMNS": "200", "NO_COLOR": "1"}
-    r = subprocess.run([sys.executable, "-m", "unickpt", "demo", "--fault-tolerance", "--plot", str(tmp_path / "ft.png")],
+    r = subprocess.run([sys.executable, "-m", "unickpt", "demo", "--fault-tolerance", "--node-loss", "--plot",
+                        str(tmp_path / "ft.png")],
                        capture_output=True, text=True, env=env, timeout=290, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"^OK: max relative difference after the recovery \d\.\de[-+]\d+ \(bound 1e-4\)", r.stdout, re.M), r.stdout
@@ -78,3 +83,32 @@ def test_fault_demo_end_to_end_leaves_nothing_behind_slow(tmp_path: Path) -> Non
     assert (tmp_path / "ft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     left = [p.name for p in tmp.iterdir() if p.name.startswith("unickpt-demo")]
     assert left == [], left
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_live_demo_end_to_end_slow(tmp_path: Path) -> None:
+    """SLOW: the real live-recovery demo: 4 -> 3 -> 4 ranks under ``unickpt launch`` (the
+    example trainer), its lines, table and PNG; no keeper and no temporary directory left.
+    The run that shows a crash, the survivors going on in their processes and a
+    replacement growing the job back (tests/test_live.py has the other failures)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "COLUMNS": "200", "NO_COLOR": "1"}
+    r = subprocess.run([sys.executable, "-m", "unickpt", "demo", "--fault-tolerance", "--plot", str(tmp_path / "ft.png")],
+                       capture_output=True, text=True, env=env, timeout=390, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert re.search(r"^OK: 0 steps lost, survivors in their own processes: True, max relative difference "
+                     r"\d\.\de[-+]\d+ \(bound 1e-4\)", out, re.M), out
+    assert re.search(r"^   resumed step \d+ from memory \(", out, re.M), out
+    assert re.search(r"^   rank 2 lost \(exit -9\); continuing on 3 ranks at step \d+ \(generation 1\)$", out, re.M), out
+    rows = [[c.strip() for c in ln.split("│")[1:-1]] for ln in out.splitlines() if re.match(r"│\s+\d+ │", ln)]
+    assert len(rows) == 24 and {r[3] for r in rows} >= {"3", "4"}, out
+    assert re.search(r"^   1 replacement joined; continuing on 4 ranks at step \d+ \(generation 2\)$", out, re.M), out
+    sizes = "".join(r[3] for r in rows)
+    assert re.fullmatch(r"4+3+4+", sizes), sizes  # shrink now, grow later
+    assert (tmp_path / "ft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("unickpt-demo")] == []
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp) not in ps  # no keeper (nor worker) of the demo's job left running

@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 # outer to inner; a module may import its own layer and the layers below
 LAYERS: list[tuple[str, ...]] = [
-    ("unickpt", "unickpt.__main__", "unickpt.cli", "unickpt.demo", "unickpt.demo_fault", "unickpt.demo_resume",
+    ("unickpt", "unickpt.__main__", "unickpt.cli", "unickpt.demo", "unickpt.demo_fault", "unickpt.demo_live", "unickpt.demo_resume",
      "unickpt.examples", "unickpt.testing"),
     ("unickpt.api", "unickpt.dcp", "unickpt.integrations"),
     ("unickpt.live",),

@@ -728,7 +728,7 @@ def snapshots_cmd(
         out.print(f"free them (when no job of this node runs): unickpt snapshots {root} --free", soft_wrap=True)
 
 
-@app.command("demo", short_help="Train on tp2 x dp2, lose the job, resume on 3 ranks; or lose a node of 4 (--fault-tolerance).")
+@app.command("demo", short_help="Train on tp2 x dp2, lose the job, resume on 3 ranks; or lose a rank and go on (--fault-tolerance).")
 @_errors
 def demo_cmd(
     directory: Annotated[
@@ -742,15 +742,28 @@ def demo_cmd(
         "unickpt_demo_resume.png"
     ),
     fault_tolerance: Annotated[
-        bool, typer.Option("--fault-tolerance", help="Instead: 4 simulated nodes with in-memory snapshots lose one; "
-                           "training continues on 3 from memory (PNG: unickpt_demo_fault.png unless --plot).")
+        bool, typer.Option("--fault-tolerance", help="Instead: live recovery under `unickpt launch`: rank 2 of 4 is "
+                           "killed, the survivors go on in their own processes from memory, a replacement joins "
+                           "(PNG: unickpt_demo_fault.png unless --plot).")
+    ] = False,
+    node_loss: Annotated[
+        bool, typer.Option("--node-loss", help="With --fault-tolerance: 4 simulated nodes (torchrun) with in-memory "
+                           "snapshots and parity lose one; the job is restarted on 3 from memory.")
     ] = False,
 ) -> None:
     """Train on tp2 x dp2, lose the job, resume on 3 ranks: the loss curve goes on (CPU, gloo)."""
+    png = str(plot) if plot != Path("unickpt_demo_resume.png") else "unickpt_demo_fault.png"
+    if fault_tolerance and not node_loss:
+        from .demo_live import run_live_demo
+
+        live = run_live_demo(str(directory) if directory else None, png, _out())
+        if not live.ok:
+            _err().print(Text("demo FAILED: the survivors did not go on from memory on the unbroken curve", style="bold red"))
+            raise typer.Exit(EXIT_FAILED)
+        return
     if fault_tolerance:
         from .demo_fault import run_fault_demo
 
-        png = str(plot) if plot != Path("unickpt_demo_resume.png") else "unickpt_demo_fault.png"
         ft = run_fault_demo(str(directory) if directory else None, png, _out())
         if not ft.ok:
             _err().print(Text("demo FAILED: the survivors did not continue from memory on the unbroken curve", style="bold red"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +193,67 @@ def release_groups(collect: bool = True) -> None:
         gc.collect()
 
 
+_FD_DIR = "/proc/self/fd"
+_GROUP_SOCKETS: dict[int, str] = {}  # the sockets unickpt's groups opened (see shut_group_sockets)
+
+def open_sockets() -> dict[int, str]:
+    """This process's socket fds and their inodes (``socket:[N]``); empty off Linux."""
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(os.path.join(_FD_DIR, name))
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+def opened_since(before: dict[int, str]) -> dict[int, str]:
+    """The sockets open now that were not open in ``before``."""
+    return {fd: inode for fd, inode in open_sockets().items() if before.get(fd) != inode}
+
+
+def shut_down(sockets: dict[int, str]) -> int:
+    """``shutdown(SHUT_RDWR)`` every connected socket of ``sockets`` still open under the
+    same inode (an fd reused since is left alone, and a listening socket: gloo's listener
+    thread aborts the process when its accept fails); returns how many were shut down."""
+    done = 0
+    now = open_sockets()
+    for fd, inode in sockets.items():
+        if now.get(fd) != inode:
+            continue
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # gloo's listener aborts on it
+                dup.shutdown(socket.SHUT_RDWR)
+                done += 1
+        except OSError:
+            pass
+        finally:
+            dup.close()
+    return done
+
+
+def shut_group_sockets(also: dict[int, str] | None = None) -> int:
+    """Shut down the sockets of every group :func:`new_group` made (and ``also``: the
+    default group's, say) and forget them. gloo cannot abort a collective in flight, and a
+    group's connections can outlive every Python reference to it (held from C++): shut
+    down (never closed: gloo owns the fds), this process's gloo loop wakes and the peers
+    get a FIN, so a collective blocked on the group fails at once here and in every peer.
+    Linux only (``/proc/self/fd``); a no-op elsewhere."""
+    mine = dict(_GROUP_SOCKETS)
+    _GROUP_SOCKETS.clear()
+    return shut_down({**mine, **(also or {})})
+
+
 def new_group(ranks: list[int] | None = None, backend: str | None = None, local: bool = False, parent: Any = None) -> Any:
     """``dist.new_group`` (``local``: ``use_local_synchronization``, made by its members
     only) whose rendezvous keys are deleted from the store once every member has joined;
@@ -206,7 +269,9 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None, local:
     failed ... Connection refused``, or both sides wait for each other): the new round
     dies. Deleted once all members are connected, they cannot mislead a later round.
     Returns None on a rank outside ``ranks``."""
+    before = open_sockets()
     pg = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=local)
+    _GROUP_SOCKETS.update(opened_since(before))
     if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
         return None
     dist.barrier(group=pg)  # every member returned from new_group (and from parent's creation before it)

@@ -8,6 +8,13 @@
 Tensor parallel (column/row-wise plans), pipeline parallel (1F1B or GPipe), data parallel
 with FSDP2 or plain replication; world size = tp * pp * dp. A checkpoint written on any
 layout resumes on any other: the loss curve continues as if nothing happened.
+
+Under ``unickpt launch`` the same command keeps training through failures: a rank that
+dies costs the survivors a second, in their own processes, and a replacement joins later
+(leave ``--dp`` out: it follows the world size)::
+
+    unickpt launch --standalone --nproc-per-node 4 --max-restarts 1 -m unickpt.examples.train \\
+        --fsdp --steps 200 --snapshot-every 1 --ckpt-dir ckpt --loss-log run.jsonl
 """
 
 from __future__ import annotations
@@ -126,7 +133,8 @@ TP_PLAN_NAMES = {
 
 
 def build(args: argparse.Namespace) -> Job:
-    """Initialise the process group (if torchrun started us), the mesh, model and optimizer."""
+    """The mesh, model and optimizer for the current world (the process group: initialised
+    here when torchrun started us and no one did)."""
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -278,9 +286,18 @@ def resume_from(job: Job, manager: unickpt.CheckpointManager, where: str) -> int
 
 
 def run(argv: list[str] | None = None) -> list[dict[str, float]]:
-    """Train as the flags say; returns this run's log records ({step, loss})."""
+    """Train as the flags say, in the process group already initialised (or none: one
+    process); returns this run's log records ({step, loss})."""
     args = parse_args(argv)
     check_flags(args)
+    return train(args)
+
+
+def train(args: argparse.Namespace) -> list[dict[str, float]]:
+    """The training function: build the job for the current world, restore, train; returns
+    this call's log records. ``unickpt.run`` calls it again after a failure, on the
+    survivors: everything is built anew for the new world size (``args`` stays untouched)."""
+    args = argparse.Namespace(**vars(args))  # build() fills in --dp for this world
     job = build(args)
     manager = make_manager(args) if args.ckpt_dir else None
     state = checkpoint_state(job, 0)
@@ -306,7 +323,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
             tick, since = now, step
         if job.rank == 0 and args.log:
             with open(args.log, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+                f.write(json.dumps({"step": step, "loss": loss, "ranks": job.world}) + "\n")
         if manager is not None:
             state["train"]["step"] = step
             manager.maybe_save(state, step)
@@ -317,23 +334,24 @@ def run(argv: list[str] | None = None) -> list[dict[str, float]]:
                       f"stalled {stats['snapshot_stall_s']:.3f} s "
                       f"({stats['snapshot_stall_s'] / stats['snapshots'] * 1000:.1f} ms per snapshot, rank 0)")
         manager.close(keep_snapshots=last != args.steps)  # a run stopped early resumes from memory
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
     return records
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point (``python -m unickpt.examples.train``, usually under torchrun). An
-    error of unickpt's (a bad flag value, a corrupt checkpoint) is one ``error: ...`` line
-    on stderr and exit status 2, not a traceback."""
+    """Entry point (``python -m unickpt.examples.train``, under torchrun, ``unickpt launch``
+    or plain python): ``unickpt.run`` forms the process group and calls :func:`train`,
+    again on the survivors after a failure under ``unickpt launch``. An error of
+    unickpt's (a bad flag value, a corrupt checkpoint) is one ``error: ...`` line on
+    stderr and exit status 2, not a traceback."""
+    args = parse_args(argv)
+    check_flags(args)
     try:
-        run(argv)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its connections down while a peer still uses them
+        unickpt.run(lambda world: train(args), backend="gloo")  # called again on the survivors after a failure
     except unickpt.UnickptError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

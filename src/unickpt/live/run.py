@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import release_groups
+from ..dist import open_sockets, opened_since, release_groups, shut_group_sockets
 from ..errors import UnickptError
 from ..logs import say
 from . import control
@@ -119,6 +119,7 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     finally:
         live.stop()
         _CURRENT = None
+        gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
 
 
 def _run_once(fn: Callable[[World], Any], backend: str | None) -> Any:
@@ -133,7 +134,12 @@ def _run_once(fn: Callable[[World], Any], backend: str | None) -> Any:
     try:
         result = fn(world)
     except BaseException as e:
-        _check_group_kept(e)
+        try:
+            _check_group_kept(e)
+        finally:
+            if dist.is_initialized():  # an error leaves no group behind (a caller in the same process goes on)
+                dist.destroy_process_group()
+                release_groups()
         raise
     _check_group_kept(None)
     dist.destroy_process_group()
@@ -195,6 +201,7 @@ class _Live:
         self._stop = threading.Event()
         self._seen = -1
         self._watcher: threading.Thread | None = None
+        self.mesh: dict[int, str] = {}  # the sockets of this generation's gloo default group
 
     # -- the generations ------------------------------------------------------------------
     def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
@@ -205,6 +212,8 @@ class _Live:
                 gen = self.newer(gen)
                 continue
             self.form(gen, backend)
+            _freeze_heap()
+            self.mark("frozen")
             try:
                 with self.interruptible():
                     result = fn(self.world)
@@ -215,7 +224,7 @@ class _Live:
                     _check_group_kept(e)
                     self.teardown()
                     raise
-                traceback.clear_frames(e.__traceback__)  # the frames of fn hold the model, the mesh, the groups
+                _forget_exception(e)  # its frames (and its chain's) hold the model, the mesh, the groups
                 del e
                 self.teardown()
                 gen = nxt
@@ -259,7 +268,10 @@ class _Live:
                           ROLE_WORLD_SIZE=str(place["size"]), TORCHELASTIC_RESTART_COUNT=str(gen.number))
         store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
         timeout = timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "600")))
+        before = open_sockets()
         dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
+        if "gloo" in str(dist.get_backend()):
+            self.mesh = opened_since(before)  # gloo connects its full mesh here
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -328,6 +340,7 @@ class _Live:
 
         if self.gen is not None and not collect:
             abandon_in_flight()
+            self.shut_mesh()
         release_groups(collect=False)
         _forget_meshes()
         old = None
@@ -338,11 +351,20 @@ class _Live:
                 _abort_nccl()
             if dist.is_initialized():
                 dist.destroy_process_group()
-        gc.collect()  # FSDP2 states and meshes hold their groups through reference cycles
+        self.mark("destroyed")
+        gc.collect()  # FSDP2 states and meshes hold their groups through reference cycles: cheap, see _freeze_heap
+        gc.freeze()  # what survived is alive: the next collection skips it (the modules fn imported, say)
         if old is not None and old() is not None and os.environ.get("UNICKPT_LIVE_DEBUG"):
             held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
             print(f"unickpt: the old group is still referenced by {held}", file=sys.stderr, flush=True)
         self.mark("torn_down")
+
+    def shut_mesh(self) -> None:
+        """Shut the old generation's gloo sockets down (its default group's, unickpt's
+        groups'), so that a collective blocked on one fails at once here and in every
+        survivor, whoever still holds the group."""
+        mesh, self.mesh = self.mesh, {}
+        shut_group_sockets(mesh)
 
     def _end_if_over(self, gen: Generation) -> None:
         if gen.cause == "end":
@@ -370,6 +392,7 @@ class _Live:
             if gen.cause != "grow" or self.worker not in gen.members:
                 with self.lock:
                     if self.in_fn and self.gen is not None and gen.number > self.gen.number:
+                        self.shut_mesh()  # the main thread may be blocked in a gloo collective
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
                                                                    ctypes.py_object(Interrupted))
 
@@ -454,6 +477,39 @@ def _wait_key(store: Any, name: str, timeout_s: float) -> bool:
         if "timeout" in str(e).lower():
             return False
         raise
+
+
+def _forget_exception(error: BaseException) -> None:
+    """Clear the frames of ``error``'s traceback and of every exception chained to it (a
+    collective's error re-raised through autograd or a hook keeps the original, with
+    frames that hold the model and its groups, as ``__context__``)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        todo += [x.__cause__, x.__context__]
+        x.__traceback__ = x.__cause__ = x.__context__ = None
+
+
+def _freeze_heap() -> None:
+    """Move every object alive now into the cyclic collector's permanent generation
+    (``gc.freeze``), before ``fn`` runs: the tear-down's ``gc.collect()``, which frees the
+    reference cycles FSDP2 and DeviceMesh hold the old groups in, then scans only what
+    ``fn`` made since (its model, its state, the modules it imported lazily), not the
+    interpreter's whole heap (torch's modules alone: ~0.1 s, ~0.3-0.5 s with DTensor's
+    imports, once per survivor and hop of the wake-up chain). The tear-down freezes
+    what its collection left (all of it alive) too. The modules an FSDP2 or DTensor
+    ``fn`` imports lazily (~75,000 objects) are imported first, so that they are frozen
+    before the first failure, not scanned by its tear-down."""
+    import torch.distributed.fsdp  # noqa: F401 (imported once)
+    import torch.distributed.tensor  # noqa: F401
+
+    gc.collect()
+    gc.freeze()  # (gc.get_freeze_count() walks the frozen heap: ~70 ms)
 
 
 def _describe(gen: Generation) -> str:
