@@ -243,19 +243,64 @@ def inventories(nodes: int, ranks_per_node: int = 8, step: int = 7) -> list[dict
     return out
 
 
-def plan_cpu(nodes: int, lost: int | None = 0) -> dict[str, Any]:
-    """CPU seconds of rank 0's recovery plan (recover.plan_candidates) over ``nodes``
-    inventories, with node ``lost`` gone (None: none), and the bytes rank 0 gathers."""
+def two_rounds(docs: list[dict[str, Any]], tamper: Any = None) -> tuple[list[Any], list[Any], int, float]:
+    """recover._gather_plans' rounds over the inventories ``docs`` in one process: every
+    node's summary, one manifest copy a step, the parity records of the lost nodes'
+    groups; (plans, reasons, bytes rank 0 receives, rank 0's CPU seconds), the nodes'
+    side of each round (summary, reply) off the clock. ``tamper(bytes) -> bytes`` alters
+    every node's reply of the second round (a test's malformed reply)."""
+    from unickpt.snapshot.recover import manifest_sources, plan_candidates, records_reply, records_wanted, summary, with_records
+
+    wire = [json.dumps(summary(d)).encode() for d in docs]
+    t0 = time.process_time()
+    parsed = [json.loads(w) for w in wire]
+    sources = manifest_sources(parsed)
+    cpu, size = time.process_time() - t0, sum(map(len, wire))
+    for key, i in sources.items():  # broadcast from the node holding the copy
+        parsed[i]["steps"][key]["manifest"] = docs[i]["steps"][key]["manifest"]
+        size += len(docs[i]["steps"][key]["manifest"])
+    records: dict[Any, Any] = {}
+    while True:
+        t0 = time.process_time()
+        want = records_wanted(parsed, records)
+        cpu += time.process_time() - t0
+        if not want:
+            break
+        asked: dict[int, list[list[Any]]] = {}
+        for i, key, j in sorted(want):
+            asked.setdefault(i, []).append([key, j])
+        replies = {i: json.dumps(records_reply(docs[i], a)).encode() for i, a in asked.items()}
+        replies = {i: tamper(r) if tamper else r for i, r in replies.items()}
+        size += sum(map(len, replies.values()))
+        t0 = time.process_time()
+        for i, a in asked.items():
+            reply = json.loads(replies[i])
+            for n, (key, j) in enumerate(a):  # as _gather_plans reads a reply
+                rec = reply[n] if isinstance(reply, list) and n < len(reply) else None
+                records[(i, key, j)] = rec if isinstance(rec, dict) else {}
+        cpu += time.process_time() - t0
+    t0 = time.process_time()
+    plans, reasons = plan_candidates(with_records(parsed, records))
+    return plans, reasons, size, cpu + time.process_time() - t0
+
+
+def plan_cpu(nodes: int, lost: int | None = 0, before: bool = False) -> dict[str, Any]:
+    """CPU seconds of rank 0's recovery plan over ``nodes`` inventories, with node ``lost``
+    gone (None: none), and the bytes rank 0 receives for it: :func:`two_rounds`, or with
+    ``before`` the one round it replaces (every node's whole inventory into
+    recover.plan_candidates)."""
     from unickpt.snapshot.recover import plan_candidates
 
-    docs = inventories(nodes)
-    wire = [json.dumps(d).encode() for d in docs]
-    t0 = time.process_time()
-    parsed = [json.loads(w) for w in wire if lost is None or json.loads(w)["node"] != lost]
-    plans, reasons = plan_candidates(parsed)
-    cpu = time.process_time() - t0
+    docs = [d for d in inventories(nodes) if lost is None or d["node"] != lost]
+    if before:
+        wire = [json.dumps(d).encode() for d in docs]
+        t0 = time.process_time()
+        plans, reasons = plan_candidates([json.loads(w) for w in wire])
+        cpu, size = time.process_time() - t0, sum(map(len, wire))
+    else:
+        plans, reasons, size, cpu = two_rounds(docs)
     assert plans and (lost is None or plans[0]["rebuild"]["lost"] == [lost]), reasons
-    return {"nodes": nodes, "cpu_s": cpu, "gathered_bytes": sum(map(len, wire)), "lost": lost}
+    return {"nodes": nodes, "cpu_s": cpu, "gathered_bytes": size, "lost": lost}
 
 
 def round_trip(address: str, n: int = 2000) -> float:
@@ -282,8 +327,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--procs", type=int, default=128, help="real keeper processes of the calibration (0: none)")
     ap.add_argument("--ranks", type=int, default=16384, help="ranks of the re-forming (0: none)")
-    ap.add_argument("--plan-nodes", default="64,128,256,512", help="nodes of the recovery plans timed (O(N^2) records)")
+    ap.add_argument("--plan-nodes", default="64,256,1024,2048", help="nodes of the recovery plans timed")
+    ap.add_argument("--plan-before", type=int, default=256, help="time the one-round plan it replaces up to this many nodes")
+    ap.add_argument("--plan-lost", type=int, default=1024, help="plan with node 0 lost up to this many nodes (O(N^2))")
+    ap.add_argument("--plan-only", action="store_true", help="only the recovery plan's table")
     args = ap.parse_args(argv)
+    if args.plan_only:
+        plan_table(args.plan_nodes, args.plan_before, args.plan_lost)
+        return
     proc, address = start_store()
     try:
         pool = Pool(address, 64)
@@ -332,11 +383,25 @@ def main(argv: list[str] | None = None) -> None:
               f"(target 1 s: {reform['store_cpu_s'] * factor:.2f}x); wall time with every "
               f"rank's requests sent from this one process: {reform['s']:.3f} s; all arrived: {reform['all_arrived']}")
     print(f"keys in the store after every run: {left}")
-    print("\n| nodes | bytes rank 0 gathers for the plan | plan CPU, no node lost | plan CPU, node 0 lost |")
-    print("|---|---|---|---|")
-    for n in [int(x) for x in args.plan_nodes.split(",") if x]:
-        whole, one = plan_cpu(n, None), plan_cpu(n, 0)
-        print(f"| {n} | {whole['gathered_bytes'] / 1e6:,.1f} MB | {whole['cpu_s']:.3f} s | {one['cpu_s']:.3f} s |")
+    plan_table(args.plan_nodes, args.plan_before, args.plan_lost)
+
+
+def plan_table(plan_nodes: str, before_upto: int, lost_upto: int) -> None:
+    """Print the recovery plan's table: bytes rank 0 receives and its CPU, no node lost
+    and (up to ``lost_upto`` nodes) node 0 lost, two rounds; the one round they replace
+    in the same run up to ``before_upto`` nodes."""
+    print("\n| nodes | rank 0 receives, no node lost | plan CPU, no node lost | rank 0 receives, node 0 lost "
+          "| plan CPU, node 0 lost | one round before (receives, CPU no loss / node 0 lost) |")
+    print("|---|---|---|---|---|---|")
+    for n in [int(x) for x in plan_nodes.split(",") if x]:
+        whole = plan_cpu(n, None)
+        one = plan_cpu(n, 0) if n <= lost_upto else None
+        lost = f"{one['gathered_bytes'] / 1e6:,.1f} MB | {one['cpu_s']:.3f} s" if one else "- | -"
+        old = "-"
+        if n <= before_upto:
+            bw, bo = plan_cpu(n, None, True), plan_cpu(n, 0, True)
+            old = f"{bw['gathered_bytes'] / 1e6:,.1f} MB, {bw['cpu_s']:.3f} s / {bo['cpu_s']:.3f} s"
+        print(f"| {n} | {whole['gathered_bytes'] / 1e6:,.2f} MB | {whole['cpu_s']:.3f} s | {lost} | {old} |")
 
 
 if __name__ == "__main__":

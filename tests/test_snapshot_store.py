@@ -80,3 +80,45 @@ def test_real_keepers_commit_on_the_store_as_the_simulation_counts(tmp_path, shm
     assert real == sim["ops"], (real, sim["ops"])
     step1 = [k for k in ("s1/count", "s1/n0", "s1/n1", "s1/n2") if store.check([f"{control['prefix']}/{k}"])]
     assert step1 == [], step1  # step 1's records deleted once step 2 was whole
+
+
+def _no_table(plans: list) -> list:
+    """The plans with the keeper table left out of their parity records (the second
+    round does not send it)."""
+    for plan in plans:
+        for spec in ((plan["rebuild"] or {}).get("groups") or {}).values():
+            for _, meta in spec["parity"]:
+                meta.pop("peers", None)
+    return plans
+
+
+@pytest.mark.parametrize("case", ["nothing lost", "node 2 lost", "node 2's files gone, its record kept",
+                                  "nodes 2 and 3 lost", "a reply malformed"])
+def test_the_two_round_plan_is_the_one_round_plan(case):
+    """Rank 0's plan from every node's summary and only the records of the lost nodes'
+    groups is the plan from every node's whole inventory: the same steps, sources,
+    rebuilds and reasons; no record is fetched when nothing is lost; a malformed reply
+    skips the step with its reason, never raises."""
+    from bench.scale_snapshot import inventories, two_rounds
+    from unickpt.snapshot.recover import plan_candidates
+
+    docs = inventories(6, ranks_per_node=2)
+    if case.startswith("node 2 lost") or case == "a reply malformed":
+        docs = docs[:2] + docs[3:]
+    elif case.startswith("nodes"):
+        docs = docs[:2] + docs[4:]
+    elif case.startswith("node 2's files"):
+        docs[2]["steps"]["7"]["files"] = {}
+    one = plan_candidates(json.loads(json.dumps(docs)))
+    tamper = (lambda raw: b'[{"members": 3}]') if case == "a reply malformed" else None
+    plans, reasons, size, _ = two_rounds(json.loads(json.dumps(docs)), tamper)
+    if case == "a reply malformed":
+        assert plans == [] and "parity records do not match its manifest" in reasons[0][1], reasons
+        return
+    assert [_no_table(plans), reasons] == [_no_table(one[0]), one[1]]
+    if case == "nothing lost":
+        assert plans[0]["rebuild"] is None and size < sum(len(json.dumps(d)) for d in docs) / 3
+    elif case.startswith("nodes"):
+        assert plans == [] and "nodes 2, 3 of 6 were lost" in reasons[0][1]
+    else:
+        assert plans[0]["rebuild"]["lost"] == [2]

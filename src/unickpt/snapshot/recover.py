@@ -25,6 +25,7 @@ the durable tier (the newest valid checkpoint on disk). The result is one line:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -170,6 +171,152 @@ def plan_candidates(nodes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             plans.append(plan)
         reasons += [[step, note] for note in notes]
     return plans, reasons
+
+
+# -- the two rounds of the gather (rank 0 plans from O(N) bytes when no node is lost) ----
+def summary(inv: dict[str, Any]) -> dict[str, Any]:
+    """What a node sends rank 0 first: its inventory with each manifest copy replaced by
+    its digest and each parity record by ``[group, block, holder]`` (O(its files) bytes;
+    the records, which list every member of a group, stay on the node until asked for)."""
+    steps = {}
+    for key, e in inv["steps"].items():
+        digest = hashlib.sha256(e["manifest"].encode()).hexdigest() if e["manifest"] else None
+        steps[key] = dict(e, manifest=digest, parity=[[m["group"], m["r"], m["holder"]] for m in e["parity"]])
+    return {"node": inv["node"], "steps": steps}
+
+
+def manifest_sources(nodes: list[dict[str, Any]]) -> dict[str, int]:
+    """Rank 0, after the first round: for each step some node holds a valid manifest copy
+    of, the index (in ``nodes``) of the first such node: the copy the plan reads."""
+    out: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for key, e in n["steps"].items():
+            if e["manifest"] and key not in out:
+                out[key] = i
+    return out
+
+
+def records_wanted(nodes: list[dict[str, Any]], records: dict[tuple[int, str, int], dict[str, Any]]
+                   ) -> set[tuple[int, str, int]]:
+    """Rank 0: the parity records (``(node index, step, position in its list)``) the plan
+    needs and ``records`` (those fetched so far) lacks: none for a step whose files are
+    all held; else those of every group of the old nodes that hold no record (the lost
+    ones) and of the owners of the missing files by the records fetched, and every record
+    of the step while a missing file has no owner in them. ``nodes`` carry the manifest
+    text of :func:`manifest_sources`' node; what they say is untrusted: a step whose
+    manifest or summaries are malformed asks for nothing (its plan says why)."""
+    want: set[tuple[int, str, int]] = set()
+    for key in {k for n in nodes for k in n["steps"]}:
+        try:
+            want |= _step_wanted(nodes, key, records)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+            continue
+    return want - set(records)
+
+
+def _step_wanted(nodes: list[dict[str, Any]], key: str, records: dict[tuple[int, str, int], dict[str, Any]]
+                 ) -> set[tuple[int, str, int]]:
+    text = next((n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"]), None)
+    if text is None:
+        return set()
+    doc = json.loads(text)
+    files: dict[str, int] = doc["files"]
+    snap = (doc.get("metadata") or {}).get("snapshot") or {}
+    held = {name for n in nodes for name, size in n["steps"].get(key, {}).get("files", {}).items() if files.get(name) == size}
+    missing = set(files) - held
+    n_old, m = len(snap.get("nodes", [])), int(snap.get("parity", 0))
+    k = int(snap.get("k", n_old - m))
+    if not missing or m == 0:
+        return set()
+    mine = [(i, j, s) for i, n in enumerate(nodes) for j, s in enumerate(n["steps"].get(key, {}).get("parity") or [])]
+    lost = set(range(n_old)) - {int(s[2]) for _, _, s in mine}
+    info: dict[str, Any] = {}  # old node -> its blob's record, from the first record naming it (as the plan reads)
+    for (_, k2, _), meta in records.items():
+        if k2 == key:
+            for x, rec in (meta.get("members") or {}).items():
+                info.setdefault(x, rec)
+    owners = {name: int(x) for x, rec in info.items() for name, _ in rec["files"]}
+    if missing - set(owners) and (not lost or any((i, key, j) in records for i, j, _ in mine)):
+        return {(i, key, j) for i, j, _ in mine}  # a missing file no fetched record describes: every record
+    lost |= {owners[name] for name in missing if name in owners}
+    groups = {group_of(x, s, n_old) for x in lost for s in range(k)}
+    return {(i, key, j) for i, j, s in mine if int(s[0]) in groups}
+
+
+def records_reply(inv: dict[str, Any] | None, asked: list[list[Any]]) -> list[Any]:
+    """A node's answer to rank 0's second round: the parity records asked for (``[step,
+    position]``), without the keeper table they carry (the plan reads it from the manifest)."""
+    out = []
+    for key, j in asked:
+        recs = (inv or {}).get("steps", {}).get(key, {}).get("parity", [])
+        out.append({f: v for f, v in recs[j].items() if f != "peers"} if 0 <= j < len(recs) else None)
+    return out
+
+
+def with_records(nodes: list[dict[str, Any]], records: dict[tuple[int, str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The inventories :func:`plan_candidates` reads: each node's summary with the records
+    fetched in place of their ``[group, block, holder]`` (in the node's order), the others
+    left out."""
+    out = []
+    for i, n in enumerate(nodes):
+        steps = {key: dict(e, parity=[records[(i, key, j)] for j in range(len(e["parity"])) if (i, key, j) in records])
+                 for key, e in n["steps"].items()}
+        out.append({"node": n["node"], "steps": steps})
+    return out
+
+
+def _gather_plans(snap: Snapshotter) -> tuple[list[dict[str, Any]], list[list[Any]], int]:
+    """Collective: rank 0 plans from every node's summary (first round), the manifest copy
+    of each step from one node (broadcast), and the parity records of the lost nodes'
+    groups only (second round, repeated while the records fetched name more lost nodes);
+    (plans, reasons, bytes gathered by rank 0) on every rank."""
+    inv = inventory(snap) if snap.local_rank == 0 else None
+    gathered = gather_bytes(snap.group, json.dumps(summary(inv) if inv is not None else None).encode(), 0)
+    nodes: list[dict[str, Any]] = []
+    ranks: list[int] = []  # the group rank each node's summary came from
+    size = 0
+    if gathered is not None:
+        size = sum(map(len, gathered))
+        for r, g in enumerate(gathered):
+            d = json.loads(g)
+            if d is not None:
+                nodes.append(d)
+                ranks.append(r)
+    sources = _share(snap, {key: ranks[i] for key, i in manifest_sources(nodes).items()} if gathered is not None else None)
+    for key, src in sorted(sources.items()):
+        mine = snap.group.rank == src and inv is not None
+        text = broadcast_bytes(snap.group, inv["steps"][key]["manifest"].encode() if mine else None, src).decode()
+        if gathered is not None:
+            size += len(text)
+            nodes[ranks.index(src)]["steps"][key]["manifest"] = text
+    records: dict[tuple[int, str, int], dict[str, Any]] = {}
+    reasons: list[list[Any]] = []
+    while True:
+        ask: dict[str, list[list[Any]]] = {}
+        if gathered is not None:
+            for i, key, j in sorted(records_wanted(nodes, records)):
+                ask.setdefault(str(ranks[i]), []).append([key, j])
+        ask = _share(snap, ask if gathered is not None else None)
+        if not ask:
+            break
+        got = gather_bytes(snap.group, json.dumps(records_reply(inv, ask.get(str(snap.group.rank), []))).encode(), 0)
+        if got is None:
+            continue
+        size += sum(map(len, got))
+        for r, asked in ask.items():
+            i = ranks.index(int(r))
+            reply = json.loads(got[int(r)])
+            for n, (key, j) in enumerate(asked):
+                rec = reply[n] if isinstance(reply, list) and n < len(reply) else None
+                records[(i, key, j)] = rec if isinstance(rec, dict) else {}
+                if not isinstance(rec, dict):  # an empty record: the plan finds it malformed and says so
+                    reasons.append([int(key), f"node {nodes[i]['node']}'s parity record {j}: not sent back"])
+    plans: list[dict[str, Any]] = []
+    if gathered is not None:
+        plans, more = plan_candidates(with_records(nodes, records))
+        reasons += more
+    plans, reasons, size = _share(snap, [plans, reasons, size])
+    return plans, reasons, size
 
 
 def _protection(snap: dict[str, Any]) -> str:
@@ -416,14 +563,7 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     durable tier and returns (step, path), or None when it holds nothing; ``disk_step``,
     the step of the durable tier's newest checkpoint, makes older snapshots lose to it."""
     t0 = time.perf_counter()
-    mine = json.dumps(inventory(snap) if snap.local_rank == 0 else None).encode()
-    gathered = gather_bytes(snap.group, mine, 0)
-    plans: list[dict[str, Any]] = []
-    reasons: list[list[Any]] = []  # [step, why] of every step not resumed and every copy left out
-    if gathered is not None:
-        nodes = [d for d in (json.loads(g) for g in gathered) if d is not None]
-        plans, reasons = plan_candidates(nodes)
-    plans, reasons = _share(snap, [plans, reasons])
+    plans, reasons, _ = _gather_plans(snap)  # reasons: [step, why] of every step not resumed and every copy left out
     timings: dict[str, float] = {"plan": time.perf_counter() - t0}
     step: int | None = None
     for plan in plans:
