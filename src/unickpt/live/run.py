@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..dist import open_sockets, opened_since, release_groups, shut_group_sockets
 from ..errors import UnickptError
-from ..logs import say
+from ..logs import log, say
 from . import control
 from .control import Generation, key
 
@@ -356,7 +356,7 @@ class _Live:
         gc.freeze()  # what survived is alive: the next collection skips it (the modules fn imported, say)
         if old is not None and old() is not None and os.environ.get("UNICKPT_LIVE_DEBUG"):
             held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
-            print(f"unickpt: the old group is still referenced by {held}", file=sys.stderr, flush=True)
+            log.warning(f"unickpt: the old group is still referenced by {held}")
         self.mark("torn_down")
 
     def shut_mesh(self) -> None:
@@ -368,7 +368,7 @@ class _Live:
 
     def _end_if_over(self, gen: Generation) -> None:
         if gen.cause == "end":
-            print(f"unickpt: the job ended: {gen.reason}", file=sys.stderr, flush=True)
+            log.warning(f"unickpt: the job ended: {gen.reason}")
             raise SystemExit(gen.code if gen.code >= 0 else 1)
 
     # -- interrupting fn --------------------------------------------------------------------

@@ -25,7 +25,6 @@ import os
 import secrets
 import socket
 import struct
-import sys
 import time
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ from ..engine.state import PerRank, Sharded, flatten
 from ..dist import Group, all_gather_fixed, resolve_group
 from ..errors import SnapshotError, UnickptError
 from ..format.manifest import MANIFEST_NAME
+from ..logs import log
 from ..units import human_bytes
 from . import paths
 from .keeper_admin import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
@@ -208,7 +208,7 @@ class Snapshotter:
                     f"against {self.parity} lost node(s), not {asked}" if self.nodes > 1 else
                     "one node: snapshots survive a crashed process, not the loss of the node (protection "
                     "against lost nodes needs 2 nodes or more)")
-            print(f"unickpt: {what}", file=sys.stderr, flush=True)
+            log.warning(f"unickpt: {what}")
         self.handle: AsyncSaveHandle | None = None
         self.stall_s = 0.0  # seconds the training loop spent in snapshot() and before_update()
         self.taken = 0
@@ -316,7 +316,7 @@ class Snapshotter:
         except UnickptError as e:
             self.failures.append(str(e))
             if self.group.rank == 0:
-                print(f"unickpt: snapshot failed, training goes on: {e}", file=sys.stderr, flush=True)
+                log.warning(f"unickpt: snapshot failed, training goes on: {e}")
         self.handle = None
 
     def _wait_whole(self, timeout: float) -> None:
@@ -326,8 +326,8 @@ class Snapshotter:
         deadline = time.monotonic() + timeout
         while in_progress(self.jdir, self.table):
             if time.monotonic() > deadline:
-                print(f"unickpt: the keepers did not make the newest snapshot whole within {timeout:.0f} s; a relaunch "
-                      f"resumes from the newest whole one", file=sys.stderr, flush=True)
+                log.warning(f"unickpt: the keepers did not make the newest snapshot whole within {timeout:.0f} s; a "
+                            f"relaunch resumes from the newest whole one")
                 return
             time.sleep(0.005)
 
