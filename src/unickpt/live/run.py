@@ -48,8 +48,9 @@ __all__ = ["run", "World", "Interrupted"]
 
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
 TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
-NETWORK_ERROR_WAIT_S = 15.0
-ALIVE_S = 0.5  # how often it tells the launcher that this process runs  # after a failed collective, how long to wait for the coordinator's verdict
+NETWORK_ERROR_WAIT_S = 15.0  # after a failed collective, how long to wait for the coordinator's verdict
+WATCH_WAIT_S = 1.0  # the watcher's longest wait in the store: how soon it sees stop() (a request a second a rank)
+ALIVE_S = 0.5  # how often it tells the launcher that this process runs
 
 
 class Interrupted(BaseException):
@@ -201,6 +202,7 @@ class _Live:
         self._stop = threading.Event()
         self._seen = -1
         self._watcher: threading.Thread | None = None
+        self._beater: threading.Thread | None = None
         self.mesh: dict[int, str] = {}  # the sockets of this generation's gloo default group
 
     # -- the generations ------------------------------------------------------------------
@@ -379,11 +381,12 @@ class _Live:
         """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
         generation, no polling); one that removes members ends ``fn`` at once."""
         store = control.connect(self.address)
-        threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True).start()
+        self._beater = threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True)
+        self._beater.start()
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
-                if not _wait_key(store, key("g", nxt), 3600.0):
+                if not _wait_key(store, key("g", nxt), WATCH_WAIT_S):
                     continue
                 gen = control.read(store, nxt)
             except RuntimeError:
@@ -407,7 +410,12 @@ class _Live:
             return  # the store is gone
 
     def stop(self) -> None:
+        """End the watcher and the beats before ``run`` returns: neither is left blocked in
+        the store when its server (node 0's launcher, or a caller's own) goes away at exit."""
         self._stop.set()
+        for thread in (self._watcher, self._beater):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(WATCH_WAIT_S + 1.0)
 
     # -- the step boundary ------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
