@@ -288,12 +288,14 @@ class Coordinator:
                 elif ev["code"] == 0:
                     self.finished.add(ev["worker"])
                 elif ev["worker"] in self.gen.members:
-                    if not self.store.check([key("run", ev["worker"])]):
-                        end = end or (ev["code"], f"worker {ev['worker']} (rank {self.gen.members.index(ev['worker'])}) "
-                                                  f"exited with {ev['code']} outside unickpt.run: nothing to recover")
+                    if not self.store.check([key("run", ev["worker"])]) and (end is None or (end[0] < 0 < ev["code"])):
+                        # of the failures reaped together, the first that chose its exit code: a peer
+                        # aborted by its vanished gloo connection (a signal) is an effect, not the cause
+                        end = (ev["code"], f"worker {ev['worker']} (rank {self.gen.members.index(ev['worker'])}) "
+                                           f"exited with {ev['code']} outside unickpt.run: nothing to recover")
                     lost.append({"rank": self.gen.members.index(ev["worker"]), "worker": ev["worker"],
                                  "why": ev["why"], "at": ev["at"]})
-            if not lost or end is not None:
+            if not lost or (end is not None and end[0] > 0):
                 break
             if deadline is None:
                 deadline = time.monotonic() + BATCH_S
