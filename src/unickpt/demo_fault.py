@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .demo_resume import print_rows, pyplot
+from .demo_resume import print_rows, pyplot, save_figure
 from .testing import free_port, kill_session
 
 NODES, LOST = 4, 2
@@ -158,16 +158,9 @@ def _run(root: str, plot_path: str, console: Any) -> FaultDemo:
     before = {s: v for s, v in before.items() if s <= failed_at}
     recovery_s = float(line.rsplit(" ", 2)[-2]) if line.endswith(" s)") else float("nan")
     result = FaultDemo(reference, before, after, line, failed_at, recovery_s, os.path.abspath(plot_path), time.time() - start)
-    _plot(result, plot_path)
+    save_figure(plot_figure(result), plot_path)
     _table(result, say, console)
     return result
-
-
-def _plot(r: FaultDemo, path: str) -> None:
-    plt = pyplot()
-    fig = plot_figure(r)
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def plot_figure(r: FaultDemo) -> Any:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .demo_resume import print_rows, pyplot
+from .demo_resume import print_rows, pyplot, save_figure
 
 RANKS, KILLED = 4, 2
 STEPS, KILL_AFTER = 24, 5
@@ -164,7 +164,7 @@ def _run(root: str, plot_path: str, console: Any) -> LiveDemo:
     for line in (result.resumed, result.lost, result.joined):
         if line:
             say(f"   {line}")
-    _plot(result, plot_path)
+    save_figure(plot_figure(result), plot_path)
     _table(result, say, console)
     return result
 
@@ -175,13 +175,6 @@ def _tail(path: str) -> str:
             return "\n".join(x for x in f.read().splitlines() if "socket.cpp" not in x)[-3000:]
     except OSError:
         return ""
-
-
-def _plot(r: LiveDemo, path: str) -> None:
-    plt = pyplot()
-    fig = plot_figure(r)
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def plot_figure(r: LiveDemo) -> Any:

@@ -73,11 +73,10 @@ def pyplot() -> Any:
     return plt
 
 
-def _plot(reference: dict[int, float], resumed: dict[int, float], path: str) -> None:
-    plt = pyplot()
-    fig = plot_figure(reference, resumed)
+def save_figure(fig: Any, path: str) -> None:
+    """Write a demo's figure to ``path`` (PNG) and free it."""
     fig.savefig(path)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def plot_figure(reference: dict[int, float], resumed: dict[int, float]) -> Any:
@@ -129,7 +128,7 @@ def run_resume_demo(directory: str | None = None, plot_path: str = "unickpt_demo
         run_ranks(_train, AFTER[2], [(AFTER[1] + ["--resume", resume_from], f"{root}/resumed.json")])
         reference = {r["step"]: r["loss"] for r in json.load(open(f"{root}/reference.json"))}
         resumed = {r["step"]: r["loss"] for r in json.load(open(f"{root}/resumed.json"))}
-    _plot(reference, resumed, plot_path)
+    save_figure(plot_figure(reference, resumed), plot_path)
     result = ResumeDemo(reference, resumed, os.path.abspath(plot_path), time.time() - start)
     _table(result, say, console)
     return result
