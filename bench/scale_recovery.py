@@ -17,10 +17,14 @@ shared memory and checking every 4 MiB checksum block (a rank reading its own no
 snapshot), of reading from a real keeper over its socket (a rank reading another node's
 snapshot), and of a gloo broadcast between local processes, each replica broadcasting its
 share as ``ShardedReplicas.finish`` does (the training network, when it is gloo). The
-modelled time = the plan (measured by ``bench.scale``: 0.25-0.29 s worst at 16K ranks) +
-the rebuild of the lost node's files (8 ranks' files, decoded in parallel by the ranks
-reading them, at the rebuild rate of docs/PERFORMANCE.md) + the bytes read / the read rate
-+ the bytes broadcast / the broadcast rate. Printed with this machine's rates and with a
+modelled time = the snapshot's recovery plan (rank 0's CPU, measured in this run by
+``bench.scale_snapshot.plan_cpu`` with a node lost, and the plan broadcast at the broadcast
+rate) + the load plan (measured by ``bench.scale``: 0.25-0.29 s worst at 16K ranks) + the
+rebuild of a lost node's file (8 ranks' files, decoded in parallel by the ranks reading
+them: ``k`` bytes read from ``k`` nodes for each byte rebuilt, at the read rate) + the
+bytes read / the read rate + the bytes broadcast / the broadcast rate. ``k`` is the
+layout's (``snapshot.parity.layout``: at most 8 by default); ``--stripes N`` models wider
+groups (``0``: ``k = n - 1``, parity over every node). Printed with this machine's rates and with a
 cluster's (a 25 GB/s NIC per node shared by 8 ranks; NCCL broadcast at 20 GB/s a rank),
 the ratios of the two printed.
 """
@@ -42,8 +46,7 @@ from unickpt.rules.coords import Coords
 from .scale_model import LLAMA_405B, ModelSpec, local_shapes
 
 PLAN_S = 0.29  # worst per-rank load plan at 16K ranks (bench.scale, docs/SCALE.md)
-REBUILD_RATE = 0.32e9  # bytes/s a rank decodes a lost file's bytes (docs/PERFORMANCE.md, In-memory snapshots)
-CLUSTER = {"read": 25e9 / 8, "broadcast": BROADCAST_RATE["nccl"], "rebuild": 25e9 / 8}
+CLUSTER = {"read": 25e9 / 8, "broadcast": BROADCAST_RATE["nccl"]}
 TARGET_S = 5.0
 
 
@@ -93,7 +96,7 @@ def keeper_read_rate(nbytes: int) -> float:
     rank reads another node's files."""
     from unickpt.snapshot import paths
     from unickpt.snapshot.degraded import Peers
-    from unickpt.snapshot.keepers import ensure_keeper, stop_keeper
+    from unickpt.snapshot.keeper_admin import ensure_keeper, stop_keeper
 
     root = _shm_dir()
     job = "calibrate"
@@ -184,9 +187,23 @@ def after_node_loss(spec: ModelSpec, nodes: int, per_node: int = 8, tp: int = 8,
             "rebuild": lost // per_node}
 
 
-def recovery_s(row: dict[str, Any], read: float, broadcast: float, rebuild: float, shared: bool) -> float:
-    """Modelled seconds: plan + rebuild of a lost file + bytes read / read rate (+ broadcast)."""
-    t = PLAN_S + row["rebuild"] / rebuild
+def with_plan(row: dict[str, Any], stripes: int) -> dict[str, Any]:
+    """``row`` with the layout's ``k`` (XOR, at most ``stripes``; 0: every node) and rank 0's
+    recovery plan after the loss of node 0, measured now: its CPU seconds and bytes."""
+    from unickpt.snapshot.parity import layout
+
+    from .scale_snapshot import plan_cpu
+
+    p = plan_cpu(row["nodes"], 0, stripes=stripes)
+    return dict(row, k=layout(row["nodes"], 1, stripes=stripes or row["nodes"])[0], plan_s=p["cpu_s"],
+                plan_bytes=p["plan_bytes"])
+
+
+def recovery_s(row: dict[str, Any], read: float, broadcast: float, shared: bool) -> float:
+    """Modelled seconds: the recovery plan (rank 0's CPU + its broadcast) + the load plan +
+    the rebuild of a lost file (``k`` bytes read per byte) + bytes read / read rate (+ the
+    broadcast of shared replicas)."""
+    t = row["plan_s"] + row["plan_bytes"] / broadcast + PLAN_S + row["rebuild"] * row["k"] / read
     if shared:
         return t + row["shared"] / read + row["broadcast"] / broadcast
     return t + row["whole"] / read
@@ -198,9 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mib", type=int, default=256, help="bytes of each calibration transfer (MiB)")
     ap.add_argument("--replicas", type=int, default=4, help="local processes of the gloo broadcast")
     ap.add_argument("--nodes", type=int, nargs="*", default=[256, 1024, 2048])
+    ap.add_argument("--stripes", type=int, default=8, help="the most data stripes in a parity group (0: every node)")
     args = ap.parse_args(argv)
     rates = calibrate(args.mib << 20, args.replicas)
-    here = {"read": rates["keeper"], "broadcast": rates["gloo"], "rebuild": REBUILD_RATE}
+    here = {"read": rates["keeper"], "broadcast": rates["gloo"]}
     print(f"calibration on this machine ({args.mib} MiB each; 2 shared cores, so noisy: compare within the run):")
     print(f"  shm read + crc32c, one process:        {rates['shm'] / 1e9:6.2f} GB/s")
     print(f"  keeper socket read (loopback):         {rates['keeper'] / 1e9:6.2f} GB/s "
@@ -215,20 +233,22 @@ def main(argv: list[str] | None = None) -> None:
           f"{'shares' if sharing_pays(CLUSTER['read'], CLUSTER['broadcast']) else 'reads whole'}")
     spec = LLAMA_405B
     print("\nafter the loss of one node (TP8 x PP16 x DP -> DP-1 on the survivors; the most-loaded rank):")
-    print("| nodes x 8 | ranks | lost node's files | read whole | read shared + broadcast | here whole / shared | "
-          "cluster whole / shared |")
-    print("|---|---|---|---|---|---|---|")
+    print("| nodes x 8 | ranks | k | recovery plan: CPU, broadcast | lost node's files | rebuild reads a rank "
+          "| read whole | read shared + broadcast | here whole / shared | cluster whole / shared "
+          "| cluster shared, k = n - 1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.nodes:
-        row = after_node_loss(spec, n)
+        row = with_plan(after_node_loss(spec, n), args.stripes)
+        wide = with_plan(after_node_loss(spec, n), 0)
         hw, hs = (recovery_s(row, **here, shared=s) for s in (False, True))
         cw, cs = (recovery_s(row, **CLUSTER, shared=s) for s in (False, True))
-        print(f"| {n:,} | {row['ranks']:,} | {row['lost'] / 1e9:.1f} GB | {row['whole'] / 1e9:.2f} GB | "
+        print(f"| {n:,} | {row['ranks']:,} | {row['k']} | {row['plan_s']:.3f} s, {row['plan_bytes'] / 1e6:.2f} MB | "
+              f"{row['lost'] / 1e9:.1f} GB | {row['rebuild'] * row['k'] / 1e9:.1f} GB | {row['whole'] / 1e9:.2f} GB | "
               f"{row['shared'] / 1e9:.2f} + {row['broadcast'] / 1e9:.2f} GB | {hw:.1f} / {hs:.1f} s | "
-              f"{cw:.1f} / {cs:.1f} s |")
-    row = after_node_loss(spec, max(args.nodes))
-    best = min(recovery_s(row, **CLUSTER, shared=True), recovery_s(row, **here, shared=pays))
-    print(f"\n{row['ranks']:,} ranks: shared, {recovery_s(row, **CLUSTER, shared=True):.1f} s on the cluster's rates "
-          f"(target <= {TARGET_S:.0f} s: {'met' if best <= TARGET_S else 'MISSED'}), "
+              f"{cw:.1f} / {cs:.1f} s | {recovery_s(wide, **CLUSTER, shared=True):,.0f} s |", flush=True)
+    best_cluster = recovery_s(row, **CLUSTER, shared=True)
+    print(f"\n{row['ranks']:,} ranks, k = {row['k']}: shared, {best_cluster:.1f} s on the cluster's rates "
+          f"(target <= {TARGET_S:.0f} s: {'met' if best_cluster <= TARGET_S else 'MISSED'}), "
           f"{recovery_s(row, **here, shared=pays):.1f} s on this machine's; whole, "
           f"{recovery_s(row, **CLUSTER, shared=False):.1f} s and {recovery_s(row, **here, shared=False):.1f} s")
 

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from unickpt.snapshot.store_commit import StoreCommit, connect, control_doc
@@ -217,14 +218,38 @@ def simulate_reform(address: str, ranks: int, waiters: int = 64, store_pid: int 
             "store_cpu_s": cpu_s(store_pid) - c0 if store_pid else 0.0}
 
 
-def inventories(nodes: int, ranks_per_node: int = 8, step: int = 7) -> list[dict[str, Any]]:
+class Members(Mapping):
+    """A parity record's ``members`` computed on access: what a node's record holds, without
+    keeping N records of N members in this one process (the nodes' side of the plan)."""
+
+    def __init__(self, g: int, k: int, nodes: int, files: dict[int, list[list[Any]]], blob: int) -> None:
+        from unickpt.snapshot.parity import members
+
+        self.stripes = {str(i): s for i, s in members(g, k, nodes)}
+        self.k, self.files, self.blob = k, files, blob
+
+    def __getitem__(self, x: str) -> dict[str, Any]:
+        s = self.stripes[x]
+        return {"stripe": s, "len": self.blob // self.k, "crc": 0, "files": self.files[int(x)], "blob": self.blob}
+
+    def __iter__(self):
+        return iter(self.stripes)
+
+    def __len__(self) -> int:
+        return len(self.stripes)
+
+
+def inventories(nodes: int, ranks_per_node: int = 8, step: int = 7, lazy: bool = False,
+                stripes: int = 8) -> list[dict[str, Any]]:
     """What every node's local rank 0 sends rank 0 for recovery planning (recover.inventory)
     for one snapshot of ``nodes`` nodes with XOR parity, as the keepers record it: each
     node's files, its copy of the manifest (files and keeper table only: no tensors), and
-    the parity record of the group it holds (every member's stripe, crc and files)."""
-    from unickpt.snapshot.parity import group_of, layout, members
+    the parity record of the group it holds (every member's stripe, crc and files; with
+    ``lazy`` a :class:`Members` that makes them when read); ``stripes`` bounds ``k``
+    (``snapshot.parity.layout``; 0: parity over every node)."""
+    from unickpt.snapshot.parity import layout
 
-    k, m = layout(nodes, 1)
+    k, m = layout(nodes, 1, stripes=stripes or nodes)
     files = {j: [[f"rank_{j * ranks_per_node + r:05d}.safetensors", 1 << 20] for r in range(ranks_per_node)]
              for j in range(nodes)}
     table = [{"host": "10.0.0.1", "port": 40000 + j, "pid": 1000 + j} for j in range(nodes)]
@@ -234,10 +259,11 @@ def inventories(nodes: int, ranks_per_node: int = 8, step: int = 7) -> list[dict
     out = []
     for j in range(nodes):
         g = j  # node j holds block 0 of group j (parity.held_groups)
+        mem = Members(g, k, nodes, files, blob)
         record = {"step": step, "group": g, "r": 0, "k": k, "m": m, "holder": j, "nodes": nodes, "nbytes": blob // k,
-                  "crc": 0, "members": {str(i): {"stripe": s, "len": blob // k, "crc": 0, "files": files[i], "blob": blob}
-                                        for i, s in members(g, k, nodes)}, "peers": table}
-        assert all(group_of(i, s, nodes) == g for i, s in members(g, k, nodes))
+                  "crc": 0, "members": mem if lazy else dict(mem.items()), "peers": table}
+        # as recover.inventory adds it: the record's length (by one member's, with lazy)
+        record["size"] = len(json.dumps(dict(record, members={}))) + len(mem) * (len(json.dumps(mem[next(iter(mem))])) + 8)
         out.append({"node": j, "steps": {str(step): {"files": dict(files[j]), "manifest": manifest, "bad": None,
                                                      "parity": [record], "notes": []}}})
     return out
@@ -249,7 +275,8 @@ def two_rounds(docs: list[dict[str, Any]], tamper: Any = None) -> tuple[list[Any
     groups; (plans, reasons, bytes rank 0 receives, rank 0's CPU seconds), the nodes'
     side of each round (summary, reply) off the clock. ``tamper(bytes) -> bytes`` alters
     every node's reply of the second round (a test's malformed reply)."""
-    from unickpt.snapshot.recover import manifest_sources, plan_candidates, records_reply, records_wanted, summary, with_records
+    from unickpt.snapshot.recovery_plan import (MAX_ROUNDS, manifest_sources, merge_reply, plan_candidates, records_reply,
+                                                records_wanted, summary, with_records)
 
     wire = [json.dumps(summary(d)).encode() for d in docs]
     t0 = time.process_time()
@@ -260,38 +287,38 @@ def two_rounds(docs: list[dict[str, Any]], tamper: Any = None) -> tuple[list[Any
         parsed[i]["steps"][key]["manifest"] = docs[i]["steps"][key]["manifest"]
         size += len(docs[i]["steps"][key]["manifest"])
     records: dict[Any, Any] = {}
-    while True:
+    for _ in range(MAX_ROUNDS):
         t0 = time.process_time()
         want = records_wanted(parsed, records)
         cpu += time.process_time() - t0
         if not want:
             break
         asked: dict[int, list[list[Any]]] = {}
-        for i, key, j in sorted(want):
-            asked.setdefault(i, []).append([key, j])
+        for (i, key, j), who in sorted(want.items()):
+            asked.setdefault(i, []).append([key, j, who])
         replies = {i: json.dumps(records_reply(docs[i], a)).encode() for i, a in asked.items()}
         replies = {i: tamper(r) if tamper else r for i, r in replies.items()}
         size += sum(map(len, replies.values()))
         t0 = time.process_time()
         for i, a in asked.items():
             reply = json.loads(replies[i])
-            for n, (key, j) in enumerate(a):  # as _gather_plans reads a reply
+            for n, (key, j, who) in enumerate(a):  # as _gather_plans reads a reply
                 rec = reply[n] if isinstance(reply, list) and n < len(reply) else None
-                records[(i, key, j)] = rec if isinstance(rec, dict) else {}
+                merge_reply(records, (i, key, j), who, rec)
         cpu += time.process_time() - t0
     t0 = time.process_time()
     plans, reasons = plan_candidates(with_records(parsed, records))
     return plans, reasons, size, cpu + time.process_time() - t0
 
 
-def plan_cpu(nodes: int, lost: int | None = 0, before: bool = False) -> dict[str, Any]:
+def plan_cpu(nodes: int, lost: int | None = 0, before: bool = False, stripes: int = 8) -> dict[str, Any]:
     """CPU seconds of rank 0's recovery plan over ``nodes`` inventories, with node ``lost``
     gone (None: none), and the bytes rank 0 receives for it: :func:`two_rounds`, or with
     ``before`` the one round it replaces (every node's whole inventory into
-    recover.plan_candidates)."""
-    from unickpt.snapshot.recover import plan_candidates
+    recover.plan_candidates); ``stripes`` as :func:`inventories`."""
+    from unickpt.snapshot.recovery_plan import plan_candidates
 
-    docs = [d for d in inventories(nodes) if lost is None or d["node"] != lost]
+    docs = [d for d in inventories(nodes, lazy=not before, stripes=stripes) if lost is None or d["node"] != lost]
     if before:
         wire = [json.dumps(d).encode() for d in docs]
         t0 = time.process_time()
@@ -300,7 +327,7 @@ def plan_cpu(nodes: int, lost: int | None = 0, before: bool = False) -> dict[str
     else:
         plans, reasons, size, cpu = two_rounds(docs)
     assert plans and (lost is None or plans[0]["rebuild"]["lost"] == [lost]), reasons
-    return {"nodes": nodes, "cpu_s": cpu, "gathered_bytes": size, "lost": lost}
+    return {"nodes": nodes, "cpu_s": cpu, "gathered_bytes": size, "lost": lost, "plan_bytes": len(json.dumps(plans[0]))}
 
 
 def round_trip(address: str, n: int = 2000) -> float:
@@ -329,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks", type=int, default=16384, help="ranks of the re-forming (0: none)")
     ap.add_argument("--plan-nodes", default="64,256,1024,2048", help="nodes of the recovery plans timed")
     ap.add_argument("--plan-before", type=int, default=256, help="time the one-round plan it replaces up to this many nodes")
-    ap.add_argument("--plan-lost", type=int, default=1024, help="plan with node 0 lost up to this many nodes (O(N^2))")
+    ap.add_argument("--plan-lost", type=int, default=2048, help="plan with node 0 lost up to this many nodes")
     ap.add_argument("--plan-only", action="store_true", help="only the recovery plan's table")
     args = ap.parse_args(argv)
     if args.plan_only:
@@ -387,21 +414,27 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plan_table(plan_nodes: str, before_upto: int, lost_upto: int) -> None:
-    """Print the recovery plan's table: bytes rank 0 receives and its CPU, no node lost
-    and (up to ``lost_upto`` nodes) node 0 lost, two rounds; the one round they replace
-    in the same run up to ``before_upto`` nodes."""
-    print("\n| nodes | rank 0 receives, no node lost | plan CPU, no node lost | rank 0 receives, node 0 lost "
-          "| plan CPU, node 0 lost | one round before (receives, CPU no loss / node 0 lost) |")
-    print("|---|---|---|---|---|---|")
+    """Print the recovery plan's table: bytes rank 0 receives, its CPU and the plan it
+    broadcasts, no node lost and (up to ``lost_upto`` nodes) node 0 lost, two rounds, with
+    the default groups (k <= 8) and with parity over every node (k = n - 1); one round of
+    every node's whole inventory in the same run up to ``before_upto`` nodes (k = n - 1)."""
+    print("\n| nodes | no node lost: rank 0 receives, CPU | node 0 lost, k <= 8: receives, CPU, plan broadcast "
+          "| node 0 lost, k = n - 1: receives, CPU, plan broadcast | one round of whole inventories, k = n - 1 "
+          "(receives, CPU no loss / node 0 lost) |")
+    print("|---|---|---|---|---|")
     for n in [int(x) for x in plan_nodes.split(",") if x]:
         whole = plan_cpu(n, None)
-        one = plan_cpu(n, 0) if n <= lost_upto else None
-        lost = f"{one['gathered_bytes'] / 1e6:,.1f} MB | {one['cpu_s']:.3f} s" if one else "- | -"
+        cells = []
+        for stripes in (8, 0):
+            one = plan_cpu(n, 0, stripes=stripes) if n <= lost_upto else None
+            cells.append(f"{one['gathered_bytes'] / 1e6:,.2f} MB, {one['cpu_s']:.3f} s, {one['plan_bytes'] / 1e6:,.2f} MB"
+                         if one else "-")
         old = "-"
         if n <= before_upto:
-            bw, bo = plan_cpu(n, None, True), plan_cpu(n, 0, True)
+            bw, bo = plan_cpu(n, None, True, 0), plan_cpu(n, 0, True, 0)
             old = f"{bw['gathered_bytes'] / 1e6:,.1f} MB, {bw['cpu_s']:.3f} s / {bo['cpu_s']:.3f} s"
-        print(f"| {n} | {whole['gathered_bytes'] / 1e6:,.2f} MB | {whole['cpu_s']:.3f} s | {lost} | {old} |")
+        print(f"| {n} | {whole['gathered_bytes'] / 1e6:,.2f} MB, {whole['cpu_s']:.3f} s | {cells[0]} | {cells[1]} | {old} |",
+              flush=True)
 
 
 if __name__ == "__main__":

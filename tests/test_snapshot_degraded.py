@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import crc32c
 import numpy as np
 import pytest
 
@@ -32,24 +33,33 @@ def _write_step(sdir: str, n: int, parity: int, replicas: int, sizes: list[list[
             parts.append(data)
         blobs[i] = np.concatenate(parts)
         recs[i] = {"files": files, "blob": int(blobs[i].size)}
+    blocks = {}  # (group, r) -> [nbytes, crc32c, record length], as a summary lists a record
     for g in range(n):
-        stripes = {}
+        stripes, described = {}, {}
         for i, s in members(g, k, n):
             lo, hi = stripe_range(recs[i]["blob"], s, k)
             stripes[s] = memoryview(blobs[i][lo:hi])
-        for r, _ in enumerate(holders(g, m, n)):
-            encode(stripes, k, m, r).tofile(os.path.join(sdir, paths.parity_name(g, r, "bin")))
-    return k, m, recs, blobs
+            described[str(i)] = dict(recs[i], stripe=s, len=hi - lo, crc=crc32c.crc32c(stripes[s]))
+        for r, holder in enumerate(holders(g, m, n)):
+            block = encode(stripes, k, m, r)
+            block.tofile(os.path.join(sdir, paths.parity_name(g, r, "bin")))
+            meta = {"step": 0, "group": g, "r": r, "k": k, "m": m, "holder": holder, "nodes": n, "nbytes": block.size,
+                    "crc": crc32c.crc32c(block), "members": described}
+            raw = paths.seal(meta)
+            with open(os.path.join(sdir, paths.parity_name(g, r, "json")), "wb") as f:
+                f.write(raw)
+            blocks[(g, r)] = [block.size, meta["crc"], len(raw)]
+    return k, m, recs, blobs, blocks
 
 
-def _rebuild(n: int, k: int, m: int, recs: dict, lost: list[int]) -> dict:
-    """The plan's rebuild record (shape of recover.plan_candidates) with every block on node 0."""
-    groups = {}
+def _rebuild(n: int, k: int, m: int, recs: dict, lost: list[int], blocks: dict) -> dict:
+    """The plan's rebuild record (shape of recovery_plan.plan_candidates) with every block on node 0."""
+    groups: dict[str, list] = {}
     for g in sorted({group_of(x, s, n) for x in lost for s in range(k)}):
-        data = [[i, s, 0, recs[i]] for i, s in members(g, k, n) if i not in lost]
-        need = k - len(data)
-        groups[str(g)] = {"data": data, "parity": [[0, {"r": r}] for r in range(m)][:need]}
-    return {"k": k, "m": m, "nodes": n, "groups": groups, "info": {str(x): recs[x] for x in lost}}
+        need = sum(i in lost for i, _ in members(g, k, n))
+        groups[str(g)] = [[0, r, *blocks[(g, r)]] for r in range(m)][:need]
+    info = {str(i): dict(recs[i], at=None if i in lost else 0) for i in range(n)}
+    return {"k": k, "m": m, "nodes": n, "lost": lost, "groups": groups, "info": info}
 
 
 @pytest.mark.parametrize("n, parity, replicas, lost", [(4, 1, 1, [3]), (4, 2, 1, [1, 2]), (3, 0, 2, [0])])
@@ -58,8 +68,8 @@ def test_any_range_of_a_lost_file_decodes_exactly(tmp_path, monkeypatch, n, pari
     sizes = [[30001, 7], [12289], [5, 40000], [25000, 999]][:n]
     source = degraded.Source(None, 0, str(tmp_path), 0)  # node 0 holds every block: no keeper needed
     os.makedirs(source.sdir)
-    k, m, recs, blobs = _write_step(source.sdir, n, parity, replicas, sizes)
-    rebuild = _rebuild(n, k, m, recs, lost)
+    k, m, recs, blobs, blocks = _write_step(source.sdir, n, parity, replicas, sizes)
+    rebuild = _rebuild(n, k, m, recs, lost, blocks)
     for x in lost:
         at = 0
         for name, size in recs[x]["files"]:
@@ -77,6 +87,39 @@ def test_any_range_of_a_lost_file_decodes_exactly(tmp_path, monkeypatch, n, pari
                 got = np.concatenate(views) if views else np.zeros(0, np.uint8)
                 assert np.array_equal(got, want[lo : lo + got.size]), (name, lo, lens)
             at += size
+
+
+@pytest.mark.parametrize("n, parity, lost", [(4, 1, [3]), (4, 2, [1, 2])])
+def test_diagnose_names_the_corrupt_input(tmp_path, n, parity, lost):
+    """After a rebuilt byte fails its check, ``diagnose`` names the input block that fails
+    its own crc32c: a parity block by the plan's crc32c, a surviving data stripe by the
+    one its group's parity record keeps (read and checked); nothing when all are sound."""
+    source = degraded.Source(None, 0, str(tmp_path), 0)
+    os.makedirs(source.sdir)
+    k, m, recs, _, blocks = _write_step(source.sdir, n, parity, 1, [[30001, 7], [12289], [5, 40000], [25000, 999]][:n])
+    rebuild = _rebuild(n, k, m, recs, lost, blocks)
+    assert degraded.diagnose(rebuild, source) is None
+
+    def flip(name: str, at: int) -> None:
+        with open(os.path.join(source.sdir, name), "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 1]))
+
+    g = min(int(x) for x in rebuild["groups"])
+    node, r = rebuild["groups"][str(g)][0][:2]
+    flip(paths.parity_name(g, r, "bin"), 3)
+    assert degraded.diagnose(rebuild, source) == f"the parity of step 0 held by node 0 (group {g}, block {r}) fails its crc32c"
+    flip(paths.parity_name(g, r, "bin"), 3)
+    i, s = next((i, s) for i, s in members(g, k, n) if i not in lost)
+    lo, _ = stripe_range(recs[i]["blob"], s, k)
+    for name, size in recs[i]["files"]:  # the file holding the stripe's first byte
+        if lo < size:
+            break
+        lo -= size
+    flip(name, lo)
+    assert degraded.diagnose(rebuild, source) == f"data stripe {s} of node {i} (step 0) fails its crc32c"
 
 
 @pytest.mark.multiprocess

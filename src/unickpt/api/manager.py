@@ -156,6 +156,7 @@ class CheckpointManager(Checkpoints):
         self.save_every, self.async_save, self.snapshot_every = saves.every, saves.mode == "async", snap.every
         self.parity, self.snapshot_replicas, self.flush_every = snap.parity, snap.replicas, snap.flush_every
         self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snap.max_bytes, logged.enabled, logged.dtype
+        self.snapshot_stripes = snap.stripes
         self.process_group = process_group
         self.metadata = metadata  # stored in every durable checkpoint's manifest (plain values)
         self.restored_line: str | None = None
@@ -371,7 +372,7 @@ class CheckpointManager(Checkpoints):
             self._snap = Snapshotter(job_id(self.root), self.snapshot_every, self.parity,
                                      max_bytes=self.snapshot_max_bytes, process_group=self.process_group,
                                      flush_every=self.flush_every, flush_dir=self.root if self.flush_every else None,
-                                     replicas=self.snapshot_replicas)
+                                     replicas=self.snapshot_replicas, stripes=self.snapshot_stripes)
         if self.log_deltas:
             self._deltas = StepDeltas(self.root, self._covered, self.delta_dtype, self.process_group)
 

@@ -89,6 +89,9 @@ class SnapshotOptions(Checked):
             checkpoint under the root (0: never; needs a local root).
         max_bytes: A cap on the host memory per node (None: half the shm file system).
             Flat keyword: ``snapshot_max_bytes``.
+        stripes: The most nodes whose data one parity block covers (the code's ``k``;
+            default 8): parity takes ``parity/k`` of the memory, and rebuilding a lost
+            byte reads ``k`` bytes from ``k`` nodes. Grouped only.
 
     Raises:
         SnapshotError: A value out of range, a snapshot option without ``every``, or
@@ -104,10 +107,13 @@ class SnapshotOptions(Checked):
     replicas: int = 1
     flush_every: int = 0
     max_bytes: int | None = None
+    stripes: int = 8
 
     def __post_init__(self) -> None:
         _whole(self, "every")
         _whole(self, "flush_every")
+        if not isinstance(self.stripes, int) or self.stripes < 1:
+            self.fail(f"{self.name('stripes')} must be at least 1, not {self.stripes}")
         if self.replicas < 1:
             self.fail(f"{self.name('replicas')} must be at least 1, not {self.replicas}")
         if self.parity is not None and self.parity < 0:

@@ -41,7 +41,7 @@ from ..logs import log
 from ..units import human_bytes
 from . import paths
 from .keeper_admin import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
-from .parity import layout
+from .parity import STRIPES, layout
 from .store_commit import control_doc, store_address
 
 # The snapshots' own async-save channel: staging buffer, gloo group and save in flight
@@ -150,12 +150,14 @@ class Snapshotter:
 
     ``parity`` M: parity blocks per group across nodes (1: XOR, M >= 2: Reed-Solomon,
     0: local memory only; default 1, or 0 with ``replicas``); ``replicas`` R >= 2: a full
-    copy of each node's snapshot on the next R - 1 nodes instead (excludes M > 0). See
-    :mod:`unickpt.snapshot.parity`."""
+    copy of each node's snapshot on the next R - 1 nodes instead (excludes M > 0);
+    ``stripes``: the most data stripes in a parity group (memory ``1 + M/k``; a lost byte
+    is rebuilt from ``k`` bytes). See :mod:`unickpt.snapshot.parity`."""
 
     def __init__(self, job: str, every: int, parity: int | None = None, *, root: str | None = None,
                  max_bytes: int | None = None, process_group: Any = None, host: str | None = None,
-                 flush_every: int = 0, flush_dir: str | None = None, replicas: int = 1) -> None:
+                 flush_every: int = 0, flush_dir: str | None = None, replicas: int = 1,
+                 stripes: int = STRIPES) -> None:
         if every < 1:
             raise SnapshotError(f"snapshot interval must be at least 1 step, not {every}")
         if flush_every < 0 or (flush_every and not flush_dir):
@@ -167,7 +169,7 @@ class Snapshotter:
         self.jdir = paths.job_dir(self.root, job)
         if parity is None:  # XOR by default; none with copies on neighbours
             parity = 0 if replicas > 1 else 1
-        layout(1 << 30, parity, replicas)  # a bad combination fails before any process starts
+        layout(1 << 30, parity, replicas, stripes)  # a bad combination fails before any process starts
         self.process_group = process_group
         self.group = checkpoint_group(resolve_group(process_group), CHANNEL)
         self.node, self.local_rank = node_position(self.group.rank)
@@ -196,7 +198,7 @@ class Snapshotter:
             raise SnapshotError(why)
         if self.local_rank == 0 and paths.read_secret(self.root, job) != self.secret:
             paths.write_secret(self.root, job, self.secret)
-        self.k, self.parity = layout(len(self.table), parity, replicas)
+        self.k, self.parity = layout(len(self.table), parity, replicas, stripes)
         # the keepers' commit on the job's store (.store_commit), under a prefix drawn for this
         # Snapshotter by rank 0: a relaunch or a re-formed job never meets an earlier one's keys
         address = store_address()

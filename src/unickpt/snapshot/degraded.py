@@ -31,9 +31,10 @@ import numpy as np
 
 from ..storage.local import FileReader
 from . import paths, wire
-from .parity import decode, group_of, read_blob, stripe_range, xor_into
+from .parity import decode, group_of, members, open_record, read_blob, stripe_range, xor_into
 
 CHUNK = 4 << 20  # bytes decoded at a time: the inputs stay in cache between read and use
+_EXT = {"parity": "bin", "record": "json"}  # a parity block's file, its record's
 
 
 class Peers:
@@ -116,8 +117,8 @@ class Source:
         self.fetch([("parity", node, (g, r), offset, out)])
 
     def fetch(self, jobs: list[tuple[str, int, Any, int, memoryview]]) -> None:
-        """Fill each job's ``out``: ``("blob", node, files, offset, out)`` or ``("parity",
-        node, (group, block), offset, out)``. The other nodes' keepers are all asked at
+        """Fill each job's ``out``: ``("blob", node, files, offset, out)``, ``("parity",
+        node, (group, block), offset, out)`` or ``("record", ...)`` (the block's record). The other nodes' keepers are all asked at
         once and this node's own blocks read while they answer."""
         remote = [(node, self._request(kind, what, offset), [out]) for kind, node, what, offset, out in jobs if node != self.node]
         mine = [job for job in jobs if job[1] == self.node]
@@ -127,7 +128,7 @@ class Source:
                 if kind == "blob":
                     read_blob(self.sdir, [(str(n), int(s)) for n, s in what], offset, out)
                     continue
-                reader = FileReader(Path(self.sdir) / paths.parity_name(what[0], what[1], "bin"))
+                reader = FileReader(Path(self.sdir) / paths.parity_name(what[0], what[1], _EXT[kind]))
                 try:
                     reader.pread_into(offset, out)
                 finally:
@@ -142,7 +143,8 @@ class Source:
         """The keeper request for a ``fetch`` job."""
         if kind == "blob":
             return {"op": "blob", "step": self.step, "offset": offset}
-        return {"op": "read", "path": f"{paths.step_name(self.step)}/{paths.parity_name(what[0], what[1], 'bin')}", "offset": offset}
+        return {"op": "read", "path": f"{paths.step_name(self.step)}/{paths.parity_name(what[0], what[1], _EXT[kind])}",
+                "offset": offset}
 
 
 class _Scratch(threading.local):
@@ -165,13 +167,19 @@ class _Scratch(threading.local):
 
 
 class DegradedReader:
-    """A lost node's rank file, read by decoding each asked range from its parity group."""
+    """A lost node's rank file, read by decoding each asked range from its parity group.
+
+    ``rebuild`` is the plan's (:mod:`.recovery_plan`): ``k``, ``m``, ``nodes``, ``lost``,
+    ``info`` (old node -> its blob's length, files and the node holding them now) and
+    ``groups`` (group -> the parity blocks read: ``[node now, block, nbytes, crc32c,
+    record length]``); each group's data members follow from the layout."""
 
     def __init__(self, source: Source, rebuild: dict[str, Any], node: int, name: str) -> None:
         self.source, self.node = source, node
         self.k, self.m, self.n = int(rebuild["k"]), int(rebuild["m"]), int(rebuild["nodes"])
-        self.groups = rebuild["groups"]
-        rec = rebuild["info"][str(node)]
+        self.groups, self.info = rebuild["groups"], rebuild["info"]
+        self.lost = {int(x) for x in rebuild["lost"]}
+        rec = self.info[str(node)]
         self.blob = int(rec["blob"])
         self.start, self.size = 0, 0
         for f, size in rec["files"]:
@@ -218,24 +226,28 @@ class DegradedReader:
     def _chunk(self, s: int, off: int, out: memoryview) -> None:
         """Bytes ``[off, off + len(out))`` of this node's stripe ``s``, from its group."""
         g = group_of(self.node, s, self.n)
-        spec = self.groups[str(g)]
+        blocks_read = self.groups[str(g)]
         n = out.nbytes
         target = np.frombuffer(out, np.uint8)
         if self.k == 1:  # a copy: the parity block is the stripe
-            node, meta = spec["parity"][0]
-            self.source.parity(int(node), g, int(meta["r"]), off, out)
+            node, r = blocks_read[0][:2]
+            self.source.parity(int(node), g, int(r), off, out)
             return
         bufs = self._scratch.get(self.k)
-        jobs, inputs = [], []
-        for j, (_, s_i, node_i, rec) in enumerate(spec["data"]):
-            lo, hi = stripe_range(int(rec["blob"]), int(s_i), self.k)
+        jobs, inputs, free = [], [], []  # free: the lost members' buffers, for the parity blocks
+        for j, (i, s_i) in enumerate(members(g, self.k, self.n)):
+            if i in self.lost:
+                free.append(j)
+                continue
+            rec = self.info[str(i)]
+            lo, hi = stripe_range(int(rec["blob"]), s_i, self.k)
             got = max(0, min(n, hi - lo - off))  # a shorter stripe ends early
             if got:
-                jobs.append(("blob", int(node_i), rec["files"], lo + off, memoryview(bufs[j][:got])))
-            inputs.append((int(s_i), bufs[j][:n], got))
+                jobs.append(("blob", int(rec["at"]), rec["files"], lo + off, memoryview(bufs[j][:got])))
+            inputs.append((s_i, bufs[j][:n], got))
         if self.m == 1:  # XOR: the parity chunk straight into the output, the data chunks XORed onto it
-            node, meta = spec["parity"][0]
-            self.source.fetch([("parity", int(node), (g, int(meta["r"])), off, out), *jobs])
+            node, r = blocks_read[0][:2]
+            self.source.fetch([("parity", int(node), (g, int(r)), off, out), *jobs])
             for _, b, got in inputs:
                 if got:
                     xor_into(target, b[:got])
@@ -243,10 +255,10 @@ class DegradedReader:
         blocks: dict[int, np.ndarray] = {}
         for s_i, b, got in inputs:
             blocks[s_i] = b
-        for j, (node, meta) in enumerate(spec["parity"], len(spec["data"])):
+        for j, (node, r) in zip(free, ((e[0], e[1]) for e in blocks_read), strict=True):
             b = bufs[j][:n]
-            jobs.append(("parity", int(node), (g, int(meta["r"])), off, memoryview(b)))
-            blocks[self.k + int(meta["r"])] = b
+            jobs.append(("parity", int(node), (g, int(r)), off, memoryview(b)))
+            blocks[self.k + int(r)] = b
         self.source.fetch(jobs)
         for _, b, got in inputs:
             b[got:] = 0  # a shorter stripe is zero-padded inside the code
@@ -258,21 +270,30 @@ class DegradedReader:
 
 def diagnose(rebuild: dict[str, Any], source: Source) -> str | None:
     """After a rebuilt byte failed its check: the first input block of the rebuild that
-    fails its own crc32c, named (a parity block or a data stripe), or None."""
-    k = int(rebuild["k"])
+    fails its own crc32c, named (a parity block or a data stripe), or None. A data
+    stripe's crc32c is read from its group's parity record (checked), which the holder's
+    keeper sends."""
+    k, n = int(rebuild["k"]), int(rebuild["nodes"])
+    lost = {int(x) for x in rebuild["lost"]}
     step = source.step
-    for g, spec in sorted(rebuild["groups"].items(), key=lambda kv: int(kv[0])):
-        for node, meta in spec["parity"]:
-            buf = np.empty(int(meta["nbytes"]), np.uint8)
-            source.parity(int(node), int(g), int(meta["r"]), 0, memoryview(buf))
-            if _crc.crc32c(buf) != int(meta["crc"]):
-                return (f"the parity of step {step} held by node {meta['holder']} (group {g}, block {meta['r']}) "
-                        f"fails its crc32c")
-        for i, s, node, rec in spec["data"]:
-            lo, hi = stripe_range(int(rec["blob"]), int(s), k)
+    for g, blocks_read in sorted(rebuild["groups"].items(), key=lambda kv: int(kv[0])):
+        g = int(g)
+        for node, r, nbytes, crc, size in blocks_read:
+            buf = np.empty(int(nbytes), np.uint8)
+            source.parity(int(node), g, int(r), 0, memoryview(buf))
+            if _crc.crc32c(buf) != int(crc):
+                return f"the parity of step {step} held by node {node} (group {g}, block {r}) fails its crc32c"
+        node, r, _, _, size = blocks_read[0]
+        raw = np.empty(int(size), np.uint8)
+        source.fetch([("record", int(node), (g, int(r)), 0, memoryview(raw))])
+        stripes = open_record(raw.tobytes())["members"]
+        for i, s in members(g, k, n):
+            if i in lost:
+                continue
+            rec = rebuild["info"][str(i)]
+            lo, hi = stripe_range(int(rec["blob"]), s, k)
             buf = np.empty(hi - lo, np.uint8)
-            source.blob(int(node), rec["files"], lo, memoryview(buf))
-            if _crc.crc32c(buf) != int(rec["crc"]):
+            source.blob(int(rec["at"]), rec["files"], lo, memoryview(buf))
+            if str(i) not in stripes or _crc.crc32c(buf) != int(stripes[str(i)]["crc"]):
                 return f"data stripe {s} of node {i} (step {step}) fails its crc32c"
     return None
-

@@ -9,12 +9,17 @@ stripes. With ``n`` nodes there are ``n`` parity groups; group ``g`` holds
 
 Members and holders are different nodes (``k + m <= n``), every node has one stripe in
 ``k`` groups and holds ``m`` parities, so the loss of any ``m`` nodes leaves every group
-at least ``k`` of its ``k + m`` blocks: enough to rebuild. Memory: ``1 + m/k``.
+at least ``k`` of its ``k + m`` blocks: enough to rebuild. Memory: ``1 + m/k``. A group's
+blocks lie on ``k + m`` consecutive nodes, so a lost node's stripes are rebuilt from its
+``2k - 1`` neighbours, each byte from ``k`` bytes of input.
 
-* ``--parity M`` (M >= 1): ``k = n - M``, ``m = M``. ``m = 1`` is XOR (the RAID-5 layout:
-  node ``j`` holds the XOR of one stripe of every other node); ``m >= 2`` is
-  Reed-Solomon (zfec's systematic Vandermonde code over GF(2^8): blocks ``0..k-1`` are
-  the data stripes in stripe order, the parity blocks are ``k..k+m-1``).
+* ``--parity M`` (M >= 1): ``k = min(n - M, stripes)``, ``m = M``; ``stripes`` (default
+  :data:`STRIPES`, 8) bounds the group: wider groups hold less parity (``m/k`` of the
+  snapshot) but read ``k`` bytes for every byte rebuilt, from ``k`` nodes (with ``k = n - 1``
+  at 2,048 nodes a rank would read 2,047 bytes per lost byte). ``m = 1`` is XOR (the RAID-5
+  layout); ``m >= 2`` is Reed-Solomon (zfec's systematic Vandermonde code over GF(2^8):
+  blocks ``0..k-1`` are the data stripes in stripe order, the parity blocks are
+  ``k..k+m-1``).
 * ``--snapshot-replicas R``: ``k = 1``, ``m = R - 1``: every parity block is a plain copy
   of one node's whole blob, on the next ``R - 1`` nodes (2x memory for R = 2).
 
@@ -41,10 +46,15 @@ def check_parity(parity: int, nodes: int) -> int:
     return min(parity, max(0, nodes - 1))
 
 
-def layout(nodes: int, parity: int, replicas: int = 1) -> tuple[int, int]:
-    """(k, m) of a job: ``k`` data stripes and ``m`` parity blocks per group. ``replicas``
-    R >= 2 means plain copies (k = 1, m = R - 1, at most one copy per other node) and
-    excludes parity."""
+STRIPES = 8  # the most data stripes in a parity group by default (the rebuild reads k bytes per byte)
+
+
+def layout(nodes: int, parity: int, replicas: int = 1, stripes: int = STRIPES) -> tuple[int, int]:
+    """(k, m) of a job: ``k`` data stripes (at most ``stripes``) and ``m`` parity blocks
+    per group. ``replicas`` R >= 2 means plain copies (k = 1, m = R - 1, at most one copy
+    per other node) and excludes parity."""
+    if stripes < 1:
+        raise SnapshotError(f"a parity group needs at least 1 data stripe, not {stripes}")
     if replicas < 1:
         raise SnapshotError(f"--snapshot-replicas must be 1 (no copy) or more, not {replicas}")
     if replicas > 1:
@@ -55,7 +65,7 @@ def layout(nodes: int, parity: int, replicas: int = 1) -> tuple[int, int]:
             )
         return 1, min(replicas, nodes) - 1
     m = check_parity(parity, nodes)
-    return (max(1, nodes - m), m)
+    return (max(1, min(nodes - m, stripes)), m)
 
 
 def code_name(k: int, m: int) -> str:
@@ -85,13 +95,6 @@ def holders(g: int, m: int, n: int) -> list[int]:
 def held_groups(j: int, m: int, n: int) -> list[tuple[int, int]]:
     """(group, r) of the parity blocks node ``j`` holds."""
     return [((j - r) % n, r) for r in range(m)]
-
-
-def stripe_of(i: int, j: int, n: int) -> int:
-    """Which stripe of node ``i``'s blob belongs to group ``j`` (j != i; XOR layout)."""
-    if i == j:
-        raise ValueError("a node holds no parity over its own data")
-    return (j - i - 1) % n
 
 
 def stripe_range(blob_bytes: int, s: int, k: int) -> tuple[int, int]:
