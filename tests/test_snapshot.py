@@ -6,6 +6,7 @@ layout must match bitwise, another layout within 1e-4 relative (as in test_resum
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -120,10 +121,14 @@ def four_nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nodes")
     roots = [str(tmp / f"shm{i}") for i in range(4)]
     os.environ["UNICKPT_JOB_ID"] = "ft"
-    flags = [*TINY, "--fsdp", "--snapshot-every", "2", "--save-every", "4", "--loss-log", str(tmp / "run.jsonl")]
+    # groups of k = 2 stripes on 4 nodes (not n - 1 = 3): node 2's stripes lie in groups 3 and 0 only
+    flags = [*TINY, "--fsdp", "--snapshot-every", "2", "--snapshot-stripes", "2", "--save-every", "4",
+             "--loss-log", str(tmp / "run.jsonl")]
     try:
         wait_all(launch_nodes(tmp, roots, [*flags, "--ckpt-dir", "ck", "--stop-after", "6"]), tmp)
         _wait_for(lambda: all(6 in steps_whole(r) for r in roots), 60, "step 6 whole on every node")
+        with open(os.path.join(step_dir(roots[0], 6), "manifest.json")) as f:
+            assert json.load(f)["metadata"]["snapshot"]["k"] == 2
         lose_node(roots[2])
         for i in (0, 1, 3):
             shutil.copytree(roots[i], tmp / f"backup{i}", symlinks=True)
@@ -195,15 +200,16 @@ def test_replacement_node_gets_its_shards_from_the_survivors(four_nodes, referen
 
 @pytest.mark.multiprocess
 def test_flipped_parity_bit_is_detected_and_disk_used(four_nodes):
-    """One flipped bit in a survivor's parity chunk: the rebuild refuses it (crc32c), the
-    run resumes from the durable tier and the line says why."""
+    """One flipped bit in a survivor's parity chunk that rebuilds node 2 (group 0, on node
+    0): the rebuild refuses it (crc32c), the run resumes from the durable tier and the
+    line says why."""
     tmp, roots, flags = four_nodes
     survivors = _restore(tmp, roots, [0, 1, 3], "ck_parity")
-    flip_bit(os.path.join(step_dir(roots[1], 6), "parity_g1_r0.bin"))
+    flip_bit(os.path.join(step_dir(roots[0], 6), "parity_g0_r0.bin"))
     outs = wait_all(launch_nodes(tmp, survivors, [*flags, "--ckpt-dir", "ck_parity", "--stop-after", "5"]), tmp)
     lines = resumed_lines(outs)
     assert len(lines) == 1 and lines[0].startswith("resumed step 4 from disk ("), outs[0][-3000:]
-    assert "parity of step 6 held by node 1 (group 1, block 0) fails its crc32c" in lines[0]
+    assert "parity of step 6 held by node 0 (group 0, block 0) fails its crc32c" in lines[0]
 
 
 @pytest.mark.multiprocess

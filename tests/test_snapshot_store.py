@@ -41,7 +41,8 @@ def test_real_keepers_commit_on_the_store_as_the_simulation_counts(tmp_path, shm
     become whole on every node with no ``have`` between keepers (only the stripes), the
     store requests the keepers logged are the ones bench/scale_snapshot.simulate_commit
     counts for 3 keepers and 2 steps, and after the second step only its own keys and
-    the job's sequence are left in the store."""
+    the job's sequence are left in the store. Step 2 is flushed to disk, coordinated on the
+    store: no request between keepers, every file in the checkpoint."""
     from torch.distributed import TCPStore
 
     from bench.scale_snapshot import simulate_commit
@@ -57,15 +58,19 @@ def test_real_keepers_commit_on_the_store_as_the_simulation_counts(tmp_path, shm
         paths.write_secret(r, JOB, secret)
     nodes = [{"host": d["host"], "port": d["port"], "pid": d["pid"]} for d in docs]
     control = control_doc(address, JOB, os.urandom(8))
+    target = str(tmp_path / "ck" / "step_00000002")  # step 2 is flushed there, coordinated on the store
+    os.makedirs(os.path.dirname(target))
+    files = {f"rank_{i:05d}.safetensors": 3000 + 100 * i for i in range(NODES)}
     for step in (1, 2):
         for i, r in enumerate(roots):
             sdir = paths.step_dir(r, JOB, step)
             os.makedirs(sdir)
             with open(os.path.join(sdir, f"rank_{i:05d}.safetensors"), "wb") as f:
                 f.write(os.urandom(3000 + 100 * i))
-            meta = {"step": step, "job": JOB, "parity": 1, "k": NODES - 1, "nodes": nodes, "control": control}
+            meta = {"step": step, "job": JOB, "parity": 1, "k": NODES - 1, "nodes": nodes, "control": control,
+                    **({"flush": target} if step == 2 else {})}
             with open(os.path.join(sdir, "manifest.json"), "w") as f:
-                json.dump({"metadata": {"snapshot": meta}}, f)
+                json.dump({"files": files, "metadata": {"snapshot": meta}}, f)
         for r in roots:
             wait_for(lambda r=r, s=step: os.path.exists(os.path.join(paths.step_dir(r, JOB, s), paths.WHOLE)), 60,
                      f"step {step} whole on {r}")
@@ -80,6 +85,20 @@ def test_real_keepers_commit_on_the_store_as_the_simulation_counts(tmp_path, shm
     assert real == sim["ops"], (real, sim["ops"])
     step1 = [k for k in ("s1/count", "s1/n0", "s1/n1", "s1/n2") if store.check([f"{control['prefix']}/{k}"])]
     assert step1 == [], step1  # step 1's records deleted once step 2 was whole
+
+    # the flush of step 2: every keeper's files in the checkpoint, byte for byte, with no
+    # flush/flushed request between keepers, and the flush's keys gone from the store
+    wait_for(lambda: "step 2 flushed to" in open(os.path.join(roots[0], "unickpt", "keeper.log")).read(), 30, "the flush")
+    for i, r in enumerate(roots):
+        name = f"rank_{i:05d}.safetensors"
+        with open(os.path.join(paths.step_dir(r, JOB, 2), name), "rb") as a, open(os.path.join(target, name), "rb") as b:
+            assert a.read() == b.read()
+    assert json.load(open(os.path.join(target, "manifest.json")))["files"] == files
+    log = open(os.path.join(roots[0], "unickpt", "keeper.log")).read()
+    m = re.search(r"step 2 flushed to .* \(requests to other keepers so far: (\{.*?\}); to the store for flushes: (\{.*?\})\)", log)
+    assert m and "flush" not in m[1] and json.loads(m[2].replace("'", '"'))["append"] == 1, log[-2000:]
+    left = [k for k in ("staging", "reports", "count", "done") if store.check([f"{control['prefix']}/f2/{k}"])]
+    assert left == [], left
 
 
 @pytest.mark.parametrize("case", ["nothing lost", "node 2 lost", "node 2's files gone, its record kept",

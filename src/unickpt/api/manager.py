@@ -95,6 +95,7 @@ class CheckpointManager(Checkpoints):
         snapshot_replicas: Full copies per node's snapshot instead of parity.
         flush_every: The keepers write every Nth snapshot as a checkpoint under ``root``.
         snapshot_max_bytes: A cap on the snapshots' host memory per node.
+        snapshot_stripes: The most nodes one parity block covers (default 8).
         log_deltas: Log every step for replay after the last full checkpoint.
         delta_dtype: ``"exact"`` or ``"bf16"``.
         storage_options: Options of the root's file system (fsspec).
@@ -128,6 +129,7 @@ class CheckpointManager(Checkpoints):
         snapshot_replicas: int = 1,
         flush_every: int = 0,
         snapshot_max_bytes: int | None = None,
+        snapshot_stripes: int = 8,
         log_deltas: bool = False,
         delta_dtype: DeltaDtype = "exact",
         storage_options: dict[str, Any] | None = None,
@@ -146,7 +148,8 @@ class CheckpointManager(Checkpoints):
         saves = SaveSchedule.merged(saves, {"every": save_every, "mode": "async" if async_save else "sync",
                                             "incremental": incremental, "full_every": full_every})
         snap = SnapshotOptions.merged(snapshot, {"every": snapshot_every, "parity": parity, "replicas": snapshot_replicas,
-                                                 "flush_every": flush_every, "max_bytes": snapshot_max_bytes},
+                                                 "flush_every": flush_every, "max_bytes": snapshot_max_bytes,
+                                                 "stripes": snapshot_stripes},
                                       {"every": 0})
         logged = DeltaLogOptions.merged(deltas, {"enabled": log_deltas, "dtype": delta_dtype}, {"enabled": False})
         super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,

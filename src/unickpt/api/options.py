@@ -91,7 +91,7 @@ class SnapshotOptions(Checked):
             Flat keyword: ``snapshot_max_bytes``.
         stripes: The most nodes whose data one parity block covers (the code's ``k``;
             default 8): parity takes ``parity/k`` of the memory, and rebuilding a lost
-            byte reads ``k`` bytes from ``k`` nodes. Grouped only.
+            byte reads ``k`` bytes from ``k`` nodes. Flat keyword: ``snapshot_stripes``.
 
     Raises:
         SnapshotError: A value out of range, a snapshot option without ``every``, or
@@ -99,7 +99,7 @@ class SnapshotOptions(Checked):
     """
 
     KEYWORDS: ClassVar[dict[str, str]] = {"every": "snapshot_every", "replicas": "snapshot_replicas",
-                                          "max_bytes": "snapshot_max_bytes"}
+                                          "max_bytes": "snapshot_max_bytes", "stripes": "snapshot_stripes"}
     ERROR: ClassVar[type[UnickptError]] = SnapshotError
 
     every: int = 1

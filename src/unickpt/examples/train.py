@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-replicas", type=int, default=1,
                    help="instead of parity, keep a full copy of each node's snapshot on the next R-1 nodes "
                    "(2: one neighbour, 2x memory); excludes --parity M > 0")
+    p.add_argument("--snapshot-stripes", type=int, default=8,
+                   help="the most nodes one parity block covers (memory: parity/k more; a lost byte is rebuilt "
+                   "from k bytes on k nodes)")
     p.add_argument("--flush-every", type=int, default=0,
                    help="the snapshot keepers write every Mth snapshot as an ordinary checkpoint into --ckpt-dir, "
                    "in the background (0: never; docs/SNAPSHOT.md)")
@@ -266,7 +269,7 @@ def make_manager(args: argparse.Namespace) -> unickpt.CheckpointManager:
         args.ckpt_dir, keep=args.keep, save_every=args.save_every, async_save=args.async_save,
         snapshot_every=args.snapshot_every, parity=args.parity if args.snapshot_every else None,
         snapshot_replicas=args.snapshot_replicas, flush_every=args.flush_every,
-        snapshot_max_bytes=args.snapshot_max_bytes, log_deltas=args.log_deltas,
+        snapshot_max_bytes=args.snapshot_max_bytes, snapshot_stripes=args.snapshot_stripes, log_deltas=args.log_deltas,
         delta_dtype=args.delta_dtype if args.log_deltas else "exact",
         durable=args.durable_dir, durable_every=args.durable_every, durable_keep=args.durable_keep,
     )

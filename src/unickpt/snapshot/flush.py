@@ -5,9 +5,10 @@ checkpoint directory it is to be written to (``snapshot.flush``: ``<ckpt dir>/st
 the naming of :class:`unickpt.CheckpointManager`). When the step is whole, the keeper of
 the step's node 0 (the coordinator) claims that directory and makes its staging
 directory, as every unickpt save does (:class:`~unickpt.storage.transaction.DirectoryWrite`),
-and asks every keeper of the step (``flush``) to copy its node's rank files into it; each
-copies them with a bounded buffer, fsyncs them and reports back (``flushed``) with the
-names and sizes it wrote. Only when every node reported and the files are exactly those
+and hands every keeper of the step the staging path (on the job's store when the step
+names one: :class:`.store_commit.StoreFlush`; else a ``flush`` request to each); each
+copies its node's rank files into it with a bounded buffer, fsyncs them and reports back
+(on the store, or ``flushed``) with the names and sizes it wrote. Only when every node reported and the files are exactly those
 of the step's manifest does the coordinator write the manifest, last, and swap the
 directory in (the commit). A failure or a killed keeper leaves no committed checkpoint:
 the staging directory is removed, or left hidden for the next save to reap.

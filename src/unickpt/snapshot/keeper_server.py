@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
-from .store_commit import StoreCommit, check_control, store_address
+from .store_commit import StoreCommit, StoreFlush, check_control, store_address
 from .keeper_admin import _alive
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
@@ -109,6 +109,7 @@ class Keeper:
         self.peers: dict[int, list[dict[str, Any]]] = {}
         self.conns: dict[tuple[str, int], wire.Connection] = {}
         self.planes: dict[tuple[str, str], StoreCommit] = {}  # (store, prefix) -> this keeper's commit there
+        self.flush_ops: Counter[str] = Counter()  # requests sent to stores for flushes
         self.control_of: dict[int, Any] = {}  # step -> the control entry of its manifest (unchecked)
         self.calls: Counter[str] = Counter()  # requests sent to other keepers, by op ("connect": connections opened)
         self.stopping = threading.Event()
@@ -532,8 +533,21 @@ class Keeper:
         self.retain()
         _log(f"step {step} whole (requests to other keepers so far: {dict(self.calls)}; "
              f"to the store: {self.store_ops()})")
-        if due and self.my_index(snap["nodes"]) == 0:
+        me = self.my_index(snap["nodes"]) if due else None
+        if me == 0:
             self.start_flush(step, sdir, snap)
+        elif me is not None:
+            plane = self.flush_plane(step, snap, me)
+            if plane is not None:  # the coordinator publishes the staging directory on the store
+                with self.lock:
+                    self.copying.add(step)
+                self._spawn(self.serve_store_flush, step, sdir, snap, plane, me)
+
+    def flush_plane(self, step: int, snap: dict[str, Any], me: int) -> StoreCommit | None:
+        """The store a flush of ``step`` is coordinated on (the step's commit plane), or None:
+        the coordinator then calls every keeper directly."""
+        control = snap.get("control")
+        return self.plane_for(step, control, me) if control is not None else None
 
     def store_ops(self) -> dict[str, int]:
         """Requests this keeper sent to its stores so far, by name."""
@@ -576,36 +590,89 @@ class Keeper:
 
         nodes, target = snap["nodes"], str(snap["flush"])
         t0 = time.perf_counter()
-        write = None
+        write, fl, published = None, None, False
         try:
+            plane = self.flush_plane(step, snap, 0)
+            fl = StoreFlush(plane.address, plane.prefix, step) if plane is not None else None
             docs = flush.documents(sdir)
             write = DirectoryWrite.begin(target, flush.MANIFEST, True, flush.checkpoint_file)
             staging = str(write.staging)
-            for j, peer in enumerate(nodes):
-                if j:
-                    self.call(peer, {"op": "flush", "step": step, "staging": staging, "node": j, "reply": nodes[0]})
-            self.on_flushed(self.copy_files(step, sdir, staging, 0))
-            deadline = time.monotonic() + flush.FLUSH_TIMEOUT_S
-            with self.cond:
-                got = self.reports[step]
-                while len(got) < len(nodes) and not any(r.get("error") for r in got.values()):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self.cond.wait(left)
-                reports = dict(got)
+            if fl is not None:
+                fl.publish(staging)
+                published = True
+                fl.report(self.copy_files(step, sdir, staging, 0), len(nodes))
+                reports = fl.reports(flush.FLUSH_TIMEOUT_S)
+            else:
+                reports = self.coordinate_directly(step, sdir, staging, nodes)
             flush.check_reports(docs[flush.MANIFEST], reports, len(nodes))
             write.commit(docs)
             write = None
-            _log(f"step {step} flushed to {target} in {time.perf_counter() - t0:.3f} s")
+            _log(f"step {step} flushed to {target} in {time.perf_counter() - t0:.3f} s (requests to other keepers "
+                 f"so far: {dict(self.calls)}; to the store for flushes: {dict(self.flush_ops + (fl.ops if fl else Counter()))})")
         except Exception as e:
             _log(f"step {step}: flush to {target} failed, nothing committed: {type(e).__name__}: {e}")
         finally:
             if write is not None:
                 write.abort()
+            if fl is not None:
+                self._end_store_flush(step, fl, published)
             with self.lock:
                 self.reports.pop(step, None)
                 self.flushing = False
+            self.release(step)
+
+    def _end_store_flush(self, step: int, fl: StoreFlush, published: bool) -> None:
+        """The coordinator's end of a flush on the store: its keys deleted, or, when it gave
+        up before publishing the staging directory, an empty one published (the keepers
+        waiting for it give up too)."""
+        try:
+            if published:
+                fl.clear()
+            else:
+                fl.publish("")
+        except Exception as e:
+            _log(f"step {step}: the store did not take the flush's end: {type(e).__name__}: {e}")
+        with self.lock:
+            self.flush_ops.update(fl.ops)
+
+    def coordinate_directly(self, step: int, sdir: str, staging: str, nodes: list[dict[str, Any]]
+                            ) -> dict[int, dict[str, Any]]:
+        """Ask every keeper for its files (``flush``), copy this node's, and wait for their
+        reports (``flushed``): node -> report."""
+        for j, peer in enumerate(nodes):
+            if j:
+                self.call(peer, {"op": "flush", "step": step, "staging": staging, "node": j, "reply": nodes[0]})
+        self.on_flushed(self.copy_files(step, sdir, staging, 0))
+        deadline = time.monotonic() + flush.FLUSH_TIMEOUT_S
+        with self.cond:
+            got = self.reports[step]
+            while len(got) < len(nodes) and not any(r.get("error") for r in got.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            return dict(got)
+
+    def serve_store_flush(self, step: int, sdir: str, snap: dict[str, Any], plane: StoreCommit, me: int) -> None:
+        """A keeper's side of a flush on the store: wait for the staging directory, check it
+        lies beside the step's flush target, copy this node's files, report."""
+        try:
+            fl = StoreFlush(plane.address, plane.prefix, step)
+            try:
+                staging = fl.staging(flush.FLUSH_TIMEOUT_S)
+                if not staging:
+                    _log(f"step {step}: the coordinator gave up the flush")
+                    return
+                report = self.copy_files(step, sdir, staging, me) if _inside(staging, os.path.dirname(str(snap["flush"]))) \
+                    else {"node": me, "files": [], "error": f"refused: staging {staging[:200]!r} is not beside step "
+                                                             f"{step}'s flush target"}
+                fl.report(report, len(snap["nodes"]))
+            finally:
+                with self.lock:
+                    self.flush_ops.update(fl.ops)
+        except Exception as e:
+            _log(f"step {step}: cannot take part in the flush on the store {plane.address}: {type(e).__name__}: {e}")
+        finally:
             self.release(step)
 
     def copy_files(self, step: int, sdir: str, staging: str, node: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ when a step names a store.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -154,3 +155,81 @@ class StoreCommit:
                 self._op("delete_key", self._k(f"s{s}", "count"))
         if self.node == 0 and whole_index is not None and whole_index > WINDOW:
             self._op("delete_key", self._k(f"w{whole_index - WINDOW}"))
+
+
+class StoreFlush:
+    """One durable flush of one step coordinated on the store (keys under ``P/f<step>/``),
+    instead of the coordinator calling every keeper and each calling back: the coordinator
+    ``set``s the staging directory, every keeper ``wait``s for it, copies its files and
+    ``append``s its report (a JSON line) to one key; the report that completes the count,
+    or says a keeper failed, sets ``done``; the coordinator ``wait``s for it and reads every
+    report with one ``get``. O(N) requests for the whole flush, one connection per keeper
+    for its life; the coordinator sends a constant number.
+
+    What the store gives back is untrusted: a staging path or a report line that is
+    malformed is refused with a reason (the flush then commits nothing)."""
+
+    def __init__(self, address: str, prefix: str, step: int, connect_fn: Callable[[str], Any] = connect) -> None:
+        self.base = f"{prefix}/f{step}"
+        self.client = connect_fn(address)
+        self.ops: Counter[str] = Counter()
+
+    def _op(self, name: str, *args: Any) -> Any:
+        self.ops[name] += 1
+        return getattr(self.client, name)(*args)
+
+    def publish(self, staging: str) -> None:
+        """The coordinator: the staging directory every keeper copies its files into."""
+        self._op("set", f"{self.base}/staging", staging)
+
+    def staging(self, timeout_s: float) -> str:
+        """A keeper: the staging directory, once the coordinator published it (a RuntimeError
+        after ``timeout_s``)."""
+        self._op("wait", [f"{self.base}/staging"], timedelta(seconds=timeout_s))
+        return self._op("get", f"{self.base}/staging").decode("utf-8", "replace")
+
+    def report(self, report: dict[str, Any], nodes: int) -> None:
+        """Every keeper (the coordinator too): its report, and ``done`` when it is the last
+        or a failure."""
+        line = json.dumps({f: report.get(f) for f in ("node", "files", "error")}) + "\n"
+        self._op("append", f"{self.base}/reports", line)
+        if int(self._op("add", f"{self.base}/count", 1)) >= nodes or report.get("error"):
+            self._op("set", f"{self.base}/done", "1")
+
+    def reports(self, timeout_s: float) -> dict[int, dict[str, Any]]:
+        """The coordinator: every report sent (node -> report) once ``done`` is set, or those
+        sent by ``timeout_s``; a malformed line is a report with an error."""
+        try:
+            self._op("wait", [f"{self.base}/done"], timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if "timeout" not in str(e).lower():
+                raise
+        if not self._op("check", [f"{self.base}/reports"]):
+            return {}
+        out: dict[int, dict[str, Any]] = {}
+        for n, line in enumerate(self._op("get", f"{self.base}/reports").decode("utf-8", "replace").splitlines()):
+            rep = _report(line)
+            if isinstance(rep, str):
+                out[-1 - n] = {"error": f"report line {n} in the store: {rep}"}
+            else:
+                out[rep["node"]] = rep
+        return out
+
+    def clear(self) -> None:
+        """The coordinator, at the end: the flush's keys deleted."""
+        for name in ("staging", "reports", "count", "done"):
+            self._op("delete_key", f"{self.base}/{name}")
+
+
+def _report(line: str) -> dict[str, Any] | str:
+    """A keeper's flush report read back from the store, checked; or why it is refused."""
+    try:
+        rep = json.loads(line)
+    except ValueError:
+        return "not JSON"
+    if not (isinstance(rep, dict) and type(rep.get("node")) is int and rep["node"] >= 0
+            and isinstance(rep.get("files"), list)
+            and all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int for f in rep["files"])
+            and (rep.get("error") is None or isinstance(rep["error"], str))):
+        return "not a report {node, files, error}"
+    return rep
