@@ -20,6 +20,7 @@ from typing import Any
 
 STORE_ENV = "UNICKPT_LIVE_STORE"  # host:port of the job's store, set by `unickpt launch`
 WORKER_ENV = "UNICKPT_LIVE_WORKER"  # this worker's id in the job (node.local[.replacement])
+NODE_STORE_ENV = "UNICKPT_LIVE_NODE_STORE"  # host:port of its node's launcher's own store (beats, liveness)
 PREFIX = "unickpt/live/"
 
 
@@ -109,9 +110,10 @@ def post_event(store: Any, **event: Any) -> None:
     store.set(key("event", i), json.dumps(event))
 
 
-def worker_env(address: str, worker: str) -> dict[str, str]:
-    """The variables through which ``unickpt.run`` finds the job's control plane."""
-    return {STORE_ENV: address, WORKER_ENV: worker}
+def worker_env(address: str, worker: str, node_address: str | None = None) -> dict[str, str]:
+    """The variables through which ``unickpt.run`` finds the job's control plane (and its
+    node's store, where it reports progress and liveness to its own launcher only)."""
+    return {STORE_ENV: address, WORKER_ENV: worker, **({NODE_STORE_ENV: node_address} if node_address else {})}
 
 
 def under_launch() -> bool:

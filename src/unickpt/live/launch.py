@@ -33,7 +33,8 @@ from .control import Generation, key
 
 NODE_TIMEOUT_S = 3.0  # a node whose launcher is silent this long is lost
 STILL_S = 2.0  # a worker whose watcher thread is silent this long is stopped or holds the GIL
-BEAT_S = 0.2  # how often a launcher says it is alive and looks for hangs
+BEAT_S = 0.2  # how often a launcher looks for hangs (in its node's own store)
+NODE_BEAT_S = 0.5  # how often a launcher tells the job's store it is alive and looks for the job's end
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a worker's collective may wait for its peers
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         store = control.connect(f"{args.master_addr}:{args.master_port}")
     address = f"{args.master_addr}:{store.port}"
-    return Launcher(args, store, address).run()
+    # this node's own store: its workers' progress and liveness, read by this launcher only
+    node_store = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+    return Launcher(args, store, address, node_store).run()
 
 
 @dataclass
@@ -97,8 +100,10 @@ class Worker:
 class Launcher:
     """One node's launcher (node 0's is also the job's coordinator)."""
 
-    def __init__(self, args: argparse.Namespace, store: Any, address: str) -> None:
+    def __init__(self, args: argparse.Namespace, store: Any, address: str, node_store: Any = None) -> None:
         self.args, self.store, self.address = args, store, address
+        self.node_store = node_store if node_store is not None else store
+        self.node_address = f"127.0.0.1:{node_store.port}" if node_store is not None else None
         self.node = args.node_rank
         self.workers: dict[int, Worker] = {}  # pid -> worker
         self.codes: dict[str, int] = {}  # exit code of each worker that ended
@@ -119,7 +124,7 @@ class Launcher:
             time.sleep(0.01)
         for local in range(self.args.nproc_per_node):  # names beyond generation 0's: a node that joins later
             self._spawn(self._new_name(), local)
-        next_beat = 0.0
+        next_beat = next_node_beat = 0.0
         while True:
             select.select([self.wake_r], [], [], 0.01)
             try:
@@ -131,12 +136,16 @@ class Launcher:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + BEAT_S
-                self.store.add(key("node", self.node, "beat"), 1)
                 if self.args.hang_timeout:
                     self._find_hangs(now)
+            end = None
+            if now >= next_node_beat:  # the job's store: a request or two a node every NODE_BEAT_S
+                next_node_beat = now + NODE_BEAT_S
+                self.store.add(key("node", self.node, "beat"), 1)
+                end = self._ended()
             if self.coordinator is not None:
                 self.coordinator.step()
-            end = self._ended()
+                end = end or self._ended()
             if end is not None:
                 return self._finish(end)
             if not self.workers:
@@ -158,13 +167,13 @@ class Launcher:
                    ROLE_WORLD_SIZE=str(world), ROLE_NAME="default", MASTER_ADDR=a.master_addr,
                    MASTER_PORT=self.address.rpartition(":")[2], TORCHELASTIC_USE_AGENT_STORE="True",
                    TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
-                   TORCHELASTIC_RUN_ID="unickpt", **control.worker_env(self.address, name))
+                   TORCHELASTIC_RUN_ID="unickpt", **control.worker_env(self.address, name, self.node_address))
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicators, never the process
         # a survivor blocked in a collective whose peers cannot free the old group gives up then
         env.setdefault(PG_TIMEOUT_ENV, str(max(10.0, 2 * a.hang_timeout) if a.hang_timeout else DEFAULT_PG_TIMEOUT_S))
         if a.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
-        self.store.set(key("beat", name), "")
+        self.node_store.set(key("beat", name), "")
         cmd = [sys.executable, "-u"] + (["-m", a.script] if a.module else [a.script]) + list(a.script_args)
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         self.workers[proc.pid] = Worker(name, local, proc)
@@ -194,8 +203,8 @@ class Launcher:
         stale = []
         for w in self.workers.values():
             try:
-                progress = self.store.get(key("beat", w.name)).decode()
-                alive = int(self.store.add(key("alive", w.name), 0))
+                progress = self.node_store.get(key("beat", w.name)).decode()
+                alive = int(self.node_store.add(key("alive", w.name), 0))
             except RuntimeError:
                 return
             if progress != w.progress:
@@ -259,10 +268,13 @@ class Coordinator:
         self.pending: list[str] = []  # replacements ready to join
         self.finished: set[str] = set()  # workers that exited 0
         self.beats: dict[int, tuple[int, float]] = {}
+        self.next_look = 0.0  # when _lost_nodes reads the launchers' beats again
 
     def start(self) -> None:
         """Open generation 0 (or, when this launcher restarts on a store that lives on, take the newest)."""
         a = self.args
+        for n in range(a.nnodes):  # every beat counter exists: one multi_get reads them all, never waits
+            self.store.add(key("node", n, "beat"), 0)
         members = [f"{n}.{i}" for n in range(a.nnodes) for i in range(a.nproc_per_node)]
         self.gen = Generation(0, members)
         control.publish(self.store, self.gen)
@@ -329,10 +341,16 @@ class Coordinator:
         control.publish(self.store, self.gen)
 
     def _lost_nodes(self) -> list[dict[str, Any]]:
-        """Members on nodes whose launcher has been silent for NODE_TIMEOUT_S."""
+        """Members on nodes whose launcher has been silent for NODE_TIMEOUT_S (their beats
+        read every NODE_BEAT_S, all in one request)."""
         now, out = time.monotonic(), []
-        for n in sorted({control.node_of(m) for m in self.gen.members} - {0}):
-            beat = int(self.store.add(key("node", n, "beat"), 0))
+        if now < self.next_look:
+            return out
+        self.next_look = now + NODE_BEAT_S
+        nodes = sorted({control.node_of(m) for m in self.gen.members} - {0})
+        beats = self.store.multi_get([key("node", n, "beat") for n in nodes]) if nodes else []
+        for n, raw in zip(nodes, beats, strict=True):
+            beat = int(raw) if raw.isdigit() else -1
             last = self.beats.get(n)
             if last is None or last[0] != beat:
                 self.beats[n] = (beat, now)

@@ -114,7 +114,8 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     global _CURRENT
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV])
+    live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV],
+                            os.environ.get(control.NODE_STORE_ENV))
     try:
         return live.loop(fn, backend)
     finally:
@@ -188,9 +189,12 @@ def interrupted() -> type[BaseException]:
 class _Live:
     """One worker's side of a live-recovery job."""
 
-    def __init__(self, address: str, worker: str) -> None:
+    def __init__(self, address: str, worker: str, node_address: str | None = None) -> None:
         self.address, self.worker = address, worker
         self.store = control.connect(address)
+        # progress and liveness go to this node's launcher only: its own store, not the job's
+        self.node_address = node_address or address
+        self.node_store = control.connect(node_address) if node_address else self.store
         self.gen: Generation | None = None
         self.world: World | None = None
         self.main = threading.get_ident()
@@ -247,10 +251,10 @@ class _Live:
             self._seen = n
             return gen
         control.post_event(self.store, kind="ready", worker=self.worker, node=control.node_of(self.worker))
-        self.store.set(key("beat", self.worker), "joining")
+        self.node_store.set(key("beat", self.worker), "joining")
         while True:
             if not self.store.check([key("g", n + 1)]):
-                self.store.add(key("alive", self.worker), 1)
+                self.node_store.add(key("alive", self.worker), 1)
                 time.sleep(0.01)
                 continue
             n += 1
@@ -277,7 +281,7 @@ class _Live:
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
-        self.store.set(key("beat", self.worker), f"g{gen.number}")
+        self.node_store.set(key("beat", self.worker), f"g{gen.number}")
         self.mark("formed")
         self.times["published"] = gen.at
         if gen.number > 0 and gen.cause in ("lost", "grow"):
@@ -403,7 +407,7 @@ class _Live:
         """Tell the launcher this process runs, every ALIVE_S (its own connection: the
         watcher's is blocked in ``wait``)."""
         try:
-            store = control.connect(self.address)
+            store = control.connect(self.node_address)
             while not self._stop.wait(ALIVE_S):
                 store.add(key("alive", self.worker), 1)
         except RuntimeError:
@@ -421,7 +425,7 @@ class _Live:
     def boundary(self, step: int) -> bool:
         store, gen, world = self.store, self.gen, self.world
         assert gen is not None and world is not None
-        store.set(key("beat", self.worker), str(step))
+        self.node_store.set(key("beat", self.worker), str(step))
         if "first_step" not in self.times and "formed" in self.times:
             self.mark("first_step")
             self.say(step)
