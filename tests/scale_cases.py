@@ -17,7 +17,8 @@ PRELOAD = ["torch", "torch.distributed.tensor", "unickpt", "unickpt.rules", "sca
 
 def balance_rank(rank: int, world: int, root: str) -> None:
     """2x2 mesh: 16 fully replicated and 8 half-replicated (Shard(0), Replicate()) 64x64
-    tensors, saved for real; each rank writes its share of the replicas."""
+    tensors, saved for real; each rank writes its share of the replicas. Loaded back as
+    plain tensors, then as DTensors whose replicas share their reads."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -32,6 +33,21 @@ def balance_rank(rank: int, world: int, root: str) -> None:
     unickpt.load(target, os.path.join(root, "ck"))
     for k, v in {**full, **half}.items():
         assert torch.equal(target[k], v), k
+    # loaded back as DTensors replicated over mesh dim 1: the 2 ranks holding each shard
+    # split its reads when sharing (on; by default through an fsspec URL), bitwise the same
+    got, reads = [], []
+    for share, where in ((False, ""), (True, ""), (None, ""), (None, "local://")):
+        dts = {k: distribute_tensor(torch.zeros(64, 64), mesh, [Shard(0), Replicate()]) for k in half}
+        stats: dict = {}
+        unickpt.load(dts, where + os.path.join(root, "ck"), broadcast_replicated=share, stats=stats)
+        got.append(dts)
+        reads.append(stats["bytes_read"])
+    for dts in got:
+        for k, v in half.items():
+            assert torch.equal(dts[k].full_tensor(), v), k
+    shard_bytes = len(half) * 32 * 64 * 4
+    assert reads[2] == reads[0] and reads[3] == reads[1], reads  # the default: whole from files, shared via fsspec
+    assert reads[0] - reads[1] >= 0.8 * shard_bytes / 2, (reads, shard_bytes)
 
 
 SPEC_ARGS = dict(layers=4, hidden=16, heads=4, kv_heads=2, head_dim=4, vocab=50, ffn=32)

@@ -6,6 +6,7 @@ a rank that fails cannot hang the others, and a single process needs no process 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import torch
@@ -20,7 +21,7 @@ from ..plan.piece import Piece
 from ..storage.base import Storage
 from ..storage.open import open_storage
 from ..engine.gc_pause import gc_paused
-from ..engine.items import is_dtensor, sharded_item, tensor_item
+from ..engine.items import is_dtensor, mesh_replicas, sharded_item, tensor_item
 from ..engine.replicated import ReplicatedReads, ShardedReplicas, share_by_default
 from ..engine.tensor_reads import TensorReads, mapped_entry, read_entry
 from ..engine.optim_state import NamedOptimizer
@@ -105,7 +106,8 @@ def load(
     Every byte read is checked against its checksum unless ``verify=False``.
     A ``stats`` dict, when given, receives ``bytes_read`` and ``files_read`` of this rank.
     ``Sharded`` targets held by several replicas (rule-described weights replicated over
-    data parallelism) are split among those replicas, each reading its share and
+    data parallelism), and DTensor targets ``Replicate`` over a mesh dimension, are split
+    among those replicas, each reading its share and
     broadcasting it to the others over a process group of theirs (the load is then
     collective), by default (``broadcast_replicated=None``) where the rule of
     docs/SCALE.md says it is faster (``engine.replicated.sharing_pays``: a broadcast
@@ -241,6 +243,9 @@ def load_into(
                     continue
                 item = tensor_item(leaf.name, v, None)
                 if item is None or not item.pieces:
+                    continue
+                if replicas is not None and mesh_replicas(v) > 1 and \
+                        replicas.defer(entry, dataclasses.replace(item, replicas=mesh_replicas(v))):
                     continue
                 _fill(reader, entry, item.local, item.pieces)
             elif leaf.name in manifest.values:

@@ -159,6 +159,21 @@ def tensor_item(name: str, t: torch.Tensor, holders: Holders | None) -> TensorIt
     return TensorItem(name, t, shape, pieces, 0, 1, "per-rank")
 
 
+def mesh_replicas(t: Any) -> int:
+    """How many ranks of a DTensor's mesh hold the same local shard as this one: the
+    product of the sizes of the mesh dimensions it is ``Replicate`` over (1 for a plain
+    tensor)."""
+    if not is_dtensor(t):
+        return 1
+    from torch.distributed.tensor import Replicate
+
+    n = 1
+    for size, p in zip(t.device_mesh.shape, t.placements, strict=True):
+        if isinstance(p, Replicate):
+            n *= int(size)
+    return n
+
+
 def cut_rows(item: TensorItem) -> int:
     """Rows along which ``item`` may be cut into separately stored parts (its first
     dimension), or 1 when it must be stored whole (0-d, or pieces that are flat runs)."""

@@ -1,7 +1,8 @@
 """On load: read replicated state once per replica group and broadcast it.
 
 Rule-described shards held by several replicas (``Sharded`` with ``replicas > 1``: the
-weights replicated over data parallelism) are split among their replicas, each reading its
+weights replicated over data parallelism) and DTensor shards held by several ranks of
+their mesh (``Replicate`` over a mesh dimension) are split among their replicas, each reading its
 share and broadcasting it (:class:`ShardedReplicas`): by default wherever the rule
 (:func:`sharing_pays`) says it is faster, given where the bytes come from (the storage's
 ``read_rate``) and the group's backend; ``load(..., broadcast_replicated=False)`` reads
@@ -23,7 +24,7 @@ from ..dist import Group, all_gather_fixed, group_cache, new_group
 from ..errors import LayoutError, UnickptError
 from ..storage.base import READ_RATE
 from ..plan.save_plan import replica_owner, replica_shares
-from .items import TensorItem, cut_rows, row_slice
+from .items import TensorItem, cut_rows, mesh_replicas, row_slice
 from .state import Sharded
 
 
@@ -57,10 +58,13 @@ def share_by_default(state: dict[str, Any], group: Group, storage: Any) -> bool:
 
 
 def _holds_replicated(value: Any) -> bool:
-    """Whether ``value`` holds a ``Sharded`` with replicas, in nested dicts, lists and
-    tuples (Stateful objects are not asked for their state: no side effect before the load)."""
+    """Whether ``value`` holds a ``Sharded`` with replicas or a DTensor replicated over a
+    mesh dimension, in nested dicts, lists and tuples (Stateful objects are not asked for
+    their state: no side effect before the load)."""
     if isinstance(value, Sharded):
         return value.replicas > 1
+    if isinstance(value, torch.Tensor):
+        return mesh_replicas(value) > 1
     if isinstance(value, dict):
         return any(_holds_replicated(v) for v in value.values())
     if isinstance(value, (list, tuple)):
