@@ -23,6 +23,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,6 +36,7 @@ NODE_TIMEOUT_S = 3.0  # a node whose launcher is silent this long is lost
 STILL_S = 2.0  # a worker whose watcher thread is silent this long is stopped or holds the GIL
 BEAT_S = 0.2  # how often a launcher looks for hangs (in its node's own store)
 NODE_BEAT_S = 0.5  # how often a launcher tells the job's store it is alive and looks for the job's end
+RELAY_WAIT_S = 1.0  # the relay's longest wait in the job's store for the next generation
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a worker's collective may wait for its peers
@@ -104,6 +106,7 @@ class Launcher:
         self.args, self.store, self.address = args, store, address
         self.node_store = node_store if node_store is not None else store
         self.node_address = f"127.0.0.1:{node_store.port}" if node_store is not None else None
+        self.relay_stop = threading.Event()
         self.node = args.node_rank
         self.workers: dict[int, Worker] = {}  # pid -> worker
         self.codes: dict[str, int] = {}  # exit code of each worker that ended
@@ -122,6 +125,40 @@ class Launcher:
             self.coordinator.start()
         while control.newest(self.store) < 0:
             time.sleep(0.01)
+        relay = None
+        if self.node_address is not None:
+            relay = threading.Thread(target=self._relay, name="unickpt-launch-relay", daemon=True)
+            relay.start()
+        try:
+            return self._run()
+        finally:
+            self.relay_stop.set()
+            if relay is not None:
+                relay.join(RELAY_WAIT_S + 1.0)
+
+    def _relay(self) -> None:
+        """Tell this node's workers of every generation published, on the node's own store
+        (``g<N>`` set there): their watchers wait in it, and the job's store serves one
+        waiter a node instead of one a rank. Waits at most RELAY_WAIT_S at a time, so the
+        launcher can end it before it exits."""
+        try:
+            client = control.connect(self.address)
+            seen = control.newest(client)
+            for n in range(seen + 1):
+                self.node_store.set(key("g", n), "1")
+            while not self.relay_stop.is_set():
+                try:
+                    client.wait([key("g", seen + 1)], timedelta(seconds=RELAY_WAIT_S))
+                except RuntimeError as e:
+                    if "timeout" in str(e).lower():
+                        continue
+                    raise
+                seen += 1
+                self.node_store.set(key("g", seen), "1")
+        except RuntimeError:
+            return  # the job's store is gone (node 0's launcher ended or was lost)
+
+    def _run(self) -> int:
         for local in range(self.args.nproc_per_node):  # names beyond generation 0's: a node that joins later
             self._spawn(self._new_name(), local)
         next_beat = next_node_beat = 0.0

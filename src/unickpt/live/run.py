@@ -383,14 +383,17 @@ class _Live:
 
     def _watch(self) -> None:
         """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
-        generation, no polling); one that removes members ends ``fn`` at once."""
+        generation, no polling; in the node's store, where the launcher relays it, when
+        there is one); one that removes members ends ``fn`` at once."""
         store = control.connect(self.address)
+        # under unickpt launch its launcher relays each generation on the node's store
+        watched = control.connect(self.node_address) if self.node_address != self.address else store
         self._beater = threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True)
         self._beater.start()
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
-                if not _wait_key(store, key("g", nxt), WATCH_WAIT_S):
+                if not _wait_key(watched, key("g", nxt), WATCH_WAIT_S):
                     continue
                 gen = control.read(store, nxt)
             except RuntimeError:
