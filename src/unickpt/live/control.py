@@ -119,3 +119,16 @@ def worker_env(address: str, worker: str, node_address: str | None = None) -> di
 def under_launch() -> bool:
     """True in a worker that ``unickpt launch`` started."""
     return bool(os.environ.get(STORE_ENV)) and bool(os.environ.get(WORKER_ENV))
+
+
+def wait_key(store: Any, name: str, timeout_s: float) -> bool:
+    """Block until ``name`` exists in the store (True) or ``timeout_s`` passed (False)."""
+    from torch.distributed import DistStoreError
+
+    try:
+        store.wait([name], timedelta(seconds=max(timeout_s, 0.001)))
+        return True
+    except DistStoreError as e:
+        if "timeout" in str(e).lower():
+            return False
+        raise

@@ -147,12 +147,8 @@ class Launcher:
             for n in range(seen + 1):
                 self.node_store.set(key("g", n), "1")
             while not self.relay_stop.is_set():
-                try:
-                    client.wait([key("g", seen + 1)], timedelta(seconds=RELAY_WAIT_S))
-                except RuntimeError as e:
-                    if "timeout" in str(e).lower():
-                        continue
-                    raise
+                if not control.wait_key(client, key("g", seen + 1), RELAY_WAIT_S):
+                    continue
                 seen += 1
                 self.node_store.set(key("g", seen), "1")
         except RuntimeError:
@@ -179,10 +175,11 @@ class Launcher:
             if now >= next_node_beat:  # the job's store: a request or two a node every NODE_BEAT_S
                 next_node_beat = now + NODE_BEAT_S
                 self.store.add(key("node", self.node, "beat"), 1)
-                end = self._ended()
-            if self.coordinator is not None:
+                if self.coordinator is None:
+                    end = self._ended()
+            if self.coordinator is not None:  # the store's host looks for the end every turn
                 self.coordinator.step()
-                end = end or self._ended()
+                end = self._ended()
             if end is not None:
                 return self._finish(end)
             if not self.workers:

@@ -301,7 +301,7 @@ class _Live:
         elif _network_error(error):
             deadline += NETWORK_ERROR_WAIT_S
         if deadline > time.monotonic():  # one wake-up when the coordinator publishes, no polling
-            _wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
+            control.wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
         while True:
             if control.newest(self.store) > gen.number:
                 return self.newer(gen)
@@ -335,7 +335,7 @@ class _Live:
         """Wait for the ``go`` key: every member arrived (True), or the coordinator published
         a newer generation first (False: it closes the key of the one it replaces)."""
         go = key("g", gen.number, "go")
-        while not _wait_key(self.store, go, 3600.0):
+        while not control.wait_key(self.store, go, 3600.0):
             pass
         return self.store.get(go) == control.GO_ALL.encode()
 
@@ -393,7 +393,7 @@ class _Live:
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
-                if not _wait_key(watched, key("g", nxt), WATCH_WAIT_S):
+                if not control.wait_key(watched, key("g", nxt), WATCH_WAIT_S):
                     continue
                 gen = control.read(store, nxt)
             except RuntimeError:
@@ -481,17 +481,6 @@ class _InFn:
         with self.live.lock:
             self.live.in_fn = False
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.live.main), None)  # one not yet raised
-
-
-def _wait_key(store: Any, name: str, timeout_s: float) -> bool:
-    """Block until ``name`` exists in the store (True) or ``timeout_s`` passed (False)."""
-    try:
-        store.wait([name], timedelta(seconds=max(timeout_s, 0.001)))
-        return True
-    except dist.DistStoreError as e:
-        if "timeout" in str(e).lower():
-            return False
-        raise
 
 
 def _forget_exception(error: BaseException) -> None:

@@ -164,8 +164,7 @@ def _step_wanted(nodes: list[dict[str, Any]], key: str, records: dict[Record, di
     files: dict[str, int] = doc["files"]
     snap = (doc.get("metadata") or {}).get("snapshot") or {}
     missing = set(files) - _held(nodes, key, files)
-    n_old, m = len(snap.get("nodes", [])), int(snap.get("parity", 0))
-    k = int(snap.get("k", n_old - m))
+    n_old, k, m = _code(snap)
     if not missing or m == 0:
         return {}
     by_group: dict[int, list[Record]] = {}
@@ -312,9 +311,14 @@ def _as_summary(n: dict[str, Any]) -> dict[str, Any]:
     return dict(n, steps=steps)
 
 
+def _manifest_text(nodes: list[dict[str, Any]], key: str) -> str | None:
+    """The first manifest text the summaries of step ``key`` carry (None: none)."""
+    return next((n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"]), None)
+
+
 def _manifest_of(nodes: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
-    """The first manifest text the summaries of step ``key`` carry, parsed (None: none)."""
-    text = next((n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"]), None)
+    """:func:`_manifest_text`, parsed (None: none)."""
+    text = _manifest_text(nodes, key)
     return None if text is None else json.loads(text)
 
 
@@ -322,24 +326,29 @@ def _held(nodes: list[dict[str, Any]], key: str, files: dict[str, int]) -> set[s
     return {name for n in nodes for name, size in n["steps"].get(key, {}).get("files", {}).items() if files.get(name) == size}
 
 
+def _code(snap: dict[str, Any]) -> tuple[int, int, int]:
+    """(nodes, k, m) of a snapshot's ``snapshot`` metadata (``k`` defaults to ``nodes - m``,
+    the layout of snapshots that did not record it)."""
+    n, m = len(snap.get("nodes", [])), int(snap.get("parity", 0))
+    return n, int(snap.get("k", n - m)), m
+
+
 def _protection(snap: dict[str, Any]) -> str:
     """How a snapshot is protected, for the log line: ``XOR parity``, ``Reed-Solomon parity
     (k+m)`` or ``copies on neighbour nodes``."""
-    m, n = int(snap.get("parity", 0)), len(snap.get("nodes", []))
-    k = int(snap.get("k", n - m))
+    _, k, m = _code(snap)
     return {"copy": "copies on neighbour nodes", "xor": "XOR parity"}.get(code_name(k, m), f"Reed-Solomon parity ({k}+{m})")
 
 
 def _can_rebuild(snap: dict[str, Any]) -> str:
-    m, n = int(snap.get("parity", 0)), len(snap.get("nodes", []))
-    k = int(snap.get("k", n - m))
+    _, k, m = _code(snap)
     what = f"parity {m}" if code_name(k, m) != "copy" else f"{m} cop{'y' if m == 1 else 'ies'} per node"
     return f"{what} rebuilds {'one node' if m == 1 else f'{m} nodes'}"
 
 
 def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
     key = str(step)
-    text = next((n["steps"][key]["manifest"] for n in nodes if key in n["steps"] and n["steps"][key]["manifest"]), None)
+    text = _manifest_text(nodes, key)
     if text is None:
         return None, "no node holds a valid copy of its manifest"
     doc = json.loads(text)
@@ -358,8 +367,7 @@ def _plan_step(step: int, nodes: list[dict[str, Any]]) -> tuple[dict[str, Any] |
     plan = {"step": step, "manifest": text, "where": where, "rebuild": None, "files": len(files), "index": index}
     if not missing:
         return plan, ""
-    n_old, m = len(snap.get("nodes", [])), int(snap.get("parity", 0))
-    k = int(snap.get("k", n_old - m))
+    n_old, k, m = _code(snap)
     if m == 0:
         return None, f"{len(missing)} of {len(files)} files were lost with their node and the snapshot has no parity"
     blocks: dict[tuple[int, int], list[int]] = {}  # (group, r) -> [node now, r, nbytes, crc32c, record length]
