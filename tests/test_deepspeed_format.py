@@ -71,8 +71,17 @@ def _save(obj, path) -> None:
 SHAPES = collections.OrderedDict([("layer.weight", (37, 5)), ("layer.bias", (64,)), ("norm.weight", (13,))])
 
 
-def _zero2(root, world: int = 11, module_dtype=torch.float32, evil: bool = False):
-    """A ZeRO-2 checkpoint of SHAPES on ``world`` ranks; returns the true tensors."""
+def _with_attributes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` carrying Megatron's tensor-parallel attributes (Megatron-DeepSpeed's parameters
+    and fp32 copies do): torch.save then pickles it through ``_rebuild_from_type_v2``."""
+    t.tensor_model_parallel, t.partition_dim, t.partition_stride = True, 0, 1
+    return t
+
+
+def _zero2(root, world: int = 11, module_dtype=torch.float32, evil: bool = False, attributes: bool = False):
+    """A ZeRO-2 checkpoint of SHAPES on ``world`` ranks (its flat fp32 groups, moments and
+    module tensors carrying Python attributes with ``attributes``); returns the true tensors."""
+    mark = _with_attributes if attributes else (lambda t: t)
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
     flat = torch.cat([full[n].reshape(-1) for n in SHAPES])
@@ -92,10 +101,11 @@ def _zero2(root, world: int = 11, module_dtype=torch.float32, evil: bool = False
             a, b = max(lo, starts[n]), min(hi, starts[n] + prod(s))
             if a < b:
                 mapping[n] = FragmentAddress(b - a, a - lo)
-        mine = padded[lo:hi].clone()
+        mine = mark(padded[lo:hi].clone())
         osd = {
             "loss_scaler": LossScaler(), "dynamic_loss_scale": False, "overflow": False, "clip_grad": 0.0,
-            "base_optimizer_state": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": mine * 2, "exp_avg_sq": mine * 3}},
+            "base_optimizer_state": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": mark(mine * 2),
+                                                   "exp_avg_sq": mark(mine * 3)}},
                                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]},
             "single_partition_of_fp32_groups": [mine],
             "zero_stage": 2, "group_paddings": [part * world - total if r == world - 1 else 0],
@@ -104,7 +114,7 @@ def _zero2(root, world: int = 11, module_dtype=torch.float32, evil: bool = False
         if evil and r == 3:
             osd["hook"] = Evil
         _save({"optimizer_state_dict": osd, "ds_version": "0.19.8"}, tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-    module = collections.OrderedDict((n, t.to(module_dtype)) for n, t in full.items())
+    module = collections.OrderedDict((n, mark(t.to(module_dtype))) for n, t in full.items())
     module["rope.cos"] = torch.arange(6.0)  # a buffer: not in the optimizer
     _save({"module": module, "param_shapes": [collections.OrderedDict((n, torch.Size(s)) for n, s in SHAPES.items())],
            "global_steps": 7, "global_samples": 56, "skipped_steps": 0, "dp_world_size": world, "mp_world_size": 1,
@@ -143,6 +153,30 @@ def test_bf16_module_copy(tmp_path) -> None:
         assert torch.equal(unickpt.load_tensor(str(tmp_path), f"module.{n}"), t.bfloat16())
         assert torch.equal(unickpt.load_tensor(str(tmp_path), f"model.{n}"), t)
     assert_every_byte(str(tmp_path))
+
+
+def test_tensors_carrying_attributes(tmp_path) -> None:
+    """Flat fp32 groups, moments, module copies and a universal checkpoint's ``fp32.pt``
+    tensors carrying Python attributes (pickled through ``_rebuild_from_type_v2`` with
+    ``torch.Tensor``) read bitwise through the DeepSpeed reader, every byte accounted for."""
+    full = _zero2(tmp_path / "src", world=3, module_dtype=torch.bfloat16, attributes=True)
+    data = (tmp_path / "src" / "global_step7" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes()
+    assert b"_rebuild_from_type_v2" in data and b"torch\nTensor" in data  # the form in question, really written
+    for n, t in full.items():
+        assert torch.equal(unickpt.load_tensor(str(tmp_path / "src"), f"model.{n}"), t)
+        assert torch.equal(unickpt.load_tensor(str(tmp_path / "src"), f"module.{n}"), t.bfloat16())
+        assert torch.equal(unickpt.load_tensor(str(tmp_path / "src"), f"optim.state.{n}.exp_avg_sq"), t * 3)
+    assert_every_byte(str(tmp_path / "src"))
+    out = tmp_path / "uni" / "global_step7_universal"
+    write_universal(str(tmp_path / "src"), str(out))
+    for n in full:  # ds_to_universal's fp32.pt, its tensor carrying the attributes
+        fp32 = torch.load(out / "zero" / n / "fp32.pt", weights_only=True)
+        fp32["param"] = _with_attributes(fp32["param"])
+        torch.save(fp32, out / "zero" / n / "fp32.pt")
+        assert b"_rebuild_from_type_v2" in (out / "zero" / n / "fp32.pt").read_bytes()
+    for n, t in full.items():
+        assert torch.equal(unickpt.load_tensor(str(tmp_path / "uni"), f"model.{n}"), t)
+    assert_every_byte(str(tmp_path / "uni"))
 
 
 def test_unknown_class_refused(tmp_path) -> None:

@@ -125,3 +125,79 @@ def test_foreign_manifests_stay_inside_the_checkpoint() -> None:
     m.files = {"other": 112}
     with pytest.raises(ManifestError, match="not listed"):
         check_foreign(m)
+
+
+def _megatron_main_param(data: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Parameter]:
+    """An fp32 main param as Megatron's Float16OptimizerWithFloat16Params makes it (its
+    bf16 parameter's tensor-parallel attributes copied by megatron-core's own function),
+    and that bf16 parameter."""
+    layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
+    param = torch.nn.Parameter(data.bfloat16())
+    layers.set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+    main = param.detach().clone().float()
+    layers.copy_tensor_model_parallel_attributes(main, param)
+    return main, param
+
+
+def test_tensors_carrying_attributes_are_read(tmp_path: Path) -> None:
+    """A tensor with Python attributes (torch.save: ``_rebuild_from_type_v2(func,
+    torch.Tensor, args, state)``) and an ``nn.Parameter`` with attributes
+    (``_rebuild_parameter_with_state``), written by the real ``torch.save``, read as
+    stored tensors holding exactly their bytes; the attributes are dropped."""
+    main, param = _megatron_main_param(torch.arange(12.0).reshape(3, 4) / 7)
+    assert (main.tensor_model_parallel, main.partition_dim, main.partition_stride) == (True, 0, 1)
+    plain = torch.arange(5, dtype=torch.float64)
+    plain.shared, plain.meta = True, {"names": ("a", "b"), "n": [1, 2.5, None]}  # nested plain values
+    torch.save({"main": main, "param": param, "plain": plain, "view": main[1:]}, tmp_path / "a.pt")
+    assert b"_rebuild_from_type_v2" in (tmp_path / "a.pt").read_bytes()  # the form in question, really written
+    storage = LocalStorage(tmp_path)
+    obj = read_archive(storage, "a.pt")
+    for key, want in (("main", main), ("param", param), ("plain", plain), ("view", main[1:])):
+        assert isinstance(obj[key], StoredTensor), key
+        got = materialize(storage, obj[key])
+        assert got.dtype == want.dtype and torch.equal(got, want.detach()), key
+    assert obj["view"].storage_at == obj["main"].storage_at and obj["view"].storage_offset == 4
+    storage.close()
+
+
+def test_tensor_attributes_that_are_not_plain_data_are_refused(tmp_path: Path) -> None:
+    """A tensor's attributes holding a function, an object of a class, or a tensor are
+    refused (UnsafePickleError naming it), also when unknown globals are read as records;
+    torch's tensor class named anywhere but as a rebuilt tensor's type is refused."""
+    marker = tmp_path / "ran"
+    storage = LocalStorage(tmp_path)
+    cases = {"function": (os.getcwd, "posix.getcwd|os.getcwd"), "object": (Point(1, 2), "Point"),
+             "code": (_Evil(str(marker)), "posix.system|os.system")}
+    for name, (value, match) in cases.items():
+        t = torch.ones(2)
+        t.hook = value
+        torch.save({"t": t}, tmp_path / f"{name}.pt")
+        with pytest.raises(UnsafePickleError, match=match):
+            read_archive(storage, f"{name}.pt")
+        with pytest.raises(UnsafePickleError, match=rf"refused to unpickle torch\.Tensor with an attribute holding .*({match})"):
+            read_archive(storage, f"{name}.pt", unknown_as_records=True)
+    t = torch.ones(2)
+    t.main_grad = torch.zeros(2)  # a tensor among the attributes: not plain data
+    torch.save({"t": t}, tmp_path / "tensor.pt")
+    with pytest.raises(UnsafePickleError, match="torch.Tensor with an attribute holding a tensor"):
+        read_archive(storage, "tensor.pt")
+    p = torch.nn.Parameter(torch.ones(2))
+    p.owner = Point(3, 4)
+    torch.save({"p": p}, tmp_path / "param.pt")
+    with pytest.raises(UnsafePickleError, match=r"refused to unpickle torch\.nn\.Parameter with an attribute holding .*Point"):
+        read_archive(storage, "param.pt", unknown_as_records=True)
+    assert not marker.exists()
+
+    class _Call:  # torch.Tensor called as a function: never run
+        def __reduce__(self):
+            return (torch.Tensor, ([1.0, 2.0],))
+
+    class _Rebuild:  # _rebuild_from_type_v2 with a rebuild function other than a tensor record's
+        def __reduce__(self):
+            return (torch._tensor._rebuild_from_type_v2, (set, torch.Tensor, ([1, 2],), {}))
+
+    with pytest.raises(UnsafePickleError, match="refused to call torch.Tensor"):
+        loads_restricted(pickle.dumps(_Call(), protocol=2), "call")
+    with pytest.raises(UnsafePickleError, match="refused to rebuild torch.Tensor with builtins.set"):
+        loads_restricted(pickle.dumps(_Rebuild(), protocol=2), "rebuild")
+    storage.close()

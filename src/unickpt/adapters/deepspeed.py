@@ -106,11 +106,6 @@ class LossScalerRecord(DeepSpeedRecord):
     """DeepSpeed's (static or dynamic) loss scaler: ``cur_scale``, ``dynamic``, ..."""
 
 
-class TensorTypeMarker:
-    """Stands in for ``torch.Tensor`` / ``torch.nn.Parameter`` named as the type of a rebuilt
-    tensor (``_rebuild_from_type_v2``); the tensor itself is rebuilt as a StoredTensor."""
-
-
 def _zero_stage(value: Any) -> int:
     return int(value)
 
@@ -121,8 +116,6 @@ ALLOWED = {
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScalerRecord,
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): LossScalerRecord,
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
-    ("torch", "Tensor"): TensorTypeMarker,
-    ("torch.nn.parameter", "Parameter"): TensorTypeMarker,
 }
 
 OPTIM_FILE = re.compile(r"^(?:(?:bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -19,6 +19,16 @@ a tuple, ``torch.device`` its :class:`TorchName`; storages are ``(dtype name, ke
 records either way. When torch is already imported (library callers) the real objects are
 built, as before. The allow-list is the same in both cases.
 
+A tensor carrying Python attributes (Megatron's fp32 main params after
+``copy_tensor_model_parallel_attributes``: ``tensor_model_parallel``, ``partition_dim``,
+``partition_stride``, ``shared``) is pickled by ``torch.save`` through
+``torch._tensor._rebuild_from_type_v2(func, torch.Tensor, args, state)`` (an
+``nn.Parameter`` through ``_rebuild_parameter_with_state``). Both are read: ``torch.Tensor``
+and ``torch.nn.Parameter`` are allowed only as that type argument (a :class:`TensorType`,
+never called), ``func`` must be one of the tensor records above, and the attributes
+(dropped: nothing needs them) must be plain data - bool, int, float, str, None, and dicts,
+lists and tuples of them; anything else there is refused like any other global.
+
 Tensors are not materialised: each becomes a :class:`StoredTensor` saying where its bytes
 lie in the file (the archive's data records are stored uncompressed), so a reader can
 read exactly the bytes it needs, in place, with the same planner as unickpt's own format.
@@ -284,6 +294,8 @@ class _Unpickler(pickle.Unpickler):
             return getattr(self, name)
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
             return self._rebuild_from_type_v2
+        if (module, name) in _TENSOR_TYPES:  # only as the type argument of _rebuild_from_type_v2
+            return TensorType(f"{module}.{name}", self.where)
         if self.unknown_as_records:
             return inert_record_type(module, name)
         raise UnsafePickleError(
@@ -294,6 +306,7 @@ class _Unpickler(pickle.Unpickler):
     def _bounded(self, factory: Callable[..., Any]) -> Callable[..., Any]:
         """``factory`` charging the size of what it is about to build to the budget first."""
 
+        @functools.wraps(factory, updated=())  # errors name the factory (builtins.set), not this wrapper
         def build(*args: Any) -> Any:
             for a in args:
                 self._charge(factory, a)
@@ -360,13 +373,91 @@ class _Unpickler(pickle.Unpickler):
     def _rebuild_parameter(data: Any, *_: Any) -> Any:
         return data
 
-    @staticmethod
-    def _rebuild_parameter_with_state(data: Any, *_: Any) -> Any:
+    def _rebuild_parameter_with_state(self, data: Any, _requires_grad: Any = False, _hooks: Any = None,
+                                      state: Any = None, *_: Any) -> Any:
+        # torch.save's form of an nn.Parameter carrying Python attributes (Megatron's
+        # tensor_model_parallel, partition_dim...): the attributes are dropped, and must be data
+        self._check_state("torch.nn.Parameter", state)
         return data
 
-    @staticmethod
-    def _rebuild_from_type_v2(func: Callable[..., Any], _new_type: Any, args: tuple, _state: Any) -> Any:
+    def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any = None) -> StoredTensor:
+        # torch.save's form of a tensor carrying Python attributes (Megatron's fp32 main params
+        # after copy_tensor_model_parallel_attributes): ``func(*args)`` rebuilds the tensor, then
+        # torch would set ``state`` as its attributes. Only unickpt's own tensor records run
+        # here, for torch's own tensor types, and the attributes (dropped) must be plain data.
+        rebuilders = (self._rebuild_tensor_v2, self._rebuild_tensor_v3, self._rebuild_tensor)
+        if not isinstance(new_type, TensorType):
+            raise UnsafePickleError(f"{self.where}: refused to rebuild a tensor of type {_named(new_type)} (not on "
+                                    "unickpt's allow-list of data types; the file was not executed)")
+        if not any(func == r for r in rebuilders) or not isinstance(args, tuple):
+            raise UnsafePickleError(f"{self.where}: refused to rebuild {new_type.name} with {_named(func)} (not on "
+                                    "unickpt's allow-list of data types; the file was not executed)")
+        self._check_state(new_type.name, state)
         return func(*args)
+
+    def _check_state(self, what: str, state: Any) -> None:
+        """Refuse the Python attributes ``state`` of a rebuilt tensor unless they are plain data."""
+        bad = _not_plain(state)
+        if bad is not None:
+            raise UnsafePickleError(
+                f"{self.where}: refused to unpickle {what} with an attribute holding {_named(bad)} (not on unickpt's "
+                "allow-list of data types: a tensor's attributes may hold bool, int, float, str, None and dicts, "
+                "lists and tuples of them; the file was not executed)"
+            )
+
+
+# torch's tensor classes, as the type argument of _rebuild_from_type_v2 (torch.save names
+# torch.Tensor "torch.Tensor", a Parameter "torch.nn.parameter.Parameter")
+_TENSOR_TYPES = frozenset({("torch", "Tensor"), ("torch._tensor", "Tensor"), ("torch.nn.parameter", "Parameter"),
+                           ("torch.nn", "Parameter")})
+_PLAIN_SCALARS = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """Stands for ``torch.Tensor`` or ``torch.nn.Parameter`` named in a pickle: accepted only
+    as the type of a tensor rebuilt by ``_rebuild_from_type_v2``; the class is never called."""
+
+    name: str
+    where: str
+
+    def __call__(self, *_: Any, **__: Any) -> Any:
+        raise UnsafePickleError(f"{self.where}: refused to call {self.name} (allowed only as the type of a stored "
+                                "tensor; the file was not executed)")
+
+
+def _named(obj: Any) -> str:
+    """How an error names an unpickled object: a record's global, a TensorType's name, or its type."""
+    if isinstance(obj, InertRecord) or (isinstance(obj, type) and issubclass(obj, InertRecord)):
+        return obj.global_name  # a record, or the global itself (a class or function named in the pickle)
+    if isinstance(obj, TensorType):
+        return obj.name
+    if isinstance(obj, StoredTensor):
+        return "a tensor"
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return f"{module}.{name}"
+
+
+def _not_plain(obj: Any) -> Any:
+    """The first value inside ``obj`` that is not plain data (bool, int, float, str, None,
+    and dicts, lists and tuples of them), or None when all of it is."""
+    stack, seen = [obj], set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, _PLAIN_SCALARS):
+            continue
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        else:
+            return o
+    return None
 
 
 def _check_bounds(storage_bytes: int, t: StoredTensor, where: str) -> None:
