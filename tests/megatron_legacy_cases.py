@@ -16,10 +16,23 @@ list of one dict from ``get_rng_state`` -, ``num_floating_point_operations_so_fa
 Megatron's layers make them: ``VocabParallelEmbedding`` rows of the padded vocabulary,
 ``ColumnParallelLinear`` QKV in per-query-group order ``[q heads of group g; k_g; v_g]``
 (``checkpoint_version`` 3.0), fused SwiGLU fc1 ``[gate_t; up_t]``, ``RowParallelLinear``
-on dim 1; layer names stage-local. ``optimizer`` is ``Float16OptimizerWithFloat16Params.state_dict()``:
-the inner torch optimizer's ``state_dict()`` (groups built as ``_get_param_groups`` does:
-weight-decayed parameters, then biases and 1-d ones, with ``wd_mult``), and
-``fp32_from_fp16_params`` (the fp32 master copies, per group).
+on dim 1; layer names stage-local. The model's parameters carry Megatron's tensor-parallel
+attributes (megatron-core's own ``set_tensor_model_parallel_attributes`` on the parallel
+layers, ``set_defaults_if_not_set_tensor_model_parallel_attributes`` on the rest, as
+``get_model`` does; ``shared`` on tied embeddings).
+
+``optimizer`` is, for a bf16 run (``args.bf16``), megatron-core's own
+``Float16OptimizerWithFloat16Params.state_dict()``: the inner torch optimizer's
+``state_dict()`` (groups built as ``_get_param_groups`` does: weight-decayed parameters, then
+biases and 1-d ones, with ``wd_mult``), no ``grad_scaler`` (bf16 without ``--loss-scale``),
+and ``fp32_from_fp16_params``: the fp32 main params per group, each carrying the attributes
+``copy_tensor_model_parallel_attributes`` (and ``shared``) copied from its bf16 parameter, so
+``torch.save`` pickles them through ``torch._tensor._rebuild_from_type_v2`` with
+``torch.Tensor`` as Megatron's real checkpoints do. For an fp32 run it is
+``FP32Optimizer.state_dict()``: the torch optimizer's state dict alone. The optimizer
+classes are megatron-core's, called on an instance holding the fields their ``state_dict``
+reads: their ``__init__`` accepts CUDA parameters only. ``opt_param_scheduler`` is a real
+``OptimizerParamScheduler``'s state dict after the run's steps.
 
 The ground truth is independent of unickpt: the global model (bf16 weights and fp32 masters),
 a global torch ``AdamW`` step on the masters, and Megatron's cuts of them; each rank's
@@ -58,6 +71,7 @@ class Cfg:
     release: bool = False
     optimizer: bool = True
     tied: bool = False  # the output layer reuses the word embeddings
+    precision: str = "bf16"  # "bf16": bf16 weights, fp32 main params in the optimizer; "fp32": fp32 weights only
 
     @property
     def padded(self) -> int:
@@ -187,6 +201,78 @@ def _nested(flat: dict[str, Any], naming: str) -> dict[str, Any]:
     return out
 
 
+def _parallel_dim(name: str) -> int | None:
+    """The dim Megatron's layer cuts ``name`` on (``partition_dim``), None for a replicated tensor."""
+    kind = _kind(name)
+    return 0 if kind in ("embed", "output", "qkv", "fc1") else 1 if kind in ("proj", "fc2") else None
+
+
+def megatron_params(cfg: Cfg, local: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.nn.Parameter]:
+    """The rank's model parameters (``{local name: Parameter}`` in ``cfg``'s dtype) with the
+    attributes Megatron's layers and ``get_model`` give them (``names``: local -> global name)."""
+    from megatron.core.tensor_parallel.layers import (
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+        set_tensor_model_parallel_attributes,
+    )
+
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    out = {}
+    for k, v in local.items():
+        p = out[k] = torch.nn.Parameter(v.detach().to(dtype))
+        dim = _parallel_dim(names[k])
+        if dim is not None:
+            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=dim, stride=1)
+        set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        if cfg.tied and cfg.pp > 1 and _kind(names[k]) == "embed":  # initialize_word_embeddings
+            p.shared = True
+    return out
+
+
+def main_params(params: dict[str, torch.nn.Parameter], masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp32 main params of Float16OptimizerWithFloat16Params (holding ``masters``' values):
+    plain tensors carrying their parameter's tensor-parallel attributes, as its ``__init__``
+    makes them."""
+    from megatron.core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
+
+    out = {}
+    for k, p in params.items():
+        main = out[k] = masters[k].detach().clone().float()
+        copy_tensor_model_parallel_attributes(main, p)
+        if hasattr(p, "shared"):
+            main.shared = p.shared
+    return out
+
+
+def optimizer_state(cfg: Cfg, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What megatron-core's ``Float16OptimizerWithFloat16Params.state_dict()`` (bf16: no loss
+    scaler, ``fp32_from_fp16_params`` the main params per group) or ``FP32Optimizer.state_dict()``
+    returns for the torch optimizer ``opt``."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+
+    if cfg.precision == "bf16":
+        mixed = Float16OptimizerWithFloat16Params.__new__(Float16OptimizerWithFloat16Params)
+        mixed.optimizer, mixed.grad_scaler = opt, None
+        mixed.fp32_from_float16_groups = [list(g["params"]) for g in opt.param_groups]
+        return mixed.state_dict()
+    plain = FP32Optimizer.__new__(FP32Optimizer)
+    plain.optimizer = opt
+    return plain.state_dict()
+
+
+def scheduler_state(cfg: Cfg, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """megatron-core's ``OptimizerParamScheduler.state_dict()`` after the run's steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    lrs = [g["lr"] for g in opt.param_groups]
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=100,
+                                    lr_decay_style="cosine", start_wd=0.1, end_wd=0.1, wd_incr_steps=100,
+                                    wd_incr_style="constant")
+    sched.step(cfg.iteration)
+    for g, lr in zip(opt.param_groups, lrs):  # the state dict is what matters: leave the step's lr as it was
+        g["lr"] = lr
+    return sched.state_dict()
+
+
 def _no_wd(local: str, t: torch.Tensor) -> bool:
     return local.endswith(".bias") or t.ndim == 1
 
@@ -198,16 +284,21 @@ def _adamw(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> t
     for local, p in params.items():
         p.grad = grads[local]
         groups.setdefault(0.0 if _no_wd(local, p) else 1.0, []).append(p)
-    opt = torch.optim.AdamW([{"params": ps, "wd_mult": m, "lr_mult": 1.0, "weight_decay": 0.1 * m}
+    opt = torch.optim.AdamW([{"params": ps, "wd_mult": m, "lr_mult": 1.0, "weight_decay": 0.1 * m,
+                              "is_expert_parallel": False, "default_config": True, "is_decoupled_lr": False}
                              for m, ps in groups.items()], lr=1e-2, betas=(0.9, 0.95), foreach=False)
     opt.step()
     return opt
 
 
 def args_of(cfg: Cfg) -> argparse.Namespace:
-    """Megatron-LM's args as a training run would save them."""
+    """Megatron-LM's args as a training run would save them: sizes, parallelism, megatron-core
+    enums (``attention_backend``, ``model_type``) and torch dtypes (``params_dtype`` and the
+    optimizer's ``main_grads_dtype``... as ``validate_args`` sets them)."""
+    from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
+    bf16 = cfg.precision == "bf16"
     return argparse.Namespace(
         num_layers=cfg.layers, hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn, num_attention_heads=cfg.heads,
         group_query_attention=cfg.groups != cfg.heads, num_query_groups=cfg.groups, kv_channels=cfg.head_dim,
@@ -215,8 +306,12 @@ def args_of(cfg: Cfg) -> argparse.Namespace:
         untie_embeddings_and_output_weights=not cfg.tied, padded_vocab_size=cfg.padded, make_vocab_size_divisible_by=cfg.divisible,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, virtual_pipeline_model_parallel_size=None,
         max_position_embeddings=64, seq_length=16, rotary_base=10000, norm_epsilon=1e-5, weight_decay=0.1, lr=1e-2,
-        params_dtype=torch.bfloat16, bf16=True, fp16=False, attention_backend=AttnBackend.auto,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, fp16=False, loss_scale=None,
+        attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder, main_grads_dtype=torch.float32,
+        main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
         use_distributed_optimizer=False, ckpt_format="torch", tokenizer_type="NullTokenizer", iteration=cfg.iteration,
+        data_path=["/data/corpus_text_document"], rampup_batch_size=None, cp_comm_type=["p2p"], transformer_impl="local",
+        consumed_train_samples=cfg.iteration * 8, lr_decay_style="cosine", rerun_mode="disabled",
     )
 
 
@@ -227,8 +322,9 @@ def truth(cfg: Cfg) -> dict[str, dict[str, torch.Tensor]]:
     grads = global_grads(masters)
     opt = _adamw(masters, grads)
     st = opt.state
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     return {"masters": {k: v.detach().clone() for k, v in masters.items()},
-            "model": {k: v.detach().bfloat16() for k, v in masters.items()},
+            "model": {k: v.detach().to(dtype) for k, v in masters.items()},
             "exp_avg": {k: st[v]["exp_avg"] for k, v in masters.items()},
             "exp_avg_sq": {k: st[v]["exp_avg_sq"] for k, v in masters.items()},
             "step": {k: st[v]["step"] for k, v in masters.items()}}
@@ -244,21 +340,28 @@ def write(cfg: Cfg, root: str) -> str:
     np.random.seed(1)
     for p in range(cfg.pp):
         for t in range(cfg.tp):
+            names = {local: g for g, local in stage_names(cfg, p)}
             local = {k: v.clone() for k, v in rank_params(cfg, masters0, t, p).items()}
-            local_grads = rank_params(cfg, grads, t, p)
-            sd: dict[str, Any] = {"args": args_of(cfg), "checkpoint_version": 3.0, "iteration": cfg.iteration}
+            params = megatron_params(cfg, local, names)
+            opt = None
             if cfg.optimizer:
-                opt = _adamw(local, local_grads)
-                groups = [[p_ for p_ in g["params"]] for g in opt.param_groups]
-                sd["model"] = _nested({k: v.detach().bfloat16() for k, v in local.items()}, cfg.naming)
-                sd["optimizer"] = {"optimizer": opt.state_dict(), "fp32_from_fp16_params": groups}
-                sd["opt_param_scheduler"] = {"max_lr": 1e-2, "min_lr": 0.0, "num_steps": cfg.iteration * 4,
-                                             "decay_style": "cosine", "warmup_steps": 2}
-            else:
-                sd["model"] = _nested({k: v.detach().bfloat16() for k, v in local.items()}, cfg.naming)
+                # the optimizer steps on the fp32 main params (bf16) or on the fp32 parameters themselves
+                mains = main_params(params, local) if cfg.precision == "bf16" else params
+                opt = _adamw(mains, rank_params(cfg, grads, t, p))
+                for k, param in params.items():  # _copy_main_params_to_model_params
+                    param.data.copy_(mains[k].detach())
+            # generate_state_dict's keys, in its order; state_dict_for_save_checkpoint detaches the
+            # parameters (their attributes stay behind)
+            sd: dict[str, Any] = {"args": args_of(cfg), "checkpoint_version": 3.0, "iteration": cfg.iteration,
+                                  "model": _nested({k: v.detach() for k, v in params.items()}, cfg.naming)}
+            if opt is not None:
+                sd["optimizer"] = optimizer_state(cfg, opt)
+                sd["opt_param_scheduler"] = scheduler_state(cfg, opt)
             if cfg.naming == "mcore":  # TransformerEngine layers' extra state, as older TE versions return it
                 for i in range(cfg.layers // cfg.pp):
                     sd["model"][f"decoder.layers.{i}.self_attention.linear_qkv._extra_state"] = io.BytesIO()
+            # get_rng_state's dict (one data-parallel rank's); the CUDA generator's state is a CPU
+            # ByteTensor like torch's own, which stands for it here
             sd["rng_state"] = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                                 "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
                                 "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}]

@@ -41,6 +41,36 @@ def expected() -> dict[str, dict[str, torch.Tensor]]:
     return torch.load(FIXTURE / "expected.pt")
 
 
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory) -> tuple[str, dict[str, dict[str, torch.Tensor]]]:
+    """A TP 2 x PP 2 checkpoint of an fp32 run (FP32Optimizer: no main params), and its truth."""
+    cfg = cases.Cfg(precision="fp32")
+    path = str(tmp_path_factory.mktemp("fp32") / "ckpt")
+    cases.write(cfg, path)
+    return path, cases.truth(cfg)
+
+
+# Every global the pickles of a Megatron-LM bf16 checkpoint name (the fixture's, read by
+# pickletools): each is allow-listed as data, or lies inside rng_state (skipped in the ledger)
+MEGATRON_GLOBALS = {
+    "argparse Namespace", "megatron.core.enums ModelType", "megatron.core.transformer.enums AttnBackend",
+    "torch bfloat16", "torch float32",  # args: enums, params_dtype, main_grads_dtype...
+    "torch._tensor _rebuild_from_type_v2", "torch Tensor",  # fp32 main params carrying TP attributes
+    "torch._utils _rebuild_tensor_v2", "torch BFloat16Storage", "torch FloatStorage", "collections OrderedDict",
+    "numpy._core.multiarray _reconstruct", "numpy ndarray", "numpy dtype", "_codecs encode",  # rng_state: NumPy's
+    "torch ByteStorage",  # rng_state: torch's and the CUDA generators' ByteTensors
+}
+
+
+def _globals(path: Path) -> set[str]:
+    import pickletools
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    return {arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+
+
 def _copy(tmp_path: Path) -> Path:
     dst = tmp_path / "ckpt"
     shutil.copytree(FIXTURE / "ckpt", dst)
@@ -57,7 +87,14 @@ def test_reads_tp_and_pp_merged_bitwise(expected) -> None:
     m = ckpt.manifest
     assert m.provenance["format"] == "megatron-legacy" and m.provenance["tensor_parallel"] == 2
     assert decode_value(m.values["train.step"]) == 7
-    assert decode_value(m.values["megatron.args"])["attention_backend"].startswith("AttnBackend(")
+    args = decode_value(m.values["megatron.args"])
+    assert args["attention_backend"].startswith("AttnBackend(") and args["model_type"] == "ModelType(1)"
+    assert args["bf16"] is True and args["params_dtype"] == "torch.bfloat16" and args["main_grads_dtype"] == "torch.float32"
+    assert decode_value(m.values["megatron.opt_param_scheduler"])["num_steps"] == 7
+    assert decode_value(m.values["megatron.num_floating_point_operations_so_far"]) == 1.25e12
+    for f in (FIXTURE / "ckpt" / "iter_0000007").glob("*/model_optim_rng.pt"):  # as Megatron's bf16 runs write it
+        assert _globals(f) == MEGATRON_GLOBALS, f
+    assert not any(n.startswith("megatron.grad_scaler") for n in m.tensors)  # bf16: no loss scaler saved
     with ckpt:
         def read(name: str) -> torch.Tensor:
             return read_entry(ckpt.storage, m.tensors[name], 1)
@@ -77,15 +114,17 @@ def test_reads_tp_and_pp_merged_bitwise(expected) -> None:
                                             for t in range(2) for p in range(2))
 
 
-def _target(cfg: cases.Cfg, t: int, p: int) -> tuple[dict, dict, dict]:
-    """Zeroed local model and optimizer tensors of rank (t, p) at ``cfg``'s layout, the
-    unickpt state filling them, and the rules."""
+def _target(cfg: cases.Cfg, t: int, p: int, dtype: torch.dtype | None = None) -> tuple[dict, dict, dict]:
+    """Zeroed local model (in ``dtype``, else the run's) and optimizer tensors of rank (t, p)
+    at ``cfg``'s layout, and the unickpt state filling them."""
     rules = presets.megatron_gpt(cfg.padded, cfg.layers, cfg.heads, cfg.groups, cfg.head_dim, cfg.ffn,
                                  qkv="interleaved", naming=cfg.naming)
     coords = Coords(tp=cfg.tp, tp_rank=t, pp=cfg.pp, pp_rank=p)
     shapes = {k: v.shape for k, v in cases.rank_params(cfg, cases.global_masters(cfg), t, p).items()}
-    model = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
-    optim = {k: {key: torch.zeros(s) for key in (*KEYS, "fp32_param")} for k, s in shapes.items()}
+    dtype = dtype or (torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    model = {k: torch.zeros(s, dtype=dtype) for k, s in shapes.items()}
+    keys = (*KEYS, "fp32_param") if cfg.precision == "bf16" else KEYS
+    optim = {k: {key: torch.zeros(s) for key in keys} for k, s in shapes.items()}
     state = {"model": apply_rules(model, rules, coords, "load"),
              "optim": {"state": optimizer_state(optim, rules, coords, "load")}}
     return model, optim, state
@@ -107,6 +146,60 @@ def test_loads_onto_other_layouts(expected, tp: int, pp: int) -> None:
                 want = cases.rank_params(cfg, expected[src], t, p)
                 for local, entries in optim.items():
                     assert torch.equal(entries[key], want[local]), (tp, pp, t, p, local, key)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 4), (2, 1)])
+def test_fp32_run_loads_onto_other_layouts(fp32_run, tp: int, pp: int) -> None:
+    """An fp32 run's checkpoint (FP32Optimizer's plain torch state, fp32 weights, no main
+    params) reads whole and loads onto other layouts bitwise, as the bf16 one does."""
+    path, truth = fp32_run
+    m = open_manifest(path)
+    assert len(m.tensors) == 4 * len(truth["model"]) and not any(n.endswith(".fp32_param") for n in m.tensors)
+    assert all(e.dtype == "F32" for e in m.tensors.values()) and source_ledger(path).unaccounted == []
+    cfg = cases.Cfg(precision="fp32").at(tp, pp)
+    for p in range(pp):
+        for t in range(tp):
+            model, optim, state = _target(cfg, t, p)
+            unickpt.load(state, path)
+            want = cases.rank_params(cfg, truth["model"], t, p)
+            for local, got in model.items():
+                assert torch.equal(got, want[local]), (tp, pp, t, p, local)
+            for key in KEYS:
+                want = cases.rank_params(cfg, truth[key], t, p)
+                for local, entries in optim.items():
+                    assert torch.equal(entries[key], want[local]), (tp, pp, t, p, local, key)
+
+
+def test_bf16_weights_into_an_fp32_model(expected) -> None:
+    """Loading the bf16 checkpoint into an fp32 model gives ``model.*``: the bf16 weights the
+    checkpoint's ``model`` holds, widened (as Megatron loads them); the fp32 masters are
+    ``optim.state.<name>.fp32_param``, loaded by name where full precision is wanted."""
+    cfg = cases.Cfg().at(1, 1)
+    model, optim, state = _target(cfg, 0, 0, torch.float32)
+    unickpt.load(state, str(FIXTURE / "ckpt"))
+    for local, got in model.items():
+        assert torch.equal(got, expected["model"][local].float()), local
+        assert torch.equal(optim[local]["fp32_param"], expected["masters"][local]), local
+        assert not torch.equal(got, expected["masters"][local]), local  # the master is not what the model gets
+
+
+def test_inspect_lists_every_tensor() -> None:
+    """``inspect --json`` lists every tensor the reader finds (model, Adam moments, steps,
+    fp32 main params: 5 per weight) and a ledger where every byte is read or reported."""
+    import json
+
+    from test_cli import invoke
+
+    path = str(FIXTURE / "ckpt")
+    r = invoke("inspect", path, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    names = {t["name"] for t in report["tensors"]}
+    assert names == set(open_manifest(path).tensors) and len(names) == 5 * 27
+    assert {n for n in names if n.endswith(".fp32_param")} == {f"optim.state.{g}.fp32_param" for g in
+                                                             cases.global_masters(cases.Cfg())}
+    assert report["ledger"]["unaccounted"] == [] and sorted(report["ledger"]["skipped"]) == sorted(
+        f"iter_0000007/mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt:rng_state" for t in range(2) for p in range(2))
 
 
 def test_megatron_core_names_release_onto_tp2_pp2(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ Each ``model_optim_rng.pt`` is one ``torch.save`` of ``{"args": argparse.Namespa
 "checkpoint_version": 3.0, "iteration", "model": state dict of the rank's model chunk,
 "optimizer", "opt_param_scheduler", "rng_state", ...}``. It is read with the allow-listing
 unpickler: ``argparse.Namespace``, the enums Megatron puts in its args (kept as their
-names), NumPy's arrays of the RNG state and TransformerEngine's ``io.BytesIO`` extra state
+names), torch dtypes (``params_dtype``...), tensors carrying Python attributes (a bf16 run's
+fp32 main params hold ``tensor_model_parallel``, ``partition_dim``... : read, the attributes
+dropped), NumPy's arrays of the RNG state and TransformerEngine's ``io.BytesIO`` extra state
 (inert records, reported as skipped) and plain data are allowed; any other class is refused (:class:`~unickpt.UnsafePickleError`
 naming it) and nothing of the file runs.
 
@@ -26,7 +28,8 @@ replicas), layer numbers made global over pipeline stages. Both the legacy names
 (``language_model.encoder.layers.N...``) and Megatron-Core's (``decoder.layers.N...``) are
 read, and keep their names. Names in the manifest:
 
-* ``model.<global name>``: the model's weights as the ``model`` entry holds them;
+* ``model.<global name>``: the model's weights as the ``model`` entry holds them (a bf16
+  run's bf16 weights, as Megatron loads them; an fp32 model loading them gets them widened);
 * ``optim.state.<global name>.<key>``: the Adam state (``exp_avg``, ``exp_avg_sq``,
   ``step``) of Megatron's non-distributed optimizer, and ``fp32_param``: its fp32 master
   copy of a bf16/fp16 parameter (``fp32_from_fp16_params``); parameters are matched to the
