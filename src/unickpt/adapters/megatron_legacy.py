@@ -61,7 +61,8 @@ from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.values import encode_value
 from ..plan.piece import box_piece, whole_piece
 from ..storage.open import open_storage
-from .torch_archive import StoredTensor, archive_layout, inert_records, read_archive, records_in, stored_tensors
+from .megatron_pickles import MEGATRON_ALLOWED, MegatronEnum
+from .torch_archive import StoredTensor, archive_layout, read_archive, records_in, stored_tensors
 
 if TYPE_CHECKING:  # the rules import torch: loaded when a legacy checkpoint is read, not when formats are probed
     from ..rules.coords import Coords
@@ -74,54 +75,8 @@ RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 FORMAT = "megatron-legacy"
 
 
-class MegatronEnum(str):
-    """An enum value of Megatron's args (``AttnBackend.auto``), kept as ``"Class(value)"``:
-    the enum class is never imported."""
-
-
-def _enum(name: str) -> Any:
-    def build(value: Any = None) -> MegatronEnum:
-        if not isinstance(value, (int, str, type(None))):
-            raise UnickptError(f"an enum {name} with a value of type {type(value).__name__}")
-        return MegatronEnum(f"{name}({value!r})")
-    return build
-
-
-_ENUMS = {
-    ("megatron.core.transformer.enums", "AttnBackend"), ("megatron.core.transformer.enums", "AttnMaskType"),
-    ("megatron.core.transformer.enums", "AttnType"), ("megatron.core.transformer.enums", "LayerType"),
-    ("megatron.core.transformer.enums", "ModelType"), ("megatron.core.enums", "ModelType"),
-    ("megatron.model.enums", "AttnMaskType"), ("megatron.model.enums", "AttnType"),
-    ("megatron.model.enums", "LayerType"), ("megatron.model.enums", "PositionEmbeddingType"),
-    ("megatron.core.enums", "Fp8Recipe"),
-}
-def _latin1(text: Any = "", encoding: str = "latin1") -> bytes:
-    """``_codecs.encode`` as pickle protocol 2 uses it for raw bytes (NumPy's arrays): latin-1 only."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise UnickptError(f"a _codecs.encode record with arguments of types {type(text).__name__}, {encoding!r:.20}")
-    return text.encode("latin-1")
-
-
-def _empty_bytes(*args: Any) -> bytes:
-    """``bytes()`` as pickle protocol 2 writes an empty bytes object; nothing else."""
-    if args:
-        raise UnickptError("a bytes(...) record with arguments (protocol 2 writes only bytes())")
-    return b""
-
-
-ALLOWED: dict[tuple[str, str], Any] = {
-    ("_codecs", "encode"): _latin1,
-    ("__builtin__", "bytes"): _empty_bytes,
-    ("builtins", "bytes"): _empty_bytes,
-    ("argparse", "Namespace"): argparse.Namespace,
-    **{key: _enum(key[1]) for key in _ENUMS},
-    # np.random.get_state() in the RNG state: read as inert records (reported as skipped)
-    **inert_records("numpy.core.multiarray", ("_reconstruct", "scalar")),
-    **inert_records("numpy._core.multiarray", ("_reconstruct", "scalar")),
-    **inert_records("numpy", ("ndarray", "dtype")),
-    # TransformerEngine's _extra_state (FP8 metadata) as older versions return it: reported as skipped
-    **inert_records("_io", ("BytesIO",)),
-}
+# the data classes Megatron pickles (args, its enums, the RNG state): one list with the DeepSpeed reader
+ALLOWED = MEGATRON_ALLOWED
 
 
 # ----------------------------------------------------------------------------- detection
