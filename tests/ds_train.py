@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--freeze", nargs="*", default=[], help="parameters made requires_grad=False (frozen)")
     p.add_argument("--frozen-extra", action="store_true",
                    help="add a frozen parameter `frozen_table` of 7x3 elements (unused by forward; odd size: ZeRO-3 pads it)")
+    p.add_argument("--megatron-client-state", action="store_true",
+                   help="save with the client_state Megatron-DeepSpeed passes (args, iteration, tokens, rng_state...)")
     p.add_argument("--bucket", type=int, default=2000,
                    help="ZeRO bucket sizes in elements (small: several buckets even for a tiny model)")
     return p.parse_args(argv)
@@ -60,6 +62,39 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     from unickpt.examples.train import learning_rate as lr
 
     return lr(step, argparse.Namespace(lr=args.lr, steps=args.horizon))
+
+
+def megatron_client_state(args: argparse.Namespace, step: int) -> dict:
+    """The ``client_state`` Megatron-DeepSpeed's ``save_checkpoint`` hands to
+    ``engine.save_checkpoint`` (megatron/checkpointing.py): its ``args`` (a Namespace holding
+    megatron-core enums and torch dtypes), ``checkpoint_version``, ``iteration``, ``tokens``,
+    ``checkpoint_info``, ``universal_checkpoint_info`` and ``rng_state``, the list of
+    ``get_rng_state()`` dicts (Python, NumPy, torch and accelerator generators, the
+    model-parallel tracker's states), made with DeepSpeed's accelerator as it does."""
+    import random
+
+    import numpy as np
+    from deepspeed.accelerator import get_accelerator
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    margs = argparse.Namespace(
+        num_layers=args.layers, hidden_size=args.dim, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        padded_vocab_size=args.vocab, seq_length=args.seq, global_batch_size=args.global_batch, lr=args.lr,
+        bf16=args.bf16, fp16=False, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto, deepspeed=True,
+        zero_stage=args.stage, data_path=["/data/corpus_text_document"], iteration=step,
+        consumed_train_samples=step * args.global_batch, consumed_train_tokens=step * args.global_batch * args.seq,
+    )
+    accelerator = get_accelerator()
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": accelerator.get_rng_state(),
+           "rng_tracker_states": {"model-parallel-rng": accelerator.get_rng_state()}}
+    return {"args": margs, "checkpoint_version": 3.0, "iteration": step, "tokens": margs.consumed_train_tokens,
+            "checkpoint_info": {"padded_vocab_size": args.vocab, "original_vocab_size": args.vocab},
+            "universal_checkpoint_info": {"universal_checkpoint_version": 0.2, "original_vocab_size": args.vocab,
+                                          "padded_vocab_size": args.vocab},
+            "rng_state": [rng]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(mean)
         losses.append({"step": step, "loss": float(mean / world)})
         if args.save_dir and step in (args.save_at if args.save_at is not None else [args.steps]):
-            engine.save_checkpoint(args.save_dir)
+            client = megatron_client_state(args, step) if args.megatron_client_state else {}
+            engine.save_checkpoint(args.save_dir, client_state=client)
     if rank == 0 and args.loss_log:
         with open(args.loss_log, "w") as f:
             json.dump(losses, f)

@@ -16,7 +16,10 @@ reference), ZeRO-3 on 2 and 4 ranks. What is checked:
   trainer's own;
 * ``unickpt convert --to deepspeed`` of each ZeRO checkpoint never imports torch (nor do
   ``inspect`` and ``verify``), and what it writes loads with
-  ``torch.load(weights_only=True, mmap=True)`` bitwise equal to ``ds_to_universal``'s output.
+  ``torch.load(weights_only=True, mmap=True)`` bitwise equal to ``ds_to_universal``'s output;
+* the bf16 ZeRO-2 and the 2-rank ZeRO-3 runs save with Megatron-DeepSpeed's ``client_state``
+  (``args`` with megatron-core enums and torch dtypes, ``rng_state``, ``iteration``...): it is
+  read as values, its RNG state reported skipped, every byte still accounted for.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import unickpt  # noqa: E402
 from unickpt.adapters.deepspeed import is_deepspeed, read_deepspeed  # noqa: E402
 from unickpt.adapters.deepspeed_writer import write_universal  # noqa: E402
 from unickpt.adapters.detect import checkpoint_format  # noqa: E402
+from unickpt.format.values import decode_value  # noqa: E402
 
 from ds_cases import (STATES, assert_every_byte, bitwise_equal, ds_to_universal, ds_train, losses,  # noqa: E402
                       universal_params, universal_tensor)
@@ -42,7 +46,16 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 CASES = {"z1_2": (1, 2), "z2_4": (2, 4), "z3_2": (3, 2), "z3_4": (3, 4), "z2_2_bf16": (2, 2)}
 BF16 = {"z2_2_bf16"}  # bf16 module, fp32 master weights (bf16_zero_pp_rank_* files)
+# saved with Megatron-DeepSpeed's client_state (args, iteration, tokens, rng_state...): one
+# model-states file (ZeRO-2) and one per rank (ZeRO-3)
+MEGATRON_DS = {"z2_2_bf16": ("mp_rank_00_model_states.pt",),
+               "z3_2": ("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt")}
 TAG = "global_step4"
+
+
+def _rng_skipped(case: str) -> tuple[str, ...]:
+    """What the reader reports skipped in ``case``: each model-states file's per-rank RNG state."""
+    return tuple(f"{f}:rng_state" for f in MEGATRON_DS.get(case, ()))
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +69,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         d.mkdir()
         steps = ["--steps", "8", "--save-at", "4"] if case == "z2_4" else ["--steps", "4"]
         steps += ["--bf16"] if case in BF16 else []
+        steps += ["--megatron-client-state"] if case in MEGATRON_DS else []
         ds_train(world, "--stage", str(stage), *steps, "--save-dir", str(d / "ckpt"), "--loss-log", str(d / "losses.json"))
         ds_to_universal(str(d / "ckpt" / TAG), str(d / "ckpt" / f"{TAG}_universal"))
         out[case] = str(d)
@@ -104,8 +118,9 @@ def test_read_equals_ds_to_universal(runs: dict[str, str], case: str) -> None:
     assert files and all(f.startswith(f"{TAG}/") and f.endswith(".pt") for f in files)
     assert _compare_reads(ckpt, uni) >= 3 * len(params)
     assert _compare_reads(uni, uni) >= 3 * len(params)  # the universal directory read in place
-    for path in (ckpt, uni):  # every byte of DeepSpeed's *.pt files accounted for
-        assert_every_byte(path)
+    # every byte of DeepSpeed's *.pt files accounted for (ds_to_universal copies the model-states files)
+    assert_every_byte(ckpt, _rng_skipped(case))
+    assert_every_byte(uni, _rng_skipped(case)[:1])  # the universal reader opens one model-states file
     if case in BF16:
         assert all(f.startswith(f"{TAG}/bf16_zero_pp_rank_") for e in m.tensors.values() if e.name.startswith("optim.")
                    for f in (g.file for g in e.fragments))
@@ -155,7 +170,8 @@ _CLI_NO_TORCH = "import sys; from unickpt.cli import main; sys.argv[0] = 'unickp
 def test_cli_conversion_never_imports_torch(runs: dict[str, str], case: str, tmp_path) -> None:
     uni = _ds_universal(runs, case)
     out = tmp_path / "cli" / TAG
-    allow = ["--allow-skip"] if case in BF16 else []  # the bf16 module copies have no universal equivalent
+    # the bf16 module copies have no universal equivalent; Megatron-DeepSpeed's RNG state is skipped
+    allow = ["--allow-skip"] if case in BF16 or case in MEGATRON_DS else []
     r = subprocess.run([sys.executable, "-c", _CLI_NO_TORCH, "convert", os.path.join(_ckpt(runs, case), TAG), str(out),
                         "--to", "deepspeed", *allow], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -175,11 +191,79 @@ def test_cli_conversion_never_imports_torch(runs: dict[str, str], case: str, tmp
     assert n >= 3 * 21
     model = torch.load(os.path.join(out, "mp_rank_00_model_states.pt"), weights_only=True)
     assert model["global_steps"] == 4 and len(model["param_shapes"][0]) == 21
-    if case == "z2_4":  # inspect and verify of a DeepSpeed checkpoint go without torch too
-        for command in ("inspect", "verify"):
-            r = subprocess.run([sys.executable, "-c", _CLI_NO_TORCH, command, os.path.join(_ckpt(runs, case), TAG)],
+    if case in ("z2_4", "z2_2_bf16"):  # inspect and verify of a DeepSpeed checkpoint go without torch too
+        for command in ("inspect", "verify"):  # (z2_2_bf16: Megatron-DeepSpeed's args hold torch dtypes)
+            extra = ["--allow-skip"] if command == "verify" and case in MEGATRON_DS else []
+            r = subprocess.run([sys.executable, "-c", _CLI_NO_TORCH, command, os.path.join(_ckpt(runs, case), TAG), *extra],
                                capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
             assert r.returncode == 0 and r.stdout.strip().endswith("torch imported: False"), r.stdout[-2000:] + r.stderr
+
+
+def _pickled_globals(path: str) -> set[str]:
+    """The globals the pickle of the ``torch.save`` archive at ``path`` names."""
+    import pickletools
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    return {arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+
+
+@pytest.mark.parametrize("case", list(MEGATRON_DS))
+def test_megatron_deepspeed_client_state(runs: dict[str, str], case: str) -> None:
+    """A checkpoint the real engine saved with Megatron-DeepSpeed's client_state (``args``: a
+    Namespace holding megatron-core enums and torch dtypes; ``rng_state``: NumPy's state,
+    torch's and the accelerator's ByteTensors, ``rng_tracker_states``; ``iteration``,
+    ``tokens``, ``checkpoint_info``, ``universal_checkpoint_info``) reads whole: its values as
+    ``deepspeed.client_state.<key>``, each model-states file's RNG state skipped with its
+    reason (ZeRO-3: every rank's file), nothing unaccounted (test_read_equals_ds_to_universal
+    checks every byte), and ``inspect --json`` lists it."""
+    import json
+
+    from test_cli import invoke
+
+    ckpt = _ckpt(runs, case)
+    dtype = "torch bfloat16" if case in BF16 else "torch float32"
+    for f in MEGATRON_DS[case]:  # what Megatron-DeepSpeed's client_state pickles, really written
+        assert {"argparse Namespace", "megatron.core.enums ModelType", "megatron.core.transformer.enums AttnBackend",
+                dtype, "numpy ndarray", "_codecs encode", "torch ByteStorage"} <= _pickled_globals(os.path.join(ckpt, TAG, f))
+    m = unickpt.read_manifest(ckpt)
+    values = {k[len("deepspeed.client_state."):]: decode_value(v) for k, v in m.values.items()
+              if k.startswith("deepspeed.client_state.")}
+    assert sorted(values) == ["args", "checkpoint_info", "checkpoint_version", "iteration", "tokens"]
+    args = values["args"]
+    assert args["model_type"] == "ModelType(1)" and args["attention_backend"] == "AttnBackend(5)"
+    assert args["params_dtype"] == dtype.replace(" ", ".") and args["num_layers"] == 2 and args["zero_stage"] == CASES[case][0]
+    assert values["iteration"] == 4 and values["tokens"] == 4 * 8 * 16 and values["checkpoint_version"] == 3.0
+    assert values["checkpoint_info"] == {"padded_vocab_size": 64, "original_vocab_size": 64}
+    assert not any(n.startswith("deepspeed.client_state") for n in m.tensors)
+    assert sorted(m.provenance["skipped"]) == sorted(_rng_skipped(case))
+    assert all("per-rank RNG state" in why for why in m.provenance["skipped"].values())
+    r = invoke("inspect", ckpt, "--json")
+    assert r.exit_code == 0, r.output
+    ledger = json.loads(r.output)["ledger"]
+    assert ledger["unaccounted"] == [] and sorted(ledger["skipped"]) == sorted(_rng_skipped(case))
+
+
+def test_other_ranks_client_state_differing_is_reported(runs: dict[str, str], tmp_path) -> None:
+    """ZeRO-3: every rank saves its own client state; rank 0's is read, another rank's equal
+    values are copies, but one that differs, or holds tensors, is reported skipped (its
+    bytes owned), never dropped silently."""
+    import shutil
+
+    from unickpt.adapters.regions import source_ledger
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(_ckpt(runs, "z3_2"), ckpt)
+    f = ckpt / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["iteration"], sd["ema"] = 5, {"w": torch.ones(3)}
+    torch.save(sd, f)
+    ledger = source_ledger(str(ckpt))
+    assert ledger.unaccounted == [] and sorted(ledger.skipped) == sorted(
+        (*_rng_skipped("z3_2"), "zero_pp_rank_1_mp_rank_00_model_states.pt:iteration",
+         "zero_pp_rank_1_mp_rank_00_model_states.pt:ema"))
+    assert decode_value(unickpt.read_manifest(str(ckpt)).values["deepspeed.client_state.iteration"]) == 4
 
 
 def test_resume_on_other_dp_degree(runs: dict[str, str], tmp_path) -> None:

@@ -78,9 +78,11 @@ def _with_attributes(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _zero2(root, world: int = 11, module_dtype=torch.float32, evil: bool = False, attributes: bool = False):
+def _zero2(root, world: int = 11, module_dtype=torch.float32, evil: bool = False, attributes: bool = False,
+           client_state: dict | None = None):
     """A ZeRO-2 checkpoint of SHAPES on ``world`` ranks (its flat fp32 groups, moments and
-    module tensors carrying Python attributes with ``attributes``); returns the true tensors."""
+    module tensors carrying Python attributes with ``attributes``; ``client_state`` added to
+    the model-states file as the engine adds it); returns the true tensors."""
     mark = _with_attributes if attributes else (lambda t: t)
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
@@ -118,7 +120,7 @@ def _zero2(root, world: int = 11, module_dtype=torch.float32, evil: bool = False
     module["rope.cos"] = torch.arange(6.0)  # a buffer: not in the optimizer
     _save({"module": module, "param_shapes": [collections.OrderedDict((n, torch.Size(s)) for n, s in SHAPES.items())],
            "global_steps": 7, "global_samples": 56, "skipped_steps": 0, "dp_world_size": world, "mp_world_size": 1,
-           "lr_scheduler": None, "ds_version": "0.19.8", "buffer_names": ["rope.cos"]},
+           "lr_scheduler": None, "ds_version": "0.19.8", "buffer_names": ["rope.cos"], **(client_state or {})},
           tag / "mp_rank_00_model_states.pt")
     (root / "latest").write_text("global_step7")
     return full
@@ -177,6 +179,33 @@ def test_tensors_carrying_attributes(tmp_path) -> None:
     for n, t in full.items():
         assert torch.equal(unickpt.load_tensor(str(tmp_path / "uni"), f"model.{n}"), t)
     assert_every_byte(str(tmp_path / "uni"))
+
+
+def test_client_state_read_or_reported(tmp_path) -> None:
+    """A job's client_state in the model-states file: plain values and Megatron's args read
+    as ``deepspeed.client_state.<key>`` values, its tensors read bitwise as tensors, a value
+    holding NumPy arrays (objects unickpt does not build) and the RNG state reported skipped
+    with their bytes; a forbidden class in it refuses the file."""
+    import argparse
+
+    import numpy as np
+
+    ema = torch.arange(10.0).reshape(2, 5) / 3
+    client = {"args": argparse.Namespace(params_dtype=torch.bfloat16, hidden=5), "iteration": 7,
+              "ema": {"layer.weight": ema, "decay": 0.99}, "sampler": {"order": np.arange(4)},
+              "rng_state": [{"torch_rng_state": torch.get_rng_state(), "np_rng_state": np.random.get_state()}]}
+    _zero2(tmp_path, world=3, client_state=client)
+    m = read_deepspeed(str(tmp_path))
+    values = {k: v for k, v in m.values.items() if k.startswith("deepspeed.client_state.")}
+    assert values == {"deepspeed.client_state.args": {"params_dtype": "torch.bfloat16", "hidden": 5},
+                      "deepspeed.client_state.iteration": 7,
+                      "deepspeed.client_state.ema": {"layer.weight": None, "decay": 0.99}}
+    assert torch.equal(unickpt.load_tensor(str(tmp_path), "deepspeed.client_state.ema.layer.weight"), ema)
+    assert "numpy" in m.provenance["skipped"]["deepspeed.client_state.sampler"]
+    assert_every_byte(str(tmp_path), ("mp_rank_00_model_states.pt:rng_state", "deepspeed.client_state.sampler"))
+    _zero2(tmp_path / "evil", world=3, client_state={"hook": Evil})
+    with pytest.raises(UnsafePickleError, match="os.system"):
+        read_deepspeed(str(tmp_path / "evil"))
 
 
 def test_unknown_class_refused(tmp_path) -> None:

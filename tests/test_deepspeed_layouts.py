@@ -246,8 +246,10 @@ def test_tensor_parallel_equals_ds_to_universal(runs: dict[str, str], tmp_path) 
 @pytest.mark.multiprocess
 def test_planted_tensor_is_neither_read_nor_reported(runs: dict[str, str], tmp_path) -> None:
     """A tensor storage the reader does not know, planted in a copy of a real checkpoint's
-    model-states file (re-saved by torch.save): its bytes, exactly, are unaccounted and
-    verify fails."""
+    model-states file (re-saved by torch.save) inside an entry of DeepSpeed's own whose
+    tensors it does not read (the scheduler's state; a top-level key of a job's own is its
+    client_state, read: tests/test_deepspeed_format.py): its bytes, exactly, are
+    unaccounted and verify fails."""
     from test_cli import invoke
 
     ckpt = tmp_path / "planted"
@@ -255,7 +257,7 @@ def test_planted_tensor_is_neither_read_nor_reported(runs: dict[str, str], tmp_p
     f = ckpt / "global_step4" / "mp_rank_00_model_states.pt"
     sd = torch.load(f, weights_only=False)
     planted = torch.arange(1000, dtype=torch.float32) + 0.5
-    sd["planted"] = planted
+    sd["lr_scheduler"] = {"planted": planted}
     torch.save(sd, f)
     ledger = source_ledger(str(ckpt))
     assert not ledger.complete and ledger.files_unchecked == [] and ledger.unaccounted_bytes == planted.numel() * 4

@@ -25,7 +25,14 @@ so a DeepSpeed checkpoint loads into it and the other way round):
 * values: ``train.step`` (= ``deepspeed.global_steps``), ``deepspeed.global_samples``,
   ``deepspeed.skipped_steps``, ``deepspeed.zero_stage``, ``deepspeed.dp_world_size``,
   ``deepspeed.ds_version``, ``deepspeed.lr_scheduler``, ``deepspeed.ds_config``,
-  ``deepspeed.clip_grad``, ``deepspeed.num_experts`` (MoE) and ``optim.param_groups`` (the hyperparameters of each group).
+  ``deepspeed.clip_grad``, ``deepspeed.num_experts`` (MoE) and ``optim.param_groups`` (the
+  hyperparameters of each group);
+* ``deepspeed.client_state.<key>``: the job's ``client_state`` (every key of the model-states
+  file that DeepSpeed's engine does not write: Megatron-DeepSpeed's ``args``, ``iteration``,
+  ``tokens``, ``checkpoint_version``, ``checkpoint_info``) as values, the tensors inside it as
+  ``deepspeed.client_state.<key>.<path>``; its per-rank ``rng_state`` is reported skipped. The
+  data classes Megatron pickles there (``argparse.Namespace``, its enums, NumPy's RNG arrays)
+  are allowed by the list the legacy Megatron-LM reader uses (:mod:`.megatron_pickles`).
 
 ZeRO-1/2: each rank's optimizer file holds, per parameter group, one flat fp32 partition
 (and flat ``exp_avg`` / ``exp_avg_sq``); ``param_slice_mappings`` gives each parameter's
@@ -64,6 +71,7 @@ by their reported names; a storage nothing claims is left for the ledger to flag
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from math import prod
@@ -78,7 +86,8 @@ from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.open import open_storage
 from .deepspeed_moe import ExpertLayout, expert_layout
-from .torch_archive import StoredTensor, archive_layout, read_archive
+from .megatron_pickles import MEGATRON_ALLOWED
+from .torch_archive import StoredTensor, archive_layout, read_archive, records_in, stored_tensors
 
 
 class DeepSpeedRecord:
@@ -111,6 +120,9 @@ def _zero_stage(value: Any) -> int:
 
 
 ALLOWED = {
+    # Megatron-DeepSpeed's client_state (args with its enums and dtypes, the RNG state): the
+    # legacy Megatron reader's own list of data classes
+    **MEGATRON_ALLOWED,
     ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress,
     ("deepspeed.runtime.bf16_optimizer", "fragment_address"): FragmentAddress,
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScalerRecord,
@@ -125,6 +137,16 @@ LAYER_FILE = re.compile(r"^layer_(\d+)-(?:.+-)?model_states\.pt$")  # a pipeline
 EXPERT_MODEL_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPERT_OPTIM_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MARKERS = ("latest", "latest_universal")
+# the keys DeepSpeed's engine writes into a model-states file (_common_checkpoint_state,
+# _checkpoint_parallel_metadata, MoE and AutoEP metadata); any other key is the job's
+# client_state (engine.save_checkpoint(save_dir, client_state={...}))
+ENGINE_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "universal_checkpoint_info", "num_experts", "ds_autoep_layers", "folding", "sparse_tensor_module_names",
+})
+CLIENT_STATE = "deepspeed.client_state"
 
 
 # ----------------------------------------------------------------------------- detection
@@ -175,7 +197,7 @@ def _plain(obj: Any) -> Any:
     """A JSON-encodable copy of a pickled value (records become dicts, tensors are dropped)."""
     if isinstance(obj, StoredTensor):
         return None
-    if isinstance(obj, DeepSpeedRecord):
+    if isinstance(obj, (DeepSpeedRecord, argparse.Namespace)):  # a Namespace: Megatron-DeepSpeed's args
         return {k: _plain(v) for k, v in vars(obj).items()}
     if isinstance(obj, dict):
         return {str(k) if not isinstance(k, (int, str)) else k: _plain(v) for k, v in obj.items()}
@@ -216,9 +238,12 @@ class _Builder:
 
     def own(self, owner: str | None, t: Any, at: int = 0, numel: int | None = None) -> None:
         """Declare the bytes of stored tensor ``t`` (its whole storage record, or elements
-        ``[at, at + numel)`` of the tensor) as owned by ``owner`` (None: structure, such as
-        alignment padding)."""
+        ``[at, at + numel)`` of the tensor; every tensor's storage record inside a nested
+        value) as owned by ``owner`` (None: structure, such as alignment padding)."""
         if not isinstance(t, StoredTensor):
+            if numel is None:  # a nested value (a skipped RNG state...): every tensor inside it
+                for inner in stored_tensors(t):
+                    self.own(owner, inner)
             return
         if numel is None:
             start, stop = self.storage_spans.get(t.file, {}).get(t.storage_at, (t.offset, t.offset + t.nbytes))
@@ -248,8 +273,8 @@ class _Builder:
     def value(self, key: str, value: Any) -> None:
         try:
             self.manifest.values[key] = encode_value(_plain(value), key)
-        except Exception:  # a value DeepSpeed stores that has no plain form: left out
-            pass
+        except UnickptError as e:  # a value with no plain form: reported, never dropped silently
+            self.skipped[key] = str(e)
 
     def entry(self, name: str, shape: tuple[int, ...], dtype: str, layout: str) -> TensorEntry:
         e = self.manifest.tensors.get(name)
@@ -317,6 +342,43 @@ def _model_values(b: _Builder, model: dict[str, Any], zero_stage: int, world: in
         "format": "deepspeed", "framework": "deepspeed", "zero_stage": zero_stage, "world_size": world,
         "ds_version": _plain(model.get("ds_version")), "step": steps if isinstance(steps, int) else None,
     })
+
+
+RNG_STATE = ("per-rank RNG state (Python, NumPy, torch and CUDA generators, Megatron's rng_tracker_states) the job "
+             "saved in its client_state: not mapped onto another layout")
+
+
+def _client_state(b: _Builder, fname: str, model: Any, read_from: str, first: Any = None) -> None:
+    """The job's ``client_state`` in the model-states file ``fname``: every key DeepSpeed's
+    engine does not write (:data:`ENGINE_KEYS`; Megatron-DeepSpeed's ``args``, ``iteration``,
+    ``tokens``, ``checkpoint_version``, ``checkpoint_info``, ``rng_state``...). Read from the
+    file ``read_from`` only: values as ``deepspeed.client_state.<key>`` (``args`` a dict, its
+    enums and dtypes as text), tensors as ``deepspeed.client_state.<key>.<path>``. Skipped,
+    with the reason: the RNG state (per rank), a value holding objects unickpt does not build,
+    and another file's (each rank saves its own) tensors and values that differ from those
+    of ``first``, the content of ``read_from``."""
+    if not isinstance(model, dict):
+        return
+    for key, v in model.items():
+        if key in ENGINE_KEYS:
+            continue
+        name = f"{CLIENT_STATE}.{key}"
+        if key == "rng_state":
+            b.skip(f"{fname}:rng_state", RNG_STATE, v)
+        elif fname != read_from:
+            theirs = first.get(key) if isinstance(first, dict) else None
+            if stored_tensors(v) or records_in(v) or _plain(v) != _plain(theirs):
+                b.skip(f"{fname}:{key}", f"this rank's own client state {key!r} (the one in {read_from} is read as {name})", v)
+        elif records_in(v):
+            kinds = sorted({r.global_name for r in records_in(v)})
+            b.skip(name, f"client state holding objects unickpt does not build ({', '.join(kinds[:3])}): not read", v)
+        else:
+            b.value(name, v)  # its tensors, None there, are read below
+            for path, t in _tensor_paths(v, name):
+                if t.is_contiguous():
+                    b.whole(path, t, "deepspeed client state")
+                else:
+                    b.skip(path, f"a non-contiguous view in {fname}'s client state: not read", t)
 
 
 def _module_entries(b: _Builder, module: Any, master: set[str], master_dtype: dict[str, str], source: str,
@@ -588,6 +650,7 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
         if model_name not in names:
             raise CorruptionError(f"{tag_dir}: {model_name} is missing")
         models[mp] = b.archive(model_name)
+        _client_state(b, model_name, models[mp], "mp_rank_00_model_states.pt", models[0])
     model = models[0]
     layer_files: dict[int, list[str]] = {}
     for n in names:
@@ -767,6 +830,7 @@ def _read_zero3(b: _Builder, tag_dir: str, names: list[str], optim: dict[int, st
     if sorted(models) != list(range(world)):
         raise CorruptionError(f"ZeRO-3 checkpoint with model-states files of ranks {sorted(models)} for {world} optimizer files")
     model = b.archive(models[0])
+    _client_state(b, models[0], model, models[0])
     _refuse_experts(tag_dir, names, model, "under ZeRO-3")
     groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model.get("param_shapes") or []]
     layout = f"deepspeed zero-{stage} partition"
@@ -831,6 +895,7 @@ def _read_zero3_frozen(b: _Builder, models: dict[int, str], model0: dict[str, An
     for rank, fname in models.items():
         mr = model0 if rank == 0 else b.archive(fname)
         if rank:
+            _client_state(b, fname, mr, models[0], model0)
             for k, t in (mr.get("module") or {}).items():
                 if isinstance(t, StoredTensor) and t.numel:
                     b.replica(f"{fname}:module.{k}", f"a replica of the module entry {k!r} of {models[0]}", t)
@@ -861,6 +926,7 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
     model_file = next((n for n in names if MODEL_FILE.match(n)), None) or next((n for n in names if ZERO3_MODEL_FILE.match(n)), None)
     model = b.archive(model_file) if model_file else {}
     model = model if isinstance(model, dict) else {}
+    _client_state(b, model_file or "", model, model_file or "")
     shapes = {n: tuple(int(x) for x in s) for g in model.get("param_shapes") or [] for n, s in g.items()}
     osd = b.archive("zero/optimizer_state.pt")
     osd = osd if isinstance(osd, dict) else {}
@@ -923,9 +989,11 @@ def _universal_leftovers(b: _Builder, osd: dict[str, Any], model: dict[str, Any]
 
 
 def _tensor_paths(obj: Any, path: str) -> list[tuple[str, StoredTensor]]:
-    """Every stored tensor inside nested dicts and lists, with its dotted path."""
+    """Every stored tensor inside nested dicts, lists and Namespaces, with its dotted path."""
     if isinstance(obj, StoredTensor):
         return [(path, obj)]
+    if isinstance(obj, argparse.Namespace):
+        obj = vars(obj)
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
     return [found for k, v in items for found in _tensor_paths(v, f"{path}.{k}" if path else str(k))]
 
