@@ -45,7 +45,8 @@ from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, re
 from .unchanged import BaseIndex, split_unchanged
 from .writer import DataFileWriter, as_bytes, data_file_layout
 
-__all__ = ["AsyncSaveHandle", "DEFAULT_CHANNEL", "abandon_in_flight", "checkpoint_group", "staging_bytes", "start_save"]
+__all__ = ["AsyncSaveHandle", "DEFAULT_CHANNEL", "abandon_in_flight", "checkpoint_group", "prepare_staging", "staging_bytes",
+           "start_save"]
 
 DEFAULT_CHANNEL = "default"
 _GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = group_cache()  # emptied at exit (release_groups)
@@ -506,6 +507,13 @@ def start_save(
     progress = _Progress()
     saver.start(job, progress)
     return AsyncSaveHandle(str(path), group.rank, progress)
+
+
+def prepare_staging(nbytes: int, pin: bool, channel: str = DEFAULT_CHANNEL) -> None:
+    """Allocate ``channel``'s staging buffer of ``nbytes`` (pinned when ``pin`` and CUDA
+    is available) in the background, once the caller knows the state's size, so that the
+    first save's stall is its copy, not the allocation and pinning."""
+    _saver(channel).pool.prepare(nbytes, pin and torch.cuda.is_available())
 
 
 def staging_bytes(channel: str | None = None) -> int:

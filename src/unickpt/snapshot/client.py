@@ -139,10 +139,62 @@ def in_progress(jdir: str, keepers: list[dict[str, Any]]) -> int:
     return count
 
 
-def default_max_bytes(root: str) -> int:
-    """Half the size of the shm root's file system (tmpfs: half of what it may take of RAM)."""
-    st = os.statvfs(root)
-    return st.f_blocks * st.f_frsize // 2
+def default_max_bytes(root: str, held: int = 0) -> int:
+    """Half the size of the shm root's file system (tmpfs: half of what it may take of RAM),
+    and no more than the node can give the snapshots now (:func:`host_memory`; ``held``:
+    what the job's snapshots already hold there)."""
+    st = os.statvfs(_existing(root))
+    return min(st.f_blocks * st.f_frsize // 2, host_memory(root)["available"] + held)
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest parent that exists (a shm root is made at the first start)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def mem_available() -> int | None:
+    """The kernel's estimate of the memory available without swapping (``MemAvailable``
+    of /proc/meminfo), in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_memory(root: str) -> dict[str, int]:
+    """What the node can give snapshots now: ``shm_free`` (free space of the shm root's
+    file system), ``mem_available`` (MemAvailable; the shm free space where unknown) and
+    ``available``, the smaller: a tmpfs page is RAM, whatever the file system's size says."""
+    st = os.statvfs(_existing(root))
+    free = st.f_bavail * st.f_frsize
+    mem = mem_available()
+    mem = free if mem is None else mem
+    return {"shm_free": free, "mem_available": mem, "available": min(free, mem)}
+
+
+def check_host_memory(root: str, job: str, cap: int | None, said: str = "max_bytes") -> None:
+    """Raise SnapshotError when the node cannot give the snapshots ``cap`` bytes of host
+    memory (the free space of the shm root and MemAvailable, plus what the job's snapshots
+    already hold there, which a relaunch reuses): called when the manager is made, so
+    that a node without the memory fails at once, not at a later step. ``said`` names the
+    option as the user wrote it."""
+    if cap is None:
+        return
+    mem = host_memory(root)
+    held = paths.dir_bytes(paths.job_dir(root, job))
+    if cap > mem["available"] + held:
+        raise SnapshotError(
+            f"{said}={cap} ({human_bytes(cap)}) is more host memory than this node can give the snapshots: "
+            f"{human_bytes(mem['shm_free'])} free in the shm root {root}, {human_bytes(mem['mem_available'])} "
+            f"available (MemAvailable)" + (f", {human_bytes(held)} held by the job's snapshots already" if held else "")
+            + f"; lower {said}, or free memory (`unickpt snapshots {root} --free` frees what a killed job left)")
 
 
 def memory_plan(rank_bytes: list[int], parity: int, k: int) -> dict[str, int]:
@@ -289,7 +341,7 @@ class Snapshotter:
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
-            cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root)
+            cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root, used)
             pending = in_progress(self.jdir, getattr(self, "table", []))
             stored = self.secret or paths.read_secret(self.root, self.job)
             proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
@@ -369,6 +421,14 @@ class Snapshotter:
         CUDA tensors), so that the first snapshot pays none of it: called by
         :class:`~unickpt.CheckpointManager` once it first sees the state."""
         size, pin = estimated_file_bytes(state, self.group.rank)
+        cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root, paths.dir_bytes(self.jdir))
+        alone = memory_plan([size], self.parity, self.k)  # this rank's share alone; the node's is checked at the first snapshot
+        if alone["total"] > cap:
+            raise SnapshotError(
+                f"snapshots of this rank's state would hold {human_bytes(alone['total'])} of host memory on node "
+                f"{self.node} (a ring of {RING_SLOTS} x {human_bytes(size)}: {human_bytes(alone['ring'])}; parity "
+                f"{self.parity} of {PARITY_STEPS} steps: {human_bytes(alone['parity'])}), above the cap of "
+                f"{human_bytes(cap)}; raise max_bytes or snapshot less state")
         self.ring.prepare(size, pin)
 
     def before_update(self) -> None:
