@@ -127,6 +127,7 @@ class MappedRing:
         self._preparing: threading.Thread | None = None
         self._error: BaseException | None = None
         self._adopted = False
+        self._made = threading.Condition()  # notified each time the preparing thread made a slot
 
     @property
     def nbytes(self) -> int:
@@ -153,8 +154,12 @@ class MappedRing:
                         self._remake(i, size, pin)
                     elif pin:
                         pin_slot(slot)
+                    with self._made:
+                        self._made.notify_all()
             except BaseException as e:  # reported by the next acquire()
                 self._error = e
+            with self._made:
+                self._made.notify_all()
 
         self._preparing = threading.Thread(target=run, name="unickpt-ring-prepare", daemon=True)
         self._preparing.start()
@@ -170,7 +175,8 @@ class MappedRing:
 
     def _remake(self, index: int, size: int, pin: bool) -> Slot:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        old = self.slots.pop(index, None)
+        with self._made:
+            old = self.slots.pop(index, None)
         if old is not None:
             old.close()
         path = self._path(index)
@@ -179,17 +185,27 @@ class MappedRing:
                 os.unlink(path) if not os.path.isdir(path) else os.rmdir(path)
         except FileNotFoundError:
             pass
-        slot = self.slots[index] = _map(path, size, pin)
+        slot = _map(path, size, pin)
+        with self._made:
+            self.slots[index] = slot
         return slot
 
     def available(self) -> bool:
-        """True when a slot can take the next snapshot: one is free, or the ring may grow."""
+        """True when a slot can take the next snapshot: one is free, or the ring may grow
+        (or is being made)."""
+        if self._preparing is not None and self._preparing.is_alive():
+            return True
         self._settle()
         return len(self.slots) < self.most or any(s.free() for s in self.slots.values())
 
     def acquire(self, size: int, pin: bool) -> Slot:
         """A free slot of ``size`` bytes (remade at that size when it had another). Raises
-        SnapshotError when every slot is held by a step (check :meth:`available` first)."""
+        SnapshotError when every slot is held by a step (check :meth:`available` first).
+        While the ring is being made, the first slot ready is taken without waiting for
+        the others."""
+        ready = self._ready(size, pin)
+        if ready is not None:
+            return ready
         self._settle()
         for i, s in sorted(self.slots.items()):
             if s.free() and s.size == size and (s.pinned or not pin):
@@ -206,6 +222,17 @@ class MappedRing:
                 return self._remake(i, size, pin)
         raise SnapshotError(f"all {self.most} slots of the snapshot ring of rank {self.rank} are held by steps the "
                             f"keepers have not released")
+
+    def _ready(self, size: int, pin: bool) -> Slot | None:
+        """While the preparing thread runs: wait for a free slot it made at ``size``."""
+        thread = self._preparing
+        while thread is not None and thread.is_alive():
+            with self._made:
+                for _, s in sorted(self.slots.items()):
+                    if s.size == size and (s.pinned or not pin or not torch.cuda.is_available()) and s.free():
+                        return s
+                self._made.wait(0.05)
+        return None
 
     def adopt(self) -> None:
         """Map the slots an earlier process of this rank left (a relaunch reuses their
@@ -226,7 +253,9 @@ class MappedRing:
                 if not os.path.isfile(path) or os.path.islink(path):
                     continue
                 if st.st_size:
-                    self.slots[int(m.group(2))] = _map(path, st.st_size, False)
+                    slot = _map(path, st.st_size, False)
+                    with self._made:
+                        self.slots[int(m.group(2))] = slot
             except (OSError, SnapshotError):
                 continue
 

@@ -286,6 +286,7 @@ class Snapshotter:
                                     f"{e.strerror or e}") from None
             self.keeper = ensure_keeper(self.root, job, self.host)
         self.max_bytes = max_bytes
+        self._default_cap: int | None = None  # without max_bytes: fixed at the first look (_cap)
         self.requested_parity, self.replicas = parity, replicas
         self.secret: bytes | None = None
         self.table = self._exchange(0)[0]  # also agrees on the job's secret (self.secret)
@@ -341,7 +342,7 @@ class Snapshotter:
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
-            cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root, used)
+            cap = self._cap(used)
             pending = in_progress(self.jdir, getattr(self, "table", []))
             stored = self.secret or paths.read_secret(self.root, self.job)
             proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
@@ -393,6 +394,16 @@ class Snapshotter:
         self.taken += 1
         return self.handle
 
+    def _cap(self, used: int) -> int:
+        """The node's cap on snapshot memory: ``max_bytes``, else the default fixed at the
+        first look (what the node could give then: a later dip of MemAvailable does not
+        fail a snapshot the ring already holds the memory of)."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        if self._default_cap is None:
+            self._default_cap = default_max_bytes(self.root, used)
+        return self._default_cap
+
     def _check_memory(self, rows: list[RankInfo], step: int) -> None:
         """Raise SnapshotError on every rank when a node's snapshots would hold more host
         memory than its cap (its ring and its share of parity, :func:`memory_plan`);
@@ -421,7 +432,7 @@ class Snapshotter:
         CUDA tensors), so that the first snapshot pays none of it: called by
         :class:`~unickpt.CheckpointManager` once it first sees the state."""
         size, pin = estimated_file_bytes(state, self.group.rank)
-        cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root, paths.dir_bytes(self.jdir))
+        cap = self._cap(paths.dir_bytes(self.jdir))
         alone = memory_plan([size], self.parity, self.k)  # this rank's share alone; the node's is checked at the first snapshot
         if alone["total"] > cap:
             raise SnapshotError(
