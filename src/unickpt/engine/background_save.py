@@ -201,6 +201,7 @@ class _Job:
     ring: MappedRing | None = None  # write straight into a mapped slot of this ring (snapshots)
     slot: Slot | None = None  # the slot staged into
     slot_crcs: list[list[int]] = field(default_factory=list)  # each item's block CRC-32Cs in the slot
+    on_copied: Callable[[], None] | None = None  # called once no source is read any more (the staged event)
 
 
 class _Saver:
@@ -220,6 +221,8 @@ class _Saver:
         """Stage (here unless lazy or the shard needs several batches) and start the
         background writer; return once staged unless lazy."""
         self.current = progress
+        if job.ring is not None:  # CUDA sources: staged once copied, while the checksums still run on the slot
+            job.on_copied = progress.staged.set
         pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
         buf = self.pool.buffer(job.capacity, pin, job.limit) if job.local is not None and job.ring is None else None
         crcs: dict[int, int] = {}
@@ -253,14 +256,8 @@ class _Saver:
         they land; digest the replicated tensors the agreement check compares."""
         ring, items, rank = job.ring, job.items, job.group.rank
         assert ring is not None
-        if items:
-            pin = torch.cuda.is_available() and any(i.local.is_cuda for i in items)
-            job.slot = ring.acquire(data_file_layout(rank, items)[2], pin)
-            job.slot_crcs = stage_into_slot(items, rank, job.slot, job.block_bytes, job.threads, job.events, self.streams)
-        for i in job.digests:
+        for i in job.digests:  # the replicated tensors not written here first: sources are not read after on_copied
             if i < len(items):
-                n = items[i].local.numel() * items[i].local.element_size()
-                crcs[i] = whole_crc(job.slot_crcs[i], n, job.block_bytes)
                 continue
             src = job.sources[i]
             if src.is_cuda:  # on a side stream after the training stream's point of the call
@@ -272,6 +269,15 @@ class _Saver:
                     src = src.to("cpu")
                 stream.synchronize()
             crcs[i] = _crc.crc32c(memoryview(flat_bytes(src).numpy()))
+        if items:
+            pin = torch.cuda.is_available() and any(i.local.is_cuda for i in items)
+            job.slot = ring.acquire(data_file_layout(rank, items)[2], pin)
+            job.slot_crcs = stage_into_slot(items, rank, job.slot, job.block_bytes, job.threads, job.events, self.streams,
+                                            job.on_copied)
+        for i in job.digests:
+            if i < len(items):
+                n = items[i].local.numel() * items[i].local.element_size()
+                crcs[i] = whole_crc(job.slot_crcs[i], n, job.block_bytes)
 
     def _write_ring(self, job: _Job, crcs: dict[int, int], storage: Storage) -> Written:
         """The rank's file is the staged slot: link it into the step directory."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import crc32c as _crc
@@ -43,10 +43,13 @@ def _tasks(sizes: list[int], block_bytes: int) -> list[tuple[int, int, int]]:
 
 
 def stage_into_slot(items: list[TensorItem], rank: int, slot: Slot, block_bytes: int, threads: int,
-                    events: list, streams: dict) -> list[list[int]]:
+                    events: list, streams: dict, on_copied: Callable[[], None] | None = None) -> list[list[int]]:
     """Copy ``items`` into ``slot`` (sized by :func:`data_file_layout`) with their header;
     returns each item's block CRC-32Cs. ``events`` are the training streams' positions
-    (:func:`~unickpt.engine.staging.record_streams`); CUDA copies wait for them."""
+    (:func:`~unickpt.engine.staging.record_streams`); CUDA copies wait for them.
+    ``on_copied`` is called once no source is read any more: when every item is on CUDA,
+    as soon as the device-to-host copies are over, while the checksums still run on the
+    slot (the training loop's stall is then the copy alone)."""
     prefix, offsets, size = data_file_layout(rank, items)
     buf = slot.buf
     if buf.numel() != size:
@@ -96,11 +99,19 @@ def stage_into_slot(items: list[TensorItem], rank: int, slot: Slot, block_bytes:
         return crcs
 
     tasks = _tasks(sizes, block_bytes)
+    device_only = all(k in done or not n for k, n in enumerate(sizes))
     if threads > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(max_workers=min(threads, len(tasks)), thread_name_prefix="unickpt-ring") as pool:
-            results = list(pool.map(one, tasks))
+            futures = [pool.submit(one, t) for t in tasks]
+            if device_only and on_copied is not None:
+                for ev in done.values():
+                    ev.synchronize()
+                on_copied()
+            results = [f.result() for f in futures]
     else:
         results = [one(t) for t in tasks]
+    if on_copied is not None:
+        on_copied()
     out: list[list[int]] = [[] for _ in items]
     for (k, _, _), crcs in zip(tasks, results):
         out[k] += crcs
