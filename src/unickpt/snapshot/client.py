@@ -374,8 +374,8 @@ class Snapshotter:
     def _snapshot(self, state: dict[str, Any], step: int, flush: bool) -> AsyncSaveHandle | None:
         self.settle()
         self.table, rows = self._exchange(state_bytes(state))
-        if any(r.pending >= 2 for r in rows if r.has_keeper) or not all(r.ring_free for r in rows):
-            self.skipped += 1  # the keepers still encode two snapshots (their slots are held until one is whole)
+        if any(r.pending >= 2 for r in rows if r.has_keeper):
+            self.skipped += 1  # the keepers still encode two snapshots
             return None
         self.node_bytes = sum(r.rank_bytes for r in rows if r.node == self.node)
         self._check_memory(rows, step)
@@ -390,7 +390,8 @@ class Snapshotter:
         path = paths.step_dir(self.root, self.job, step)
         self.handle = start_save(state, path, lazy=True, metadata=meta, overwrite=True,
                                   manifest_copy=index_parts(rows, self.nodes, self.parity),
-                                  process_group=self.process_group, channel=CHANNEL, ring=self.ring)
+                                  process_group=self.process_group, channel=CHANNEL,
+                                  ring=self.ring if rows[self.group.rank].ring_free else None)
         self.taken += 1
         return self.handle
 
@@ -410,14 +411,18 @@ class Snapshotter:
         record this node's figures (``unickpt snapshots`` shows them)."""
         for n in range(self.nodes):
             plan = memory_plan([r.rank_bytes for r in rows if r.node == n], self.parity, self.k)
+            # a rank whose slots are all held (a keeper late to delete the step before the whole
+            # one) writes this step to a fresh file beside its ring, as snapshots did before it
+            extra = sum(r.rank_bytes for r in rows if r.node == n and not r.ring_free)
             cap = next(r.cap for r in rows if r.node == n and r.has_keeper)
             if n == self.node:
                 self.memory = {**plan, "cap": cap}
-            if plan["total"] > cap:
+            if plan["total"] + extra > cap:
                 raise SnapshotError(
-                    f"snapshots of step {step} would hold {human_bytes(plan['total'])} of host memory on node {n} "
+                    f"snapshots of step {step} would hold {human_bytes(plan['total'] + extra)} of host memory on node {n} "
                     f"(a ring of {RING_SLOTS} x {human_bytes(plan['state'])} of state: {human_bytes(plan['ring'])}; "
-                    f"parity {self.parity} of {PARITY_STEPS} steps: {human_bytes(plan['parity'])}), above the cap of "
+                    f"parity {self.parity} of {PARITY_STEPS} steps: {human_bytes(plan['parity'])}"
+                    + (f"; {human_bytes(extra)} written beside full rings" if extra else "") + "), above the cap of "
                     f"{human_bytes(cap)}; raise max_bytes or snapshot less state")
         if self.local_rank == 0:
             paths.write_memory(self.jdir, self.node, self.memory)
