@@ -381,11 +381,12 @@ def part_snapshot(ctx: Ctx) -> None:
                 mgr.before_update()
                 wait = time.perf_counter() - t1
                 written = _committed(manifest(step), t0)  # the whole snapshot in the keeper's shared memory
+                rate = {} if overlap else {  # behind compute, the commit's time includes the compute
+                    "written_s": round(written, 4), "written_gbs": round(n / written / 1e9, 2),
+                    "written_x_pinned_d2h": round(copy_s / written, 2)}
                 ctx.emit(what="snapshot" + (" behind compute" if overlap else " (no compute)"), mib=n // MiB, step=step,
                          stall_s=round(call + wait, 4), call_s=round(call, 4), before_update_s=round(wait, 4),
-                         pinned_copy_s=round(copy_s, 4), x_pinned_copy=round((call + wait) / copy_s, 2),
-                         written_s=round(written, 4), written_gbs=round(n / written / 1e9, 2),
-                         written_x_pinned_d2h=round(copy_s / written, 2))
+                         pinned_copy_s=round(copy_s, 4), x_pinned_copy=round((call + wait) / copy_s, 2), **rate)
             stats = mgr.stats()
             ctx.emit(what="snapshot stats", mib=n // MiB, **{k: stats.get(k) for k in ("snapshots", "snapshots_failed",
                                                                                       "snapshots_skipped", "last_error")})
