@@ -9,6 +9,12 @@ recovery fetched from other nodes' keepers at the loopback TCP rate measured in 
     python -m bench.snapshot            # 1 GiB and 4 GiB states
     python -m bench.snapshot --quick    # 256 MiB
     python -m bench.snapshot --sizes 1  # GiB, any list
+    python -m bench.snapshot --rate-only --rate-gib 1   # only the first part (below)
+
+First, always: the rate at which one rank writes its snapshot into the keeper's shared
+memory, back to back, against a memcpy into an already-mapped buffer measured in the same
+run, and the ratio (``bench/snapshot_rate.py``, which also measures where the time can
+go: fresh files, pwrite, CRC-32C, xxh3).
 
 Cold disk reads: the durable checkpoint is fsynced and its files evicted from the page
 cache (``POSIX_FADV_DONTNEED``) before each load from disk; ``fincore`` reports what
@@ -531,7 +537,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="the example trainer's model flags for the sweep")
     p.add_argument("--dir", default=".bench_tmp", help="scratch directory for the disk checkpoints")
     p.add_argument("--shm", default="/dev/shm", help="where the simulated nodes' shm roots go (a tmpfs)")
+    p.add_argument("--rate-gib", type=float, default=1.0, help="the rank's state for the write-rate part, GiB")
+    p.add_argument("--rate-steps", type=int, default=6, help="snapshots back to back in the write-rate part")
+    p.add_argument("--rate-only", action="store_true", help="only the write-rate part")
     args = p.parse_args(argv)
+    from . import snapshot_rate
+
+    rate = snapshot_rate.measure(int(args.rate_gib * GiB), args.rate_steps, args.shm)
+    print(json.dumps({"rate": rate}), flush=True)
+    print(snapshot_rate.report(rate), flush=True)
+    if args.rate_only:
+        return
     sizes = [256 * MiB] if args.quick else [int(float(s) * GiB) for s in (args.sizes or "1,4").split(",") if float(s)]
     os.makedirs(args.dir, exist_ok=True)
     rows = {}

@@ -79,6 +79,9 @@ def _snapshot_loop(rank: int, world: int, root: str, out: str) -> None:
         mgr.maybe_save(state, step)
         want[step] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         moments[step] = {k: v.cpu() for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
+    mgr._snap.settle()
+    slots = list(mgr._snap.ring.slots.values())  # the ring made at restore: the pinned staging buffers themselves
+    assert slots and all(s.pinned and s.buf.is_pinned() for s in slots), [(s.path, s.pinned) for s in slots]
     mgr.close(keep_snapshots=True)
     model2 = torch.nn.Linear(64, 64).cuda()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)

@@ -722,6 +722,11 @@ def snapshots_cmd(
         steps = ", ".join(str(s) for s in j["steps"]) or "none"
         out.print(f"  job {escape(j['job'])}: steps {steps} (whole: {', '.join(map(str, j['whole'])) or 'none'}), "
                   f"{human_bytes(j['bytes'])}", soft_wrap=True)
+        m = j.get("memory")
+        if m:
+            out.print(f"    node {m['node']} holds at most {human_bytes(m['total'])}: ring {m['ring_slots']} x "
+                      f"{human_bytes(m['state'])} = {human_bytes(m['ring'])}, parity {human_bytes(m['parity'])}; "
+                      f"cap {human_bytes(m['cap'])}", soft_wrap=True)
     if free:
         out.print(f"freed: {human_bytes(total)}" + (f", keeper {keeper['pid']} stopped" if keeper else ""), soft_wrap=True)
     elif keeper or held["jobs"]:

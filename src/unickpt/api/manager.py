@@ -155,6 +155,11 @@ class CheckpointManager(Checkpoints):
         super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,
                          durable_keep=durable_keep, durable_storage_options=durable_storage_options, saves=saves)
         check_loop(self.root, saves, snap, logged)
+        if snap.every:  # a node without the memory fails here, not at a later step
+            from ..snapshot.client import check_host_memory, job_id
+            from ..snapshot.paths import shm_root
+
+            check_host_memory(shm_root(), job_id(self.root), snap.max_bytes, snap.name("max_bytes"))
         self.options = ManagerOptions(saves, snap if snap.every else None, logged if logged.enabled else None)
         self.save_every, self.async_save, self.snapshot_every = saves.every, saves.mode == "async", snap.every
         self.parity, self.snapshot_replicas, self.flush_every = snap.parity, snap.replicas, snap.flush_every
@@ -229,6 +234,7 @@ class CheckpointManager(Checkpoints):
                 outcome = Restored(got[0], "disk", seconds, got[1], logged=_logged(plan))
         else:
             outcome = self._recover(state, plan, latest, disk_step, kept)
+        self._prepare_buffers(state)
         step, line = outcome.step, replace(outcome, kept=tuple(kept)).line()
         if self._deltas is not None:
             self._deltas.started(step)
@@ -364,6 +370,20 @@ class CheckpointManager(Checkpoints):
         return out
 
     # -- inside ------------------------------------------------------------------------
+    def _prepare_buffers(self, state: dict[str, Any]) -> None:
+        """Now that the state's size is known: take the snapshot ring's memory and the
+        async saves' pinned staging buffer in the background, so that neither the
+        allocation nor the pinning lands on a training step."""
+        if self._snap is not None:
+            self._snap.prepare(state)
+        if self.async_save:
+            from ..engine.background_save import prepare_staging
+            from ..snapshot.client import estimated_file_bytes
+
+            nbytes, cuda = estimated_file_bytes(state, 0)
+            if cuda:  # pinning is what costs; pageable memory is allocated by the first save as before
+                prepare_staging(nbytes, True)
+
     def _start(self) -> None:
         """Collective, once: the snapshot tier (the node's keeper) and the delta log."""
         if self._started:

@@ -39,11 +39,14 @@ from .commit import IndexParts, Written, check_not_committed, commit, data_file_
 from .gc_pause import gc_paused
 from .save_options import SaveOptions
 from .items import TensorItem
+from .ring import MappedRing, Slot
+from .ring_write import fragments, link_into, stage_into_slot, whole_crc
 from .staging import StagingPool, Unit, copy_batch, flat_bytes, plan_batches, record_streams
 from .unchanged import BaseIndex, split_unchanged
-from .writer import DataFileWriter, as_bytes
+from .writer import DataFileWriter, as_bytes, data_file_layout
 
-__all__ = ["AsyncSaveHandle", "DEFAULT_CHANNEL", "abandon_in_flight", "checkpoint_group", "staging_bytes", "start_save"]
+__all__ = ["AsyncSaveHandle", "DEFAULT_CHANNEL", "abandon_in_flight", "checkpoint_group", "prepare_staging", "staging_bytes",
+           "start_save"]
 
 DEFAULT_CHANNEL = "default"
 _GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = group_cache()  # emptied at exit (release_groups)
@@ -195,6 +198,10 @@ class _Job:
     base: BaseIndex | None = None  # an incremental save's base
     refs: list[tuple[TensorItem, Fragment]] = field(default_factory=list)  # found unchanged in the call
     undecided: set[int] = field(default_factory=set)  # items to hash in the background (CUDA, lazy)
+    ring: MappedRing | None = None  # write straight into a mapped slot of this ring (snapshots)
+    slot: Slot | None = None  # the slot staged into
+    slot_crcs: list[list[int]] = field(default_factory=list)  # each item's block CRC-32Cs in the slot
+    on_copied: Callable[[], None] | None = None  # called once no source is read any more (the staged event)
 
 
 class _Saver:
@@ -214,8 +221,10 @@ class _Saver:
         """Stage (here unless lazy or the shard needs several batches) and start the
         background writer; return once staged unless lazy."""
         self.current = progress
+        if job.ring is not None:  # CUDA sources: staged once copied, while the checksums still run on the slot
+            job.on_copied = progress.staged.set
         pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
-        buf = self.pool.buffer(job.capacity, pin, job.limit) if job.local is not None else None
+        buf = self.pool.buffer(job.capacity, pin, job.limit) if job.local is not None and job.ring is None else None
         crcs: dict[int, int] = {}
         here = not job.lazy and len(job.batches) == 1 and job.error is None
         if here:
@@ -233,11 +242,59 @@ class _Saver:
 
     def _stage(self, job: _Job, k: int, buf: torch.Tensor, crcs: dict[int, int]) -> None:
         """Copy batch ``k`` into the buffer; digest sources that are read in place."""
+        if job.ring is not None:
+            self._stage_ring(job, crcs)
+            return
         batch = job.batches[k]
         copy_batch(batch, job.sources, buf, job.events, self.streams)
         for u in batch:
             if u.slot < 0 and u.index in job.digests:
                 crcs[u.index] = _crc.crc32c(memoryview(flat_bytes(job.sources[u.index]).numpy()[u.lo : u.hi]), crcs.get(u.index, 0))
+
+    def _stage_ring(self, job: _Job, crcs: dict[int, int]) -> None:
+        """Copy the items straight into a free slot of the job's ring, checksumming as
+        they land; digest the replicated tensors the agreement check compares."""
+        ring, items, rank = job.ring, job.items, job.group.rank
+        assert ring is not None
+        for i in job.digests:  # the replicated tensors not written here first: sources are not read after on_copied
+            if i < len(items):
+                continue
+            src = job.sources[i]
+            if src.is_cuda:  # on a side stream after the training stream's point of the call
+                stream = self.streams.get(src.device) or self.streams.setdefault(src.device, torch.cuda.Stream(src.device))
+                for dev, ev in job.events:
+                    if dev == src.device:
+                        stream.wait_event(ev)
+                with torch.cuda.stream(stream):
+                    src = src.to("cpu")
+                stream.synchronize()
+            crcs[i] = _crc.crc32c(memoryview(flat_bytes(src).numpy()))
+        if items:
+            pin = torch.cuda.is_available() and any(i.local.is_cuda for i in items)
+            job.slot = ring.acquire(data_file_layout(rank, items)[2], pin)
+            job.slot_crcs = stage_into_slot(items, rank, job.slot, job.block_bytes, job.threads, job.events, self.streams,
+                                            job.on_copied)
+        for i in job.digests:
+            if i < len(items):
+                n = items[i].local.numel() * items[i].local.element_size()
+                crcs[i] = whole_crc(job.slot_crcs[i], n, job.block_bytes)
+
+    def _write_ring(self, job: _Job, crcs: dict[int, int], storage: Storage) -> Written:
+        """The rank's file is the staged slot: link it into the step directory."""
+        local, rank = job.local, job.group.rank
+        assert local is not None and job.base is None
+        files: dict[str, int] = {}
+        written = list(job.refs)
+        if job.items:
+            assert job.slot is not None
+            name = data_file_name(rank)
+            link_into(job.slot, str(storage.path(name)))  # type: ignore[attr-defined]
+            files[name] = job.slot.size
+            written += list(zip(job.items, fragments(job.items, rank, name, job.slot_crcs, job.block_bytes)))
+        for i, name in job.digests.items():
+            t = job.sources[i]
+            local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs.get(i, 0))
+        return Written(written, files, None)
 
     def _run(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> None:
         try:
@@ -262,7 +319,8 @@ class _Saver:
         # still copy takes CPU and memory bandwidth from their (blocking) staging.
         all_gather_fixed(job.group, b"\x01")
         target = prepare_collective(job.group, job.path, job.overwrite, job.manifest_copy, job.storage_options)
-        report = write_rank(job.group.rank, job.local, lambda: self._write(job, progress, buf, crcs, target.storage), job.error)
+        write = self._write_ring if job.ring is not None else lambda j, c, s: self._write(j, progress, buf, c, s)
+        report = write_rank(job.group.rank, job.local, lambda: write(job, crcs, target.storage), job.error)
         progress.staged.set()
         commit(job.group, report, target, job.metadata, job.manifest_copy)
         return sum(report.files.values())
@@ -413,6 +471,7 @@ def start_save(
     storage_options: dict[str, Any] | None = None,
     base: Callable[[], BaseIndex] | None = None,
     channel: str = DEFAULT_CHANNEL,
+    ring: MappedRing | None = None,
 ) -> AsyncSaveHandle:
     """:func:`unickpt.async_save` (which see), with the keywords of the library's own
     callers: ``base`` opens the base of an incremental save (its failure is this rank's,
@@ -423,7 +482,9 @@ def start_save(
     each rank passing True also writes the committed manifest into its own ``path``, and
     every rank creates its ``path`` if needed (all ranks must pass None, or all a bool; or
     all the same :class:`~unickpt.engine.commit.IndexParts`: an indexed manifest, each rank
-    keeping only its parts of the index)."""
+    keeping only its parts of the index); ``ring`` (with ``manifest_copy``, a directory on a
+    local file system) writes the rank's file straight into a free slot of that ring of
+    mapped files and hard-links it into ``path`` (:mod:`unickpt.engine.ring`)."""
     SaveOptions.from_keywords(threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes)
     saver = _saver(channel)
     saver.wait()
@@ -447,11 +508,18 @@ def start_save(
         group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
         items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
         storage_options,
-        index, refs, undecided,
+        index, refs, undecided, ring if base is None else None,
     )
     progress = _Progress()
     saver.start(job, progress)
     return AsyncSaveHandle(str(path), group.rank, progress)
+
+
+def prepare_staging(nbytes: int, pin: bool, channel: str = DEFAULT_CHANNEL) -> None:
+    """Allocate ``channel``'s staging buffer of ``nbytes`` (pinned when ``pin`` and CUDA
+    is available) in the background, once the caller knows the state's size, so that the
+    first save's stall is its copy, not the allocation and pinning."""
+    _saver(channel).pool.prepare(nbytes, pin and torch.cuda.is_available())
 
 
 def staging_bytes(channel: str | None = None) -> int:

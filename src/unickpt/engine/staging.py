@@ -14,6 +14,7 @@ one batch, writes it, stages the next into the same memory, and so on.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,26 @@ class StagingPool:
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
+        self._preparing: threading.Thread | None = None
+
+    def prepare(self, nbytes: int, pin: bool) -> None:
+        """Allocate the buffer (pinned when ``pin``) in a background thread, so that the
+        first save does not pay for it: page-locking 16 GiB takes seconds, which would
+        otherwise land on a training step. The next :meth:`buffer` waits for it."""
+        if self._preparing is not None or (self._buf is not None and self._buf.numel() >= nbytes):
+            return
+
+        def run() -> None:
+            self._buf = None  # the old one freed first: two never coexist
+            self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+
+        self._preparing = threading.Thread(target=run, name="unickpt-staging-prepare", daemon=True)
+        self._preparing.start()
+
+    def _settle(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +115,7 @@ class StagingPool:
         """A uint8 buffer of ``nbytes``: the held one when it is large enough, not much
         larger, within ``limit`` and pinned if asked; else a new one (the old one is
         freed first, so two never coexist)."""
+        self._settle()
         buf = self._buf
         most = max(2 * nbytes, nbytes + (64 << 20))
         if limit is not None:
@@ -107,6 +129,7 @@ class StagingPool:
 
     def release(self) -> None:
         """Free the buffer."""
+        self._settle()
         self._buf = None
 
 

@@ -33,6 +33,7 @@ import torch
 from ..engine.background_save import AsyncSaveHandle, checkpoint_group, start_save
 from ..engine.commit import IndexParts
 from ..engine.items import is_dtensor
+from ..engine.ring import RING_DIR, MappedRing, sweep
 from ..engine.state import PerRank, Sharded, flatten
 from ..dist import Group, all_gather_fixed, resolve_group
 from ..errors import SnapshotError, UnickptError
@@ -47,9 +48,15 @@ from .store_commit import control_doc, store_address
 # The snapshots' own async-save channel: staging buffer, gloo group and save in flight
 # apart from the trainer's durable saves, so a snapshot never waits for one.
 CHANNEL = "snapshot"
-# node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, and the
-# job secret the node proposes (1: stored on the node already, 0: freshly drawn)
-_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}s")  # a RankInfo
+# node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, the
+# job secret the node proposes (1: stored on the node already, 0: freshly drawn), and
+# whether the rank's ring has a slot for the next snapshot
+_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}si")  # a RankInfo
+# the slots of a rank's ring: the newest whole step, one step whose parity still runs, and
+# the step being written (a snapshot is skipped while the keepers encode two)
+RING_SLOTS = 3
+# steps whose parity blocks a node holds at once: the newest whole one and two in progress
+PARITY_STEPS = 3
 
 
 class RankInfo(NamedTuple):
@@ -67,6 +74,9 @@ class RankInfo(NamedTuple):
     host: bytes  # the keeper's IPv4 address (4 bytes)
     secret_stored: int  # 1 when ``secret`` is the job's stored secret, 0 when newly drawn
     secret: bytes
+    ring_free: int = 1  # 1 when the rank's ring has a slot for the next snapshot
+
+
 _WHERE = struct.Struct("<i16s")  # node, network identity
 # a planned stop (close(clean=False)) waits for the keepers' parity: 2 s, plus a second for
 # every WHOLE_WAIT_RATE bytes of the node's last snapshot (parity encodes at 0.4 GB/s and more)
@@ -129,10 +139,96 @@ def in_progress(jdir: str, keepers: list[dict[str, Any]]) -> int:
     return count
 
 
-def default_max_bytes(root: str) -> int:
-    """Half the size of the shm root's file system (tmpfs: half of what it may take of RAM)."""
-    st = os.statvfs(root)
-    return st.f_blocks * st.f_frsize // 2
+def default_max_bytes(root: str, held: int = 0) -> int:
+    """Half the size of the shm root's file system (tmpfs: half of what it may take of RAM),
+    and no more than the node can give the snapshots now (:func:`host_memory`; ``held``:
+    what the job's snapshots already hold there)."""
+    st = os.statvfs(_existing(root))
+    return min(st.f_blocks * st.f_frsize // 2, host_memory(root)["available"] + held)
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest parent that exists (a shm root is made at the first start)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def mem_available() -> int | None:
+    """The kernel's estimate of the memory available without swapping (``MemAvailable``
+    of /proc/meminfo), in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_memory(root: str) -> dict[str, int]:
+    """What the node can give snapshots now: ``shm_free`` (free space of the shm root's
+    file system), ``mem_available`` (MemAvailable; the shm free space where unknown) and
+    ``available``, the smaller: a tmpfs page is RAM, whatever the file system's size says."""
+    st = os.statvfs(_existing(root))
+    free = st.f_bavail * st.f_frsize
+    mem = mem_available()
+    mem = free if mem is None else mem
+    return {"shm_free": free, "mem_available": mem, "available": min(free, mem)}
+
+
+def check_host_memory(root: str, job: str, cap: int | None, said: str = "max_bytes") -> None:
+    """Raise SnapshotError when the node cannot give the snapshots ``cap`` bytes of host
+    memory (the free space of the shm root and MemAvailable, plus what the job's snapshots
+    already hold there, which a relaunch reuses): called when the manager is made, so
+    that a node without the memory fails at once, not at a later step. ``said`` names the
+    option as the user wrote it."""
+    if cap is None:
+        return
+    mem = host_memory(root)
+    held = paths.dir_bytes(paths.job_dir(root, job))
+    if cap > mem["available"] + held:
+        raise SnapshotError(
+            f"{said}={cap} ({human_bytes(cap)}) is more host memory than this node can give the snapshots: "
+            f"{human_bytes(mem['shm_free'])} free in the shm root {root}, {human_bytes(mem['mem_available'])} "
+            f"available (MemAvailable)" + (f", {human_bytes(held)} held by the job's snapshots already" if held else "")
+            + f"; lower {said}, or free memory (`unickpt snapshots {root} --free` frees what a killed job left)")
+
+
+def memory_plan(rank_bytes: list[int], parity: int, k: int) -> dict[str, int]:
+    """The host memory a node's snapshots hold at most, from its ranks' state bytes: the
+    ranks' rings (``RING_SLOTS`` copies of each rank's state, taken once), and the parity
+    blocks (or neighbours' copies) it holds for ``PARITY_STEPS`` steps at once."""
+    state = sum(rank_bytes)
+    ring = RING_SLOTS * state
+    par = PARITY_STEPS * (state * parity) // max(k, 1)
+    return {"state": state, "ring": ring, "parity": par, "total": ring + par, "ring_slots": RING_SLOTS}
+
+
+def estimated_file_bytes(state: dict[str, Any], rank: int) -> tuple[int, bool]:
+    """The size of the rank file a snapshot of ``state`` writes when the rank writes every
+    tensor it holds (exact then; else the first snapshot resizes the ring's slot), and
+    whether any tensor is on CUDA."""
+    from ..engine.writer import data_file_layout
+
+    class _Item(NamedTuple):
+        name: str
+        local: torch.Tensor
+
+    items, cuda = [], False
+    for leaf in flatten(state):
+        v = leaf.value
+        if isinstance(v, PerRank):
+            v = v.value
+        if isinstance(v, Sharded):
+            v = v.local
+        if isinstance(v, torch.Tensor):
+            v = v.to_local() if is_dtensor(v) else v
+            cuda = cuda or v.is_cuda
+            items.append(_Item(leaf.name, v.detach()))
+    return data_file_layout(rank, items)[2], cuda and torch.cuda.is_available()  # type: ignore[arg-type]
 
 
 def index_parts(rows: list[RankInfo], nodes: int, parity: int) -> IndexParts:
@@ -190,6 +286,7 @@ class Snapshotter:
                                     f"{e.strerror or e}") from None
             self.keeper = ensure_keeper(self.root, job, self.host)
         self.max_bytes = max_bytes
+        self._default_cap: int | None = None  # without max_bytes: fixed at the first look (_cap)
         self.requested_parity, self.replicas = parity, replicas
         self.secret: bytes | None = None
         self.table = self._exchange(0)[0]  # also agrees on the job's secret (self.secret)
@@ -211,6 +308,9 @@ class Snapshotter:
                     "one node: snapshots survive a crashed process, not the loss of the node (protection "
                     "against lost nodes needs 2 nodes or more)")
             log.warning(f"unickpt: {what}")
+        # the rank's ring of mapped files in the shm root that its snapshots are written into
+        self.ring = MappedRing(os.path.join(self.jdir, RING_DIR), self.group.rank, RING_SLOTS)
+        self.memory: dict[str, Any] = {}  # the node's host memory for snapshots (memory_plan), once known
         self.handle: AsyncSaveHandle | None = None
         self.stall_s = 0.0  # seconds the training loop spent in snapshot() and before_update()
         self.taken = 0
@@ -236,16 +336,18 @@ class Snapshotter:
         """Collective: every rank's node, keeper and memory figures; the keeper table by node.
         The first time, also the job's secret: the one stored on the lowest node that holds
         one (a relaunch keeps it, whichever nodes survived), else one the first node drew."""
-        mine = RankInfo(self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES)
+        ring = getattr(self, "ring", None)
+        free = int(ring is None or ring.available())
+        mine = RankInfo(self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES, free)
         if self.local_rank == 0:
             self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
             used = paths.dir_bytes(self.jdir)
-            cap = self.max_bytes if self.max_bytes is not None else default_max_bytes(self.root)
+            cap = self._cap(used)
             pending = in_progress(self.jdir, getattr(self, "table", []))
             stored = self.secret or paths.read_secret(self.root, self.job)
             proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
             mine = RankInfo(self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
-                            cap, socket.inet_aton(self.keeper["host"]), *proposal)
+                            cap, socket.inet_aton(self.keeper["host"]), *proposal, free)
         rows = [RankInfo._make(_INFO.unpack(b)) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
         keepers = {r.node: r for r in rows if r.has_keeper}
         if sorted(keepers) != list(range(len(keepers))) or {r.node for r in rows} != set(keepers):
@@ -273,20 +375,12 @@ class Snapshotter:
         self.settle()
         self.table, rows = self._exchange(state_bytes(state))
         if any(r.pending >= 2 for r in rows if r.has_keeper):
-            self.skipped += 1
+            self.skipped += 1  # the keepers still encode two snapshots
             return None
-        k = self.k
         self.node_bytes = sum(r.rank_bytes for r in rows if r.node == self.node)
-        for n in range(self.nodes):
-            node_bytes = sum(r.rank_bytes for r in rows if r.node == n)
-            used, cap = next((r.used, r.cap) for r in rows if r.node == n and r.has_keeper)
-            need = used + node_bytes + (node_bytes * self.parity) // k
-            if need > cap:
-                raise SnapshotError(
-                    f"snapshot of step {step} would hold {human_bytes(need)} of host memory on node {n} "
-                    f"({human_bytes(used)} held now + {human_bytes(node_bytes)} of state, parity {self.parity}), "
-                    f"above the cap of {human_bytes(cap)}; raise max_bytes or snapshot less state"
-                )
+        self._check_memory(rows, step)
+        if self.local_rank == 0:
+            self._sweep_ring(rows)
         meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "k": self.k,
                              "replicas": self.replicas, "nodes": self.table}}
         if self.control:
@@ -296,9 +390,62 @@ class Snapshotter:
         path = paths.step_dir(self.root, self.job, step)
         self.handle = start_save(state, path, lazy=True, metadata=meta, overwrite=True,
                                   manifest_copy=index_parts(rows, self.nodes, self.parity),
-                                  process_group=self.process_group, channel=CHANNEL)
+                                  process_group=self.process_group, channel=CHANNEL,
+                                  ring=self.ring if rows[self.group.rank].ring_free else None)
         self.taken += 1
         return self.handle
+
+    def _cap(self, used: int) -> int:
+        """The node's cap on snapshot memory: ``max_bytes``, else the default fixed at the
+        first look (what the node could give then: a later dip of MemAvailable does not
+        fail a snapshot the ring already holds the memory of)."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        if self._default_cap is None:
+            self._default_cap = default_max_bytes(self.root, used)
+        return self._default_cap
+
+    def _check_memory(self, rows: list[RankInfo], step: int) -> None:
+        """Raise SnapshotError on every rank when a node's snapshots would hold more host
+        memory than its cap (its ring and its share of parity, :func:`memory_plan`);
+        record this node's figures (``unickpt snapshots`` shows them)."""
+        for n in range(self.nodes):
+            plan = memory_plan([r.rank_bytes for r in rows if r.node == n], self.parity, self.k)
+            # a rank whose slots are all held (a keeper late to delete the step before the whole
+            # one) writes this step to a fresh file beside its ring, as snapshots did before it
+            extra = sum(r.rank_bytes for r in rows if r.node == n and not r.ring_free)
+            cap = next(r.cap for r in rows if r.node == n and r.has_keeper)
+            if n == self.node:
+                self.memory = {**plan, "cap": cap}
+            if plan["total"] + extra > cap:
+                raise SnapshotError(
+                    f"snapshots of step {step} would hold {human_bytes(plan['total'] + extra)} of host memory on node {n} "
+                    f"(a ring of {RING_SLOTS} x {human_bytes(plan['state'])} of state: {human_bytes(plan['ring'])}; "
+                    f"parity {self.parity} of {PARITY_STEPS} steps: {human_bytes(plan['parity'])}"
+                    + (f"; {human_bytes(extra)} written beside full rings" if extra else "") + "), above the cap of "
+                    f"{human_bytes(cap)}; raise max_bytes or snapshot less state")
+        if self.local_rank == 0:
+            paths.write_memory(self.jdir, self.node, self.memory)
+
+    def _sweep_ring(self, rows: list[RankInfo]) -> None:
+        """Delete the ring slots of ranks no longer on this node that no step holds (a
+        relaunch on another layout leaves them)."""
+        sweep(os.path.join(self.jdir, RING_DIR), {i for i, r in enumerate(rows) if r.node == self.node})
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Take the ring's memory now, in the background (files sized, mapped, pinned for
+        CUDA tensors), so that the first snapshot pays none of it: called by
+        :class:`~unickpt.CheckpointManager` once it first sees the state."""
+        size, pin = estimated_file_bytes(state, self.group.rank)
+        cap = self._cap(paths.dir_bytes(self.jdir))
+        alone = memory_plan([size], self.parity, self.k)  # this rank's share alone; the node's is checked at the first snapshot
+        if alone["total"] > cap:
+            raise SnapshotError(
+                f"snapshots of this rank's state would hold {human_bytes(alone['total'])} of host memory on node "
+                f"{self.node} (a ring of {RING_SLOTS} x {human_bytes(size)}: {human_bytes(alone['ring'])}; parity "
+                f"{self.parity} of {PARITY_STEPS} steps: {human_bytes(alone['parity'])}), above the cap of "
+                f"{human_bytes(cap)}; raise max_bytes or snapshot less state")
+        self.ring.prepare(size, pin)
 
     def before_update(self) -> None:
         """Block until the snapshot in flight has copied the state (call before the
@@ -343,6 +490,7 @@ class Snapshotter:
         (a Snapshotter kept alive to the interpreter's exit does not keep it alive)."""
         try:
             self.settle()
+            self.ring.close()  # unmapped: the files stay with the steps that hold them
             if clean:
                 all_gather_fixed(self.group, b"\x01")  # every rank is done with the snapshots
                 if self.local_rank == 0:

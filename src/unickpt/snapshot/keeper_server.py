@@ -590,7 +590,7 @@ class Keeper:
 
         nodes, target = snap["nodes"], str(snap["flush"])
         t0 = time.perf_counter()
-        write, fl, published = None, None, False
+        write, fl, published, failed = None, None, False, ""
         try:
             plane = self.flush_plane(step, snap, 0)
             fl = StoreFlush(plane.address, plane.prefix, step) if plane is not None else None
@@ -610,10 +610,12 @@ class Keeper:
             _log(f"step {step} flushed to {target} in {time.perf_counter() - t0:.3f} s (requests to other keepers "
                  f"so far: {dict(self.calls)}; to the store for flushes: {dict(self.flush_ops + (fl.ops if fl else Counter()))})")
         except Exception as e:
-            _log(f"step {step}: flush to {target} failed, nothing committed: {type(e).__name__}: {e}")
+            failed = f"step {step}: flush to {target} failed, nothing committed: {type(e).__name__}: {e}"
         finally:
             if write is not None:
                 write.abort()
+            if failed:  # said once what was written is removed: a reader of the log finds nothing left
+                _log(failed)
             if fl is not None:
                 self._end_store_flush(step, fl, published)
             with self.lock:

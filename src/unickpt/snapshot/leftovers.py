@@ -15,7 +15,8 @@ from .keeper_admin import running_keeper, stop_keeper
 def held_snapshots(root: str) -> dict[str, Any]:
     """What the shm ``root`` holds: ``keeper`` (the live keeper's pid, job, address; None
     when none runs) and ``jobs`` (each job directory: ``job``, ``steps`` held, ``whole``
-    steps, ``bytes``)."""
+    steps, ``bytes``, and ``memory``: the most its snapshots hold on this node, as the job
+    stated it (``state``, ``ring``, ``ring_slots``, ``parity``, ``total``, ``cap``), or None)."""
     keeper = running_keeper(root)
     jobs = []
     base = paths.base_dir(root)
@@ -26,7 +27,8 @@ def held_snapshots(root: str) -> dict[str, Any]:
             continue
         held = paths.steps(jdir)
         whole = [s for s in held if os.path.exists(os.path.join(jdir, paths.step_name(s), paths.WHOLE))]
-        jobs.append({"job": name, "steps": held, "whole": whole, "bytes": paths.dir_bytes(jdir)})
+        jobs.append({"job": name, "steps": held, "whole": whole, "bytes": paths.dir_bytes(jdir),
+                     "memory": paths.read_memory(jdir)})
     return {"root": root, "keeper": keeper, "jobs": jobs}
 
 

@@ -216,15 +216,53 @@ def _digest(doc: dict[str, Any]) -> str:
 
 
 def dir_bytes(path: str) -> int:
-    """Total size of the regular files below ``path``."""
-    total = 0
+    """Total size of the regular files below ``path``, each file once (a ring slot and the
+    step's rank file it is linked as are one file)."""
+    total, seen = 0, set()
     for dirpath, _, files in os.walk(path):
         for f in files:
             try:
-                total += os.stat(os.path.join(dirpath, f)).st_size
+                st = os.lstat(os.path.join(dirpath, f))
             except FileNotFoundError:
-                pass
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
     return total
+
+
+MEMORY = "memory.json"  # in a job directory: what the node's snapshots hold at most (memory_plan)
+
+
+def write_memory(jdir: str, node: int, plan: dict[str, int]) -> None:
+    """Record the node's host memory for snapshots (``unickpt snapshots`` shows it), when
+    it changed."""
+    data = json.dumps({"node": node, **plan}, sort_keys=True).encode()
+    path = os.path.join(jdir, MEMORY)
+    try:
+        if read_regular(path, 4096) == data:
+            return
+    except OSError:
+        pass
+    os.makedirs(jdir, mode=0o700, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    if os.path.isdir(path) and not os.path.islink(path):
+        clear(path)
+    os.replace(tmp, path)
+
+
+def read_memory(jdir: str) -> dict[str, int] | None:
+    """The node's recorded snapshot memory (None: none recorded, or not readable)."""
+    try:
+        doc = json.loads(read_regular(os.path.join(jdir, MEMORY), 4096))
+    except (OSError, ValueError):
+        return None
+    keys = ("state", "ring", "parity", "total", "ring_slots", "cap", "node")
+    if not isinstance(doc, dict) or not all(isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) for k in keys):
+        return None
+    return {k: doc[k] for k in keys}
 
 
 def remove_tree(path: str) -> None:
