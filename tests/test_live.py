@@ -22,6 +22,7 @@ pytestmark = pytest.mark.multiprocess
 
 PY = sys.executable
 LOOP = str(Path(__file__).parent / "live_loop.py")
+CUT = str(Path(__file__).parent / "cut_loop.py")
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -255,3 +256,42 @@ def test_node_loss_parity(tmp_path):
     ref = live_loop.reference(steps)
     assert {r["step"] for r in rows} == set(range(1, steps + 1))
     assert max(abs(r["loss"] - ref[r["step"] - 1]) for r in rows) < 1e-4
+
+
+def test_every_group_of_the_generation_is_cut(tmp_path):
+    """Survivors blocked in collectives of a DeviceMesh's groups (a TP group of a dp2 x tp2
+    mesh; FSDP2's all-gather on a 1-D mesh) fail within a second of a peer's death, not after
+    the collective timeout (60 s here): the first survivor to fail cuts every group of the
+    generation, whoever made it (tests/cut_loop.py says who waits for whom)."""
+    log = tmp_path / "cut.jsonl"
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "4", CUT, str(log)],
+                            env=_env(tmp_path), stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+    def rows() -> list[dict]:
+        return [json.loads(x) for x in log.read_text().splitlines() if x] if log.exists() else []
+
+    try:
+        for generation, n_ready in ((0, 1), (1, 2)):
+            deadline = time.monotonic() + 120
+            while len([r for r in rows() if "ready" in r]) < n_ready:
+                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "out.txt").read_text()[-4000:]
+                time.sleep(0.05)
+            time.sleep(0.5)  # the others are blocked in their collectives by now
+            killed = time.time()
+            os.kill([r for r in rows() if "ready" in r][-1]["ready"], signal.SIGKILL)
+            survivors = 3 - generation
+            deadline = time.monotonic() + 70
+            while len([r for r in rows() if r.get("generation") == generation and "failed_at" in r]) < survivors:
+                assert time.monotonic() < deadline, rows()
+                time.sleep(0.05)
+            failed = {r["rank"]: r["failed_at"] - killed for r in rows() if r.get("generation") == generation and "failed_at" in r}
+            assert max(failed.values()) < 1.0, (generation, failed)
+        assert proc.wait(120) == 0, (tmp_path / "out.txt").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+    assert {r["done"] for r in rows() if "done" in r} == {0, 1}
+    text = (tmp_path / "out.txt").read_text()
+    assert "socket.cpp" not in text and "[W" not in text, text[-3000:]  # quiet: no torch warning

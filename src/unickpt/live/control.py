@@ -91,6 +91,29 @@ def publish(store: Any, gen: Generation) -> None:
         store.compare_set(key("g", gen.number - 1, "go"), "", "superseded")
 
 
+def watch_key(worker: str, number: int) -> str:
+    """The key in a node's store that wakes ``worker``'s watcher for generation ``number``
+    (its launcher relays each generation there; the worker sets it itself to end its
+    watcher: a wait with no timeout, so torch logs none)."""
+    return key("w", worker, "g", number)
+
+
+def mail(store: Any, node: int, **doc: Any) -> None:
+    """Coordinator (or a launcher to itself): put a message in node ``node``'s mailbox on
+    the job's store: ``gen`` (a generation was published), ``probe`` (answer to prove the
+    node is up), ``stop`` (the launcher's own: its mailbox thread ends)."""
+    i = int(store.add(key("node", node, "nmail"), 1)) - 1
+    store.set(key("node", node, "mail", i), json.dumps(doc))
+
+
+def read_mail(store: Any, node: int, i: int, timeout_s: float) -> dict[str, Any] | None:
+    """Message ``i`` of node ``node``'s mailbox, waiting up to ``timeout_s`` (None then)."""
+    name = key("node", node, "mail", i)
+    if not wait_key(store, name, timeout_s):
+        return None
+    return json.loads(store.get(name))
+
+
 def newest(store: Any) -> int:
     """The number of the newest generation published (-1 before the first)."""
     if not store.check([key("gen")]):

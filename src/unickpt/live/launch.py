@@ -36,7 +36,8 @@ NODE_TIMEOUT_S = 3.0  # a node whose launcher is silent this long is lost
 STILL_S = 2.0  # a worker whose watcher thread is silent this long is stopped or holds the GIL
 BEAT_S = 0.2  # how often a launcher looks for hangs (in its node's own store)
 NODE_BEAT_S = 0.5  # how often a launcher tells the job's store it is alive and looks for the job's end
-RELAY_WAIT_S = 1.0  # the relay's longest wait in the job's store for the next generation
+MAIL_WAIT_S = 3600.0  # the mailbox thread's wait in the job's store (woken by a message: no timeout logged)
+PROBE_S = 0.5  # a launcher that does not answer a probe within this is lost (a live one answers in milliseconds)
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a worker's collective may wait for its peers
@@ -106,7 +107,8 @@ class Launcher:
         self.args, self.store, self.address = args, store, address
         self.node_store = node_store if node_store is not None else store
         self.node_address = f"127.0.0.1:{node_store.port}" if node_store is not None else None
-        self.relay_stop = threading.Event()
+        self.relayed = -1  # the newest generation relayed to this node's workers
+        self.relay_lock = threading.Lock()
         self.node = args.node_rank
         self.workers: dict[int, Worker] = {}  # pid -> worker
         self.codes: dict[str, int] = {}  # exit code of each worker that ended
@@ -125,34 +127,51 @@ class Launcher:
             self.coordinator.start()
         while control.newest(self.store) < 0:
             time.sleep(0.01)
-        relay = None
-        if self.node_address is not None:
-            relay = threading.Thread(target=self._relay, name="unickpt-launch-relay", daemon=True)
-            relay.start()
+        mailbox = threading.Thread(target=self._mailbox, name="unickpt-launch-mailbox", daemon=True)
+        mailbox.start()
         try:
             return self._run()
         finally:
-            self.relay_stop.set()
-            if relay is not None:
-                relay.join(RELAY_WAIT_S + 1.0)
+            try:
+                control.mail(self.store, self.node, stop=1)  # wakes the mailbox thread: it ends
+            except RuntimeError:
+                pass  # the job's store is gone: the thread's wait has failed already
+            mailbox.join(2.0)
 
-    def _relay(self) -> None:
-        """Tell this node's workers of every generation published, on the node's own store
-        (``g<N>`` set there): their watchers wait in it, and the job's store serves one
-        waiter a node instead of one a rank. Waits at most RELAY_WAIT_S at a time, so the
-        launcher can end it before it exits."""
+    def _mailbox(self) -> None:
+        """Read this node's mailbox on the job's store (one waiter a node, woken by each
+        message, no timeout): relay every generation published to this node's workers, on
+        the node's own store (each worker's watcher waits on its own key there), and answer
+        the coordinator's probes (a node whose launcher answers is up, however slow its
+        workers)."""
         try:
             client = control.connect(self.address)
-            seen = control.newest(client)
-            for n in range(seen + 1):
-                self.node_store.set(key("g", n), "1")
-            while not self.relay_stop.is_set():
-                if not control.wait_key(client, key("g", seen + 1), RELAY_WAIT_S):
+            i = 0
+            while True:
+                msg = control.read_mail(client, self.node, i, MAIL_WAIT_S)
+                if msg is None:
                     continue
-                seen += 1
-                self.node_store.set(key("g", seen), "1")
+                i += 1
+                if "stop" in msg:
+                    return
+                if "probe" in msg:
+                    client.add(key("probe", msg["probe"], "acks"), 1)
+                    client.set(key("probe", msg["probe"], "ack", self.node), "1")
+                if "gen" in msg:
+                    self._relay(int(msg["gen"]))
         except RuntimeError:
-            return  # the job's store is gone (node 0's launcher ended or was lost)
+            return  # the job's store is gone (its host ended or was lost)
+
+    def _relay(self, upto: int) -> None:
+        """Wake every worker of this node for generations up to ``upto``."""
+        if self.node_address is None:
+            return
+        with self.relay_lock:
+            names = [w.name for w in self.workers.values()]
+            for n in range(self.relayed + 1, upto + 1):
+                for name in names:
+                    self.node_store.set(control.watch_key(name, n), "1")
+            self.relayed = max(self.relayed, upto)
 
     def _run(self) -> int:
         for local in range(self.args.nproc_per_node):  # names beyond generation 0's: a node that joins later
@@ -210,14 +229,18 @@ class Launcher:
         self.node_store.set(key("beat", name), "")
         cmd = [sys.executable, "-u"] + (["-m", a.script] if a.module else [a.script]) + list(a.script_args)
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
-        self.workers[proc.pid] = Worker(name, local, proc)
+        with self.relay_lock:  # the generations relayed before it started are there for its watcher
+            self.workers[proc.pid] = Worker(name, local, proc)
+            for n in range(self.relayed + 1):
+                self.node_store.set(control.watch_key(name, n), "1")
 
     def _reap(self) -> None:
         for pid, w in list(self.workers.items()):
             code = w.proc.poll()
             if code is None:
                 continue
-            del self.workers[pid]
+            with self.relay_lock:
+                del self.workers[pid]
             self.codes[w.name] = code
             control.post_event(self.store, kind="exit", worker=w.name, code=code, at=time.time(), why=self._why(w, code))
             if code != 0:
@@ -303,6 +326,9 @@ class Coordinator:
         self.finished: set[str] = set()  # workers that exited 0
         self.beats: dict[int, tuple[int, float]] = {}
         self.next_look = 0.0  # when _lost_nodes reads the launchers' beats again
+        self.probes = 0  # probes sent
+        self.probe: tuple[int, float, list[int]] | None = None  # the one in flight: number, sent at, nodes asked
+        self.me = args.node_rank if not getattr(args, "store", None) else -1  # the node hosting this coordinator
 
     def start(self) -> None:
         """Open generation 0 (or, when this launcher restarts on a store that lives on, take the newest)."""
@@ -310,8 +336,14 @@ class Coordinator:
         for n in range(a.nnodes):  # every beat counter exists: one multi_get reads them all, never waits
             self.store.add(key("node", n, "beat"), 0)
         members = [f"{n}.{i}" for n in range(a.nnodes) for i in range(a.nproc_per_node)]
-        self.gen = Generation(0, members)
-        control.publish(self.store, self.gen)
+        self.publish(Generation(0, members))
+
+    def publish(self, gen: Generation) -> None:
+        """Open ``gen``, and tell every node's launcher (one message a node, in its mailbox)."""
+        self.gen = gen
+        control.publish(self.store, gen)
+        for n in range(self.args.nnodes):
+            control.mail(self.store, n, gen=gen.number)
 
     def step(self) -> None:
         """Handle the launchers' reports; watch the other nodes' launchers; open a
@@ -326,7 +358,9 @@ class Coordinator:
                 self.events += 1
                 if os.environ.get("UNICKPT_LIVE_DEBUG"):
                     print(f"unickpt launch: event {ev}", file=sys.stderr, flush=True)
-                if ev["kind"] == "ready":
+                if ev["kind"] == "suspect":  # a worker's collective failed: is a node gone?
+                    self._send_probe()
+                elif ev["kind"] == "ready":
                     self.pending.append(ev["worker"])
                     self.store.set(key("g", self.gen.number, "ready"), "1")
                 elif ev["worker"] in self.pending:
@@ -365,23 +399,56 @@ class Coordinator:
         members.sort(key=control.node_of)  # stable: the survivors keep their order
         if len(members) < self.args.min_ranks:
             return self._end(1, f"{len(members)} rank(s) left, fewer than --min-ranks {self.args.min_ranks}")
-        self.gen = Generation(self.gen.number + 1, members, cause, lost, joined)
-        control.publish(self.store, self.gen)
+        self.publish(Generation(self.gen.number + 1, members, cause, lost, joined))
         if self.pending:
             self.store.set(key("g", self.gen.number, "ready"), "1")
 
     def _end(self, code: int, reason: str) -> None:
-        self.gen = Generation(self.gen.number + 1, [], "end", code=code, reason=reason)
-        control.publish(self.store, self.gen)
+        self.publish(Generation(self.gen.number + 1, [], "end", code=code, reason=reason))
+
+    def _send_probe(self) -> None:
+        """Ask every other node of the generation to answer within PROBE_S (one message a
+        node; a live launcher answers from its mailbox thread in milliseconds): a node lost
+        with its launcher is then declared in PROBE_S, not NODE_TIMEOUT_S. One probe at a
+        time."""
+        if self.probe is not None:
+            return
+        nodes = sorted({control.node_of(m) for m in self.gen.members} - {self.me})
+        if not nodes:
+            return
+        k, self.probes = self.probes, self.probes + 1
+        for n in nodes:
+            control.mail(self.store, n, probe=k)
+        self.probe = (k, time.monotonic(), nodes)
+
+    def _unanswered(self) -> list[int]:
+        """The nodes that did not answer the probe in flight within PROBE_S (none while it
+        is young, or once all answered: the probe is then over)."""
+        if self.probe is None:
+            return []
+        k, sent, nodes = self.probe
+        if int(self.store.add(key("probe", k, "acks"), 0)) >= len(nodes):
+            self.probe = None
+            return []
+        if time.monotonic() - sent < PROBE_S:
+            return []
+        self.probe = None  # a node that finished its work has nothing to answer with: not lost
+        return [n for n in nodes if not self.store.check([key("probe", k, "ack", n)])
+                and not self.store.check([key("node", n, "done")])]
 
     def _lost_nodes(self) -> list[dict[str, Any]]:
-        """Members on nodes whose launcher has been silent for NODE_TIMEOUT_S (their beats
-        read every NODE_BEAT_S, all in one request)."""
-        now, out = time.monotonic(), []
+        """Members on nodes whose launcher did not answer a probe within PROBE_S (sent when
+        a worker's collective failed: a lost node's peers see their connections break at
+        once), or has been silent for NODE_TIMEOUT_S (its beats read every NODE_BEAT_S,
+        all in one request)."""
+        silent = self._unanswered()
+        out = [{"rank": self.gen.members.index(m), "worker": m, "why": f"node {n} lost", "at": time.time()}
+               for n in silent for m in self.gen.members if control.node_of(m) == n]
+        now = time.monotonic()
         if now < self.next_look:
             return out
         self.next_look = now + NODE_BEAT_S
-        nodes = sorted({control.node_of(m) for m in self.gen.members} - {0})
+        nodes = sorted({control.node_of(m) for m in self.gen.members} - {self.me} - set(silent))
         beats = self.store.multi_get([key("node", n, "beat") for n in nodes]) if nodes else []
         for n, raw in zip(nodes, beats, strict=True):
             beat = int(raw) if raw.isdigit() else -1
@@ -395,7 +462,7 @@ class Coordinator:
 
     def all_done(self) -> bool:
         """True when every other node of the job has finished (or was lost)."""
-        nodes = {control.node_of(m) for m in self.gen.members} - {0}
+        nodes = {control.node_of(m) for m in self.gen.members} - {self.me}
         return all(self.store.check([key("node", n, "done")]) for n in nodes)
 
     def wait_nodes_done(self, timeout: float = 30.0) -> None:

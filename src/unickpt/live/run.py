@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import open_sockets, opened_since, release_groups, shut_group_sockets
+from ..dist import release_groups, shut_group_sockets, track_group_sockets
 from ..errors import UnickptError
 from ..logs import log, say
 from . import control
@@ -49,7 +49,7 @@ __all__ = ["run", "World", "Interrupted"]
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
 TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
 NETWORK_ERROR_WAIT_S = 15.0  # after a failed collective, how long to wait for the coordinator's verdict
-WATCH_WAIT_S = 1.0  # the watcher's longest wait in the store: how soon it sees stop() (a request a second a rank)
+WATCH_WAIT_S = 3600.0  # the watcher's wait in its node's store: stop() wakes it with its own key (no timeout logged)
 ALIVE_S = 0.5  # how often it tells the launcher that this process runs
 
 
@@ -114,6 +114,7 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     global _CURRENT
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    track_group_sockets()  # every group of a generation (a DeviceMesh's too) is cut when it ends
     live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV],
                             os.environ.get(control.NODE_STORE_ENV))
     try:
@@ -207,7 +208,6 @@ class _Live:
         self._seen = -1
         self._watcher: threading.Thread | None = None
         self._beater: threading.Thread | None = None
-        self.mesh: dict[int, str] = {}  # the sockets of this generation's gloo default group
 
     # -- the generations ------------------------------------------------------------------
     def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
@@ -225,7 +225,15 @@ class _Live:
                     result = fn(self.world)
             except BaseException as e:  # noqa: BLE001 — sorted below: a membership change or a real error
                 self.mark("interrupted")
+                # this generation is over here: cut every group now, so that a peer blocked in
+                # any collective fails at once instead of waiting on this process
+                self.cut()
+                if not isinstance(e, Interrupted) and _network_error(e):
+                    # a peer vanished (a lost node closes its connections at once): the
+                    # coordinator confirms with the nodes' launchers before declaring it
+                    control.post_event(self.store, kind="suspect", worker=self.worker, at=time.time())
                 nxt = self.verdict(e)
+                self.mark("verdict")
                 if nxt is None:
                     _check_group_kept(e)
                     self.teardown()
@@ -274,10 +282,7 @@ class _Live:
                           ROLE_WORLD_SIZE=str(place["size"]), TORCHELASTIC_RESTART_COUNT=str(gen.number))
         store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
         timeout = timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "600")))
-        before = open_sockets()
         dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
-        if "gloo" in str(dist.get_backend()):
-            self.mesh = opened_since(before)  # gloo connects its full mesh here
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -346,7 +351,7 @@ class _Live:
 
         if self.gen is not None and not collect:
             abandon_in_flight()
-            self.shut_mesh()
+            self.cut()
         release_groups(collect=False)
         _forget_meshes()
         old = None
@@ -365,12 +370,12 @@ class _Live:
             log.warning(f"unickpt: the old group is still referenced by {held}")
         self.mark("torn_down")
 
-    def shut_mesh(self) -> None:
-        """Shut the old generation's gloo sockets down (its default group's, unickpt's
-        groups'), so that a collective blocked on one fails at once here and in every
-        survivor, whoever still holds the group."""
-        mesh, self.mesh = self.mesh, {}
-        shut_group_sockets(mesh)
+    def cut(self) -> None:
+        """Shut the old generation's gloo sockets down: every group's, whoever made it (the
+        default group, a DeviceMesh's, FSDP2's, unickpt's, the user's; see
+        :func:`unickpt.dist.track_group_sockets`), so that a collective blocked on any of
+        them fails at once here and in every survivor, whoever still holds the group."""
+        shut_group_sockets()
 
     def _end_if_over(self, gen: Generation) -> None:
         if gen.cause == "end":
@@ -383,8 +388,8 @@ class _Live:
 
     def _watch(self) -> None:
         """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
-        generation, no polling; in the node's store, where the launcher relays it, when
-        there is one); one that removes members ends ``fn`` at once."""
+        generation, no polling, no timeout; in the node's store, on this worker's own key,
+        where the launcher relays it); one that removes members ends ``fn`` at once."""
         store = control.connect(self.address)
         # under unickpt launch its launcher relays each generation on the node's store
         watched = control.connect(self.node_address) if self.node_address != self.address else store
@@ -393,16 +398,20 @@ class _Live:
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
-                if not control.wait_key(watched, key("g", nxt), WATCH_WAIT_S):
+                if self.node_address != self.address:
+                    woke = control.wait_key(watched, control.watch_key(self.worker, nxt), WATCH_WAIT_S)
+                else:  # no node store (a test's own): the job's store, a second at a time
+                    woke = control.wait_key(watched, key("g", nxt), 1.0)
+                if not woke or self._stop.is_set():
                     continue
                 gen = control.read(store, nxt)
             except RuntimeError:
-                return  # the store is gone: the control plane (node 0's launcher) was lost
+                return  # the store is gone: the control plane was lost
             self._seen = nxt
             if gen.cause != "grow" or self.worker not in gen.members:
                 with self.lock:
                     if self.in_fn and self.gen is not None and gen.number > self.gen.number:
-                        self.shut_mesh()  # the main thread may be blocked in a gloo collective
+                        self.cut()  # the main thread may be blocked in a gloo collective
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
                                                                    ctypes.py_object(Interrupted))
 
@@ -418,11 +427,17 @@ class _Live:
 
     def stop(self) -> None:
         """End the watcher and the beats before ``run`` returns: neither is left blocked in
-        the store when its server (node 0's launcher, or a caller's own) goes away at exit."""
+        the store when its server (node 0's launcher, or a caller's own) goes away at exit.
+        The watcher is woken by its own key, set here."""
         self._stop.set()
+        if self._watcher is not None and self.node_address != self.address:
+            try:
+                self.node_store.set(control.watch_key(self.worker, self._seen + 1), "stop")
+            except RuntimeError:
+                pass  # the launcher is gone: the watcher's wait has failed already
         for thread in (self._watcher, self._beater):
             if thread is not None and thread is not threading.current_thread():
-                thread.join(WATCH_WAIT_S + 1.0)
+                thread.join(2.0)
 
     # -- the step boundary ------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
