@@ -207,26 +207,38 @@ def test_run_refuses_fn_that_initialises_the_group(tmp_path):
     assert "fn called init_process_group" in proc.stderr
 
 
-def test_node_loss_parity(tmp_path):
-    """4 simulated nodes (a launcher each, its own shm root, one rank each, XOR parity): node
-    2 is lost (launcher, worker, keeper, its memory); the 3 others go on in the same
-    processes, node 2's share of the snapshot rebuilt from parity, on the unbroken curve."""
+@pytest.mark.parametrize("lost", [2, 0], ids=["node2", "node0-store-host"])
+def test_node_loss_parity(tmp_path, lost):
+    """4 simulated nodes (a launcher each, its own shm root, one rank each, XOR parity): a
+    node is lost (launcher, worker, keeper, its memory); the 3 others go on in the same
+    processes, its share of the snapshot rebuilt from parity, on the unbroken curve. The
+    loss is declared by the coordinator's probe (its peers' collectives fail at once), not
+    by the 3 s heartbeat. ``node0-store-host``: the job's store and coordinator run in
+    ``unickpt store`` (the launchers get ``--store``), and node 0 is the one lost."""
+    from unickpt.live.launch import NODE_TIMEOUT_S
     from unickpt.testing import free_port
 
     port, steps, nodes = free_port(), 14, 4
-    log = tmp_path / "log.jsonl"
+    log, timings = tmp_path / "log.jsonl", tmp_path / "timings.jsonl"
     procs, outs = [], []
+    where = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    if lost == 0:  # the control plane off the training nodes
+        outs.append(open(tmp_path / "store.txt", "w"))
+        store = subprocess.Popen([PY, "-m", "unickpt", "store", "--port", str(port), "--host", "127.0.0.1"],
+                                 env=_env(tmp_path), stdout=outs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+        where = ["--store", f"127.0.0.1:{port}"]
     for n in range(nodes):
         env = _env(tmp_path)
-        env["UNICKPT_SHM_ROOT"] = str(tmp_path / f"shm{n}")
+        env.update(UNICKPT_SHM_ROOT=str(tmp_path / f"shm{n}"), UNICKPT_LIVE_TIMINGS=str(timings))
         outs.append(open(tmp_path / f"out{n}.txt", "w"))
         procs.append(subprocess.Popen(
-            [PY, "-m", "unickpt", "launch", "--nnodes", str(nodes), "--node-rank", str(n), "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "--nproc-per-node", "1", LOOP, "--steps", str(steps), "--ckpt-dir",
+            [PY, "-m", "unickpt", "launch", "--nnodes", str(nodes), "--node-rank", str(n), *where,
+             "--nproc-per-node", "1", LOOP, "--steps", str(steps), "--ckpt-dir",
              str(tmp_path / "ckpt"), "--log", str(log), "--sleep", "0.25"],
             env=env, stdout=outs[-1], stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True))
         if n == 0:
-            time.sleep(0.5)  # node 0 hosts the store
+            time.sleep(0.5)  # node 0 (or the store host) serves the store
+    survivors = [n for n in range(nodes) if n != lost]
     try:
         deadline = time.monotonic() + 150
         while not (log.exists() and any(json.loads(x)["step"] >= 4 for x in log.read_text().splitlines() if x)):
@@ -234,28 +246,36 @@ def test_node_loss_parity(tmp_path):
             time.sleep(0.05)
         rows = [json.loads(x) for x in log.read_text().splitlines() if x]
         before = {r["rank"]: r["pid"] for r in rows}
-        os.killpg(procs[2].pid, signal.SIGKILL)  # the launcher and its worker
+        killed = time.time()
+        os.killpg(procs[lost].pid, signal.SIGKILL)  # the launcher and its worker
         for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines():
-            if str(tmp_path / "shm2") in line and "unickpt.snapshot.keeper_server" in line:
+            if str(tmp_path / f"shm{lost}") in line and "unickpt.snapshot.keeper_server" in line:
                 os.kill(int(line.split()[0]), signal.SIGKILL)
         time.sleep(0.2)
-        subprocess.run(["rm", "-rf", str(tmp_path / "shm2")])
-        for n in (0, 1, 3):
+        subprocess.run(["rm", "-rf", str(tmp_path / f"shm{lost}")])
+        for n in survivors:
             assert procs[n].wait(150) == 0, (tmp_path / f"out{n}.txt").read_text()[-4000:]
+        if lost == 0:
+            assert store.wait(30) == 0, (tmp_path / "store.txt").read_text()[-2000:]
     finally:
-        for p in procs:
+        for p in procs + ([store] if lost == 0 else []):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         for o in outs:
             o.close()
-    out = (tmp_path / "out0.txt").read_text()
-    assert "rank 2 lost (node 2 lost); continuing on 3 ranks at step" in out, out[-4000:]
-    assert "from memory" in out and "parity" in out.split("rank 2 lost")[0].rsplit("resumed", 1)[-1]
+    out = "".join((tmp_path / f"out{n}.txt").read_text() for n in survivors)
+    assert f"rank {lost} lost (node {lost} lost); continuing on 3 ranks at step" in out, out[-4000:]
+    assert "from memory" in out and "parity" in out.split(f"rank {lost} lost")[0].rsplit("resumed", 1)[-1]
     rows = [json.loads(x) for x in log.read_text().splitlines() if x]
-    assert {r["pid"] for r in rows if r["generation"] == 1} == {before[0], before[1], before[3]}
+    assert {r["pid"] for r in rows if r["generation"] == 1} == {before[n] for n in survivors}
     ref = live_loop.reference(steps)
     assert {r["step"] for r in rows} == set(range(1, steps + 1))
     assert max(abs(r["loss"] - ref[r["step"] - 1]) for r in rows) < 1e-4
+    # declared by the probe, well before the heartbeat's timeout (0.5-0.6 s on a quiet machine)
+    phases = [json.loads(x) for x in timings.read_text().splitlines() if x]
+    declared = min(r["died"] for r in phases if r["cause"] == "lost") - killed
+    assert declared < NODE_TIMEOUT_S - 0.5, declared
+    assert "socket.cpp" not in out and "[W" not in out, out[-3000:]  # quiet: no torch warning
 
 
 def test_every_group_of_the_generation_is_cut(tmp_path):

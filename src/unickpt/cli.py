@@ -687,6 +687,20 @@ def launch_cmd(ctx: typer.Context) -> None:
     raise typer.Exit(launch(list(ctx.args)))
 
 
+@app.command("store", short_help="Host a live-recovery job's store and coordinator off the training nodes.")
+@_errors
+def store_cmd(
+    port: Annotated[int, typer.Option("--port", help="The port to serve on (0: a free one, printed).")] = 29500,
+    host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "0.0.0.0",
+) -> None:
+    """The control plane of a ``unickpt launch`` job on a host of its own (a CPU head node):
+    start it first, then every node's launcher with ``--store HOST:PORT``. Losing node 0 is
+    then a node loss like any other. Serves one job; exits with the job's status."""
+    from .live.store_host import serve
+
+    raise typer.Exit(serve(port, host))
+
+
 # ---------------------------------------------------------------- demo
 
 

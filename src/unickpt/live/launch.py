@@ -59,6 +59,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="kill a worker that shows no progress for this many seconds (0: never)")
     p.add_argument("--min-ranks", type=int, default=1, help="end the job below this many ranks")
+    p.add_argument("--store", default=None, metavar="HOST:PORT",
+                   help="the job's store, hosted by `unickpt store --port PORT` on HOST (which also coordinates the "
+                   "job): no node hosts it, so the loss of node 0 is a node loss like any other")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -67,6 +70,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.nnodes, args.node_rank, args.master_addr, args.master_port = 1, 0, "127.0.0.1", 0
     if not 0 <= args.node_rank < args.nnodes or args.nproc_per_node < 1 or args.min_ranks < 1:
         p.error("need 0 <= --node-rank < --nnodes, --nproc-per-node >= 1 and --min-ranks >= 1")
+    if args.store is not None:
+        host, _, port = args.store.rpartition(":")
+        if not host or not port.isdigit():
+            p.error(f"--store {args.store}: expected HOST:PORT (where `unickpt store --port PORT` runs)")
+        if args.standalone:
+            p.error("--store and --standalone: --standalone hosts the store in this launcher; give one of them")
     return args
 
 
@@ -75,6 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from torch.distributed import TCPStore
 
+    if args.store is not None:  # a store host of its own coordinates the job
+        from .store_host import join_config
+
+        store = control.connect(args.store)
+        join_config(store, args)
+        address = args.store
+        node_store = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+        return Launcher(args, store, address, node_store).run()
     if args.node_rank == 0:
         store = TCPStore(args.master_addr if not args.standalone else "127.0.0.1", args.master_port, is_master=True,
                          timeout=timedelta(seconds=600), wait_for_workers=False)
@@ -113,7 +130,7 @@ class Launcher:
         self.workers: dict[int, Worker] = {}  # pid -> worker
         self.codes: dict[str, int] = {}  # exit code of each worker that ended
         self.restarts = 0
-        self.coordinator = Coordinator(store, args) if self.node == 0 else None
+        self.coordinator = Coordinator(store, args) if self.node == 0 and args.store is None else None
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
@@ -217,7 +234,7 @@ class Launcher:
         env = dict(os.environ)
         env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(a.nproc_per_node),
                    GROUP_RANK=str(self.node), GROUP_WORLD_SIZE=str(a.nnodes), ROLE_RANK=str(rank),
-                   ROLE_WORLD_SIZE=str(world), ROLE_NAME="default", MASTER_ADDR=a.master_addr,
+                   ROLE_WORLD_SIZE=str(world), ROLE_NAME="default", MASTER_ADDR=self.address.rpartition(":")[0],
                    MASTER_PORT=self.address.rpartition(":")[2], TORCHELASTIC_USE_AGENT_STORE="True",
                    TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
                    TORCHELASTIC_RUN_ID="unickpt", **control.worker_env(self.address, name, self.node_address))

@@ -1,0 +1,60 @@
+"""``unickpt store``: the job's control plane on a host of its own.
+
+By default node 0's launcher hosts the job's c10d ``TCPStore`` and coordinates the
+generations: losing node 0 then ends the job. ``unickpt store --port P`` runs both on
+another host (a CPU head node, as torchft's lighthouse), and every node's launcher is
+started with ``--store HOST:P``: node 0 is then a node like any other, its loss a node
+loss the survivors recover from. One job per store process: it exits when the job ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import timedelta
+
+from ..logs import say
+from .control import Generation, key
+from .launch import Coordinator
+
+CONFIG_KEY = key("config")  # the job's shape, set by its first launcher: {"nnodes", "nproc_per_node", "min_ranks"}
+TURN_S = 0.01  # how often the coordinator looks at the launchers' reports
+
+
+def serve(port: int, host: str = "0.0.0.0") -> int:
+    """Host the job's store on ``host:port`` and coordinate its generations until the job
+    ends; returns the job's exit status (0: every rank finished or was recovered)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
+                     timeout=timedelta(days=365))
+    say(f"unickpt store: serving on {host}:{store.port}; the launchers join with --store <this host>:{store.port}")
+    store.wait([CONFIG_KEY])  # the first launcher's (no timeout logged: the store's own, a year)
+    cfg = json.loads(store.get(CONFIG_KEY))
+    args = argparse.Namespace(nnodes=int(cfg["nnodes"]), nproc_per_node=int(cfg["nproc_per_node"]),
+                              min_ranks=int(cfg["min_ranks"]), node_rank=-1, store=f"{host}:{store.port}")
+    coordinator = Coordinator(store, args)
+    coordinator.start()
+    while True:
+        coordinator.step()
+        gen = coordinator.gen
+        if gen.cause == "end":
+            coordinator.wait_nodes_done()
+            say(f"unickpt store: the job ended: {gen.reason or 'exit ' + str(gen.code)}")
+            return gen.code if gen.code >= 0 else 1
+        if coordinator.all_done():
+            coordinator.publish(Generation(gen.number + 1, [], "end", code=0, reason="the job finished"))
+            say("unickpt store: the job finished")
+            return 0
+        time.sleep(TURN_S)
+
+
+def join_config(store: object, args: argparse.Namespace) -> None:
+    """A launcher under ``--store``: record the job's shape for the store's coordinator (the
+    first launcher's wins), and refuse a launcher whose shape differs."""
+    mine = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "min_ranks": args.min_ranks}
+    have = json.loads(store.compare_set(CONFIG_KEY, "", json.dumps(mine)))
+    if any(have.get(k) != v for k, v in mine.items() if k != "min_ranks"):
+        raise SystemExit(f"unickpt launch: the job at --store {args.store} has {have['nnodes']} node(s) of "
+                         f"{have['nproc_per_node']} process(es); this launcher says {args.nnodes} of {args.nproc_per_node}")
