@@ -85,10 +85,12 @@ def main() -> None:
             optim.zero_grad()
             total = loss.detach().clone()
             dist.all_reduce(total)
+            manager.maybe_save(state, step)
+            # logged after maybe_save, as a user's loop does: a step whose boundary a
+            # replacement joins at runs to its end too
             with open(args.log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(total) / world.size, "size": world.size,
                                     "generation": world.generation, "rank": world.rank, "pid": os.getpid(), "t": time.time()}) + "\n")
-            manager.maybe_save(state, step)
         manager.close()
 
     unickpt.run(train)

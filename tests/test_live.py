@@ -37,13 +37,13 @@ class Job:
     """A ``unickpt launch`` of tests/live_loop.py, its log read as it grows."""
 
     def __init__(self, tmp: Path, nproc: int, steps: int, *flags: str, sleep: float = 0.25,
-                 script_args: tuple[str, ...] = ()) -> None:
+                 script_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.tmp, self.log = tmp, tmp / "log.jsonl"
         self.out = open(tmp / "out.txt", "w")
         self.proc = subprocess.Popen(
             [PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc), *flags, LOOP,
              "--steps", str(steps), "--ckpt-dir", str(tmp / "ckpt"), "--log", str(self.log), "--sleep", str(sleep), *script_args],
-            env=_env(tmp), stdout=self.out, stderr=subprocess.STDOUT, cwd=tmp)
+            env={**_env(tmp), **(env or {})}, stdout=self.out, stderr=subprocess.STDOUT, cwd=tmp)
 
     def lines(self) -> list[dict]:
         if not self.log.exists():
@@ -108,8 +108,12 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     steps = 16
     job = Job(tmp_path, 4, steps, "--hang-timeout", "4")
     pids = job.wait_step(3)
+    stopped = time.time()
     os.kill(pids[1], signal.SIGSTOP)
     after = job.wait_step(7, generation=1)
+    # a hang costs its timeout and little more: not the collective timeout (10 s here) on top
+    back = min(r["t"] for r in job.lines() if r["generation"] == 1) - stopped
+    assert back < 4 + 3, back
     assert pids[1] not in after.values()
     killed = time.time()
     os.kill(after[2], signal.SIGKILL)
@@ -315,3 +319,45 @@ def test_every_group_of_the_generation_is_cut(tmp_path):
     assert {r["done"] for r in rows() if "done" in r} == {0, 1}
     text = (tmp_path / "out.txt").read_text()
     assert "socket.cpp" not in text and "[W" not in text, text[-3000:]  # quiet: no torch warning
+
+
+def _rss_and_files(pid: int) -> tuple[int, int]:
+    rss = next(int(x.split()[1]) for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_four_failures_in_a_row_each_followed_by_a_replacement(tmp_path):
+    """4 SIGKILLs in one run, each followed by a replacement joining at a step boundary: every
+    step on the unbroken curve and logged (the boundary step too: the loop logs after
+    maybe_save), each recovery far below the collective timeout, the never-killed rank's RSS
+    and open files flat between the first and the last recovery, nothing left in shm."""
+    steps, kills = 100, 4  # 0.1 s a step: enough for 4 replacements to start (~3-8 s each)
+    timings = tmp_path / "timings.jsonl"
+    job = Job(tmp_path, 3, steps, "--max-restarts", str(kills), sleep=0.1, env={"UNICKPT_LIVE_TIMINGS": str(timings)})
+    def three_steps_in(generation: int) -> dict[int, int]:
+        first = min((r["step"] for r in job.lines() if r["generation"] == generation), default=None)
+        while first is None:
+            job.wait_step(0, generation)
+            first = min(r["step"] for r in job.lines() if r["generation"] == generation)
+        return job.wait_step(first + 2, generation)
+
+    marks = []
+    for k in range(kills):
+        pids = three_steps_in(2 * k)
+        if k == 1:
+            marks.append(_rss_and_files(pids[0]))  # after the first recovery and grow
+        os.kill(pids[1 + k % 2], signal.SIGKILL)
+    pids = three_steps_in(2 * kills)
+    marks.append(_rss_and_files(pids[0]))
+    assert job.finish() == 0, job.output()
+    (rss0, fds0), (rss1, fds1) = marks
+    assert rss1 <= 1.15 * rss0 and fds1 - fds0 <= 8, marks
+    _check_curve(job, steps)
+    rows = job.lines()
+    assert len({r["pid"] for r in rows if r["rank"] == 0}) == 1  # rank 0 never left its process
+    assert max(r["generation"] for r in rows) == 2 * kills, sorted({r["generation"] for r in rows})
+    phases = [json.loads(x) for x in timings.read_text().splitlines() if x]
+    lost = [r for r in phases if r["cause"] == "lost"]
+    assert len(lost) == kills and max(r["first_step"] - r["died"] for r in lost) < 10, lost
+    assert "socket.cpp" not in job.output() and "[W" not in job.output()
+    _clean(tmp_path)
