@@ -61,14 +61,24 @@ def main() -> None:
     p.add_argument("--log", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")
     p.add_argument("--snapshot-every", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: a dp x tp mesh, FSDP2 over dp; "
+                   "unickpt.run(train, multiple_of=tp)")
+    p.add_argument("--multiple-of", type=int, default=None, help="unickpt.run's multiple_of (default: --tp)")
     args = p.parse_args()
 
     def train(world: unickpt.World) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world.size,))
         model, x, y = build()
+        if args.tp > 1:  # FSDP2 x TP on a dp x tp mesh: the layout only a multiple of tp ranks can hold
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh2 = init_device_mesh("cpu", (world.size // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            mesh, dp, dp_size = mesh2["dp"], mesh2["dp"].get_local_rank(), world.size // args.tp
+        else:
+            mesh, dp, dp_size = init_device_mesh("cpu", (world.size,)), world.rank, world.size
         fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         state = {"model": model, "optim": optim}
@@ -76,7 +86,7 @@ def main() -> None:
         start = manager.restore(state)
         for step in range(start + 1, args.steps + 1):
             xb, yb = batch(step, x, y)
-            loss = F.mse_loss(model(xb[world.rank::world.size]), yb[world.rank::world.size])
+            loss = F.mse_loss(model(xb[dp::dp_size]), yb[dp::dp_size])
             loss.backward()
             if args.sleep:
                 time.sleep(args.sleep)
@@ -93,7 +103,7 @@ def main() -> None:
                                     "generation": world.generation, "rank": world.rank, "pid": os.getpid(), "t": time.time()}) + "\n")
         manager.close()
 
-    unickpt.run(train)
+    unickpt.run(train, multiple_of=args.multiple_of or args.tp)
 
 
 if __name__ == "__main__":

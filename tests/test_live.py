@@ -361,3 +361,43 @@ def test_four_failures_in_a_row_each_followed_by_a_replacement(tmp_path):
     assert len(lost) == kills and max(r["first_step"] - r["died"] for r in lost) < 10, lost
     assert "socket.cpp" not in job.output() and "[W" not in job.output()
     _clean(tmp_path)
+
+
+def test_a_hot_spare_takes_the_place_of_a_lost_rank(tmp_path):
+    """5 ranks, ``multiple_of=2``: 4 train (FSDP2), 1 waits as a hot spare; a training rank
+    is SIGKILLed, the spare steps in: the world stays 4 ranks, every step on the unbroken
+    curve, kill -> next step as a crash recovery."""
+    steps, timings = 14, tmp_path / "timings.jsonl"
+    job = Job(tmp_path, 5, steps, script_args=("--multiple-of", "2"), env={"UNICKPT_LIVE_TIMINGS": str(timings)})
+    pids = job.wait_step(3)
+    assert len(pids) == 4  # the fifth waits
+    os.kill(pids[1], signal.SIGKILL)
+    after = job.wait_step(6, generation=1)
+    assert job.finish() == 0, job.output()
+    out = job.output()
+    assert "spare took rank 1's place; continuing on 4 ranks at step" in out, out
+    sizes = {(r["generation"], r["size"]) for r in job.lines()}
+    assert sizes == {(0, 4), (1, 4)}, sizes
+    assert len(set(after.values()) - set(pids.values())) == 1  # the spare's process, never relaunched
+    _check_curve(job, steps)
+    lost = [json.loads(x) for x in timings.read_text().splitlines() if x]
+    assert lost and lost[0]["first_step"] - lost[0]["died"] < 5, lost  # a crash recovery, not a timeout
+    _clean(tmp_path)
+
+
+def test_tp_layout_shrinks_to_a_multiple_and_grows_back(tmp_path):
+    """FSDP2 x TP on a dp2 x tp2 mesh, ``multiple_of=2``, ``--max-restarts 1``: a rank is
+    SIGKILLed -> dp1 x tp2 with one spare -> the replacement joins -> dp2 x tp2; every step
+    on the unbroken curve within 1e-4."""
+    steps = 24
+    job = Job(tmp_path, 4, steps, "--max-restarts", "1", script_args=("--tp", "2"), sleep=0.15)
+    pids = job.wait_step(3)
+    os.kill(pids[1], signal.SIGKILL)
+    assert job.finish() == 0, job.output()
+    out = job.output()
+    assert "rank 1 lost (exit -9); continuing on 2 ranks (1 spare) at step" in out, out
+    assert "1 replacement joined; continuing on 4 ranks at step" in out, out
+    sizes = sorted({(r["generation"], r["size"]) for r in job.lines()})
+    assert sizes == [(0, 4), (1, 2), (2, 4)], sizes
+    _check_curve(job, steps)
+    _clean(tmp_path)

@@ -68,14 +68,43 @@ class Generation:
         return cls(int(doc["number"]), [str(m) for m in doc["members"]], str(doc["cause"]), list(doc["lost"]),
                    [str(j) for j in doc["joined"]], int(doc["code"]), str(doc["reason"]), float(doc["at"]))
 
-    def place(self, worker: str) -> dict[str, int]:
-        """Where ``worker`` sits in this generation: rank, size, local rank, local size,
-        node index and node count (nodes and local ranks dense, in member order)."""
-        nodes = sorted({node_of(m) for m in self.members})
+    def active(self, multiple_of: int = 1) -> list[str]:
+        """The members that train (in member order): the largest multiple of
+        ``multiple_of`` not above the members' count; the others are hot spares. Whole
+        nodes are kept together: the nodes with the most members are filled first (ties:
+        the lower node), so a node that lost a rank gives up its rest before a rank is taken
+        from each whole node."""
+        n = len(self.members) // multiple_of * multiple_of
+        if n == len(self.members):
+            return list(self.members)
+        by_node: dict[int, list[str]] = {}
+        for m in self.members:
+            by_node.setdefault(node_of(m), []).append(m)
+        chosen: set[str] = set()
+        for node in sorted(by_node, key=lambda x: (-len(by_node[x]), x)):
+            chosen.update(by_node[node][: n - len(chosen)])
+        return [m for m in self.members if m in chosen]
+
+    def place(self, worker: str, multiple_of: int = 1) -> dict[str, int] | None:
+        """Where ``worker`` sits in this generation's active world: rank, size, local rank,
+        local size, node index and node count (nodes and local ranks dense, in member
+        order); None for a hot spare."""
+        active = self.active(multiple_of)
+        if worker not in active:
+            return None
+        nodes = sorted({node_of(m) for m in active})
         mine = node_of(worker)
-        local = [m for m in self.members if node_of(m) == mine]
-        return {"rank": self.members.index(worker), "size": len(self.members), "local_rank": local.index(worker),
+        local = [m for m in active if node_of(m) == mine]
+        return {"rank": active.index(worker), "size": len(active), "local_rank": local.index(worker),
                 "local_size": len(local), "node": nodes.index(mine), "nodes": len(nodes)}
+
+
+MULTIPLE_KEY = PREFIX + "multiple_of"  # the workers' unickpt.run(fn, multiple_of=K), for the coordinator
+
+
+def multiple_of(store: Any) -> int:
+    """The job's ``multiple_of`` (1 until a worker said otherwise)."""
+    return int(store.get(MULTIPLE_KEY)) if store.check([MULTIPLE_KEY]) else 1
 
 
 GO_ALL = "all"  # generation N's ``go`` key: every member arrived (else "superseded": a newer one exists)

@@ -379,7 +379,7 @@ class Coordinator:
                     self._send_probe()
                 elif ev["kind"] == "ready":
                     self.pending.append(ev["worker"])
-                    self.store.set(key("g", self.gen.number, "ready"), "1")
+                    self.store.set(key("g", self.gen.number, "ready"), str(len(self.pending)))
                 elif ev["worker"] in self.pending:
                     self.pending.remove(ev["worker"])
                 elif ev["code"] == 0:
@@ -402,8 +402,9 @@ class Coordinator:
         lost += self._lost_nodes()
         if end is not None:
             return self._end(*end)
-        if self.pending and self.finished >= set(self.gen.members):  # replacements waiting for a job that is over
-            return self._end(0, "the job finished")
+        active = set(self.gen.active(control.multiple_of(self.store)))
+        if self.finished >= active and (self.pending or set(self.gen.members) - self.finished):
+            return self._end(0, "the job finished")  # replacements or hot spares waiting for a job that is over
         if lost:
             return self._open("lost", lost)
         if self.pending and self.store.check([key("g", self.gen.number, "grow_at")]):
@@ -414,11 +415,17 @@ class Coordinator:
         joined, self.pending = self.pending, []
         members = [m for m in self.gen.members if m not in gone] + joined
         members.sort(key=control.node_of)  # stable: the survivors keep their order
-        if len(members) < self.args.min_ranks:
-            return self._end(1, f"{len(members)} rank(s) left, fewer than --min-ranks {self.args.min_ranks}")
-        self.publish(Generation(self.gen.number + 1, members, cause, lost, joined))
+        gen = Generation(self.gen.number + 1, members, cause, lost, joined)
+        k = control.multiple_of(self.store)
+        active = len(gen.active(k))
+        if not active:
+            return self._end(1, f"{len(members)} rank(s) left, fewer than the multiple_of={k} the job trains on")
+        if active < self.args.min_ranks:
+            spares = f" ({len(members) - active} spare(s) that fit no multiple of {k})" if active < len(members) else ""
+            return self._end(1, f"{active} rank(s) left{spares}, fewer than --min-ranks {self.args.min_ranks}")
+        self.publish(gen)
         if self.pending:
-            self.store.set(key("g", self.gen.number, "ready"), "1")
+            self.store.set(key("g", self.gen.number, "ready"), str(len(self.pending)))
 
     def _end(self, code: int, reason: str) -> None:
         self.publish(Generation(self.gen.number + 1, [], "end", code=code, reason=reason))

@@ -85,7 +85,7 @@ class World:
 _CURRENT: "_Live | None" = None  # this process's live-recovery state, under `unickpt launch`
 
 
-def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
+def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int = 1) -> Any:
     """Initialise the default process group, call ``fn(world)`` and destroy the group when
     it returns; returns what ``fn`` returned.
 
@@ -96,27 +96,39 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     torch's default for the device when None. ``fn`` must not call
     ``init_process_group`` or ``destroy_process_group`` itself.
 
+    ``multiple_of=K`` (a layout of tensor x pipeline parallel degree K): at every
+    generation the active world is the largest multiple of K not above the ranks
+    available; ``fn`` runs on those, and the others wait inside ``run`` as hot spares
+    (their imports, CUDA context and keeper kept), first in line at the next failure,
+    which then re-forms at the same size. Whole nodes are kept together (see
+    :meth:`unickpt.live.control.Generation.active`).
+
     Args:
         fn: The training function; called with the current :class:`World`.
         backend: The process group's backend (None: torch's default for the device).
+        multiple_of: The active world's size is always a multiple of this.
 
     Returns:
         What ``fn`` returned (in its last generation).
 
     Raises:
-        UnickptError: The default process group is already initialised.
+        UnickptError: The default process group is already initialised; ``multiple_of``
+            is not a positive integer, or (under torchrun) does not divide the world.
     """
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise UnickptError(f"unickpt.run(fn, multiple_of={multiple_of!r}): expected a positive integer "
+                           "(the tensor x pipeline parallel degree the world must be a multiple of)")
     if dist.is_initialized():
         raise UnickptError("unickpt.run(fn) initialises the process group itself: call it before "
                            "init_process_group, not after (and not from inside another unickpt.run)")
     if not control.under_launch():
-        return _run_once(fn, backend)
+        return _run_once(fn, backend, multiple_of)
     global _CURRENT
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     track_group_sockets()  # every group of a generation (a DeviceMesh's too) is cut when it ends
     live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV],
-                            os.environ.get(control.NODE_STORE_ENV))
+                            os.environ.get(control.NODE_STORE_ENV), multiple_of)
     try:
         return live.loop(fn, backend)
     finally:
@@ -125,8 +137,12 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
         gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
 
 
-def _run_once(fn: Callable[[World], Any], backend: str | None) -> Any:
+def _run_once(fn: Callable[[World], Any], backend: str | None, multiple_of: int = 1) -> Any:
     """torchrun or plain python: one group, one call."""
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    if size % multiple_of:
+        raise UnickptError(f"unickpt.run(fn, multiple_of={multiple_of}): the world has {size} rank(s), not a multiple "
+                           f"of {multiple_of} (hot spares need `unickpt launch`)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:  # a single process: a group of one, no rendezvous
@@ -190,8 +206,8 @@ def interrupted() -> type[BaseException]:
 class _Live:
     """One worker's side of a live-recovery job."""
 
-    def __init__(self, address: str, worker: str, node_address: str | None = None) -> None:
-        self.address, self.worker = address, worker
+    def __init__(self, address: str, worker: str, node_address: str | None = None, multiple_of: int = 1) -> None:
+        self.address, self.worker, self.multiple_of = address, worker, multiple_of
         self.store = control.connect(address)
         # progress and liveness go to this node's launcher only: its own store, not the job's
         self.node_address = node_address or address
@@ -208,12 +224,21 @@ class _Live:
         self._seen = -1
         self._watcher: threading.Thread | None = None
         self._beater: threading.Thread | None = None
+        self.prev_active: list[str] = []  # the active members of the generation before (the lines rank 0 prints)
 
     # -- the generations ------------------------------------------------------------------
     def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
         self.store.set(key("run", self.worker), "1")  # the launcher treats this worker's death as recoverable
+        said = self.store.compare_set(control.MULTIPLE_KEY, "", str(self.multiple_of)).decode()
+        if said != str(self.multiple_of):
+            raise UnickptError(f"unickpt.run(fn, multiple_of={self.multiple_of}): another rank of this job said "
+                               f"multiple_of={said}; every rank must give the same")
         gen = self.join()
         while True:
+            if gen.place(self.worker, self.multiple_of) is None:  # a hot spare: no group, no fn
+                self._check_enough(gen)
+                gen = self.wait_as_spare(gen)
+                continue
             if not self.arrive(gen):  # a member was lost while the others gathered
                 gen = self.newer(gen)
                 continue
@@ -272,10 +297,36 @@ class _Live:
                 self._seen = n
                 return gen
 
+    def _check_enough(self, gen: Generation) -> None:
+        """A clear error when fewer ranks are left than ``multiple_of`` (none could train)."""
+        if not gen.active(self.multiple_of):
+            raise UnickptError(f"unickpt.run(fn, multiple_of={self.multiple_of}): only {len(gen.members)} rank(s) "
+                               f"available, fewer than multiple_of={self.multiple_of}")
+
+    def wait_as_spare(self, gen: Generation) -> Generation:
+        """A hot spare of ``gen``: wait, in this process, for the next generation (a failure
+        it may cover, a join, the job's end); returns it."""
+        self.gen, self.world = gen, None
+        self._seen = max(self._seen, gen.number)
+        self.node_store.set(key("beat", self.worker), f"spare g{gen.number}")  # not a step: no hang check
+        n = gen.number + 1
+        while True:
+            name = control.watch_key(self.worker, n) if self.node_address != self.address else key("g", n)
+            if control.wait_key(self.node_store, name, 3600.0):
+                break
+        self._seen = max(self._seen, n)
+        nxt = control.read(self.store, n)
+        self._end_if_over(nxt)
+        if self.worker not in nxt.members:
+            raise SystemExit(f"unickpt: this worker ({self.worker}) was left out of generation {n}")
+        self.prev_active = gen.active(self.multiple_of)
+        return nxt
+
     def form(self, gen: Generation, backend: str | None) -> None:
         """Initialise the default group of ``gen`` (its own store prefix) and this process's
         torchrun variables for it."""
-        place = gen.place(self.worker)
+        place = gen.place(self.worker, self.multiple_of)
+        assert place is not None
         os.environ.update(RANK=str(place["rank"]), WORLD_SIZE=str(place["size"]), LOCAL_RANK=str(place["local_rank"]),
                           LOCAL_WORLD_SIZE=str(place["local_size"]), GROUP_RANK=str(place["node"]),
                           GROUP_WORLD_SIZE=str(place["nodes"]), ROLE_RANK=str(place["rank"]),
@@ -290,7 +341,8 @@ class _Live:
         self.mark("formed")
         self.times["published"] = gen.at
         if gen.number > 0 and gen.cause in ("lost", "grow"):
-            self.note = _describe(gen) + " at step {} " + f"(generation {gen.number})"
+            self.note = _describe(gen, self.multiple_of, self.prev_active) + " at step {} " + f"(generation {gen.number})"
+        self.prev_active = gen.active(self.multiple_of)
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="unickpt-live-watch", daemon=True)
             self._watcher.start()
@@ -333,7 +385,7 @@ class _Live:
 
     def say_arrived(self, gen: Generation) -> None:
         """Count this member in; the last one opens the generation's ``go`` key."""
-        if int(self.store.add(key("g", gen.number, "arrived"), 1)) == len(gen.members):
+        if int(self.store.add(key("g", gen.number, "arrived"), 1)) == len(gen.active(self.multiple_of)):
             self.store.compare_set(key("g", gen.number, "go"), "", control.GO_ALL)
 
     def all_arrived(self, gen: Generation) -> bool:
@@ -410,10 +462,20 @@ class _Live:
             self._seen = nxt
             if gen.cause != "grow" or self.worker not in gen.members:
                 with self.lock:
+                    if self.in_fn and self.gen is not None and self._unchanged(gen):
+                        self.gen = gen  # a spare was lost: the active world trains on, in its groups
+                        if self.world is not None and self.world.rank == 0 and gen.lost:
+                            say(_describe(gen, self.multiple_of, self.prev_active) + f" (generation {gen.number})")
+                        continue
                     if self.in_fn and self.gen is not None and gen.number > self.gen.number:
                         self.cut()  # the main thread may be blocked in a gloo collective
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
                                                                    ctypes.py_object(Interrupted))
+
+    def _unchanged(self, gen: Generation) -> bool:
+        """True when ``gen`` keeps this generation's active world as it is (only spares or
+        pending replacements changed): nothing to re-form."""
+        return gen.cause == "lost" and gen.active(self.multiple_of) == self.prev_active
 
     def _beat(self) -> None:
         """Tell the launcher this process runs, every ALIVE_S (its own connection: the
@@ -450,13 +512,20 @@ class _Live:
             self._report()
         if self.grow_at is None:
             grow = key("g", gen.number, "grow_at")
-            if world.rank == 0 and store.check([key("g", gen.number, "ready")]):
+            ready = key("g", gen.number, "ready")
+            if world.rank == 0 and store.check([ready]) and self._grows(int(store.get(ready) or b"1")):
                 # every rank reaches maybe_save(step + 1) only after a collective rank 0 joins
                 # after this line, so each sees grow_at there at the latest
                 store.set(grow, str(step + 1))
             if store.check([grow]):
                 self.grow_at = int(store.get(grow))
         return self.grow_at == step
+
+    def _grows(self, pending: int) -> bool:
+        """True when ``pending`` more ranks grow the active world (not only the spares)."""
+        assert self.gen is not None
+        k = self.multiple_of
+        return (len(self.gen.members) + pending) // k * k > len(self.prev_active)
 
     def say(self, step: int) -> None:
         """Rank 0 prints the pending re-forming line, now that the step is known."""
@@ -531,16 +600,23 @@ def _freeze_heap() -> None:
     gc.freeze()  # (gc.get_freeze_count() walks the frozen heap: ~70 ms)
 
 
-def _describe(gen: Generation) -> str:
-    """The first part of a re-forming's line: who was lost or who joined, and the new size."""
+def _describe(gen: Generation, multiple_of: int = 1, before: list[str] | None = None) -> str:
+    """The first part of a re-forming's line: who was lost or who joined (or which spare
+    stepped in), and the new size (and spares)."""
+    active = gen.active(multiple_of)
+    spares = len(gen.members) - len(active)
+    size = f"{len(active)} ranks" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
+    stepped = [m for m in active if before and m not in before and m not in gen.joined]
     if gen.cause == "grow" or not gen.lost:
         n = len(gen.joined)
-        return f"{n} replacement{'s' if n != 1 else ''} joined; continuing on {len(gen.members)} ranks"
+        return f"{n} replacement{'s' if n != 1 else ''} joined; continuing on {size}"
     ranks = [int(x["rank"]) for x in gen.lost]
     why = ", ".join(str(x["why"]) for x in gen.lost)
     who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
     joined = f", {len(gen.joined)} joined" if gen.joined else ""
-    return f"{who} lost ({why}){joined}; continuing on {len(gen.members)} ranks"
+    if stepped and len(active) == len(before or []):  # the same size: spares stepped in
+        return f"{'spare' if len(stepped) == 1 else 'spares'} took {who}'s place{joined}; continuing on {size}"
+    return f"{who} lost ({why}){joined}; continuing on {size}"
 
 
 def _network_error(error: BaseException) -> bool:
