@@ -764,13 +764,19 @@ def demo_cmd(
         bool, typer.Option("--node-loss", help="With --fault-tolerance: 4 simulated nodes (torchrun) with in-memory "
                            "snapshots and parity lose one; the job is restarted on 3 from memory.")
     ] = False,
+    tp: Annotated[
+        int, typer.Option("--tp", help="With --fault-tolerance: FSDP2 x TP on a dp2 x tp2 mesh (2); the world stays a "
+                          "multiple of it: 4 -> 2 ranks + 1 hot spare -> 4.")
+    ] = 1,
 ) -> None:
     """Train on tp2 x dp2, lose the job, resume on 3 ranks: the loss curve goes on (CPU, gloo)."""
     png = str(plot) if plot != Path("unickpt_demo_resume.png") else "unickpt_demo_fault.png"
     if fault_tolerance and not node_loss:
         from .demo_live import run_live_demo
 
-        live = run_live_demo(str(directory) if directory else None, png, _out())
+        if tp not in (1, 2):
+            raise typer.BadParameter(f"--tp {tp}: the live demo runs 4 ranks, with --tp 1 or 2", param_hint="--tp")
+        live = run_live_demo(str(directory) if directory else None, png, _out(), tp)
         if not live.ok:
             _err().print(Text("demo FAILED: the survivors did not go on from memory on the unbroken curve", style="bold red"))
             raise typer.Exit(EXIT_FAILED)
