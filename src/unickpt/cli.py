@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -715,14 +716,24 @@ def snapshots_cmd(
     free: Annotated[bool, typer.Option("--free", help="Stop the keeper and delete every snapshot it holds "
                                        "(only when no job of this node is running: a running job loses its memory tier).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="With --free: free them even while a job of this node "
+                                        "runs (it loses its memory tier).")] = False,
 ) -> None:
     """List the keeper process and the snapshots held in this node's host memory; a job
-    killed and not relaunched leaves them held. --free stops the keeper and deletes them.
-    Run it on every node of the job."""
-    from .snapshot.leftovers import free_snapshots, held_snapshots
+    killed and not relaunched leaves them held. --free stops the keeper and deletes them
+    (refused while a job of this node runs, unless --force). Run it on every node of the job."""
+    from .snapshot.leftovers import free_snapshots, held_snapshots, running_jobs
     from .snapshot.paths import shm_root as default_root
 
     root = shm_root or default_root()
+    if not os.path.isdir(root):
+        raise _fail(f"{root}: no such directory (the node's shm root: give it, or set $UNICKPT_SHM_ROOT)")
+    if free and not force:
+        running = running_jobs(root)
+        if running:
+            _fail(f"a job of this node is running on {root} (pid {', '.join(map(str, running[:4]))}): --free would take "
+                  "its snapshots away; stop it first, or add --force")
+            raise typer.Exit(1)
     held = free_snapshots(root) if free else held_snapshots(root)
     if as_json:
         typer.echo(json.dumps({**held, "freed": free}, indent=2))

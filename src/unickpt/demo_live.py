@@ -169,7 +169,7 @@ def _run(root: str, plot_path: str, console: Any, tp: int = 1) -> LiveDemo:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    text = open(out_path, errors="replace").read()
+    text = re.sub(r"^\[rank\d+\]: ", "", open(out_path, errors="replace").read(), flags=re.M)  # the launcher's prefix
     resumed = [m.group(0) for m in RESUMED.finditer(text)]
     rows = _rows(log)
     losses = {r["step"]: r["loss"] for r in rows}  # a step redone after the kill: its last value

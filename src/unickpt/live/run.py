@@ -85,7 +85,8 @@ class World:
 _CURRENT: "_Live | None" = None  # this process's live-recovery state, under `unickpt launch`
 
 
-def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int = 1) -> Any:
+def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int = 1,
+        recover: bool | tuple[type[BaseException], ...] = False) -> Any:
     """Initialise the default process group, call ``fn(world)`` and destroy the group when
     it returns; returns what ``fn`` returned.
 
@@ -103,10 +104,18 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
     which then re-forms at the same size. Whole nodes are kept together (see
     :meth:`unickpt.live.control.Generation.active`).
 
+    An exception ``fn`` raises is a bug, not a failure of the process: under ``unickpt
+    launch`` it ends the job on every node (exit 1, the rank and the error named), since it
+    would happen again after a re-forming. ``recover`` names the exceptions that are
+    failures of the process instead (``recover=(torch.cuda.OutOfMemoryError,)``, or True
+    for any): the rank that raised one is lost and the others go on without it, as after
+    a crash. A failed collective (a peer lost) is always recovered from.
+
     Args:
         fn: The training function; called with the current :class:`World`.
         backend: The process group's backend (None: torch's default for the device).
         multiple_of: The active world's size is always a multiple of this.
+        recover: Exception types (or True: all) that drop the rank instead of ending the job.
 
     Returns:
         What ``fn`` returned (in its last generation).
@@ -128,7 +137,7 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     track_group_sockets()  # every group of a generation (a DeviceMesh's too) is cut when it ends
     live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV],
-                            os.environ.get(control.NODE_STORE_ENV), multiple_of)
+                            os.environ.get(control.NODE_STORE_ENV), multiple_of, recover)
     try:
         return live.loop(fn, backend)
     finally:
@@ -206,8 +215,10 @@ def interrupted() -> type[BaseException]:
 class _Live:
     """One worker's side of a live-recovery job."""
 
-    def __init__(self, address: str, worker: str, node_address: str | None = None, multiple_of: int = 1) -> None:
+    def __init__(self, address: str, worker: str, node_address: str | None = None, multiple_of: int = 1,
+                 recover: bool | tuple[type[BaseException], ...] = False) -> None:
         self.address, self.worker, self.multiple_of = address, worker, multiple_of
+        self.recover = recover  # the exceptions of fn that drop this rank instead of ending the job
         self.store = control.connect(address)
         # progress and liveness go to this node's launcher only: its own store, not the job's
         self.node_address = node_address or address
@@ -260,6 +271,7 @@ class _Live:
                 nxt = self.verdict(e)
                 self.mark("verdict")
                 if nxt is None:
+                    _report_raised(self, e)
                     _check_group_kept(e)
                     self.teardown()
                     raise
@@ -565,6 +577,23 @@ class _InFn:
         with self.live.lock:
             self.live.in_fn = False
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.live.main), None)  # one not yet raised
+
+
+def _report_raised(live: _Live, error: BaseException) -> None:
+    """Tell the coordinator what ended ``fn`` for good on this rank (before the process
+    exits): an error of ``fn`` ends the job (exit 1) unless it is a failure of the process
+    (a failed collective, a signal's KeyboardInterrupt, one of ``run(recover=...)``'s)."""
+    if isinstance(error, SystemExit) and error.code in (0, None):
+        return  # an early exit 0: the coordinator judges it by its peers
+    recover = live.recover
+    chosen = recover is True or (recover not in (False, None) and isinstance(error, recover))
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "fn"
+    try:
+        control.post_event(live.store, kind="raised", worker=live.worker, error=f"{type(error).__name__}: {error}"[:300],
+                           where=where, recoverable=chosen or _network_error(error) or isinstance(error, KeyboardInterrupt))
+    except RuntimeError:
+        pass  # the job's store is gone: nothing to tell
 
 
 def _forget_exception(error: BaseException) -> None:

@@ -15,10 +15,10 @@ import time
 from datetime import timedelta
 
 from ..logs import say
-from .control import Generation, key
+from .control import key
 from .launch import Coordinator
 
-CONFIG_KEY = key("config")  # the job's shape, set by its first launcher: {"nnodes", "nproc_per_node", "min_ranks"}
+CONFIG_KEY = key("config")  # the job's shape and policy, set by its first launcher (see join_config)
 TURN_S = 0.01  # how often the coordinator looks at the launchers' reports
 
 
@@ -33,28 +33,27 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
     store.wait([CONFIG_KEY])  # the first launcher's (no timeout logged: the store's own, a year)
     cfg = json.loads(store.get(CONFIG_KEY))
     args = argparse.Namespace(nnodes=int(cfg["nnodes"]), nproc_per_node=int(cfg["nproc_per_node"]),
-                              min_ranks=int(cfg["min_ranks"]), node_rank=-1, store=f"{host}:{store.port}")
+                              min_ranks=int(cfg["min_ranks"]), max_restarts=int(cfg["max_restarts"]),
+                              join_timeout=float(cfg["join_timeout"]), node_rank=-1, standalone=False,
+                              master_addr=host, store=f"{host}:{store.port}")
     coordinator = Coordinator(store, args)
     coordinator.start()
     while True:
-        coordinator.step()
+        coordinator.step()  # opens generation 0 once every node joined, then the others; ends the job
         gen = coordinator.gen
-        if gen.cause == "end":
+        if gen is not None and gen.cause == "end":
             coordinator.wait_nodes_done()
-            say(f"unickpt store: the job ended: {gen.reason or 'exit ' + str(gen.code)}")
+            say(f"unickpt store: {gen.reason}")
             return gen.code if gen.code >= 0 else 1
-        if coordinator.all_done():
-            coordinator.publish(Generation(gen.number + 1, [], "end", code=0, reason="the job finished"))
-            say("unickpt store: the job finished")
-            return 0
         time.sleep(TURN_S)
 
 
 def join_config(store: object, args: argparse.Namespace) -> None:
     """A launcher under ``--store``: record the job's shape for the store's coordinator (the
     first launcher's wins), and refuse a launcher whose shape differs."""
-    mine = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "min_ranks": args.min_ranks}
+    mine = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "min_ranks": args.min_ranks,
+            "max_restarts": args.max_restarts, "join_timeout": args.join_timeout}
     have = json.loads(store.compare_set(CONFIG_KEY, "", json.dumps(mine)))
-    if any(have.get(k) != v for k, v in mine.items() if k != "min_ranks"):
+    if any(have.get(k) != v for k, v in mine.items() if k in ("nnodes", "nproc_per_node")):
         raise SystemExit(f"unickpt launch: the job at --store {args.store} has {have['nnodes']} node(s) of "
                          f"{have['nproc_per_node']} process(es); this launcher says {args.nnodes} of {args.nproc_per_node}")
