@@ -280,6 +280,9 @@ class _Live:
                 self.teardown()
                 gen = nxt
                 continue
+            # fn returned: no step follows, so the launcher's hang check must not read the
+            # time this process takes to tear down and exit as a hang
+            self.node_store.set(key("beat", self.worker), "done")
             _check_group_kept(None)
             self.teardown(collect=True)
             return result
