@@ -579,6 +579,7 @@ class Launcher:
         workers and say why, on the last line."""
         self._stop_workers(signal.SIGTERM, END_GRACE_S, report=False)
         self.store.set(key("node", self.node, "done"), "1")
+        self.store.set(key("node", self.node, "ended"), "1")  # the store's host may go now
         if self.coordinator is not None:
             self.coordinator.wait_nodes_done()
         self.output.drain()
@@ -623,6 +624,7 @@ class Launcher:
             if self.coordinator is not None:
                 self.coordinator.wait_nodes_done(grace + END_GRACE_S + 2.0)
             end = self._newest()
+            self.store.set(key("node", self.node, "ended"), "1")
         except RuntimeError:
             end = None
         self.output.drain()
@@ -900,9 +902,10 @@ class Coordinator:
                         for m in self.gen.members if control.node_of(m) == n]
         return out
 
-    def all_done(self) -> bool:
-        """True when every other node that joined has finished, or was lost (its launcher
-        silent for NODE_TIMEOUT_S)."""
+    def all_done(self, mark: str = "done") -> bool:
+        """True when every other node that joined has finished (``mark``: ``done``, its
+        workers ended; ``ended``, its launcher read the job's end), or was lost (its
+        launcher silent for NODE_TIMEOUT_S)."""
         now = time.monotonic()
         nodes = [n for n in range(self.args.nnodes) if n != self.me and self.store.check([key("node", n, "joined")])]
         beats = self.store.multi_get([key("node", n, "beat") for n in nodes]) if nodes else []
@@ -911,14 +914,16 @@ class Coordinator:
             last = self.silent.get(n)
             if last is None or last[0] != beat:
                 self.silent[n] = last = (beat, now)
-            if not self.store.check([key("node", n, "done")]) and now - last[1] <= NODE_TIMEOUT_S:
+            if not self.store.check([key("node", n, mark)]) and now - last[1] <= NODE_TIMEOUT_S:
                 waiting = True
         return not waiting
 
     def wait_nodes_done(self, timeout: float = 30.0) -> None:
-        """Keep the store up until the other nodes have seen the end (or the timeout)."""
+        """Keep the store up until the other nodes have read the job's end (or the timeout):
+        a launcher that finds the store gone before it read the end would report the job
+        as failed."""
         deadline = time.monotonic() + timeout
-        while not self.all_done() and time.monotonic() < deadline:
+        while not self.all_done("ended") and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
