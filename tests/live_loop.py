@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: a dp x tp mesh, FSDP2 over dp; "
                    "unickpt.run(train, multiple_of=tp)")
     p.add_argument("--multiple-of", type=int, default=None, help="unickpt.run's multiple_of (default: --tp)")
+    p.add_argument("--stop-file", default=None, help="end the run (every rank at the same step) once this file "
+                   "exists: a test stops a long run when it has seen what it waits for, however slow the machine")
     args = p.parse_args()
 
     def train(world: unickpt.World) -> None:
@@ -85,6 +87,11 @@ def main() -> None:
         manager = unickpt.CheckpointManager(args.ckpt_dir, snapshot_every=args.snapshot_every)
         start = manager.restore(state)
         for step in range(start + 1, args.steps + 1):
+            if args.stop_file:  # rank 0 decides, every rank ends at the same step
+                stop = torch.tensor([float(world.rank == 0 and os.path.exists(args.stop_file))])
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+                if stop.item():
+                    break
             xb, yb = batch(step, x, y)
             loss = F.mse_loss(model(xb[dp::dp_size]), yb[dp::dp_size])
             loss.backward()

@@ -107,6 +107,20 @@ def multiple_of(store: Any) -> int:
     return int(store.get(MULTIPLE_KEY)) if store.check([MULTIPLE_KEY]) else 1
 
 
+CONFIG_KEY = PREFIX + "config"  # a store host's job: its shape and policy, set by the first launcher
+
+
+def join_config(store: Any, args: Any) -> None:
+    """A launcher under ``--store``: record the job's shape for the store host's coordinator
+    (the first launcher's wins: ``unickpt store``), and refuse a launcher whose shape differs."""
+    mine = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "min_ranks": args.min_ranks,
+            "max_restarts": args.max_restarts, "join_timeout": args.join_timeout}
+    have = json.loads(store.compare_set(CONFIG_KEY, "", json.dumps(mine)))
+    if any(have.get(k) != v for k, v in mine.items() if k in ("nnodes", "nproc_per_node")):
+        raise SystemExit(f"unickpt launch: the job at --store {args.store} has {have['nnodes']} node(s) of "
+                         f"{have['nproc_per_node']} process(es); this launcher says {args.nnodes} of {args.nproc_per_node}")
+
+
 GO_ALL = "all"  # generation N's ``go`` key: every member arrived (else "superseded": a newer one exists)
 
 

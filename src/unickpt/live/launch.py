@@ -264,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         if store is None:
             return signals.exit_code() if signals.signum else 1
         if args.store is not None:
-            from .store_host import join_config
-
-            join_config(store, args)
+            control.join_config(store, args)
     address = f"{args.master_addr}:{store.port}"
     # this node's own store: its workers' progress and liveness, read by this launcher only
     node_store = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)

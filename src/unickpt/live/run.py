@@ -323,6 +323,8 @@ class _Live:
         it may cover, a join, the job's end); returns it."""
         self.gen, self.world = gen, None
         self._seen = max(self._seen, gen.number)
+        if not self.prev_active:  # warm while it waits: what fn imports lazily, frozen (see _freeze_heap)
+            _freeze_heap()
         self.node_store.set(key("beat", self.worker), f"spare g{gen.number}")  # not a step: no hang check
         n = gen.number + 1
         while True:

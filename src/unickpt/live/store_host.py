@@ -15,10 +15,9 @@ import time
 from datetime import timedelta
 
 from ..logs import say
-from .control import key
+from .control import CONFIG_KEY
 from .launch import Coordinator
 
-CONFIG_KEY = key("config")  # the job's shape and policy, set by its first launcher (see join_config)
 TURN_S = 0.01  # how often the coordinator looks at the launchers' reports
 
 
@@ -46,14 +45,3 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
             say(f"unickpt store: {gen.reason}")
             return gen.code if gen.code >= 0 else 1
         time.sleep(TURN_S)
-
-
-def join_config(store: object, args: argparse.Namespace) -> None:
-    """A launcher under ``--store``: record the job's shape for the store's coordinator (the
-    first launcher's wins), and refuse a launcher whose shape differs."""
-    mine = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "min_ranks": args.min_ranks,
-            "max_restarts": args.max_restarts, "join_timeout": args.join_timeout}
-    have = json.loads(store.compare_set(CONFIG_KEY, "", json.dumps(mine)))
-    if any(have.get(k) != v for k, v in mine.items() if k in ("nnodes", "nproc_per_node")):
-        raise SystemExit(f"unickpt launch: the job at --store {args.store} has {have['nnodes']} node(s) of "
-                         f"{have['nproc_per_node']} process(es); this launcher says {args.nnodes} of {args.nproc_per_node}")
