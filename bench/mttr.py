@@ -2,11 +2,13 @@
 step of the relaunched job, recovering from memory (``--snapshot-every 1``) against
 recovering from the last disk checkpoint (no snapshots), under the same run conditions.
 
-    python -m bench.mttr [--kills 3] [--nproc 2] [--live]
+    python -m bench.mttr [--kills 3] [--nproc 2] [--live [--failure crash,node,hang,grow]]
 
 ``--live`` first measures live recovery (``unickpt launch``: the survivors stay in their
-processes, a replacement joins later): kill -> next step split into detection, publish,
-interruption, tear-down, re-forming, the user's rebuild + restore and the first step.
+processes, a replacement joins later) for each failure kind (``--failure``: a crashed
+rank, a lost node, a hung rank, a replacement joining): kill -> next step split into
+detection, publish, interruption, tear-down, re-forming, the user's rebuild + restore and
+the first step, the medians in one table. With ``--failure`` only live recovery runs.
 
 Runs the example trainer under ``torchrun --standalone --max-restarts K`` (with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless ``--shared-store``: without snapshots
@@ -150,46 +152,128 @@ def breakdown(job: dict) -> list[dict]:
 
 
 LIVE_LOOP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "live_loop.py")
-PHASES = (("detect", "kill", "died"), ("publish", "died", "published"), ("interrupt", "published", "interrupted"),
-          ("teardown", "interrupted", "torn_down"), ("reform", "torn_down", "formed"),
+# interrupt: kill -> the survivor's fn ended (for a lost node, before the verdict: its collective failed at once);
+# verdict: -> the survivor has the coordinator's new generation
+PHASES = (("detect", "kill", "died"), ("publish", "died", "published"), ("interrupt", "kill", "interrupted"),
+          ("verdict", "interrupted", "verdict"), ("teardown", "verdict", "torn_down"), ("reform", "torn_down", "formed"),
           ("rebuild+restore", "formed", "restored"), ("first_step", "restored", "first_step"),
           ("(collect)", "destroyed", "torn_down"), ("(freeze)", "formed", "frozen"))  # the part of the tear-down spent in gc.collect()
+FAILURES = ("crash", "node", "hang", "grow")
+HANG_TIMEOUT_S = 3.0  # --failure hang: the launcher's --hang-timeout
 
 
-def run_live(work: str, nproc: int, kills: int, steps: int, sleep: float) -> tuple[int, list[dict]]:
-    """Live recovery: ``unickpt launch --max-restarts K`` of tests/live_loop.py (an FSDP2
-    loop under ``unickpt.run``); SIGKILL rank 1 K times, each once the replacement of the
-    last kill has joined. Per kill, the phases rank 0 logged ($UNICKPT_LIVE_TIMINGS)."""
-    log, timings = os.path.join(work, "log.jsonl"), os.path.join(work, "timings.jsonl")
-    env = dict(os.environ, UNICKPT_LIVE_TIMINGS=timings, UNICKPT_SHM_ROOT=os.path.join(work, "shm"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc), "--max-restarts",
-           str(kills), LIVE_LOOP, "--steps", str(steps), "--ckpt-dir", os.path.join(work, "ckpt"), "--log", log,
-           "--sleep", str(sleep)]
-    with open(os.path.join(work, "out.log"), "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        killed: list[float] = []
-        for k in range(kills):
-            gen, pid = 2 * k, None
-            while pid is None and proc.poll() is None:
-                rows = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
-                mine = [r for r in rows if r["generation"] == gen]
-                if len({r["step"] for r in mine}) >= 3:
-                    pid = next(r["pid"] for r in mine if r["rank"] == 1)
-                time.sleep(0.01)
-            if pid is None:
-                break
-            killed.append(time.time())
-            os.kill(pid, signal.SIGKILL)
-        rc = proc.wait()
+def _rows(log: str) -> list[dict]:
+    return [json.loads(x) for x in open(log) if x.strip()] if os.path.exists(log) else []
+
+
+def _wait_steps(log: str, gen: int, n: int, procs: list[subprocess.Popen]) -> dict[int, int] | None:
+    """Wait until generation ``gen`` logged ``n`` steps; its ranks' pids (None: the job ended)."""
+    while all(p.poll() is None for p in procs):
+        mine = [r for r in _rows(log) if r["generation"] == gen]
+        if len({r["step"] for r in mine}) >= n:
+            return {r["rank"]: r["pid"] for r in mine}
+        time.sleep(0.01)
+    return None
+
+
+def _phases(timings: str, killed: list[float], cause: str) -> list[dict]:
     lost = [json.loads(x) for x in open(timings)] if os.path.exists(timings) else []
-    lost = [r for r in lost if r["cause"] == "lost"]
     rows = []
-    for t, r in zip(killed, lost):
+    for t, r in zip(killed, [r for r in lost if r["cause"] == cause]):
         r["kill"] = t
         row = {name: r[b] - r[a] for name, a, b in PHASES if a in r and b in r}
         row["total_s"] = r["first_step"] - t if "first_step" in r else None
         rows.append(row)
+    return rows
+
+
+def _launch(work: str, nproc: int, steps: int, sleep: float, flags: list[str], env: dict, node: tuple[int, int, int] | None = None,
+            out: str = "out.log") -> subprocess.Popen:
+    log = os.path.join(work, "log.jsonl")
+    where = ["--standalone"] if node is None else ["--nnodes", str(node[1]), "--node-rank", str(node[0]), "--master-addr",
+                                                    "127.0.0.1", "--master-port", str(node[2])]
+    cmd = [sys.executable, "-m", "unickpt", "launch", *where, "--nproc-per-node", str(nproc), *flags, LIVE_LOOP,
+           "--steps", str(steps), "--ckpt-dir", os.path.join(work, "ckpt"), "--log", log, "--sleep", str(sleep)]
+    return subprocess.Popen(cmd, env=env, stdout=open(os.path.join(work, out), "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def run_live(work: str, nproc: int, kills: int, steps: int, sleep: float, failure: str = "crash") -> tuple[int, list[dict]]:
+    """Live recovery under ``unickpt launch`` of tests/live_loop.py (an FSDP2 loop under
+    ``unickpt.run``), one failure kind, ``kills`` times; per failure, the phases rank 0
+    logged ($UNICKPT_LIVE_TIMINGS) and kill -> next step.
+
+    - crash: SIGKILL rank 1 (one node), each once the replacement of the last has joined.
+    - hang: SIGSTOP rank 1 under ``--hang-timeout 3`` (killed as hung, then as a crash).
+    - node: 4 nodes of one rank (XOR parity): node 2 lost whole (launcher, worker, keeper,
+      its shared memory); one job per loss.
+    - grow: the pause at the step boundary where a replacement joins (last step of the old
+      generation -> first step of the new), after a crash."""
+    log, timings = os.path.join(work, "log.jsonl"), os.path.join(work, "timings.jsonl")
+    env = dict(os.environ, UNICKPT_LIVE_TIMINGS=timings, UNICKPT_SHM_ROOT=os.path.join(work, "shm"), OMP_NUM_THREADS="1")
+    if failure == "node":
+        return _run_node_losses(work, kills, steps, sleep, env)
+    flags = ["--max-restarts", str(kills)] + (["--hang-timeout", str(HANG_TIMEOUT_S)] if failure == "hang" else [])
+    proc = _launch(work, nproc, steps, sleep, flags, env)
+    killed: list[float] = []
+    for k in range(kills):
+        pids = _wait_steps(log, 2 * k, 3, [proc])
+        if pids is None:
+            break
+        killed.append(time.time())
+        os.kill(pids[1], signal.SIGSTOP if failure == "hang" else signal.SIGKILL)
+    rc = proc.wait()
+    if failure == "grow":
+        return rc, _grow_pauses(log)
+    return rc, _phases(timings, killed, "lost")
+
+
+def _grow_pauses(log: str) -> list[dict]:
+    """Per grow generation: the last step logged before it -> its first step logged."""
+    rows, out = _rows(log), []
+    gens = sorted({r["generation"] for r in rows})
+    for g in gens[1:]:
+        if g % 2:
+            continue  # the odd generations follow a crash; the even ones a replacement joining
+        before = max((r["t"] for r in rows if r["generation"] == g - 1), default=None)
+        first = min(r["t"] for r in rows if r["generation"] == g)
+        if before is not None:
+            out.append({"total_s": first - before})
+    return out
+
+
+def _run_node_losses(work: str, kills: int, steps: int, sleep: float, env: dict) -> tuple[int, list[dict]]:
+    from unickpt.testing import free_port
+
+    rows, rc = [], 0
+    for k in range(kills):
+        job = os.path.join(work, f"job{k}")
+        os.makedirs(job)
+        timings = os.path.join(job, "timings.jsonl")
+        port, procs = free_port(), []
+        for n in range(4):
+            e = dict(env, UNICKPT_SHM_ROOT=os.path.join(job, f"shm{n}"), UNICKPT_LIVE_TIMINGS=timings)
+            procs.append(_launch(job, 1, steps, sleep, [], e, node=(n, 4, port), out=f"out{n}.log"))
+            if n == 0:
+                time.sleep(0.5)  # node 0 hosts the store
+        if _wait_steps(os.path.join(job, "log.jsonl"), 0, 4, procs) is None:
+            rc = 1
+            break
+        killed = time.time()
+        _lose_node(procs[2], os.path.join(job, "shm2"))
+        codes = [procs[n].wait() for n in (0, 1, 3)]
+        rc = rc or next((c for c in codes if c), 0)
+        rows += _phases(timings, [killed], "lost")
     return rc, rows
+
+
+def _lose_node(launcher: subprocess.Popen, shm: str) -> None:
+    """Node lost: its launcher and workers (their process group), its keeper, its memory."""
+    os.killpg(launcher.pid, signal.SIGKILL)
+    for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines():
+        if shm in line and "unickpt.snapshot.keeper_server" in line:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,19 +287,39 @@ def main(argv: list[str] | None = None) -> None:
                    help="leave torchrun's store shared across restart rounds (torch's default): without snapshots "
                    "no unickpt group cleans the default group's keys, and torch's own restarts can fail")
     p.add_argument("--compute-sleep", type=float, default=0.05, help="seconds per step standing in for compute")
-    p.add_argument("--live", action="store_true", help="also live recovery under `unickpt launch` (survivors stay), "
+    p.add_argument("--live", action="store_true", help="live recovery under `unickpt launch` (survivors stay) "
                    "first, on max(--nproc, 3) ranks")
+    p.add_argument("--failure", default=None, help="with --live: the failure kinds, comma-separated, of "
+                   f"{', '.join(FAILURES)} (default: all); then only live recovery is measured")
     args = p.parse_args(argv)
     if args.live:
-        work = tempfile.mkdtemp(prefix="mttr-live-")
-        rc, rows = run_live(work, max(args.nproc, 3), args.kills, args.steps, args.compute_sleep)
-        for r in rows:
-            print("live   " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if v is not None), flush=True)
-        totals = [r["total_s"] for r in rows if r["total_s"] is not None]
-        print(f"live   rc {rc}  kill -> next step median {statistics.median(totals):.3f} s over {len(totals)} kills"
-              if totals else f"live   rc {rc}  no recovery completed; see {work}/out.log", flush=True)
-        if rc == 0:
-            shutil.rmtree(work, ignore_errors=True)
+        kinds = (args.failure or ",".join(FAILURES)).split(",")
+        bad = [k for k in kinds if k not in FAILURES]
+        if bad:
+            p.error(f"--failure {','.join(bad)}: choose among {', '.join(FAILURES)}")
+        table = []
+        for kind in kinds:
+            work = tempfile.mkdtemp(prefix=f"mttr-live-{kind}-")
+            rc, rows = run_live(work, max(args.nproc, 3), args.kills, args.steps, args.compute_sleep, kind)
+            for r in rows:
+                print(f"{kind:6s} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if v is not None), flush=True)
+            totals = [r["total_s"] for r in rows if r["total_s"] is not None]
+            if not totals:
+                print(f"{kind:6s} rc {rc}  no recovery completed; see {work}", flush=True)
+                continue
+            phases = {name: statistics.median([r[name] for r in rows if name in r]) for name, _, _ in PHASES
+                      if any(name in r for r in rows)}
+            table.append((kind, rc, statistics.median(totals), len(totals), phases))
+            if rc == 0:
+                shutil.rmtree(work, ignore_errors=True)
+        names = [name for name, _, _ in PHASES]
+        print("\n| failure | kill -> next step (median) | n | rc | " + " | ".join(names) + " |")
+        print("|---|---|---|---|" + "---|" * len(names))
+        for kind, rc, median, n, phases in table:
+            cells = " | ".join(f"{phases[x]:.3f}" if x in phases else "" for x in names)
+            print(f"| {kind} | {median:.2f} s | {n} | {rc} | {cells} |")
+        if args.failure:
+            return
     gap = args.steps // (args.kills + 1)
     kill_after = [gap * (k + 1) + args.save_every // 2 for k in range(args.kills)]
     base = ["--dp", str(args.nproc), "--fsdp", "--steps", str(args.steps), "--save-every", str(args.save_every),

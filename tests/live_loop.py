@@ -61,22 +61,39 @@ def main() -> None:
     p.add_argument("--log", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")
     p.add_argument("--snapshot-every", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: a dp x tp mesh, FSDP2 over dp; "
+                   "unickpt.run(train, multiple_of=tp)")
+    p.add_argument("--multiple-of", type=int, default=None, help="unickpt.run's multiple_of (default: --tp)")
+    p.add_argument("--stop-file", default=None, help="end the run (every rank at the same step) once this file "
+                   "exists: a test stops a long run when it has seen what it waits for, however slow the machine")
     args = p.parse_args()
 
     def train(world: unickpt.World) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world.size,))
         model, x, y = build()
+        if args.tp > 1:  # FSDP2 x TP on a dp x tp mesh: the layout only a multiple of tp ranks can hold
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh2 = init_device_mesh("cpu", (world.size // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            mesh, dp, dp_size = mesh2["dp"], mesh2["dp"].get_local_rank(), world.size // args.tp
+        else:
+            mesh, dp, dp_size = init_device_mesh("cpu", (world.size,)), world.rank, world.size
         fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         state = {"model": model, "optim": optim}
         manager = unickpt.CheckpointManager(args.ckpt_dir, snapshot_every=args.snapshot_every)
         start = manager.restore(state)
         for step in range(start + 1, args.steps + 1):
+            if args.stop_file:  # rank 0 decides, every rank ends at the same step
+                stop = torch.tensor([float(world.rank == 0 and os.path.exists(args.stop_file))])
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+                if stop.item():
+                    break
             xb, yb = batch(step, x, y)
-            loss = F.mse_loss(model(xb[world.rank::world.size]), yb[world.rank::world.size])
+            loss = F.mse_loss(model(xb[dp::dp_size]), yb[dp::dp_size])
             loss.backward()
             if args.sleep:
                 time.sleep(args.sleep)
@@ -85,13 +102,15 @@ def main() -> None:
             optim.zero_grad()
             total = loss.detach().clone()
             dist.all_reduce(total)
+            manager.maybe_save(state, step)
+            # logged after maybe_save, as a user's loop does: a step whose boundary a
+            # replacement joins at runs to its end too
             with open(args.log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(total) / world.size, "size": world.size,
                                     "generation": world.generation, "rank": world.rank, "pid": os.getpid(), "t": time.time()}) + "\n")
-            manager.maybe_save(state, step)
         manager.close()
 
-    unickpt.run(train)
+    unickpt.run(train, multiple_of=args.multiple_of or args.tp)
 
 
 if __name__ == "__main__":

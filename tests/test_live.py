@@ -22,6 +22,7 @@ pytestmark = pytest.mark.multiprocess
 
 PY = sys.executable
 LOOP = str(Path(__file__).parent / "live_loop.py")
+CUT = str(Path(__file__).parent / "cut_loop.py")
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -36,13 +37,13 @@ class Job:
     """A ``unickpt launch`` of tests/live_loop.py, its log read as it grows."""
 
     def __init__(self, tmp: Path, nproc: int, steps: int, *flags: str, sleep: float = 0.25,
-                 script_args: tuple[str, ...] = ()) -> None:
+                 script_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.tmp, self.log = tmp, tmp / "log.jsonl"
         self.out = open(tmp / "out.txt", "w")
         self.proc = subprocess.Popen(
             [PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc), *flags, LOOP,
              "--steps", str(steps), "--ckpt-dir", str(tmp / "ckpt"), "--log", str(self.log), "--sleep", str(sleep), *script_args],
-            env=_env(tmp), stdout=self.out, stderr=subprocess.STDOUT, cwd=tmp)
+            env={**_env(tmp), **(env or {})}, stdout=self.out, stderr=subprocess.STDOUT, cwd=tmp)
 
     def lines(self) -> list[dict]:
         if not self.log.exists():
@@ -81,11 +82,13 @@ class Job:
         return "\n".join(x for x in text.splitlines() if "socket.cpp" not in x)[-6000:]
 
 
-def _check_curve(job: Job, steps: int) -> None:
+def _check_curve(job: Job, steps: int | None = None) -> None:
     """Every logged step, on every rank and generation, on the unbroken run's curve, and
-    every step logged."""
-    ref = live_loop.reference(steps)
+    every step logged (up to ``steps``; None: the last step logged, for a run ended by
+    its stop file)."""
     rows = job.lines()
+    steps = steps or max(r["step"] for r in rows)
+    ref = live_loop.reference(steps)
     assert {r["step"] for r in rows} == set(range(1, steps + 1))
     worst = max(abs(r["loss"] - ref[r["step"] - 1]) for r in rows)
     assert worst < 1e-4, worst
@@ -107,8 +110,12 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     steps = 16
     job = Job(tmp_path, 4, steps, "--hang-timeout", "4")
     pids = job.wait_step(3)
+    stopped = time.time()
     os.kill(pids[1], signal.SIGSTOP)
     after = job.wait_step(7, generation=1)
+    # a hang costs its timeout and little more: not the collective timeout (10 s here) on top
+    back = min(r["t"] for r in job.lines() if r["generation"] == 1) - stopped
+    assert back < 4 + 3, back
     assert pids[1] not in after.values()
     killed = time.time()
     os.kill(after[2], signal.SIGKILL)
@@ -206,26 +213,38 @@ def test_run_refuses_fn_that_initialises_the_group(tmp_path):
     assert "fn called init_process_group" in proc.stderr
 
 
-def test_node_loss_parity(tmp_path):
-    """4 simulated nodes (a launcher each, its own shm root, one rank each, XOR parity): node
-    2 is lost (launcher, worker, keeper, its memory); the 3 others go on in the same
-    processes, node 2's share of the snapshot rebuilt from parity, on the unbroken curve."""
+@pytest.mark.parametrize("lost", [2, 0], ids=["node2", "node0-store-host"])
+def test_node_loss_parity(tmp_path, lost):
+    """4 simulated nodes (a launcher each, its own shm root, one rank each, XOR parity): a
+    node is lost (launcher, worker, keeper, its memory); the 3 others go on in the same
+    processes, its share of the snapshot rebuilt from parity, on the unbroken curve. The
+    loss is declared by the coordinator's probe (its peers' collectives fail at once), not
+    by the 3 s heartbeat. ``node0-store-host``: the job's store and coordinator run in
+    ``unickpt store`` (the launchers get ``--store``), and node 0 is the one lost."""
+    from unickpt.live.launch import NODE_TIMEOUT_S
     from unickpt.testing import free_port
 
     port, steps, nodes = free_port(), 14, 4
-    log = tmp_path / "log.jsonl"
+    log, timings = tmp_path / "log.jsonl", tmp_path / "timings.jsonl"
     procs, outs = [], []
+    where = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    if lost == 0:  # the control plane off the training nodes
+        outs.append(open(tmp_path / "store.txt", "w"))
+        store = subprocess.Popen([PY, "-m", "unickpt", "store", "--port", str(port), "--host", "127.0.0.1"],
+                                 env=_env(tmp_path), stdout=outs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+        where = ["--store", f"127.0.0.1:{port}"]
     for n in range(nodes):
         env = _env(tmp_path)
-        env["UNICKPT_SHM_ROOT"] = str(tmp_path / f"shm{n}")
+        env.update(UNICKPT_SHM_ROOT=str(tmp_path / f"shm{n}"), UNICKPT_LIVE_TIMINGS=str(timings))
         outs.append(open(tmp_path / f"out{n}.txt", "w"))
         procs.append(subprocess.Popen(
-            [PY, "-m", "unickpt", "launch", "--nnodes", str(nodes), "--node-rank", str(n), "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "--nproc-per-node", "1", LOOP, "--steps", str(steps), "--ckpt-dir",
+            [PY, "-m", "unickpt", "launch", "--nnodes", str(nodes), "--node-rank", str(n), *where,
+             "--nproc-per-node", "1", LOOP, "--steps", str(steps), "--ckpt-dir",
              str(tmp_path / "ckpt"), "--log", str(log), "--sleep", "0.25"],
             env=env, stdout=outs[-1], stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True))
         if n == 0:
-            time.sleep(0.5)  # node 0 hosts the store
+            time.sleep(0.5)  # node 0 (or the store host) serves the store
+    survivors = [n for n in range(nodes) if n != lost]
     try:
         deadline = time.monotonic() + 150
         while not (log.exists() and any(json.loads(x)["step"] >= 4 for x in log.read_text().splitlines() if x)):
@@ -233,25 +252,163 @@ def test_node_loss_parity(tmp_path):
             time.sleep(0.05)
         rows = [json.loads(x) for x in log.read_text().splitlines() if x]
         before = {r["rank"]: r["pid"] for r in rows}
-        os.killpg(procs[2].pid, signal.SIGKILL)  # the launcher and its worker
+        killed = time.time()
+        os.killpg(procs[lost].pid, signal.SIGKILL)  # the launcher and its worker
         for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines():
-            if str(tmp_path / "shm2") in line and "unickpt.snapshot.keeper_server" in line:
+            if str(tmp_path / f"shm{lost}") in line and "unickpt.snapshot.keeper_server" in line:
                 os.kill(int(line.split()[0]), signal.SIGKILL)
         time.sleep(0.2)
-        subprocess.run(["rm", "-rf", str(tmp_path / "shm2")])
-        for n in (0, 1, 3):
+        subprocess.run(["rm", "-rf", str(tmp_path / f"shm{lost}")])
+        for n in survivors:
             assert procs[n].wait(150) == 0, (tmp_path / f"out{n}.txt").read_text()[-4000:]
+        if lost == 0:
+            assert store.wait(30) == 0, (tmp_path / "store.txt").read_text()[-2000:]
     finally:
-        for p in procs:
+        for p in procs + ([store] if lost == 0 else []):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         for o in outs:
             o.close()
-    out = (tmp_path / "out0.txt").read_text()
-    assert "rank 2 lost (node 2 lost); continuing on 3 ranks at step" in out, out[-4000:]
-    assert "from memory" in out and "parity" in out.split("rank 2 lost")[0].rsplit("resumed", 1)[-1]
+    out = "".join((tmp_path / f"out{n}.txt").read_text() for n in survivors)
+    assert f"rank {lost} lost (node {lost} lost); continuing on 3 ranks at step" in out, out[-4000:]
+    assert "from memory" in out and "parity" in out.split(f"rank {lost} lost")[0].rsplit("resumed", 1)[-1]
     rows = [json.loads(x) for x in log.read_text().splitlines() if x]
-    assert {r["pid"] for r in rows if r["generation"] == 1} == {before[0], before[1], before[3]}
+    assert {r["pid"] for r in rows if r["generation"] == 1} == {before[n] for n in survivors}
     ref = live_loop.reference(steps)
     assert {r["step"] for r in rows} == set(range(1, steps + 1))
     assert max(abs(r["loss"] - ref[r["step"] - 1]) for r in rows) < 1e-4
+    # declared by the probe, well before the heartbeat's timeout (0.5-0.6 s on a quiet machine)
+    phases = [json.loads(x) for x in timings.read_text().splitlines() if x]
+    declared = min(r["died"] for r in phases if r["cause"] == "lost") - killed
+    assert declared < NODE_TIMEOUT_S - 0.5, declared
+    assert "socket.cpp" not in out and "[W" not in out, out[-3000:]  # quiet: no torch warning
+
+
+def test_every_group_of_the_generation_is_cut(tmp_path):
+    """Survivors blocked in collectives of a DeviceMesh's groups (a TP group of a dp2 x tp2
+    mesh; FSDP2's all-gather on a 1-D mesh) fail within a second of a peer's death, not after
+    the collective timeout (60 s here): the first survivor to fail cuts every group of the
+    generation, whoever made it (tests/cut_loop.py says who waits for whom)."""
+    log = tmp_path / "cut.jsonl"
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "4", CUT, str(log)],
+                            env=_env(tmp_path), stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+    def rows() -> list[dict]:
+        return [json.loads(x) for x in log.read_text().splitlines() if x] if log.exists() else []
+
+    try:
+        for generation, n_ready in ((0, 1), (1, 2)):
+            deadline = time.monotonic() + 120
+            while len([r for r in rows() if "ready" in r]) < n_ready:
+                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "out.txt").read_text()[-4000:]
+                time.sleep(0.05)
+            time.sleep(0.5)  # the others are blocked in their collectives by now
+            killed = time.time()
+            os.kill([r for r in rows() if "ready" in r][-1]["ready"], signal.SIGKILL)
+            survivors = 3 - generation
+            deadline = time.monotonic() + 70
+            while len([r for r in rows() if r.get("generation") == generation and "failed_at" in r]) < survivors:
+                assert time.monotonic() < deadline, rows()
+                time.sleep(0.05)
+            failed = {r["rank"]: r["failed_at"] - killed for r in rows() if r.get("generation") == generation and "failed_at" in r}
+            assert max(failed.values()) < 1.0, (generation, failed)
+        assert proc.wait(120) == 0, (tmp_path / "out.txt").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+    assert {r["done"] for r in rows() if "done" in r} == {0, 1}
+    text = (tmp_path / "out.txt").read_text()
+    assert "socket.cpp" not in text and "[W" not in text, text[-3000:]  # quiet: no torch warning
+
+
+def _rss_and_files(pid: int) -> tuple[int, int]:
+    rss = next(int(x.split()[1]) for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_four_failures_in_a_row_each_followed_by_a_replacement(tmp_path):
+    """4 SIGKILLs in one run, each followed by a replacement joining at a step boundary: every
+    step on the unbroken curve and logged (the boundary step too: the loop logs after
+    maybe_save), each recovery far below the collective timeout, the never-killed rank's RSS
+    and open files flat between the first and the last recovery, nothing left in shm."""
+    kills, stop = 4, tmp_path / "stop"
+    timings = tmp_path / "timings.jsonl"
+    # as many steps as the 4 replacements need to start (~3-8 s each, more on a busy machine):
+    # the run ends at its stop file, set once the last replacement trained 3 steps
+    job = Job(tmp_path, 3, 2000, "--max-restarts", str(kills), sleep=0.1, env={"UNICKPT_LIVE_TIMINGS": str(timings)},
+              script_args=("--stop-file", str(stop)))
+    def three_steps_in(generation: int) -> dict[int, int]:
+        first = min((r["step"] for r in job.lines() if r["generation"] == generation), default=None)
+        while first is None:
+            job.wait_step(0, generation)
+            first = min(r["step"] for r in job.lines() if r["generation"] == generation)
+        return job.wait_step(first + 2, generation)
+
+    marks = []
+    for k in range(kills):
+        pids = three_steps_in(2 * k)
+        if k == 1:
+            marks.append(_rss_and_files(pids[0]))  # after the first recovery and grow
+        os.kill(pids[1 + k % 2], signal.SIGKILL)
+    pids = three_steps_in(2 * kills)
+    marks.append(_rss_and_files(pids[0]))
+    stop.touch()
+    assert job.finish() == 0, job.output()
+    (rss0, fds0), (rss1, fds1) = marks
+    assert rss1 <= 1.15 * rss0 and fds1 - fds0 <= 8, marks
+    _check_curve(job)
+    rows = job.lines()
+    assert len({r["pid"] for r in rows if r["rank"] == 0}) == 1  # rank 0 never left its process
+    assert max(r["generation"] for r in rows) == 2 * kills, sorted({r["generation"] for r in rows})
+    phases = [json.loads(x) for x in timings.read_text().splitlines() if x]
+    lost = [r for r in phases if r["cause"] == "lost"]
+    assert len(lost) == kills and max(r["first_step"] - r["died"] for r in lost) < 10, lost
+    assert "socket.cpp" not in job.output() and "[W" not in job.output()
+    _clean(tmp_path)
+
+
+def test_a_hot_spare_takes_the_place_of_a_lost_rank(tmp_path):
+    """5 ranks, ``multiple_of=2``: 4 train (FSDP2), 1 waits as a hot spare; a training rank
+    is SIGKILLed, the spare steps in: the world stays 4 ranks, every step on the unbroken
+    curve, kill -> next step as a crash recovery."""
+    steps, timings = 14, tmp_path / "timings.jsonl"
+    job = Job(tmp_path, 5, steps, script_args=("--multiple-of", "2"), env={"UNICKPT_LIVE_TIMINGS": str(timings)})
+    pids = job.wait_step(3)
+    assert len(pids) == 4  # the fifth waits
+    os.kill(pids[1], signal.SIGKILL)
+    after = job.wait_step(6, generation=1)
+    assert job.finish() == 0, job.output()
+    out = job.output()
+    assert "spare took rank 1's place; continuing on 4 ranks at step" in out, out
+    sizes = {(r["generation"], r["size"]) for r in job.lines()}
+    assert sizes == {(0, 4), (1, 4)}, sizes
+    assert len(set(after.values()) - set(pids.values())) == 1  # the spare's process, never relaunched
+    _check_curve(job, steps)
+    lost = [json.loads(x) for x in timings.read_text().splitlines() if x]
+    assert lost and lost[0]["first_step"] - lost[0]["died"] < 10, lost  # a crash recovery, not the 60 s timeout
+    _clean(tmp_path)
+
+
+def test_tp_layout_shrinks_to_a_multiple_and_grows_back(tmp_path):
+    """FSDP2 x TP on a dp2 x tp2 mesh, ``multiple_of=2``, ``--max-restarts 1``: a rank is
+    SIGKILLed -> dp1 x tp2 with one spare -> the replacement joins -> dp2 x tp2; every step
+    on the unbroken curve within 1e-4."""
+    stop = tmp_path / "stop"
+    job = Job(tmp_path, 4, 2000, "--max-restarts", "1", script_args=("--tp", "2", "--stop-file", str(stop)), sleep=0.15)
+    pids = job.wait_step(3)
+    os.kill(pids[1], signal.SIGKILL)
+    grown = job.wait_step(0, generation=2)  # the replacement joined (however long it took to start)
+    first = min(r["step"] for r in job.lines() if r["generation"] == 2)
+    job.wait_step(first + 2, generation=2)
+    stop.touch()
+    assert job.finish() == 0, job.output()
+    assert len(grown) >= 1
+    out = job.output()
+    assert "rank 1 lost (exit -9); continuing on 2 ranks (1 spare) at step" in out, out
+    assert "1 replacement joined; continuing on 4 ranks at step" in out, out
+    sizes = sorted({(r["generation"], r["size"]) for r in job.lines()})
+    assert sizes == [(0, 4), (1, 2), (2, 4)], sizes
+    _check_curve(job)
+    _clean(tmp_path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -687,6 +688,20 @@ def launch_cmd(ctx: typer.Context) -> None:
     raise typer.Exit(launch(list(ctx.args)))
 
 
+@app.command("store", short_help="Host a live-recovery job's store and coordinator off the training nodes.")
+@_errors
+def store_cmd(
+    port: Annotated[int, typer.Option("--port", help="The port to serve on (0: a free one, printed).")] = 29500,
+    host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "0.0.0.0",
+) -> None:
+    """The control plane of a ``unickpt launch`` job on a host of its own (a CPU head node):
+    start it first, then every node's launcher with ``--store HOST:PORT``. Losing node 0 is
+    then a node loss like any other. Serves one job; exits with the job's status."""
+    from .live.store_host import serve
+
+    raise typer.Exit(serve(port, host))
+
+
 # ---------------------------------------------------------------- demo
 
 
@@ -701,14 +716,24 @@ def snapshots_cmd(
     free: Annotated[bool, typer.Option("--free", help="Stop the keeper and delete every snapshot it holds "
                                        "(only when no job of this node is running: a running job loses its memory tier).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="With --free: free them even while a job of this node "
+                                        "runs (it loses its memory tier).")] = False,
 ) -> None:
     """List the keeper process and the snapshots held in this node's host memory; a job
-    killed and not relaunched leaves them held. --free stops the keeper and deletes them.
-    Run it on every node of the job."""
-    from .snapshot.leftovers import free_snapshots, held_snapshots
+    killed and not relaunched leaves them held. --free stops the keeper and deletes them
+    (refused while a job of this node runs, unless --force). Run it on every node of the job."""
+    from .snapshot.leftovers import free_snapshots, held_snapshots, running_jobs
     from .snapshot.paths import shm_root as default_root
 
     root = shm_root or default_root()
+    if not os.path.isdir(root):
+        raise _fail(f"{root}: no such directory (the node's shm root: give it, or set $UNICKPT_SHM_ROOT)")
+    if free and not force:
+        running = running_jobs(root)
+        if running:
+            _fail(f"a job of this node is running on {root} (pid {', '.join(map(str, running[:4]))}): --free would take "
+                  "its snapshots away; stop it first, or add --force")
+            raise typer.Exit(1)
     held = free_snapshots(root) if free else held_snapshots(root)
     if as_json:
         typer.echo(json.dumps({**held, "freed": free}, indent=2))
@@ -755,13 +780,19 @@ def demo_cmd(
         bool, typer.Option("--node-loss", help="With --fault-tolerance: 4 simulated nodes (torchrun) with in-memory "
                            "snapshots and parity lose one; the job is restarted on 3 from memory.")
     ] = False,
+    tp: Annotated[
+        int, typer.Option("--tp", help="With --fault-tolerance: FSDP2 x TP on a dp2 x tp2 mesh (2); the world stays a "
+                          "multiple of it: 4 -> 2 ranks + 1 hot spare -> 4.")
+    ] = 1,
 ) -> None:
     """Train on tp2 x dp2, lose the job, resume on 3 ranks: the loss curve goes on (CPU, gloo)."""
     png = str(plot) if plot != Path("unickpt_demo_resume.png") else "unickpt_demo_fault.png"
     if fault_tolerance and not node_loss:
         from .demo_live import run_live_demo
 
-        live = run_live_demo(str(directory) if directory else None, png, _out())
+        if tp not in (1, 2):
+            raise typer.BadParameter(f"--tp {tp}: the live demo runs 4 ranks, with --tp 1 or 2", param_hint="--tp")
+        live = run_live_demo(str(directory) if directory else None, png, _out(), tp)
         if not live.ok:
             _err().print(Text("demo FAILED: the survivors did not go on from memory on the unbroken curve", style="bold red"))
             raise typer.Exit(EXIT_FAILED)

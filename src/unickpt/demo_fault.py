@@ -109,7 +109,7 @@ def run_fault_demo(directory: str | None = None, plot_path: str = "unickpt_demo_
 
     pyplot()  # before minutes of training: the plot needs matplotlib
     with demo_dir(directory) as base:
-        return _run(str(base), plot_path, console)
+        return _run(os.path.abspath(base), plot_path, console)  # the jobs run in it: paths absolute
 
 
 def _run(root: str, plot_path: str, console: Any) -> FaultDemo:

@@ -4,7 +4,9 @@ processes from the snapshot in memory, and the replacement the launcher starts j
 a step boundary: 4 -> 3 -> 4 ranks, no step lost, the loss on the unbroken curve.
 
 Used by ``unickpt demo --fault-tolerance`` (``--node-loss``: the node-loss story of
-:mod:`.demo_fault` instead).
+:mod:`.demo_fault` instead). ``--tp 2``: FSDP2 x TP on a dp2 x tp2 mesh, whose world must
+stay a multiple of 2 (``unickpt.run(fn, multiple_of=2)``): 4 -> 2 ranks + 1 hot spare ->
+4 when the replacement joins.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ FLAGS = ["--steps", str(STEPS), "--seed", "0", "--fsdp", "--dim", "32", "--layer
 LOST = re.compile(r"^rank \d+ lost .*\(generation \d+\)$", re.M)
 JOINED = re.compile(r"^\d+ replacements? joined; .*\(generation \d+\)$", re.M)
 RESUMED = re.compile(r"^resumed step (\d+) from (memory|disk) .*$", re.M)
+JOINED_AT = re.compile(r"at step (\d+)")
 
 
 @dataclass
@@ -45,6 +48,14 @@ class LiveDemo:
     survivors_stayed: bool  # the survivors' pids are those of generation 0
     plot: str
     seconds: float
+    tp: int = 1
+
+    def spares(self, step: int) -> int:
+        """Processes waiting as hot spares while ``step`` was computed (the ones alive that
+        fit no multiple of tp)."""
+        m = JOINED_AT.search(self.joined)
+        alive = RANKS - 1 if self.resumed_step < step < (int(m.group(1)) if m else STEPS + 1) else RANKS
+        return max(0, alive - self.ranks.get(step, alive))
 
     @property
     def resumed_step(self) -> int:
@@ -72,15 +83,19 @@ class LiveDemo:
                 and self.survivors_stayed and self.steps_lost == 0 and self.max_rel_diff <= 1e-4)
 
 
-def run_live_demo(directory: str | None = None, plot_path: str = "unickpt_demo_fault.png", console: Any = None) -> LiveDemo:
+def run_live_demo(directory: str | None = None, plot_path: str = "unickpt_demo_fault.png", console: Any = None,
+                  tp: int = 1) -> LiveDemo:
     """Run the story, print a table (with rich when ``console`` is given), write the PNG.
     Checkpoints, logs and the shared-memory root go under ``directory`` (kept), or a
-    temporary directory removed however the demo ends."""
+    temporary directory removed however the demo ends. ``tp``: the tensor-parallel degree
+    (1 or 2; the world stays a multiple of it, the others wait as hot spares)."""
     from .demo import demo_dir
 
+    if tp not in (1, 2):
+        raise ValueError(f"--tp {tp}: the live demo runs 4 ranks, with tp 1 or 2")
     pyplot()  # before any training: the plot needs matplotlib
     with demo_dir(directory) as base:
-        return _run(str(base), plot_path, console)
+        return _run(os.path.abspath(base), plot_path, console, tp)  # the launch runs in it: paths absolute
 
 
 def _workers(launcher: int) -> dict[str, int]:
@@ -111,7 +126,7 @@ def _rows(path: str) -> list[dict]:
         return []
 
 
-def _run(root: str, plot_path: str, console: Any) -> LiveDemo:
+def _run(root: str, plot_path: str, console: Any, tp: int = 1) -> LiveDemo:
     start = time.time()
     say = console.print if console is not None else print
     from .examples.train import run
@@ -119,11 +134,12 @@ def _run(root: str, plot_path: str, console: Any) -> LiveDemo:
     say(f"1. the unbroken reference: {STEPS} steps in one process ...")
     reference = {r["step"]: r["loss"] for r in run(FLAGS)}
     log = os.path.join(root, "run.jsonl")
+    layout = ["--tp", str(tp)] if tp > 1 else []
     cmd = [sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "1",
-           "-m", "unickpt.examples.train", *FLAGS, "--snapshot-every", "1", "--ckpt-dir", os.path.join(root, "ckpt"),
+           "-m", "unickpt.examples.train", *FLAGS, *layout, "--snapshot-every", "1", "--ckpt-dir", os.path.join(root, "ckpt"),
            "--loss-log", log, "--compute-sleep", "0.2"]
-    say(f"2. unickpt launch --nproc-per-node {RANKS} --max-restarts 1: FSDP2 on {RANKS} ranks, a snapshot in memory "
-        "every step ...")
+    shape = f"FSDP2 x TP on dp{RANKS // tp} x tp{tp} (the world stays a multiple of {tp})" if tp > 1 else f"FSDP2 on {RANKS} ranks"
+    say(f"2. unickpt launch --nproc-per-node {RANKS} --max-restarts 1: {shape}, a snapshot in memory every step ...")
     env = dict(os.environ, UNICKPT_SHM_ROOT=os.path.join(root, "shm"), OMP_NUM_THREADS="1")
     out_path = os.path.join(root, "launch.log")
     with open(out_path, "w") as out:
@@ -153,14 +169,14 @@ def _run(root: str, plot_path: str, console: Any) -> LiveDemo:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    text = open(out_path, errors="replace").read()
+    text = re.sub(r"^\[rank\d+\]: ", "", open(out_path, errors="replace").read(), flags=re.M)  # the launcher's prefix
     resumed = [m.group(0) for m in RESUMED.finditer(text)]
     rows = _rows(log)
     losses = {r["step"]: r["loss"] for r in rows}  # a step redone after the kill: its last value
     ranks = {r["step"]: r["ranks"] for r in rows}
     lost, joined = LOST.search(text), JOINED.search(text)
     result = LiveDemo(reference, losses, ranks, killed_after, resumed[0] if resumed else "", lost.group(0) if lost else "",
-                      joined.group(0) if joined else "", stayed, os.path.abspath(plot_path), time.time() - start)
+                      joined.group(0) if joined else "", stayed, os.path.abspath(plot_path), time.time() - start, tp)
     for line in (result.resumed, result.lost, result.joined):
         if line:
             say(f"   {line}")
@@ -193,11 +209,16 @@ def plot_figure(r: LiveDemo) -> Any:
     ax.set_ylabel("training loss")
     ax.legend(loc="lower left", fontsize=8)
     size = ax.twinx()
-    size.step(steps, [r.ranks[s] for s in steps], where="mid", color="#2ca02c", linewidth=1.5)
+    size.step(steps, [r.ranks[s] for s in steps], where="mid", color="#2ca02c", linewidth=1.5, label="ranks training")
+    if any(r.spares(s) for s in steps):
+        size.step(steps, [r.spares(s) for s in steps], where="mid", color="#9467bd", linewidth=1.2, linestyle="--",
+                  label="hot spares")
+        size.legend(loc="lower right", fontsize=8)
     size.set_ylabel("ranks (world size)", color="#2ca02c")
     size.set_ylim(0, RANKS + 1)
     size.set_yticks(range(RANKS + 1))
-    ax.set_title("unickpt launch: a rank dies, the survivors go on, a replacement joins")
+    ax.set_title("unickpt launch: a rank dies, the survivors go on, a replacement joins"
+                 + (f" (tp {r.tp}: multiple_of={r.tp})" if r.tp > 1 else ""))
     fig.tight_layout()
     return fig
 
@@ -212,9 +233,10 @@ def _table(r: LiveDemo, say: Any, console: Any) -> None:
         elif step > 1 and r.ranks.get(step) != r.ranks.get(step - 1):
             note = "replacement joined" if r.ranks.get(step, 0) > r.ranks.get(step - 1, 0) else "survivors go on"
         rel = "" if got is None else f"{abs(got - ref) / abs(ref):.1e}"
-        rows.append((str(step), f"{ref:.6f}", "" if got is None else f"{got:.6f}", str(r.ranks.get(step, "")), rel, note))
+        rows.append((str(step), f"{ref:.6f}", "" if got is None else f"{got:.6f}", str(r.ranks.get(step, "")),
+                     str(r.spares(step)), rel, note))
     print_rows(say, console, "loss: unbroken run vs a run that loses a rank and gets a replacement",
-               ("step", "unbroken", "this run", "ranks", "rel. diff", "note"), rows, left=("note",))
+               ("step", "unbroken", "this run", "ranks", "spares", "rel. diff", "note"), rows, left=("note",))
     verdict = "OK" if r.ok else "MISMATCH"
     diff = f"{r.max_rel_diff:.1e}" if r.losses else "n/a"
     say(f"{verdict}: {r.steps_lost} steps lost, survivors in their own processes: {r.survivors_stayed}, max relative "

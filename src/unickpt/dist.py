@@ -242,6 +242,36 @@ def shut_down(sockets: dict[int, str]) -> int:
     return done
 
 
+_TRACKING = False
+
+
+def track_group_sockets() -> None:
+    """Record the sockets of every process group torch makes from now on in this process
+    (the default group, a DeviceMesh's groups, FSDP2's and TP's, a user's ``new_group``),
+    for :func:`shut_group_sockets`. Every such group is built by torch's
+    ``_new_process_group_helper``: it is wrapped once, and the gloo connections each call
+    opens are kept (gloo connects its full mesh there). Idempotent; live recovery turns it
+    on, so that a re-forming cuts every group of the old generation, whoever made it.
+    (A group made by ``split_group``, NCCL's path, is not seen here: NCCL's
+    communicators are aborted instead.)"""
+    global _TRACKING
+    if _TRACKING:
+        return
+    c10d = dist.distributed_c10d
+    make = c10d._new_process_group_helper
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        before = open_sockets()
+        try:
+            return make(*args, **kwargs)
+        finally:
+            _GROUP_SOCKETS.update(opened_since(before))
+
+    recorded.__wrapped__ = make  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = recorded
+    _TRACKING = True
+
+
 def shut_group_sockets(also: dict[int, str] | None = None) -> int:
     """Shut down the sockets of every group :func:`new_group` made (and ``also``: the
     default group's, say) and forget them. gloo cannot abort a collective in flight, and a

@@ -170,6 +170,7 @@ class CheckpointManager(Checkpoints):
         self.restored_line: str | None = None
         self._started = False
         self._closed = False
+        self._reform_after: int | None = None  # a re-forming is due after this step (live recovery)
         self._snap: Any = None
         self._deltas: StepDeltas | None = None
         self._state: dict[str, Any] | None = None
@@ -255,6 +256,7 @@ class CheckpointManager(Checkpoints):
         Args:
             state: The training state (None: the last one given).
         """
+        self._reform_if_due()
         if state is not None:
             self._state = state
         if self._snap is None and self._deltas is None:
@@ -283,8 +285,12 @@ class CheckpointManager(Checkpoints):
 
         Raises:
             unickpt.live.run.Interrupted: Under ``unickpt launch``, the job re-forms after
-                this step (caught by :func:`unickpt.run`).
+                the previous step, where a replacement joins (caught by :func:`unickpt.run`;
+                raised at the first call into the manager after that step: ``before_update``,
+                ``maybe_save`` or ``close``).
         """
+        if step != self._reform_after:
+            self._reform_if_due()
         t0 = time.perf_counter()
         self._state = state
         if not self._started:  # restore() was not called (the state was loaded otherwise)
@@ -318,7 +324,18 @@ class CheckpointManager(Checkpoints):
                 self._count_failure("snapshots_failed", f"snapshot of step {step} failed, training goes on: {e}")
         self.run_stats.stall_s += time.perf_counter() - t0
         if step_boundary(step):  # under `unickpt launch`: a replacement joins after this step
+            # the step's snapshot now, whole; the step itself runs to its end (the loop's
+            # logging after this call included): the next call into the manager raises
             self._last_snapshot(state, step, saved)
+            self._reform_after = step
+
+    def _reform_if_due(self) -> None:
+        """Under ``unickpt launch``, at the first call into the manager after the step whose
+        boundary a replacement joins at: raise :class:`Interrupted` (``unickpt.run`` re-forms
+        the job and resumes from that step's snapshot; at most this step's forward and
+        backward are computed again)."""
+        if self._reform_after is not None:
+            step, self._reform_after = self._reform_after, None
             raise Interrupted(f"the job re-forms after step {step}")
 
     def close(self, keep_snapshots: bool = False) -> None:
@@ -334,6 +351,7 @@ class CheckpointManager(Checkpoints):
         """
         if self._closed:
             return
+        self._reform_if_due()  # the loop ended at a replacement's boundary: the job finishes on the grown world
         self._closed = True
         self._finish_pending()
         if self._deltas is not None:

@@ -127,6 +127,7 @@ class Job:
     pp_group: Any = None
     schedule: Any = None
     pp_rank: int = 0
+    dp: int = 1  # the data-parallel degree of this world (under unickpt launch: of this generation)
 
 
 TP_PLAN_NAMES = {
@@ -143,10 +144,9 @@ def build(args: argparse.Namespace) -> Job:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp = args.tp, args.pp
-    dp = args.dp or world // (tp * pp)
+    dp = args.dp or world // (tp * pp)  # leave --dp unset under unickpt launch: the world changes
     if tp * pp * dp != world:
         raise SystemExit(f"tp {tp} x pp {pp} x dp {dp} != world size {world}")
-    args.dp = dp
     margs = ModelArgs(args.dim, args.layers, args.heads, args.kv_heads, args.vocab, args.seq)
     torch.manual_seed(args.seed)
     model = Transformer(margs)
@@ -173,7 +173,7 @@ def build(args: argparse.Namespace) -> Job:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = MarkovTokens(args.dataset_size, args.seq, args.vocab, args.seed)
     loader = ReshardableLoader(data, args.global_batch, dp_rank, dp, args.seed)
-    job = Job(args, rank, world, model, optimizer, loader, pp_rank=pp_rank)
+    job = Job(args, rank, world, model, optimizer, loader, pp_rank=pp_rank, dp=dp)
     if mesh is not None:
         job.dp_group = mesh["dp"].get_group()
         job.pp_group = mesh["pp"].get_group()
@@ -215,19 +215,19 @@ def train_step(job: Job, step: int, before_update: Any = None) -> float:
         else:
             job.schedule.step()
         dist.broadcast(loss, src=dist.get_global_rank(job.pp_group, args.pp - 1), group=job.pp_group)
-    if args.dp > 1 and not args.fsdp:
+    if job.dp > 1 and not args.fsdp:
         for p in job.model.parameters():
             if p.grad is not None:
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(g, group=job.dp_group)
-                g.div_(args.dp)
+                g.div_(job.dp)
     if before_update is not None:
         before_update()
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
-    if args.dp > 1:
+    if job.dp > 1:
         dist.all_reduce(loss, group=job.dp_group)
-        loss /= args.dp
+        loss /= job.dp
     return float(loss)
 
 
@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_flags(args)
     try:
-        unickpt.run(lambda world: train(args), backend="gloo")  # called again on the survivors after a failure
+        # called again on the survivors after a failure; under unickpt launch the world is
+        # always a multiple of tp x pp (the others wait as hot spares)
+        unickpt.run(lambda world: train(args), backend="gloo", multiple_of=args.tp * args.pp)
     except unickpt.UnickptError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -68,14 +68,57 @@ class Generation:
         return cls(int(doc["number"]), [str(m) for m in doc["members"]], str(doc["cause"]), list(doc["lost"]),
                    [str(j) for j in doc["joined"]], int(doc["code"]), str(doc["reason"]), float(doc["at"]))
 
-    def place(self, worker: str) -> dict[str, int]:
-        """Where ``worker`` sits in this generation: rank, size, local rank, local size,
-        node index and node count (nodes and local ranks dense, in member order)."""
-        nodes = sorted({node_of(m) for m in self.members})
+    def active(self, multiple_of: int = 1) -> list[str]:
+        """The members that train (in member order): the largest multiple of
+        ``multiple_of`` not above the members' count; the others are hot spares. Whole
+        nodes are kept together: the nodes with the most members are filled first (ties:
+        the lower node), so a node that lost a rank gives up its rest before a rank is taken
+        from each whole node."""
+        n = len(self.members) // multiple_of * multiple_of
+        if n == len(self.members):
+            return list(self.members)
+        by_node: dict[int, list[str]] = {}
+        for m in self.members:
+            by_node.setdefault(node_of(m), []).append(m)
+        chosen: set[str] = set()
+        for node in sorted(by_node, key=lambda x: (-len(by_node[x]), x)):
+            chosen.update(by_node[node][: n - len(chosen)])
+        return [m for m in self.members if m in chosen]
+
+    def place(self, worker: str, multiple_of: int = 1) -> dict[str, int] | None:
+        """Where ``worker`` sits in this generation's active world: rank, size, local rank,
+        local size, node index and node count (nodes and local ranks dense, in member
+        order); None for a hot spare."""
+        active = self.active(multiple_of)
+        if worker not in active:
+            return None
+        nodes = sorted({node_of(m) for m in active})
         mine = node_of(worker)
-        local = [m for m in self.members if node_of(m) == mine]
-        return {"rank": self.members.index(worker), "size": len(self.members), "local_rank": local.index(worker),
+        local = [m for m in active if node_of(m) == mine]
+        return {"rank": active.index(worker), "size": len(active), "local_rank": local.index(worker),
                 "local_size": len(local), "node": nodes.index(mine), "nodes": len(nodes)}
+
+
+MULTIPLE_KEY = PREFIX + "multiple_of"  # the workers' unickpt.run(fn, multiple_of=K), for the coordinator
+
+
+def multiple_of(store: Any) -> int:
+    """The job's ``multiple_of`` (1 until a worker said otherwise)."""
+    return int(store.get(MULTIPLE_KEY)) if store.check([MULTIPLE_KEY]) else 1
+
+
+CONFIG_KEY = PREFIX + "config"  # a store host's job: its shape and policy, set by the first launcher
+
+
+def join_config(store: Any, args: Any) -> None:
+    """A launcher under ``--store``: record the job's shape for the store host's coordinator
+    (the first launcher's wins: ``unickpt store``), and refuse a launcher whose shape differs."""
+    mine = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "min_ranks": args.min_ranks,
+            "max_restarts": args.max_restarts, "join_timeout": args.join_timeout}
+    have = json.loads(store.compare_set(CONFIG_KEY, "", json.dumps(mine)))
+    if any(have.get(k) != v for k, v in mine.items() if k in ("nnodes", "nproc_per_node")):
+        raise SystemExit(f"unickpt launch: the job at --store {args.store} has {have['nnodes']} node(s) of "
+                         f"{have['nproc_per_node']} process(es); this launcher says {args.nnodes} of {args.nproc_per_node}")
 
 
 GO_ALL = "all"  # generation N's ``go`` key: every member arrived (else "superseded": a newer one exists)
@@ -89,6 +132,29 @@ def publish(store: Any, gen: Generation) -> None:
     store.set(key("gen"), str(gen.number))
     if gen.number > 0:
         store.compare_set(key("g", gen.number - 1, "go"), "", "superseded")
+
+
+def watch_key(worker: str, number: int) -> str:
+    """The key in a node's store that wakes ``worker``'s watcher for generation ``number``
+    (its launcher relays each generation there; the worker sets it itself to end its
+    watcher: a wait with no timeout, so torch logs none)."""
+    return key("w", worker, "g", number)
+
+
+def mail(store: Any, node: int, **doc: Any) -> None:
+    """Coordinator (or a launcher to itself): put a message in node ``node``'s mailbox on
+    the job's store: ``gen`` (a generation was published), ``probe`` (answer to prove the
+    node is up), ``stop`` (the launcher's own: its mailbox thread ends)."""
+    i = int(store.add(key("node", node, "nmail"), 1)) - 1
+    store.set(key("node", node, "mail", i), json.dumps(doc))
+
+
+def read_mail(store: Any, node: int, i: int, timeout_s: float) -> dict[str, Any] | None:
+    """Message ``i`` of node ``node``'s mailbox, waiting up to ``timeout_s`` (None then)."""
+    name = key("node", node, "mail", i)
+    if not wait_key(store, name, timeout_s):
+        return None
+    return json.loads(store.get(name))
 
 
 def newest(store: Any) -> int:

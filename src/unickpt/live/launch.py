@@ -9,15 +9,19 @@ a worker that shows no progress for ``--hang-timeout`` seconds (a hang becomes a
 crash), starts up to ``--max-restarts`` replacement workers in the background (they join
 at a step boundary), and ends the job below ``--min-ranks`` ranks.
 
-Exit status: 0 when the node's surviving workers ended 0; otherwise the failed worker's
-code (a plain script whose rank fails ends the whole job, as under torchrun), or 1.
+Exit status (every node's launcher): 0 when every rank that ran ended 0 or was
+recovered from (a signal, a hang, a lost node); a plain script's failed rank's code
+(after --max-restarts restarts of the group); 1 when fn raised (unless
+``unickpt.run(fn, recover=...)`` says to go on without the rank), when a rank ended 0
+while its peers still trained, below --min-ranks, or when a node did not join within
+--join-timeout; 130 on SIGINT, 143 on SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import ctypes
+import json
 import os
 import select
 import signal
@@ -31,58 +35,260 @@ from typing import Any
 
 from . import control
 from .control import Generation, key
+from .output import Output, parse_filter, parse_std
 
 NODE_TIMEOUT_S = 3.0  # a node whose launcher is silent this long is lost
 STILL_S = 2.0  # a worker whose watcher thread is silent this long is stopped or holds the GIL
 BEAT_S = 0.2  # how often a launcher looks for hangs (in its node's own store)
 NODE_BEAT_S = 0.5  # how often a launcher tells the job's store it is alive and looks for the job's end
-RELAY_WAIT_S = 1.0  # the relay's longest wait in the job's store for the next generation
+MAIL_WAIT_S = 3600.0  # the mailbox thread's wait in the job's store (woken by a message: no timeout logged)
+PROBE_S = 0.5  # a launcher that does not answer a probe within this is lost (a live one answers in milliseconds)
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a worker's collective may wait for its peers
 DEFAULT_PG_TIMEOUT_S = 60.0
+SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's: after the forwarded SIGINT/SIGTERM, SIGKILL
+JOIN_TIMEOUT_S = 600.0  # torchrun's c10d rendezvous join_timeout
+WAIT_NOTE_S = 5.0  # how often node 0's launcher says which nodes it still waits for
+RDZV_PORT = 29400  # torchrun's port when --rdzv-endpoint names none
+CONNECT_TRY_S = 2.0  # one attempt to reach node 0's store (a signal is seen between attempts)
+
+# torchrun flags unickpt launch does not take: why, and what to do instead (one line each)
+REFUSED = {
+    "--role": "unickpt launch runs one role (torchrun's default, 'default'): drop --role",
+    "--local-addr": "the workers reach the job's store at --master-addr/--rdzv-endpoint: drop --local-addr",
+    "--logs-specs": "use --log-dir, --tee and --redirects (torchrun's default logs spec)",
+    "--run-path": "give the script's path (or -m MODULE) instead of --run-path",
+    "--local-ranks-filter-regex": "use --local-ranks-filter 0,1",
+    "--numa-binding": "bind the workers yourself (numactl in --no-python mode)",
+    "--event-log-handler": "unickpt launch prints its events on stderr: drop the flag",
+    "--virtual-local-rank": "every worker sees its own LOCAL_RANK: drop the flag",
+}
+RDZV_CONF_TAKEN = {"join_timeout", "read_timeout", "is_host"}
+
+EPILOG = """\
+multi-node: on every node
+  unickpt launch --nnodes 2 --node-rank N --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py
+  (HOST:PORT: node 0's address, where its launcher hosts the job's store; torchrun's
+  --master-addr/--master-port spelling works too). Generation 0 starts once every node
+  joined; a node missing after --join-timeout ends the job (exit 1, named).
+
+output: every worker line comes whole, as "[rankN]: ..." (torchrun's --tee prefix).
+
+Ctrl-C / SIGTERM: forwarded once to every worker (each in its own process group), SIGKILL
+after --shutdown-timeout; exit 130 / 143. The snapshots a node's keeper holds stay in
+memory: the same command resumes from them; `unickpt snapshots --free` frees them.
+"""
+
+
+def _nnodes(text: str) -> int:
+    lo, sep, hi = text.partition(":")
+    if not lo.strip().isdigit() or (sep and hi.strip() != lo.strip()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unickpt launch starts on exactly N nodes (--nnodes N); an elastic MIN:MAX range is live "
+            "recovery here: the job goes on without a lost node (down to --min-ranks ranks) and a node started "
+            "again joins it")
+    return int(lo)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """torchrun's static flags (torchrun's names), and live recovery's."""
-    p = argparse.ArgumentParser(prog="unickpt launch", description=__doc__.split("\n\n")[0],
+    """torchrun's flags (torchrun's names, both spellings), and live recovery's."""
+    p = argparse.ArgumentParser(prog="unickpt launch", description=__doc__.split("\n\n")[0], epilog=EPILOG, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--standalone", action="store_true", help="one node, the store on a free local port")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    p.add_argument("--nnodes", type=_nnodes, default=1, help="the job's nodes: N (or torchrun's N:N)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                   help="this node's index, 0 .. nnodes-1 (node 0 hosts the job's store; needed with --nnodes > 1)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="node 0's address (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500, help="the job's store port on node 0")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="static",
+                   help="c10d (or static): the job's store on node 0 at --rdzv-endpoint")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
+                   help=f"HOST[:PORT] of node 0 (port {RDZV_PORT} when left out): same as --master-addr/--master-port")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="the job's id (TORCHELASTIC_RUN_ID; names --log-dir's folder)")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                   help="KEY=VALUE,...: join_timeout (as --join-timeout), read_timeout and is_host are taken; others refused")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                   help="workers on this node: N, gpu (one per GPU), cpu (one per CPU) or auto (gpu when there are GPUs, "
+                        "else cpu)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="replacement workers this node may start over the job")
+                   help="a script under unickpt.run: replacement workers this node may start over the job (they join "
+                        "the survivors); a plain script: times the whole group is restarted after a failure (torchrun's)")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="kill a worker that shows no progress for this many seconds (0: never)")
     p.add_argument("--min-ranks", type=int, default=1, help="end the job below this many ranks")
+    p.add_argument("--store", default=None, metavar="HOST:PORT",
+                   help="the job's store, hosted by `unickpt store --port PORT` on HOST (which also coordinates the "
+                   "job): no node hosts it, so the loss of node 0 is a node loss like any other")
+    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S,
+                   help=f"seconds generation 0 waits for every node to join (default {JOIN_TIMEOUT_S:g}, torchrun's)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                   help=f"after Ctrl-C/SIGTERM, seconds before the workers are killed (default {SHUTDOWN_TIMEOUT_S:g})")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None,
+                   help="accepted for torchrun's command lines; not needed: exits are seen at once (SIGCHLD)")
+    p.add_argument("--start-method", "--start_method", default="spawn",
+                   help="spawn (the only one: every worker is a fresh process)")
+    p.add_argument("-t", "--tee", default="0",
+                   help="also write these streams to per-rank files under --log-dir: 0 none, 1 stdout, 2 stderr, "
+                        "3 both, or LOCAL:VALUE,... per local rank")
+    p.add_argument("-r", "--redirects", default="0",
+                   help="write these streams to the per-rank files only, not the console (values as --tee)")
+    p.add_argument("--log-dir", "--log_dir", default=None,
+                   help="where per-rank files go: LOG_DIR/RDZV_ID/attempt_N/LOCAL_RANK/{stdout,stderr}.log "
+                        "(default: a new temporary folder, named on stderr)")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None,
+                   help="show only these local ranks' lines on the console (0,1); the files keep all")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the script as a program, not with python (its interpreter is the user's)")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    for flag in REFUSED:
+        p.add_argument(*sorted({flag, "--" + flag[2:].replace("-", "_")}), dest="refused_" + flag[2:].replace("-", "_"),
+                       nargs="?", const="", default=None, help=argparse.SUPPRESS)
+    p.add_argument("script", help="the training script (a path; with -m a module; with --no-python a program)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments, passed through untouched")
     args = p.parse_args(argv)
+    for flag in REFUSED:
+        if getattr(args, "refused_" + flag[2:].replace("-", "_")) is not None:
+            p.error(f"{flag} is not supported: {REFUSED[flag]}")
+    if args.start_method != "spawn":
+        p.error(f"--start-method {args.start_method} is not supported: every worker starts as a fresh process "
+                "(spawn, torchrun's default)")
+    if args.no_python and args.module:
+        p.error("--no-python and -m exclude each other (torchrun's rule)")
+    _rendezvous(p, args)
+    try:
+        args.tee_spec = parse_std(args.tee, "--tee")
+        args.redirects_spec = parse_std(args.redirects, "--redirects")
+        args.local_filter = parse_filter(args.local_ranks_filter)
+    except ValueError as e:
+        p.error(str(e))
+    args.nproc_per_node = _nproc(p, args.nproc_per_node)
+    if args.min_ranks < 1 or args.max_restarts < 0 or args.join_timeout <= 0 or args.shutdown_timeout < 0:
+        p.error("need --min-ranks >= 1, --max-restarts >= 0, --join-timeout > 0 and --shutdown-timeout >= 0")
+    return args
+
+
+def _rendezvous(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """torchrun's rendezvous flags onto the static ones: the job's store on node 0."""
+    if args.rdzv_backend not in ("static", "c10d"):
+        p.error(f"--rdzv-backend {args.rdzv_backend} is not supported: unickpt launch's rendezvous is node 0's c10d "
+                "store; use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (node 0's address)")
+    if args.rdzv_endpoint:
+        host, sep, port = args.rdzv_endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            host, port = args.rdzv_endpoint, str(RDZV_PORT)
+        args.master_addr, args.master_port = host or "127.0.0.1", int(port)
+    for item in filter(None, (x.strip() for x in args.rdzv_conf.split(","))):
+        name, _, value = item.partition("=")
+        if name not in RDZV_CONF_TAKEN:
+            p.error(f"--rdzv-conf {name} is not supported: unickpt launch waits for exactly --nnodes nodes "
+                    f"(--join-timeout); it takes {', '.join(sorted(RDZV_CONF_TAKEN))}")
+        if name == "join_timeout":
+            try:
+                args.join_timeout = float(value)
+            except ValueError:
+                p.error(f"--rdzv-conf join_timeout={value!r}: expected seconds")
+    if args.store is not None:  # the store (and coordinator) on a host of its own: `unickpt store`
+        host, sep, port = args.store.rpartition(":")
+        if not host or not sep or not port.isdigit():
+            p.error(f"--store {args.store}: expected HOST:PORT (where `unickpt store --port PORT` runs)")
+        if args.standalone:
+            p.error("--store and --standalone: --standalone hosts the store in this launcher; give one of them")
+        args.master_addr, args.master_port = host, int(port)
     if args.standalone:
         args.nnodes, args.node_rank, args.master_addr, args.master_port = 1, 0, "127.0.0.1", 0
-    if not 0 <= args.node_rank < args.nnodes or args.nproc_per_node < 1 or args.min_ranks < 1:
-        p.error("need 0 <= --node-rank < --nnodes, --nproc-per-node >= 1 and --min-ranks >= 1")
-    return args
+    if args.node_rank is None:
+        if args.nnodes > 1:
+            p.error(f"--nnodes {args.nnodes} needs --node-rank N on every node (0 on the node at "
+                    f"{args.master_addr}, which hosts the job's store)")
+        args.node_rank = 0
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(f"need 0 <= --node-rank < --nnodes, not --node-rank {args.node_rank} with --nnodes {args.nnodes}")
+
+
+def _nproc(p: argparse.ArgumentParser, text: str) -> int:
+    """torchrun's --nproc-per-node: N, gpu, cpu or auto."""
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    if text in ("gpu", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if text == "gpu":
+            p.error("--nproc-per-node gpu: this node has no CUDA GPU (use a number, cpu or auto)")
+    if text in ("cpu", "auto"):
+        return os.cpu_count() or 1
+    p.error(f"--nproc-per-node {text!r}: expected a number >= 1, gpu, cpu or auto")
+    raise AssertionError  # p.error exits
+
+
+class Signals:
+    """SIGINT and SIGTERM as the launcher sees them: the first one starts the shutdown, a
+    second one kills the workers at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on)
+
+    def _on(self, signum: int, _frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.count += 1
+
+    def exit_code(self) -> int:
+        """The shell's convention: 128 + the signal (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + (self.signum or 0)
+
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the node's launcher; returns its exit status."""
     args = parse(sys.argv[1:] if argv is None else argv)
+    signals = Signals()
+    signals.install()  # Ctrl-C while the store is reached or nodes are awaited ends this launcher cleanly
+    output = Output(args.tee_spec, args.redirects_spec, args.log_dir, args.local_filter, args.rdzv_id)
     from torch.distributed import TCPStore
 
-    if args.node_rank == 0:
+    if args.node_rank == 0 and args.store is None:
         store = TCPStore(args.master_addr if not args.standalone else "127.0.0.1", args.master_port, is_master=True,
                          timeout=timedelta(seconds=600), wait_for_workers=False)
     else:
-        store = control.connect(f"{args.master_addr}:{args.master_port}")
+        store = _reach(f"{args.master_addr}:{args.master_port}", args.join_timeout, signals, output)
+        if store is None:
+            return signals.exit_code() if signals.signum else 1
+        if args.store is not None:
+            control.join_config(store, args)
     address = f"{args.master_addr}:{store.port}"
     # this node's own store: its workers' progress and liveness, read by this launcher only
     node_store = TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
-    return Launcher(args, store, address, node_store).run()
+    return Launcher(args, store, address, node_store, signals, output).run()
+
+
+def _reach(address: str, timeout_s: float, signals: Signals, output: Output) -> Any:
+    """Connect to node 0's store, retrying for ``timeout_s`` (node 0 may start later); None
+    on a signal or when it never answers (said)."""
+    deadline = time.monotonic() + timeout_s
+    while signals.signum is None:
+        try:
+            store = control.connect(address, timeout_s=CONNECT_TRY_S)
+            store.set_timeout(timedelta(seconds=600))
+            return store
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                output.say(f"unickpt launch: node 0's store at {address} did not answer within --join-timeout "
+                           f"{timeout_s:g} s: is node 0's launcher started (--node-rank 0, the same "
+                           "--rdzv-endpoint/--master-addr)?")
+                return None
+    output.say(f"unickpt launch: stopped by {signals.name()} before node 0's store at {address} answered")
+    return None
+
 
 
 @dataclass
@@ -92,6 +298,7 @@ class Worker:
     name: str
     local: int
     proc: subprocess.Popen
+    rank: int = 0  # RANK at its start (its output's prefix)
     progress: str = ""
     progress_at: float = field(default_factory=time.monotonic)
     alive: int = 0
@@ -102,16 +309,24 @@ class Worker:
 class Launcher:
     """One node's launcher (node 0's is also the job's coordinator)."""
 
-    def __init__(self, args: argparse.Namespace, store: Any, address: str, node_store: Any = None) -> None:
+    def __init__(self, args: argparse.Namespace, store: Any, address: str, node_store: Any = None,
+                 signals: Signals | None = None, output: Output | None = None) -> None:
         self.args, self.store, self.address = args, store, address
         self.node_store = node_store if node_store is not None else store
         self.node_address = f"127.0.0.1:{node_store.port}" if node_store is not None else None
-        self.relay_stop = threading.Event()
+        self.signals = signals or Signals()
+        self.output = output or Output()
+        self.relayed = -1  # the newest generation relayed to this node's workers
+        self.relay_lock = threading.Lock()
         self.node = args.node_rank
         self.workers: dict[int, Worker] = {}  # pid -> worker
         self.codes: dict[str, int] = {}  # exit code of each worker that ended
         self.restarts = 0
-        self.coordinator = Coordinator(store, args) if self.node == 0 else None
+        self.attempt = 0  # the plain script's group restarts (the coordinator's restart generations)
+        self.attempt_port: str | None = None
+        self.done = False
+        self.last_line = ""  # the job's summary, said last
+        self.coordinator = Coordinator(store, args, self.output) if self.node == 0 and args.store is None else None
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
@@ -119,73 +334,116 @@ class Launcher:
     def run(self) -> int:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._forward)
-        if self.coordinator is not None:
-            self.coordinator.start()
-        while control.newest(self.store) < 0:
-            time.sleep(0.01)
-        relay = None
-        if self.node_address is not None:
-            relay = threading.Thread(target=self._relay, name="unickpt-launch-relay", daemon=True)
-            relay.start()
+        mailbox = None
         try:
+            self.store.set(key("node", self.node, "joined"), "1")
+            if self.coordinator is not None:
+                self.coordinator.start()
+            while control.newest(self.store) < 0:  # generation 0 opens once every node joined
+                if self.signals.signum is not None:
+                    return self._shutdown()
+                if self.coordinator is not None:
+                    self.coordinator.step()
+                self._sleep(0.05)
+            first = control.read(self.store, 0)
+            if first.cause == "end":  # a node did not join in time
+                return self._finish(first)
+            mailbox = threading.Thread(target=self._mailbox, name="unickpt-launch-mailbox", daemon=True)
+            mailbox.start()
             return self._run()
+        except RuntimeError as e:  # a store call failed: node 0's launcher (the job's store) is gone
+            if self.coordinator is not None:
+                raise
+            self.output.say(f"unickpt launch: the job's store at {self.address} is gone (node 0's launcher ended or was "
+                            f"lost: {str(e).splitlines()[0][:200]}); stopping this node's workers")
+            self._stop_workers(signal.SIGTERM, END_GRACE_S)
+            self.last_line = f"unickpt launch: the job failed: its control plane (node 0) was lost (exit 1){self._kept()}"
+            return 1
         finally:
-            self.relay_stop.set()
-            if relay is not None:
-                relay.join(RELAY_WAIT_S + 1.0)
+            if mailbox is not None:
+                try:
+                    control.mail(self.store, self.node, stop=1)  # wakes the mailbox thread: it ends
+                except RuntimeError:
+                    pass  # the job's store is gone: the thread's wait has failed already
+                mailbox.join(2.0)
+            self.output.drain()
+            if self.last_line:  # after the mailbox's end: torch's own warnings never follow the job's summary
+                self.output.say(self.last_line)
 
-    def _relay(self) -> None:
-        """Tell this node's workers of every generation published, on the node's own store
-        (``g<N>`` set there): their watchers wait in it, and the job's store serves one
-        waiter a node instead of one a rank. Waits at most RELAY_WAIT_S at a time, so the
-        launcher can end it before it exits."""
+    def _sleep(self, seconds: float) -> None:
+        """Until a child exits, a signal arrives or ``seconds`` pass."""
+        select.select([self.wake_r], [], [], seconds)
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _mailbox(self) -> None:
+        """Read this node's mailbox on the job's store (one waiter a node, woken by each
+        message, no timeout): relay every generation published to this node's workers, on
+        the node's own store (each worker's watcher waits on its own key there), and answer
+        the coordinator's probes (a node whose launcher answers is up, however slow its
+        workers)."""
         try:
             client = control.connect(self.address)
-            seen = control.newest(client)
-            for n in range(seen + 1):
-                self.node_store.set(key("g", n), "1")
-            while not self.relay_stop.is_set():
-                if not control.wait_key(client, key("g", seen + 1), RELAY_WAIT_S):
+            i = 0
+            while True:
+                msg = control.read_mail(client, self.node, i, MAIL_WAIT_S)
+                if msg is None:
                     continue
-                seen += 1
-                self.node_store.set(key("g", seen), "1")
+                i += 1
+                if "stop" in msg:
+                    return
+                if "probe" in msg:
+                    client.add(key("probe", msg["probe"], "acks"), 1)
+                    client.set(key("probe", msg["probe"], "ack", self.node), "1")
+                if "gen" in msg:
+                    self._relay(int(msg["gen"]))
         except RuntimeError:
-            return  # the job's store is gone (node 0's launcher ended or was lost)
+            return  # the job's store is gone (its host ended or was lost)
+
+    def _relay(self, upto: int) -> None:
+        """Wake every worker of this node for generations up to ``upto``."""
+        if self.node_address is None:
+            return
+        with self.relay_lock:
+            names = [w.name for w in list(self.workers.values())]
+            for n in range(self.relayed + 1, upto + 1):
+                for name in names:
+                    self.node_store.set(control.watch_key(name, n), "1")
+            self.relayed = max(self.relayed, upto)
 
     def _run(self) -> int:
         for local in range(self.args.nproc_per_node):  # names beyond generation 0's: a node that joins later
             self._spawn(self._new_name(), local)
         next_beat = next_node_beat = 0.0
         while True:
-            select.select([self.wake_r], [], [], 0.01)
-            try:
-                while os.read(self.wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
+            self._sleep(0.01)
+            if self.signals.signum is not None:
+                return self._shutdown()
             self._reap()
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + BEAT_S
                 if self.args.hang_timeout:
                     self._find_hangs(now)
-            end = None
+            gen = None
             if now >= next_node_beat:  # the job's store: a request or two a node every NODE_BEAT_S
                 next_node_beat = now + NODE_BEAT_S
                 self.store.add(key("node", self.node, "beat"), 1)
                 if self.coordinator is None:
-                    end = self._ended()
+                    gen = self._newest()
             if self.coordinator is not None:  # the store's host looks for the end every turn
                 self.coordinator.step()
-                end = self._ended()
-            if end is not None:
-                return self._finish(end)
-            if not self.workers:
+                gen = self._newest()
+            if gen is not None and gen.cause == "end":
+                return self._finish(gen)
+            if gen is not None and gen.cause == "restart" and gen.code > self.attempt:
+                self._restart_group(gen)
+            if not self.workers and not self.done:  # then wait for the coordinator's verdict on the job
+                self.done = True
                 self.store.set(key("node", self.node, "done"), "1")
-                if self.coordinator is None or self.coordinator.all_done():
-                    return self._status()
 
     # -- workers ----------------------------------------------------------------------------
     def _new_name(self) -> str:
@@ -199,18 +457,34 @@ class Launcher:
         env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(a.nproc_per_node),
                    GROUP_RANK=str(self.node), GROUP_WORLD_SIZE=str(a.nnodes), ROLE_RANK=str(rank),
                    ROLE_WORLD_SIZE=str(world), ROLE_NAME="default", MASTER_ADDR=a.master_addr,
-                   MASTER_PORT=self.address.rpartition(":")[2], TORCHELASTIC_USE_AGENT_STORE="True",
-                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
-                   TORCHELASTIC_RUN_ID="unickpt", **control.worker_env(self.address, name, self.node_address))
+                   MASTER_PORT=self.attempt_port or self.address.rpartition(":")[2], TORCHELASTIC_USE_AGENT_STORE="True",
+                   TORCHELASTIC_RESTART_COUNT=str(self.attempt), TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
+                   TORCHELASTIC_RUN_ID=a.rdzv_id, **control.worker_env(self.address, name, self.node_address))
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicators, never the process
         # a survivor blocked in a collective whose peers cannot free the old group gives up then
         env.setdefault(PG_TIMEOUT_ENV, str(max(10.0, 2 * a.hang_timeout) if a.hang_timeout else DEFAULT_PG_TIMEOUT_S))
+        env.setdefault("PYTHONUNBUFFERED", "1")  # lines come through the pipe as they are printed
         if a.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         self.node_store.set(key("beat", name), "")
-        cmd = [sys.executable, "-u"] + (["-m", a.script] if a.module else [a.script]) + list(a.script_args)
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
-        self.workers[proc.pid] = Worker(name, local, proc)
+        if a.no_python:
+            cmd = [a.script]
+        else:
+            cmd = [sys.executable, "-u"] + (["-m", a.script] if a.module else [a.script])
+        cmd += list(a.script_args)
+        try:
+            # its own session (process group): the terminal's Ctrl-C reaches the launcher only,
+            # which forwards it once; and the whole group can be signalled (its own children)
+            proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as e:
+            raise SystemExit(f"unickpt launch: cannot start {cmd[0]!r}: {e.strerror or e}") from None
+        with self.relay_lock:  # the generations relayed before it started are there for its watcher
+            self.workers[proc.pid] = Worker(name, local, proc, rank)
+            if self.node_address is not None:
+                for n in range(self.relayed + 1):
+                    self.node_store.set(control.watch_key(name, n), "1")
+        self.output.attach(proc, rank, local, self.attempt)
 
     def _reap(self) -> None:
         for pid, w in list(self.workers.items()):
@@ -220,13 +494,15 @@ class Launcher:
             del self.workers[pid]
             self.codes[w.name] = code
             control.post_event(self.store, kind="exit", worker=w.name, code=code, at=time.time(), why=self._why(w, code))
-            if code != 0:
+            if code != 0 and self.signals.signum is None:  # no replacement once a shutdown began
                 if self.restarts < self.args.max_restarts and self.store.check([key("run", w.name)]):
                     self.restarts += 1
                     self._spawn(self._new_name(), w.local)
 
     def _why(self, w: Worker, code: int) -> str:
-        return f"hung: no progress for {w.hung:.0f} s, exit {code}" if w.hung else f"exit {code}"
+        if w.hung:
+            return f"hung: no progress for {w.hung:.0f} s, exit {code}"
+        return f"exit {code}"
 
     def _find_hangs(self, now: float) -> None:
         """Kill the workers that showed no progress for --hang-timeout seconds and whose
@@ -249,75 +525,214 @@ class Launcher:
                 stale.append(w)
         for w in [w for w in stale if now - w.alive_at > STILL_S]:
             w.hung = now - w.progress_at
-            print(f"unickpt launch: worker {w.name} (pid {w.proc.pid}) shows no progress for {w.hung:.0f} s: killed",
-                  file=sys.stderr, flush=True)
+            self.output.say(f"unickpt launch: worker {w.name} (pid {w.proc.pid}) shows no progress for {w.hung:.0f} s: "
+                            "killed")
             w.proc.kill()
 
-    def _forward(self, signum: int, _frame: Any) -> None:
+    def _restart_group(self, gen: Generation) -> None:
+        """A plain script's rank failed and --max-restarts allows another try: stop this
+        node's workers and start the group again (torchrun's restart), on a fresh store."""
+        self._stop_workers(signal.SIGTERM, END_GRACE_S, report=False)
+        self.attempt = gen.code
+        self.attempt_port = self.store.get(key("attempt", self.attempt, "port")).decode()
+        self.done = False
+        for name in gen.members:
+            if control.node_of(name) == self.node:
+                self._spawn(name, int(name.rsplit(".", 1)[1]))
+
+    def _signal(self, w: Worker, signum: int) -> None:
+        """``signum`` to the worker's process group (the worker and the processes it started)."""
+        try:
+            os.killpg(w.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _stop_workers(self, signum: int, grace: float, report: bool = True) -> None:
+        """``signum`` to every worker once, SIGKILL to those left after ``grace`` seconds."""
         for w in self.workers.values():
-            w.proc.send_signal(signum)
+            self._signal(w, signum)
+        deadline = time.monotonic() + grace
+        for w in list(self.workers.values()):
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(w, signal.SIGKILL)
+                w.proc.wait()
+        if report:
+            self._reap()
+        self.workers.clear()
 
     # -- the end ----------------------------------------------------------------------------
-    def _ended(self) -> Generation | None:
+    def _newest(self) -> Generation | None:
         n = control.newest(self.store)
         if n < 0:
             return None
         gen = control.read(self.store, n) if n != getattr(self, "_read", -1) else self._last
         self._read, self._last = n, gen
-        return gen if gen.cause == "end" else None
+        return gen
 
     def _finish(self, end: Generation) -> int:
-        """The job ended (a plain script's rank failed, or too few ranks are left): stop
-        this node's workers and say why."""
-        for w in self.workers.values():
-            w.proc.terminate()
-        deadline = time.monotonic() + END_GRACE_S
-        for w in self.workers.values():
-            try:
-                w.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
+        """The coordinator ended the job (every rank finished, a rank failed for good, too
+        few ranks are left, a node did not join, a launcher was stopped): stop this node's
+        workers and say why, on the last line."""
+        self._stop_workers(signal.SIGTERM, END_GRACE_S, report=False)
         self.store.set(key("node", self.node, "done"), "1")
+        self.store.set(key("node", self.node, "ended"), "1")  # the store's host may go now
         if self.coordinator is not None:
-            if end.code:
-                print(f"unickpt launch: the job failed: {end.reason}", file=sys.stderr, flush=True)
             self.coordinator.wait_nodes_done()
-        return end.code if end.code >= 0 else 1
+        self.output.drain()
+        code = end.code if end.code >= 0 else 1
+        self.last_line = f"unickpt launch: {end.reason}{self._kept() if code else ''}"
+        return code
 
-    def _status(self) -> int:
-        """0 when this node's surviving workers ended 0 (lost ones were recovered from)."""
-        gen = control.read(self.store, control.newest(self.store))
-        failed = [c for name, c in self.codes.items() if c != 0 and name in gen.members]
-        return (failed[0] if failed[0] > 0 else 1) if failed else 0
+    def _shutdown(self) -> int:
+        """SIGINT/SIGTERM: tell the job (its coordinator ends it on every node), forward the
+        signal once to every worker's process group, SIGKILL those left after
+        --shutdown-timeout; no replacement is started meanwhile. Exit 128 + the signal."""
+        name, grace = self.signals.name(), self.args.shutdown_timeout
+        try:
+            if control.newest(self.store) < 0:  # generation 0 not open yet: this node no longer joins it
+                self.store.delete_key(key("node", self.node, "joined"))
+            if self.coordinator is not None:
+                self.coordinator.stop(self.signals.signum or 0, self.node)
+            else:
+                control.post_event(self.store, kind="stop", node=self.node, signal=self.signals.signum)
+        except RuntimeError:
+            pass  # the job's store is gone: this node stops on its own
+        if self.workers:
+            self.output.say(f"unickpt launch: {name}: stopping this node's {len(self.workers)} worker(s) "
+                            f"(SIGKILL after --shutdown-timeout {grace:g} s; {name} again: at once)")
+        for w in self.workers.values():
+            self._signal(w, self.signals.signum or signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.workers:
+            if time.monotonic() >= deadline or self.signals.count > 1:
+                for w in self.workers.values():
+                    self.output.say(f"unickpt launch: worker {w.name} (rank {w.rank}, pid {w.proc.pid}) did not stop "
+                                    f"within {time.monotonic() - deadline + grace:.0f} s of {name}: SIGKILL")
+                    self._signal(w, signal.SIGKILL)
+                    w.proc.wait()
+                deadline = float("inf")
+            self._sleep(0.05)
+            for pid, w in list(self.workers.items()):
+                if w.proc.poll() is not None:
+                    del self.workers[pid]
+        try:
+            self.store.set(key("node", self.node, "done"), "1")
+            if self.coordinator is not None:
+                self.coordinator.wait_nodes_done(grace + END_GRACE_S + 2.0)
+            end = self._newest()
+            self.store.set(key("node", self.node, "ended"), "1")
+        except RuntimeError:
+            end = None
+        self.output.drain()
+        line = end.reason if end is not None and end.cause == "end" else f"the job was stopped: {name} on node {self.node}"
+        self.last_line = f"unickpt launch: {line}{self._kept()}"
+        return self.signals.exit_code()
+
+    def _kept(self) -> str:
+        """What this node's keeper still holds in memory, and how to resume or free it
+        (empty when nothing is held)."""
+        from ..snapshot.leftovers import held_snapshots
+        from ..snapshot.paths import shm_root
+
+        root = shm_root()
+        try:
+            held = held_snapshots(root)
+        except OSError:
+            return ""
+        if held["keeper"] is None and not held["jobs"]:
+            return "; nothing of this node is kept in memory"
+        whole = sorted({s for j in held["jobs"] for s in j["whole"]})
+        what = f"the snapshots of step(s) {', '.join(map(str, whole[-3:]))}" if whole else "its keeper"
+        return (f"; this node keeps {what} in memory ({root}): the same command resumes from them, "
+                f"`unickpt snapshots {root} --free` frees them")
 
 
 class Coordinator:
-    """Node 0's launcher's second role: it opens the job's generations."""
+    """Node 0's launcher's second role: it opens the job's generations, and ends the job
+    with its verdict (the exit status every node's launcher returns, and their last line)."""
 
-    def __init__(self, store: Any, args: argparse.Namespace) -> None:
+    def __init__(self, store: Any, args: argparse.Namespace, output: Output | None = None) -> None:
         self.store, self.args = store, args
+        self.output = output or Output()
         self.gen: Generation | None = None
         self.events = 0
         self.pending: list[str] = []  # replacements ready to join
         self.finished: set[str] = set()  # workers that exited 0
         self.beats: dict[int, tuple[int, float]] = {}
         self.next_look = 0.0  # when _lost_nodes reads the launchers' beats again
+        self.ever: set[str] = set()  # every worker that was a member of a generation
+        self.recovered: list[str] = []  # "rank 2: SIGKILL" for each loss the job went on without
+        self.raised: dict[str, dict[str, Any]] = {}  # worker -> what its fn raised (unickpt.run's report)
+        self.attempt = 0  # a plain script's group restarts
+        self.attempt_stores: list[Any] = []
+        self.size = 0  # the world size of the last generation that ran
+        self.started = 0.0
+        self.next_note = 0.0
+        self.silent: dict[int, tuple[bytes, float]] = {}  # all_done's view of each node's beat
+        self.probes = 0  # probes sent
+        self.probe: tuple[int, float, list[int]] | None = None  # the one in flight: number, sent at, nodes asked
+        self.me = args.node_rank if getattr(args, "store", None) is None else -1  # the node hosting this coordinator
 
     def start(self) -> None:
-        """Open generation 0 (or, when this launcher restarts on a store that lives on, take the newest)."""
+        """Wait for every node to join (:meth:`step` opens generation 0 once they have), or,
+        when this launcher restarts on a store that lives on, take the newest."""
         a = self.args
         for n in range(a.nnodes):  # every beat counter exists: one multi_get reads them all, never waits
             self.store.add(key("node", n, "beat"), 0)
-        members = [f"{n}.{i}" for n in range(a.nnodes) for i in range(a.nproc_per_node)]
-        self.gen = Generation(0, members)
-        control.publish(self.store, self.gen)
+        self.started = time.monotonic()
+        self.next_note = self.started + WAIT_NOTE_S
+
+    def _join(self) -> None:
+        """Generation 0 opens once every one of --nnodes nodes has joined (torchrun's
+        rendezvous); until then this says who is awaited every WAIT_NOTE_S; after
+        --join-timeout the job ends (exit 1), naming the missing nodes."""
+        a = self.args
+        missing = [n for n in range(a.nnodes) if n != self.me and not self.store.check([key("node", n, "joined")])]
+        now = time.monotonic()
+        if not missing:
+            self._publish(Generation(0, [f"{n}.{i}" for n in range(a.nnodes) for i in range(a.nproc_per_node)]))
+            return
+        names = ", ".join(map(str, missing))
+        if now - self.started >= a.join_timeout:
+            self.gen = Generation(-1, [])
+            self._end(1, f"node(s) {names} of {a.nnodes} did not join within --join-timeout {a.join_timeout:g} s (start "
+                         f"`unickpt launch --node-rank N ...` there, with the same --nnodes and endpoint)")
+        elif now >= self.next_note:
+            self.next_note = now + WAIT_NOTE_S
+            self.output.say(f"unickpt launch: waiting for node(s) {names} of {a.nnodes} to join ({now - self.started:.0f} s; "
+                            f"--join-timeout {a.join_timeout:g} s)")
+
+    def _publish(self, gen: Generation) -> None:
+        """Open ``gen``, and tell every node's launcher (one message a node, in its mailbox)."""
+        self.gen = gen
+        self.ever.update(gen.members)
+        if gen.members:
+            self.size = len(gen.active(control.multiple_of(self.store)))
+        control.publish(self.store, gen)
+        for n in range(self.args.nnodes):
+            control.mail(self.store, n, gen=gen.number)
+
+    def stop(self, signum: int, node: int) -> None:
+        """A launcher was sent SIGINT/SIGTERM: the job ends on every node (128 + signum)."""
+        self.step()  # what happened before the signal is counted first
+        if self.gen is None:
+            self.gen = Generation(-1, [])
+        if self.gen.cause != "end":
+            self._end(128 + signum, f"{signal.Signals(signum).name} on node {node}", stopped=True)
 
     def step(self) -> None:
         """Handle the launchers' reports; watch the other nodes' launchers; open a
         generation for replacements once rank 0 has fixed the step they join at."""
+        if self.gen is None:
+            return self._join()
+        if self.gen.cause == "end":
+            return None
         lost: list[dict[str, Any]] = []
         end: tuple[int, str] | None = None
+        bug: tuple[int, str] | None = None  # fn raised: not a failure of the process
+        stop: dict[str, Any] | None = None
         deadline = None
         while True:
             total = self.store.add(key("nevents"), 0)
@@ -325,63 +740,155 @@ class Coordinator:
                 ev = json.loads(self.store.get(key("event", self.events)))
                 self.events += 1
                 if os.environ.get("UNICKPT_LIVE_DEBUG"):
-                    print(f"unickpt launch: event {ev}", file=sys.stderr, flush=True)
-                if ev["kind"] == "ready":
+                    self.output.say(f"unickpt launch: event {ev}")
+                if ev["kind"] == "suspect":  # a worker's collective failed: is a node gone?
+                    self._send_probe()
+                elif ev["kind"] == "stop":
+                    stop = stop or ev
+                elif ev["kind"] == "raised":
+                    self.raised[ev["worker"]] = ev
+                elif ev["kind"] == "ready":
                     self.pending.append(ev["worker"])
-                    self.store.set(key("g", self.gen.number, "ready"), "1")
+                    self.store.set(key("g", self.gen.number, "ready"), str(len(self.pending)))
                 elif ev["worker"] in self.pending:
                     self.pending.remove(ev["worker"])
                 elif ev["code"] == 0:
                     self.finished.add(ev["worker"])
                 elif ev["worker"] in self.gen.members:
-                    if not self.store.check([key("run", ev["worker"])]) and (end is None or (end[0] < 0 < ev["code"])):
+                    worker, rank = ev["worker"], self.gen.members.index(ev["worker"])
+                    raised = self.raised.get(worker)
+                    if not self.store.check([key("run", worker)]) and (end is None or (end[0] < 0 < ev["code"])):
                         # of the failures reaped together, the first that chose its exit code: a peer
                         # aborted by its vanished gloo connection (a signal) is an effect, not the cause
-                        end = (ev["code"], f"worker {ev['worker']} (rank {self.gen.members.index(ev['worker'])}) "
-                                           f"exited with {ev['code']} outside unickpt.run: nothing to recover")
-                    lost.append({"rank": self.gen.members.index(ev["worker"]), "worker": ev["worker"],
-                                 "why": ev["why"], "at": ev["at"]})
-            if not lost or (end is not None and end[0] > 0):
+                        end = (ev["code"], f"worker {worker} (rank {rank}) exited with {ev['code']} outside unickpt.run: "
+                                           "nothing to recover")
+                    elif raised is not None and not raised.get("recoverable") and bug is None:
+                        bug = (ev["code"] if ev["code"] > 0 else 1,
+                               f"rank {rank} (worker {worker}) raised {raised['error']} ({raised['where']}): an error of "
+                               "fn is not recovered from (it would happen again; its traceback is above), unless "
+                               "unickpt.run(fn, recover=...) says to go on without the rank")
+                    lost.append({"rank": rank, "worker": worker, "why": ev["why"], "at": ev["at"]})
+            if stop is not None or not lost or (end is not None and end[0] > 0):
                 break
             if deadline is None:
                 deadline = time.monotonic() + BATCH_S
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.002)
+        if stop is not None:
+            return self._end(128 + int(stop["signal"]), f"{signal.Signals(int(stop['signal'])).name} on node "
+                                                        f"{stop['node']}", stopped=True)
         lost += self._lost_nodes()
+        early = [m for m in self.gen.members if m in self.finished and self.store.check([key("run", m)])]
+        if lost and early:  # a rank that left fn while its peers trained: they cannot go on without it
+            m = early[0]
+            return self._end(1, f"rank {self.gen.members.index(m)} (worker {m}) ended with exit 0 in generation "
+                                f"{self.gen.number} while its peers still trained (fn returned or called sys.exit early)")
+        if bug is not None:
+            return self._end(*bug)
         if end is not None:
+            if self.attempt < self.args.max_restarts:
+                return self._restart(end[1])
             return self._end(*end)
-        if self.pending and self.finished >= set(self.gen.members):  # replacements waiting for a job that is over
-            return self._end(0, "the job finished")
+        active = set(self.gen.active(control.multiple_of(self.store)))
+        if active and self.finished >= active:  # hot spares or replacements may still wait: the job is over
+            return self._end(0, "finished")
         if lost:
             return self._open("lost", lost)
         if self.pending and self.store.check([key("g", self.gen.number, "grow_at")]):
             self._open("grow", [])
+        return None
 
     def _open(self, cause: str, lost: list[dict[str, Any]]) -> None:
         gone = {x["worker"] for x in lost}
         joined, self.pending = self.pending, []
         members = [m for m in self.gen.members if m not in gone] + joined
         members.sort(key=control.node_of)  # stable: the survivors keep their order
-        if len(members) < self.args.min_ranks:
-            return self._end(1, f"{len(members)} rank(s) left, fewer than --min-ranks {self.args.min_ranks}")
-        self.gen = Generation(self.gen.number + 1, members, cause, lost, joined)
-        control.publish(self.store, self.gen)
+        gen = Generation(self.gen.number + 1, members, cause, lost, joined)
+        k = control.multiple_of(self.store)
+        active = len(gen.active(k))
+        if not active or active < self.args.min_ranks:
+            if not active:
+                why = f"{len(members)} rank(s) left, fewer than the multiple_of={k} the job trains on"
+            else:
+                spares = f" (and {len(members) - active} spare(s) that fit no multiple of {k})" if active < len(members) else ""
+                why = f"{active} rank(s) left{spares}, fewer than --min-ranks {self.args.min_ranks}"
+            return self._end(1, why)
+        self.recovered += [f"rank {x['rank']}: {x['why']}" for x in lost]
+        self._publish(gen)
         if self.pending:
-            self.store.set(key("g", self.gen.number, "ready"), "1")
+            self.store.set(key("g", self.gen.number, "ready"), str(len(self.pending)))
 
-    def _end(self, code: int, reason: str) -> None:
-        self.gen = Generation(self.gen.number + 1, [], "end", code=code, reason=reason)
-        control.publish(self.store, self.gen)
+    def _restart(self, why: str) -> None:
+        """A plain script's rank failed: start the whole group again (torchrun's
+        --max-restarts), its rendezvous on a fresh store (no key of the failed attempt)."""
+        from torch.distributed import TCPStore
+
+        self.attempt += 1
+        fresh = TCPStore(self.args.master_addr if not self.args.standalone else "127.0.0.1", 0, is_master=True,
+                         timeout=timedelta(seconds=600), wait_for_workers=False)
+        self.attempt_stores.append(fresh)
+        self.store.set(key("attempt", self.attempt, "port"), str(fresh.port))
+        a = self.args
+        members = [f"{n}.a{self.attempt}.{i}" for n in range(a.nnodes) for i in range(a.nproc_per_node)]
+        self.output.say(f"unickpt launch: {why}; restarting the group ({self.attempt} of --max-restarts "
+                        f"{a.max_restarts})")
+        self._publish(Generation(self.gen.number + 1, members, "restart", code=self.attempt, reason=why))
+
+    def _end(self, code: int, reason: str, stopped: bool = False) -> None:
+        """End the job: ``reason`` and the job's summary become every launcher's last line."""
+        head = "the job was stopped: " if stopped else ("the job " + ("finished" if code == 0 else "failed") + ": ")
+        if code == 0:
+            head, reason = "the job finished", ""
+        ranks = len(self.ever)
+        lost = f"{len(self.recovered)} lost and recovered" + (f" ({'; '.join(self.recovered)})" if self.recovered else "")
+        summary = f"{ranks} rank{'s' if ranks != 1 else ''} ran, {lost}, final world size {self.size}"
+        line = f"{head}{reason}{'; ' if reason else ': '}{summary} (exit {code})"
+        self._publish(Generation(self.gen.number + 1, [], "end", code=code, reason=line))
+
+    def _send_probe(self) -> None:
+        """Ask every other node of the generation to answer within PROBE_S (one message a
+        node; a live launcher answers from its mailbox thread in milliseconds): a node lost
+        with its launcher is then declared in PROBE_S, not NODE_TIMEOUT_S. One probe at a
+        time."""
+        if self.probe is not None:
+            return
+        nodes = sorted({control.node_of(m) for m in self.gen.members} - {self.me})
+        if not nodes:
+            return
+        k, self.probes = self.probes, self.probes + 1
+        for n in nodes:
+            control.mail(self.store, n, probe=k)
+        self.probe = (k, time.monotonic(), nodes)
+
+    def _unanswered(self) -> list[int]:
+        """The nodes that did not answer the probe in flight within PROBE_S (none while it
+        is young, or once all answered: the probe is then over)."""
+        if self.probe is None:
+            return []
+        k, sent, nodes = self.probe
+        if int(self.store.add(key("probe", k, "acks"), 0)) >= len(nodes):
+            self.probe = None
+            return []
+        if time.monotonic() - sent < PROBE_S:
+            return []
+        self.probe = None  # a node that finished its work has nothing to answer with: not lost
+        return [n for n in nodes if not self.store.check([key("probe", k, "ack", n)])
+                and not self.store.check([key("node", n, "done")])]
 
     def _lost_nodes(self) -> list[dict[str, Any]]:
-        """Members on nodes whose launcher has been silent for NODE_TIMEOUT_S (their beats
-        read every NODE_BEAT_S, all in one request)."""
-        now, out = time.monotonic(), []
+        """Members on nodes whose launcher did not answer a probe within PROBE_S (sent when
+        a worker's collective failed: a lost node's peers see their connections break at
+        once), or has been silent for NODE_TIMEOUT_S (its beats read every NODE_BEAT_S,
+        all in one request)."""
+        silent = self._unanswered()
+        out = [{"rank": self.gen.members.index(m), "worker": m, "why": f"node {n} lost", "at": time.time()}
+               for n in silent for m in self.gen.members if control.node_of(m) == n]
+        now = time.monotonic()
         if now < self.next_look:
             return out
         self.next_look = now + NODE_BEAT_S
-        nodes = sorted({control.node_of(m) for m in self.gen.members} - {0})
+        nodes = sorted({control.node_of(m) for m in self.gen.members} - {self.me} - set(silent))
         beats = self.store.multi_get([key("node", n, "beat") for n in nodes]) if nodes else []
         for n, raw in zip(nodes, beats, strict=True):
             beat = int(raw) if raw.isdigit() else -1
@@ -393,16 +900,28 @@ class Coordinator:
                         for m in self.gen.members if control.node_of(m) == n]
         return out
 
-    def all_done(self) -> bool:
-        """True when every other node of the job has finished (or was lost)."""
-        nodes = {control.node_of(m) for m in self.gen.members} - {0}
-        return all(self.store.check([key("node", n, "done")]) for n in nodes)
+    def all_done(self, mark: str = "done") -> bool:
+        """True when every other node that joined has finished (``mark``: ``done``, its
+        workers ended; ``ended``, its launcher read the job's end), or was lost (its
+        launcher silent for NODE_TIMEOUT_S)."""
+        now = time.monotonic()
+        nodes = [n for n in range(self.args.nnodes) if n != self.me and self.store.check([key("node", n, "joined")])]
+        beats = self.store.multi_get([key("node", n, "beat") for n in nodes]) if nodes else []
+        waiting = False
+        for n, beat in zip(nodes, beats, strict=True):
+            last = self.silent.get(n)
+            if last is None or last[0] != beat:
+                self.silent[n] = last = (beat, now)
+            if not self.store.check([key("node", n, mark)]) and now - last[1] <= NODE_TIMEOUT_S:
+                waiting = True
+        return not waiting
 
     def wait_nodes_done(self, timeout: float = 30.0) -> None:
-        """Keep the store up until the other nodes have seen the end (or the timeout)."""
+        """Keep the store up until the other nodes have read the job's end (or the timeout):
+        a launcher that finds the store gone before it read the end would report the job
+        as failed."""
         deadline = time.monotonic() + timeout
-        while not self.all_done() and time.monotonic() < deadline:
-            self._lost_nodes()
+        while not self.all_done("ended") and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

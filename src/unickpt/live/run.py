@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import open_sockets, opened_since, release_groups, shut_group_sockets
+from ..dist import release_groups, shut_group_sockets, track_group_sockets
 from ..errors import UnickptError
 from ..logs import log, say
 from . import control
@@ -49,7 +49,7 @@ __all__ = ["run", "World", "Interrupted"]
 PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
 TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
 NETWORK_ERROR_WAIT_S = 15.0  # after a failed collective, how long to wait for the coordinator's verdict
-WATCH_WAIT_S = 1.0  # the watcher's longest wait in the store: how soon it sees stop() (a request a second a rank)
+WATCH_WAIT_S = 3600.0  # the watcher's wait in its node's store: stop() wakes it with its own key (no timeout logged)
 ALIVE_S = 0.5  # how often it tells the launcher that this process runs
 
 
@@ -85,7 +85,8 @@ class World:
 _CURRENT: "_Live | None" = None  # this process's live-recovery state, under `unickpt launch`
 
 
-def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
+def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int = 1,
+        recover: bool | tuple[type[BaseException], ...] = False) -> Any:
     """Initialise the default process group, call ``fn(world)`` and destroy the group when
     it returns; returns what ``fn`` returned.
 
@@ -96,26 +97,47 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     torch's default for the device when None. ``fn`` must not call
     ``init_process_group`` or ``destroy_process_group`` itself.
 
+    ``multiple_of=K`` (a layout of tensor x pipeline parallel degree K): at every
+    generation the active world is the largest multiple of K not above the ranks
+    available; ``fn`` runs on those, and the others wait inside ``run`` as hot spares
+    (their imports, CUDA context and keeper kept), first in line at the next failure,
+    which then re-forms at the same size. Whole nodes are kept together (see
+    :meth:`unickpt.live.control.Generation.active`).
+
+    An exception ``fn`` raises is a bug, not a failure of the process: under ``unickpt
+    launch`` it ends the job on every node (exit 1, the rank and the error named), since it
+    would happen again after a re-forming. ``recover`` names the exceptions that are
+    failures of the process instead (``recover=(torch.cuda.OutOfMemoryError,)``, or True
+    for any): the rank that raised one is lost and the others go on without it, as after
+    a crash. A failed collective (a peer lost) is always recovered from.
+
     Args:
         fn: The training function; called with the current :class:`World`.
         backend: The process group's backend (None: torch's default for the device).
+        multiple_of: The active world's size is always a multiple of this.
+        recover: Exception types (or True: all) that drop the rank instead of ending the job.
 
     Returns:
         What ``fn`` returned (in its last generation).
 
     Raises:
-        UnickptError: The default process group is already initialised.
+        UnickptError: The default process group is already initialised; ``multiple_of``
+            is not a positive integer, or (under torchrun) does not divide the world.
     """
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise UnickptError(f"unickpt.run(fn, multiple_of={multiple_of!r}): expected a positive integer "
+                           "(the tensor x pipeline parallel degree the world must be a multiple of)")
     if dist.is_initialized():
         raise UnickptError("unickpt.run(fn) initialises the process group itself: call it before "
                            "init_process_group, not after (and not from inside another unickpt.run)")
     if not control.under_launch():
-        return _run_once(fn, backend)
+        return _run_once(fn, backend, multiple_of)
     global _CURRENT
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    track_group_sockets()  # every group of a generation (a DeviceMesh's too) is cut when it ends
     live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV],
-                            os.environ.get(control.NODE_STORE_ENV))
+                            os.environ.get(control.NODE_STORE_ENV), multiple_of, recover)
     try:
         return live.loop(fn, backend)
     finally:
@@ -124,8 +146,12 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
         gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
 
 
-def _run_once(fn: Callable[[World], Any], backend: str | None) -> Any:
+def _run_once(fn: Callable[[World], Any], backend: str | None, multiple_of: int = 1) -> Any:
     """torchrun or plain python: one group, one call."""
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    if size % multiple_of:
+        raise UnickptError(f"unickpt.run(fn, multiple_of={multiple_of}): the world has {size} rank(s), not a multiple "
+                           f"of {multiple_of} (hot spares need `unickpt launch`)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:  # a single process: a group of one, no rendezvous
@@ -189,8 +215,10 @@ def interrupted() -> type[BaseException]:
 class _Live:
     """One worker's side of a live-recovery job."""
 
-    def __init__(self, address: str, worker: str, node_address: str | None = None) -> None:
-        self.address, self.worker = address, worker
+    def __init__(self, address: str, worker: str, node_address: str | None = None, multiple_of: int = 1,
+                 recover: bool | tuple[type[BaseException], ...] = False) -> None:
+        self.address, self.worker, self.multiple_of = address, worker, multiple_of
+        self.recover = recover  # the exceptions of fn that drop this rank instead of ending the job
         self.store = control.connect(address)
         # progress and liveness go to this node's launcher only: its own store, not the job's
         self.node_address = node_address or address
@@ -207,13 +235,21 @@ class _Live:
         self._seen = -1
         self._watcher: threading.Thread | None = None
         self._beater: threading.Thread | None = None
-        self.mesh: dict[int, str] = {}  # the sockets of this generation's gloo default group
+        self.prev_active: list[str] = []  # the active members of the generation before (the lines rank 0 prints)
 
     # -- the generations ------------------------------------------------------------------
     def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
         self.store.set(key("run", self.worker), "1")  # the launcher treats this worker's death as recoverable
+        said = self.store.compare_set(control.MULTIPLE_KEY, "", str(self.multiple_of)).decode()
+        if said != str(self.multiple_of):
+            raise UnickptError(f"unickpt.run(fn, multiple_of={self.multiple_of}): another rank of this job said "
+                               f"multiple_of={said}; every rank must give the same")
         gen = self.join()
         while True:
+            if gen.place(self.worker, self.multiple_of) is None:  # a hot spare: no group, no fn
+                self._check_enough(gen)
+                gen = self.wait_as_spare(gen)
+                continue
             if not self.arrive(gen):  # a member was lost while the others gathered
                 gen = self.newer(gen)
                 continue
@@ -225,8 +261,17 @@ class _Live:
                     result = fn(self.world)
             except BaseException as e:  # noqa: BLE001 — sorted below: a membership change or a real error
                 self.mark("interrupted")
+                # this generation is over here: cut every group now, so that a peer blocked in
+                # any collective fails at once instead of waiting on this process
+                self.cut()
+                if not isinstance(e, Interrupted) and _network_error(e):
+                    # a peer vanished (a lost node closes its connections at once): the
+                    # coordinator confirms with the nodes' launchers before declaring it
+                    control.post_event(self.store, kind="suspect", worker=self.worker, at=time.time())
                 nxt = self.verdict(e)
+                self.mark("verdict")
                 if nxt is None:
+                    _report_raised(self, e)
                     _check_group_kept(e)
                     self.teardown()
                     raise
@@ -235,6 +280,9 @@ class _Live:
                 self.teardown()
                 gen = nxt
                 continue
+            # fn returned: no step follows, so the launcher's hang check must not read the
+            # time this process takes to tear down and exit as a hang
+            self.node_store.set(key("beat", self.worker), "done")
             _check_group_kept(None)
             self.teardown(collect=True)
             return result
@@ -264,20 +312,45 @@ class _Live:
                 self._seen = n
                 return gen
 
+    def _check_enough(self, gen: Generation) -> None:
+        """A clear error when fewer ranks are left than ``multiple_of`` (none could train)."""
+        if not gen.active(self.multiple_of):
+            raise UnickptError(f"unickpt.run(fn, multiple_of={self.multiple_of}): only {len(gen.members)} rank(s) "
+                               f"available, fewer than multiple_of={self.multiple_of}")
+
+    def wait_as_spare(self, gen: Generation) -> Generation:
+        """A hot spare of ``gen``: wait, in this process, for the next generation (a failure
+        it may cover, a join, the job's end); returns it."""
+        self.gen, self.world = gen, None
+        self._seen = max(self._seen, gen.number)
+        if not self.prev_active:  # warm while it waits: what fn imports lazily, frozen (see _freeze_heap)
+            _freeze_heap()
+        self.node_store.set(key("beat", self.worker), f"spare g{gen.number}")  # not a step: no hang check
+        n = gen.number + 1
+        while True:
+            name = control.watch_key(self.worker, n) if self.node_address != self.address else key("g", n)
+            if control.wait_key(self.node_store, name, 3600.0):
+                break
+        self._seen = max(self._seen, n)
+        nxt = control.read(self.store, n)
+        self._end_if_over(nxt)
+        if self.worker not in nxt.members:
+            raise SystemExit(f"unickpt: this worker ({self.worker}) was left out of generation {n}")
+        self.prev_active = gen.active(self.multiple_of)
+        return nxt
+
     def form(self, gen: Generation, backend: str | None) -> None:
         """Initialise the default group of ``gen`` (its own store prefix) and this process's
         torchrun variables for it."""
-        place = gen.place(self.worker)
+        place = gen.place(self.worker, self.multiple_of)
+        assert place is not None
         os.environ.update(RANK=str(place["rank"]), WORLD_SIZE=str(place["size"]), LOCAL_RANK=str(place["local_rank"]),
                           LOCAL_WORLD_SIZE=str(place["local_size"]), GROUP_RANK=str(place["node"]),
                           GROUP_WORLD_SIZE=str(place["nodes"]), ROLE_RANK=str(place["rank"]),
                           ROLE_WORLD_SIZE=str(place["size"]), TORCHELASTIC_RESTART_COUNT=str(gen.number))
         store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
         timeout = timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "600")))
-        before = open_sockets()
         dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
-        if "gloo" in str(dist.get_backend()):
-            self.mesh = opened_since(before)  # gloo connects its full mesh here
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -285,7 +358,8 @@ class _Live:
         self.mark("formed")
         self.times["published"] = gen.at
         if gen.number > 0 and gen.cause in ("lost", "grow"):
-            self.note = _describe(gen) + " at step {} " + f"(generation {gen.number})"
+            self.note = _describe(gen, self.multiple_of, self.prev_active) + " at step {} " + f"(generation {gen.number})"
+        self.prev_active = gen.active(self.multiple_of)
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="unickpt-live-watch", daemon=True)
             self._watcher.start()
@@ -328,7 +402,7 @@ class _Live:
 
     def say_arrived(self, gen: Generation) -> None:
         """Count this member in; the last one opens the generation's ``go`` key."""
-        if int(self.store.add(key("g", gen.number, "arrived"), 1)) == len(gen.members):
+        if int(self.store.add(key("g", gen.number, "arrived"), 1)) == len(gen.active(self.multiple_of)):
             self.store.compare_set(key("g", gen.number, "go"), "", control.GO_ALL)
 
     def all_arrived(self, gen: Generation) -> bool:
@@ -346,7 +420,7 @@ class _Live:
 
         if self.gen is not None and not collect:
             abandon_in_flight()
-            self.shut_mesh()
+            self.cut()
         release_groups(collect=False)
         _forget_meshes()
         old = None
@@ -365,12 +439,12 @@ class _Live:
             log.warning(f"unickpt: the old group is still referenced by {held}")
         self.mark("torn_down")
 
-    def shut_mesh(self) -> None:
-        """Shut the old generation's gloo sockets down (its default group's, unickpt's
-        groups'), so that a collective blocked on one fails at once here and in every
-        survivor, whoever still holds the group."""
-        mesh, self.mesh = self.mesh, {}
-        shut_group_sockets(mesh)
+    def cut(self) -> None:
+        """Shut the old generation's gloo sockets down: every group's, whoever made it (the
+        default group, a DeviceMesh's, FSDP2's, unickpt's, the user's; see
+        :func:`unickpt.dist.track_group_sockets`), so that a collective blocked on any of
+        them fails at once here and in every survivor, whoever still holds the group."""
+        shut_group_sockets()
 
     def _end_if_over(self, gen: Generation) -> None:
         if gen.cause == "end":
@@ -383,8 +457,8 @@ class _Live:
 
     def _watch(self) -> None:
         """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
-        generation, no polling; in the node's store, where the launcher relays it, when
-        there is one); one that removes members ends ``fn`` at once."""
+        generation, no polling, no timeout; in the node's store, on this worker's own key,
+        where the launcher relays it); one that removes members ends ``fn`` at once."""
         store = control.connect(self.address)
         # under unickpt launch its launcher relays each generation on the node's store
         watched = control.connect(self.node_address) if self.node_address != self.address else store
@@ -393,18 +467,32 @@ class _Live:
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
-                if not control.wait_key(watched, key("g", nxt), WATCH_WAIT_S):
+                if self.node_address != self.address:
+                    woke = control.wait_key(watched, control.watch_key(self.worker, nxt), WATCH_WAIT_S)
+                else:  # no node store (a test's own): the job's store, a second at a time
+                    woke = control.wait_key(watched, key("g", nxt), 1.0)
+                if not woke or self._stop.is_set():
                     continue
                 gen = control.read(store, nxt)
             except RuntimeError:
-                return  # the store is gone: the control plane (node 0's launcher) was lost
+                return  # the store is gone: the control plane was lost
             self._seen = nxt
             if gen.cause != "grow" or self.worker not in gen.members:
                 with self.lock:
+                    if self.in_fn and self.gen is not None and self._unchanged(gen):
+                        self.gen = gen  # a spare was lost: the active world trains on, in its groups
+                        if self.world is not None and self.world.rank == 0 and gen.lost:
+                            say(_describe(gen, self.multiple_of, self.prev_active) + f" (generation {gen.number})")
+                        continue
                     if self.in_fn and self.gen is not None and gen.number > self.gen.number:
-                        self.shut_mesh()  # the main thread may be blocked in a gloo collective
+                        self.cut()  # the main thread may be blocked in a gloo collective
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
                                                                    ctypes.py_object(Interrupted))
+
+    def _unchanged(self, gen: Generation) -> bool:
+        """True when ``gen`` keeps this generation's active world as it is (only spares or
+        pending replacements changed): nothing to re-form."""
+        return gen.cause == "lost" and gen.active(self.multiple_of) == self.prev_active
 
     def _beat(self) -> None:
         """Tell the launcher this process runs, every ALIVE_S (its own connection: the
@@ -418,11 +506,17 @@ class _Live:
 
     def stop(self) -> None:
         """End the watcher and the beats before ``run`` returns: neither is left blocked in
-        the store when its server (node 0's launcher, or a caller's own) goes away at exit."""
+        the store when its server (node 0's launcher, or a caller's own) goes away at exit.
+        The watcher is woken by its own key, set here."""
         self._stop.set()
+        if self._watcher is not None and self.node_address != self.address:
+            try:
+                self.node_store.set(control.watch_key(self.worker, self._seen + 1), "stop")
+            except RuntimeError:
+                pass  # the launcher is gone: the watcher's wait has failed already
         for thread in (self._watcher, self._beater):
             if thread is not None and thread is not threading.current_thread():
-                thread.join(WATCH_WAIT_S + 1.0)
+                thread.join(2.0)
 
     # -- the step boundary ------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
@@ -435,13 +529,20 @@ class _Live:
             self._report()
         if self.grow_at is None:
             grow = key("g", gen.number, "grow_at")
-            if world.rank == 0 and store.check([key("g", gen.number, "ready")]):
+            ready = key("g", gen.number, "ready")
+            if world.rank == 0 and store.check([ready]) and self._grows(int(store.get(ready) or b"1")):
                 # every rank reaches maybe_save(step + 1) only after a collective rank 0 joins
                 # after this line, so each sees grow_at there at the latest
                 store.set(grow, str(step + 1))
             if store.check([grow]):
                 self.grow_at = int(store.get(grow))
         return self.grow_at == step
+
+    def _grows(self, pending: int) -> bool:
+        """True when ``pending`` more ranks grow the active world (not only the spares)."""
+        assert self.gen is not None
+        k = self.multiple_of
+        return (len(self.gen.members) + pending) // k * k > len(self.prev_active)
 
     def say(self, step: int) -> None:
         """Rank 0 prints the pending re-forming line, now that the step is known."""
@@ -483,6 +584,23 @@ class _InFn:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.live.main), None)  # one not yet raised
 
 
+def _report_raised(live: _Live, error: BaseException) -> None:
+    """Tell the coordinator what ended ``fn`` for good on this rank (before the process
+    exits): an error of ``fn`` ends the job (exit 1) unless it is a failure of the process
+    (a failed collective, a signal's KeyboardInterrupt, one of ``run(recover=...)``'s)."""
+    if isinstance(error, SystemExit) and error.code in (0, None):
+        return  # an early exit 0: the coordinator judges it by its peers
+    recover = live.recover
+    chosen = recover is True or (recover not in (False, None) and isinstance(error, recover))
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "fn"
+    try:
+        control.post_event(live.store, kind="raised", worker=live.worker, error=f"{type(error).__name__}: {error}"[:300],
+                           where=where, recoverable=chosen or _network_error(error) or isinstance(error, KeyboardInterrupt))
+    except RuntimeError:
+        pass  # the job's store is gone: nothing to tell
+
+
 def _forget_exception(error: BaseException) -> None:
     """Clear the frames of ``error``'s traceback and of every exception chained to it (a
     collective's error re-raised through autograd or a hook keeps the original, with
@@ -516,16 +634,23 @@ def _freeze_heap() -> None:
     gc.freeze()  # (gc.get_freeze_count() walks the frozen heap: ~70 ms)
 
 
-def _describe(gen: Generation) -> str:
-    """The first part of a re-forming's line: who was lost or who joined, and the new size."""
+def _describe(gen: Generation, multiple_of: int = 1, before: list[str] | None = None) -> str:
+    """The first part of a re-forming's line: who was lost or who joined (or which spare
+    stepped in), and the new size (and spares)."""
+    active = gen.active(multiple_of)
+    spares = len(gen.members) - len(active)
+    size = f"{len(active)} ranks" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
+    stepped = [m for m in active if before and m not in before and m not in gen.joined]
     if gen.cause == "grow" or not gen.lost:
         n = len(gen.joined)
-        return f"{n} replacement{'s' if n != 1 else ''} joined; continuing on {len(gen.members)} ranks"
+        return f"{n} replacement{'s' if n != 1 else ''} joined; continuing on {size}"
     ranks = [int(x["rank"]) for x in gen.lost]
     why = ", ".join(str(x["why"]) for x in gen.lost)
     who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
     joined = f", {len(gen.joined)} joined" if gen.joined else ""
-    return f"{who} lost ({why}){joined}; continuing on {len(gen.members)} ranks"
+    if stepped and len(active) == len(before or []):  # the same size: spares stepped in
+        return f"{'spare' if len(stepped) == 1 else 'spares'} took {who}'s place{joined}; continuing on {size}"
+    return f"{who} lost ({why}){joined}; continuing on {size}"
 
 
 def _network_error(error: BaseException) -> bool:

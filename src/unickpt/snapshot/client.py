@@ -241,6 +241,22 @@ def index_parts(rows: list[RankInfo], nodes: int, parity: int) -> IndexParts:
                                    for r in rows))
 
 
+_WARNED = ".parity-warned"  # in a job's shm folder: the job's protection warning was printed
+
+
+def _first_warning(jdir: str) -> bool:
+    """True the first time a job (its shm folder, which a relaunch and every re-forming
+    keep) warns about the protection it cannot have: once per job, not at every start."""
+    try:
+        os.makedirs(jdir, exist_ok=True)
+        with open(os.path.join(jdir, _WARNED), "x"):
+            return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+
+
 class Snapshotter:
     """One rank's handle on the snapshot tier (collective methods: every rank calls them).
 
@@ -263,6 +279,7 @@ class Snapshotter:
         self.flush_dir = os.path.abspath(flush_dir) if flush_dir else None
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
+        user_set = parity is not None or replicas > 1  # the default's protection is not warned about
         if parity is None:  # XOR by default; none with copies on neighbours
             parity = 0 if replicas > 1 else 1
         layout(1 << 30, parity, replicas, stripes)  # a bad combination fails before any process starts
@@ -302,7 +319,7 @@ class Snapshotter:
         token = all_gather_fixed(self.group, secrets.token_bytes(8))[0]
         self.control = control_doc(address, job, token) if address else None
         asked = replicas - 1 if replicas > 1 else parity
-        if self.parity < asked and self.group.rank == 0:
+        if self.parity < asked and self.group.rank == 0 and user_set and _first_warning(self.jdir):
             what = (f"{self.nodes} nodes hold at most {self.parity} parity block(s) per group: snapshots protected "
                     f"against {self.parity} lost node(s), not {asked}" if self.nodes > 1 else
                     "one node: snapshots survive a crashed process, not the loss of the node (protection "

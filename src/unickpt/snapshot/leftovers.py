@@ -47,3 +47,33 @@ def free_snapshots(root: str, timeout: float = 30.0) -> dict[str, Any]:
                 pass
         paths.remove_if_empty(root)
     return before
+
+
+def running_jobs(root: str) -> list[int]:
+    """The pids of this machine's processes of a job that uses the shm ``root``: trainers
+    (torchrun's ``RANK`` and ``LOCAL_RANK`` in their environment) and ``unickpt launch``
+    launchers whose ``$UNICKPT_SHM_ROOT`` (else /dev/shm) is ``root``. Linux (/proc); the
+    processes of other users are not seen."""
+    want = os.path.realpath(root)
+    out = []
+    me = os.getpid()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if any(b"keeper_server" in a for a in argv):
+            continue  # a keeper (it inherits its trainer's environment): what --free stops
+        trainer = b"RANK" in env and b"LOCAL_RANK" in env
+        launcher = b"launch" in argv and any(a.endswith(b"unickpt") for a in argv)
+        if not (trainer or launcher):
+            continue
+        used = env.get(paths.SHM_ROOT_ENV.encode(), b"").decode(errors="replace") or "/dev/shm"
+        if os.path.realpath(used) == want:
+            out.append(int(entry))
+    return out

@@ -1,0 +1,122 @@
+"""The workers' output under ``unickpt launch``: each worker's stdout and stderr come
+through a pipe, are read line by line and written whole, with torchrun's ``--tee``
+prefix (``[rank3]: ...``), so that no line is ever cut by another rank's; torchrun's
+``--tee``, ``--redirects``, ``--log-dir`` and ``--local-ranks-filter`` choose what also
+goes to per-rank files, what goes only there, and whose lines reach the console.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+from typing import IO, Any
+
+STREAMS = ("stdout", "stderr")
+# torchrun's Std values: 0 none, 1 stdout, 2 stderr, 3 both
+_STD = {"0": frozenset(), "1": frozenset({"stdout"}), "2": frozenset({"stderr"}), "3": frozenset(STREAMS)}
+
+
+def parse_std(text: str, flag: str) -> dict[int, frozenset[str]] | frozenset[str]:
+    """torchrun's ``--tee``/``--redirects`` value: ``0``-``3`` for every local rank, or
+    ``LOCAL:VALUE,...`` per local rank (the others: none). ValueError names the flag."""
+    text = text.strip()
+    if text in _STD:
+        return _STD[text]
+    out: dict[int, frozenset[str]] = {}
+    for part in text.split(","):
+        local, sep, value = part.partition(":")
+        if not sep or not local.strip().isdigit() or value.strip() not in _STD:
+            raise ValueError(f"{flag} {text!r}: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), "
+                             "or LOCAL_RANK:VALUE pairs like 0:3,1:2")
+        out[int(local)] = _STD[value.strip()]
+    return out
+
+
+def parse_filter(text: str | None) -> frozenset[int] | None:
+    """``--local-ranks-filter 0,2``: the local ranks whose lines reach the console (None: all)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        return frozenset(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--local-ranks-filter {text!r}: expected local ranks separated by commas, like 0,1") from None
+
+
+def _for(spec: dict[int, frozenset[str]] | frozenset[str], local: int) -> frozenset[str]:
+    return spec.get(local, frozenset()) if isinstance(spec, dict) else spec
+
+
+class Output:
+    """Relays every worker's output: ``[rankN]: `` + the line, written whole under one
+    lock (the launcher's own lines take it too)."""
+
+    def __init__(self, tee: Any = frozenset(), redirects: Any = frozenset(), log_dir: str | None = None,
+                 local_filter: frozenset[int] | None = None, run_id: str = "none") -> None:
+        self.tee, self.redirects, self.filter = tee, redirects, local_filter
+        self.log_dir, self.run_id = log_dir, run_id
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def files_dir(self) -> str:
+        """Where per-rank files go (a temporary directory, said once, when --log-dir is not given)."""
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="unickpt_launch_")
+            self.say(f"unickpt launch: the workers' log files (--tee/--redirects) are under {self.log_dir}")
+        return self.log_dir
+
+    def attach(self, proc: Any, rank: int, local: int, attempt: int) -> None:
+        """Start relaying ``proc``'s stdout and stderr (both pipes)."""
+        for name, pipe, console in (("stdout", proc.stdout, sys.stdout), ("stderr", proc.stderr, sys.stderr)):
+            filed = name in _for(self.tee, local) | _for(self.redirects, local)
+            shown = name not in _for(self.redirects, local) and (self.filter is None or local in self.filter)
+            path = None
+            if filed:
+                folder = os.path.join(self.files_dir(), self.run_id, f"attempt_{attempt}", str(local))
+                os.makedirs(folder, exist_ok=True)
+                path = os.path.join(folder, f"{name}.log")
+            t = threading.Thread(target=self._pump, args=(pipe, f"[rank{rank}]: ".encode(), console if shown else None, path),
+                                 name=f"unickpt-launch-{name}-{rank}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pump(self, pipe: IO[bytes], prefix: bytes, console: Any, path: str | None) -> None:
+        out = getattr(console, "buffer", None) if console is not None else None
+        f = open(path, "ab") if path else None
+        try:
+            for line in iter(pipe.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"  # the last line of a worker that died mid-line: still whole here
+                if f is not None:
+                    f.write(line)
+                    f.flush()
+                if out is not None:
+                    with self.lock:
+                        out.write(prefix + line)
+                        out.flush()
+        except (OSError, ValueError):
+            pass  # the console went away (a closed terminal): the worker goes on
+        finally:
+            pipe.close()
+            if f is not None:
+                f.close()
+
+    def say(self, line: str) -> None:
+        """One of the launcher's own lines, on stderr, never inside a worker's."""
+        with self.lock:
+            try:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    def drain(self, timeout: float = 2.0) -> None:
+        """Wait (briefly) for the relays of workers that ended to write their last lines (a
+        worker's child holding its pipe may keep one open: it is left behind)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.threads = [t for t in self.threads if t.is_alive()]

@@ -1,0 +1,59 @@
+"""Small scripts for tests/test_launch.py, run by real ``unickpt launch`` processes:
+``python launch_cases.py MODE``.
+
+* ``ok``: under ``unickpt.run``, 3 all-reduce steps; each rank prints its world and 40
+  long lines at once (lines of several ranks must never cut each other).
+* ``bug``: rank 1 raises ``RuntimeError("user bug")`` at step 2.
+* ``recover``: the same, under ``unickpt.run(fn, recover=(RuntimeError,))``.
+* ``early``: rank 1 returns from fn at step 2 while rank 0 trains on.
+* ``deadlock``: a plain script whose two ranks both wait in ``dist.recv`` (C++).
+* ``flaky``: a plain script whose rank 1 exits 3 in the group's first attempt only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+MODE = sys.argv[1]
+LINE = 3000  # characters in each long line
+
+
+def steps(world, last: int = 3) -> None:
+    for step in range(1, last + 1):
+        if MODE in ("bug", "recover") and world.rank == 1 and step == 2 and world.generation == 0:
+            raise RuntimeError("user bug")
+        if MODE == "early" and world.rank == 1 and step == 2:
+            return
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        time.sleep(0.2)
+    print(f"done rank {world.rank} size {world.size} generation {world.generation}", flush=True)
+
+
+def fn(world) -> None:
+    print(f"start rank {world.rank} size {world.size} generation {world.generation}", flush=True)
+    if MODE == "ok":
+        for _ in range(40):
+            sys.stdout.write(str(world.rank) * LINE + "\n")  # no flush: large writes, cut by the pipe
+    steps(world, 30 if MODE == "early" else 3)
+
+
+if MODE in ("deadlock", "flaky"):
+    dist.init_process_group("gloo")
+    if MODE == "flaky" and dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        sys.exit(3)
+    if MODE == "deadlock":
+        print(f"blocked rank {dist.get_rank()}", flush=True)
+        dist.recv(torch.zeros(1), src=1 - dist.get_rank())  # both wait: a deadlock in C++
+    dist.barrier()
+    print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} rank {dist.get_rank()} done", flush=True)
+    dist.destroy_process_group()
+else:
+    import unickpt
+
+    unickpt.run(fn, recover=(RuntimeError,) if MODE == "recover" else False)

@@ -1,0 +1,275 @@
+"""``unickpt launch`` keeps torchrun's promises (issue 42), with real launchers: exit
+codes (a bug in fn, an early exit 0, a recovered failure, a plain script's group restart),
+Ctrl-C / SIGTERM on a deadlocked or training job (exit 130 / 143, SIGKILL after
+--shutdown-timeout, what stays in memory), joining (a late node, a node that never
+comes), torchrun's flags and whole, prefixed output lines (tests/launch_cases.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unickpt.live.launch import parse
+from unickpt.live.output import parse_std
+
+HERE = Path(__file__).parent
+PY = sys.executable
+CASES = str(HERE / "launch_cases.py")
+LOOP = str(HERE / "live_loop.py")
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(HERE.parent / "src") + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               UNICKPT_SHM_ROOT=str(tmp / "shm"))
+    return env
+
+
+def _launch(tmp: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "unickpt", "launch", *argv], env=_env(tmp), capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp)
+
+
+def _last(text: str) -> str:
+    return [x for x in text.splitlines() if x.strip()][-1]
+
+
+# -- flags (parsed only) -------------------------------------------------------------------
+
+
+def test_torchrun_flags_parse():
+    a = parse(["--nnodes", "2:2", "--node_rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:1234",
+               "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=20,read_timeout=60", "--nproc-per-node", "cpu",
+               "--tee", "3", "--log-dir", "/tmp/x", "--local-ranks-filter", "0,1", "train.py", "--lr", "1"])
+    assert (a.nnodes, a.node_rank, a.master_addr, a.master_port, a.rdzv_id) == (2, 1, "node0", 1234, "job7")
+    assert a.join_timeout == 20 and a.nproc_per_node == (os.cpu_count() or 1) and a.local_filter == {0, 1}
+    assert a.script == "train.py" and a.script_args == ["--lr", "1"] and a.shutdown_timeout == 30
+    assert parse(["--rdzv_endpoint", "h", "--nnodes", "1", "x.py"]).master_port == 29400  # torchrun's default port
+    assert parse(["--nproc-per-node", "auto", "x.py"]).nproc_per_node >= 1
+    assert parse_std("0:3,1:2", "--tee") == {0: {"stdout", "stderr"}, 1: {"stderr"}}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--rdzv-backend", "etcd", "x.py"], "use --rdzv-backend c10d"),
+    (["--role", "trainer", "x.py"], "--role is not supported"),
+    (["--logs-specs", "x", "x.py"], "use --log-dir, --tee and --redirects"),
+    (["--nnodes", "1:4", "x.py"], "live recovery"),
+    (["--nnodes", "2", "x.py"], "needs --node-rank"),
+    (["--rdzv-conf", "last_call_timeout=5", "x.py"], "--rdzv-conf last_call_timeout is not supported"),
+    (["--start-method", "fork", "x.py"], "--start-method fork is not supported"),
+    (["--nproc-per-node", "many", "x.py"], "expected a number"),
+    (["--tee", "7", "x.py"], "--tee '7'"),
+])
+def test_refused_flags_say_why(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--nproc-per-node", "--tee",
+                 "--redirects", "--log-dir", "--local-ranks-filter", "--no-python", "--shutdown-timeout",
+                 "--join-timeout", "--max-restarts", "--hang-timeout", "--min-ranks", "the training script",
+                 "passed through untouched"):
+        assert flag in text, flag
+
+
+# -- exit codes ------------------------------------------------------------------------------
+
+multiprocess = pytest.mark.multiprocess
+
+
+@multiprocess
+def test_exit_codes(tmp_path):
+    """A bug in fn ends the job 1 naming the rank and the error (traceback on [rank1]:); with
+    recover= the job goes on without the rank and ends 0; a rank that returns early while its
+    peer trains ends the job 1; every launcher's last line is the job's summary."""
+    bug = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "bug")
+    assert bug.returncode == 1, bug.stderr[-3000:]
+    last = _last(bug.stderr)
+    assert "rank 1 (worker 0.1) raised RuntimeError: user bug" in last and "launch_cases.py:" in last, last
+    assert "[rank1]: Traceback" in bug.stderr or "[rank1]: [rank1]: Traceback" in bug.stderr
+    assert "2 ranks ran, 0 lost and recovered, final world size 2 (exit 1)" in last
+
+    rec = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "recover")
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    assert "[rank0]: done rank 0 size 1 generation 1" in rec.stdout
+    assert _last(rec.stderr).endswith("the job finished: 2 ranks ran, 1 lost and recovered (rank 1: exit 1), "
+                                      "final world size 1 (exit 0)"), rec.stderr[-2000:]
+
+    early = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "early")
+    assert early.returncode == 1, early.stderr[-3000:]
+    assert "rank 1 (worker 0.1) ended with exit 0 in generation 0 while its peers still trained" in _last(early.stderr)
+
+
+@multiprocess
+def test_plain_script_group_restart_and_no_python(tmp_path):
+    """--max-restarts restarts a plain script's whole group (torchrun's semantics, a fresh
+    rendezvous); --no-python runs the program given (here the interpreter itself)."""
+    out = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--no-python", PY, CASES,
+                  "flaky")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "restarting the group (1 of --max-restarts 1)" in out.stderr
+    assert "[rank0]: attempt 1 rank 0 done" in out.stdout and "[rank1]: attempt 1 rank 1 done" in out.stdout
+    assert "attempt 0 rank 0 done" not in out.stdout
+
+
+@multiprocess
+def test_output_lines_whole_prefixed_and_filed(tmp_path):
+    """Every worker line reaches the console whole with its [rankN]: prefix, though both
+    ranks write 3000-character lines at once; --tee 3 --log-dir files them per local rank,
+    --local-ranks-filter 0 keeps rank 1 off the console."""
+    out = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "ok")
+    assert out.returncode == 0, out.stderr[-3000:]
+    long = [x for x in out.stdout.splitlines() if len(x) > 100]
+    assert len(long) == 80
+    assert all(re.fullmatch(r"\[rank(\d)\]: (\1){3000}", x) for x in long), [x[:20] + x[-20:] for x in long][:4]
+    assert all(x.startswith("[rank") for x in out.stdout.splitlines())
+
+    logs = tmp_path / "logs"
+    out = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs), "--rdzv-id",
+                  "j", "--local-ranks-filter", "0", CASES, "ok")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[rank1]" not in out.stdout and out.stdout.count("[rank0]: " + "0" * 3000) == 40
+    for local in (0, 1):
+        text = (logs / "j" / "attempt_0" / str(local) / "stdout.log").read_text()
+        assert text.count(str(local) * 3000 + "\n") == 40 and f"done rank {local} size 2" in text
+
+
+# -- signals -----------------------------------------------------------------------------------
+
+
+def _pids_of(launcher: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, path.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+@multiprocess
+def test_ctrl_c_ends_a_deadlocked_job(tmp_path):
+    """Two ranks deadlocked in dist.recv (C++), Ctrl-C to the launcher's process group (as a
+    terminal does): each worker gets one SIGINT (its own process group), is killed after
+    --shutdown-timeout 3, and the launcher exits 130 within the grace period + a few
+    seconds, its last line saying it was stopped (not 'the job failed')."""
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2",
+                                 "--shutdown-timeout", "3", CASES, "deadlock"], env=_env(tmp_path), stdout=out,
+                                stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    try:
+        _wait_for(log, "blocked rank 1", proc)
+        _wait_for(log, "blocked rank 0", proc)
+        workers = _pids_of(proc.pid)
+        assert len(workers) == 2 and all(os.getpgid(w) == w for w in workers)  # each its own group
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert took < 3 + 8, took
+    assert "did not stop within 3 s of SIGINT: SIGKILL" in text
+    assert "the job was stopped: SIGINT on node 0" in _last(text) and "failed" not in _last(text)
+    assert not any(os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z" for w in workers)
+
+
+@multiprocess
+def test_sigterm_keeps_the_snapshots_and_free_refuses_while_running(tmp_path):
+    """A training job (snapshots in memory) gets SIGTERM: exit 143, no replacement started
+    though --max-restarts allows one, the last line names the snapshots kept and how to
+    resume or free them; meanwhile `unickpt snapshots --free` refused (exit 1) and, after,
+    frees them. No parity warning: the user never asked for parity."""
+    shm, log = tmp_path / "shm", tmp_path / "out.txt"
+    cli = [PY, "-m", "unickpt", "snapshots", str(shm)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                                 "2", LOOP, "--steps", "400", "--ckpt-dir", str(tmp_path / "ckpt"), "--log",
+                                 str(tmp_path / "log.jsonl"), "--sleep", "0.1"], env=_env(tmp_path), stdout=out,
+                                stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "log.jsonl").exists() or len((tmp_path / "log.jsonl").read_text().splitlines()) < 6:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        refused = subprocess.run([*cli, "--free"], env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "a job of this node is running" in refused.stderr, refused.stderr
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 143, text[-3000:]
+    last = _last(text)
+    assert "the job was stopped: SIGTERM on node 0" in last and "this node keeps the snapshots of step(s)" in last, last
+    assert "the same command resumes from them" in last and f"unickpt snapshots {shm} --free" in last
+    assert "joined" not in text and "one node: snapshots survive" not in text
+    freed = subprocess.run([*cli, "--free"], env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert freed.returncode == 0 and "freed" in freed.stdout, freed.stderr
+    missing = subprocess.run([*cli[:-1], str(tmp_path / "nowhere")], env=_env(tmp_path), capture_output=True, text=True)
+    assert missing.returncode != 0 and "no such directory" in missing.stderr
+
+
+# -- joining -----------------------------------------------------------------------------------
+
+
+@multiprocess
+def test_late_node_joins_and_missing_node_times_out(tmp_path):
+    """Node 1 starts 7 s after node 0 (torchrun's c10d flags): node 0 says it waits for it,
+    and generation 0 starts on both nodes' ranks, none lost. Then a job whose node 1 never
+    starts ends after --join-timeout 4, exit 1, naming node 1."""
+    from unickpt.testing import free_port
+
+    port = free_port()
+    flags = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1"]
+    outs = [open(tmp_path / f"node{n}.txt", "w") for n in range(2)]
+    procs = []
+    try:
+        for n in range(2):
+            env = _env(tmp_path)
+            env["UNICKPT_SHM_ROOT"] = str(tmp_path / f"shm{n}")
+            procs.append(subprocess.Popen([PY, "-m", "unickpt", "launch", *flags, "--node-rank", str(n), CASES, "ok"],
+                                          env=env, stdout=outs[n], stderr=subprocess.STDOUT, cwd=tmp_path,
+                                          start_new_session=True))
+            if n == 0:
+                time.sleep(7)
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for o in outs:
+            o.close()
+    text = [(tmp_path / f"node{n}.txt").read_text() for n in range(2)]
+    assert codes == [0, 0], text[0][-2000:] + text[1][-2000:]
+    assert "waiting for node(s) 1 of 2 to join" in text[0]
+    assert "[rank0]: start rank 0 size 2 generation 0" in text[0] and "[rank1]: start rank 1 size 2 generation 0" in text[1]
+    assert "lost" not in text[0].replace("0 lost and recovered", "")
+    assert "the job finished: 2 ranks ran, 0 lost and recovered, final world size 2 (exit 0)" in _last(text[1])
+
+    t0 = time.monotonic()
+    alone = _launch(tmp_path, "--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port()), "--join-timeout",
+                    "4", CASES, "ok")
+    assert alone.returncode == 1, alone.stderr[-2000:]
+    assert "node(s) 1 of 2 did not join within --join-timeout 4 s" in _last(alone.stderr)
+    assert "[rank" not in alone.stdout  # generation 0 never started
+    assert time.monotonic() - t0 < 60
