@@ -327,15 +327,18 @@ def _live_reference(tmp_path, steps: int) -> dict[int, dict]:
 
 
 @pytest.mark.multiprocess
-def test_live_recovery_ddp_in_the_same_processes(tmp_path, shm_roots):
-    """3 ranks of a DDP fit under ``unickpt launch --max-restarts 1`` through
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_live_recovery_in_the_same_processes(tmp_path, shm_roots, strategy):
+    """3 ranks of a fit under ``unickpt launch --max-restarts 1`` through
     ``unickpt.integrations.lightning.run`` (the Trainer, module and callback built per
-    generation); the last rank SIGKILLed mid-epoch: the two survivors go on in their own
-    processes from memory on the unbroken run's curve with the same global batches, the
-    replacement joins at a step boundary, the job ends 0 (check_live_run)."""
+    generation), DDP or FSDP2 (ModelParallelStrategy: the mesh and the shards made again
+    on each world); the last rank SIGKILLed mid-epoch: the two survivors go on in their
+    own processes from memory (resharded) on the unbroken run's curve with the same
+    global batches, the replacement joins at a step boundary, the job ends 0
+    (live_helpers.check_live_run)."""
     steps = 30
     want = _live_reference(tmp_path, steps)
     shm_roots.append(str(tmp_path / "shm"))
-    rows, job = live_job(tmp_path, LIVE, 3, steps, [], sleep=0.3, kill_after=4)
-    took = check_live_run(rows, job, 3, steps, want, "Lightning DDP")
+    rows, job = live_job(tmp_path, LIVE, 3, steps, ["--strategy", strategy], sleep=0.3, kill_after=4)
+    took = check_live_run(rows, job, 3, steps, want, f"Lightning {strategy}")
     assert took < 10, took  # the target is 2 s; a loaded shared machine may stretch it
