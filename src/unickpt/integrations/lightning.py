@@ -43,6 +43,7 @@ from ..api.manager import CheckpointManager
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import UnickptError
+from ..live.control import under_launch
 from ..live.run import Interrupted, World
 from ..live.run import run as _live_run
 
@@ -234,9 +235,11 @@ class UnickptCallback(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Nothing collective (the other ranks may be elsewhere): the snapshots stay in
-        memory for the relaunch, an unfinished save is never committed. A live re-forming
-        (``Interrupted``) is no failure: ``run`` goes on from memory, silently here."""
-        if isinstance(exception, Interrupted):
+        memory for the relaunch, an unfinished save is never committed. Under ``unickpt
+        launch`` nothing is said here: ``unickpt.run`` either re-forms the job (a peer was
+        lost: ``Interrupted``, or a collective cut short by its loss) and says so, or
+        ends it with the error."""
+        if isinstance(exception, Interrupted) or under_launch():
             return
         if self.state is not None and trainer.is_global_zero:
             log.warning("unickpt: training stopped by %s at step %d; the snapshots stay in memory for the relaunch",
