@@ -27,6 +27,7 @@ from unickpt.integrations.lightning import FitLoopState, UnickptCallback  # noqa
 from unickpt.testing import descendants  # noqa: E402
 
 from lightning_train import Batches, Regression  # noqa: E402
+from live_helpers import check_live_run, live_job  # noqa: E402
 from snapshot_helpers import launch_nodes, losses, resumed_lines, steps_whole, wait_all  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_train.py")
@@ -296,3 +297,48 @@ def test_ddp_stateful_loader_resumes_mid_epoch_in_the_right_epoch_order(tmp_path
     ref = [json.loads(line) for line in open(tmp_path / "ref.jsonl")]
     run = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
     assert [r["step"] for r in run] == list(range(1, 13)) and run == ref
+
+
+# -- live recovery: unickpt launch, a rank SIGKILLed, the survivors go on in their processes
+LIVE = os.path.join(os.path.dirname(__file__), "lightning_live.py")
+
+
+def _live_reference(tmp_path, steps: int) -> dict[int, dict]:
+    """The unbroken run in this process (one rank, the same global batches): each step's
+    loss and the sum of its batch's inputs."""
+    import lightning_live
+
+    (tmp_path / "ref").mkdir()
+    log = str(tmp_path / "ref" / "log.jsonl")
+    world = unickpt.World(0, 1, 0, 0)
+    L.seed_everything(0, verbose=False)
+
+    class Unbroken(lightning_live.Logged):
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            with open(log, "a") as f:
+                f.write(json.dumps({"step": self.global_step, "loss": float(self._loss),
+                                    "xsum": float(self._xsum)}) + "\n")
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(Unbroken(log, world, 0.0),
+                train_dataloaders=Batches(0, 1, lightning_live.GLOBAL_BATCH, lightning_live.SAMPLES))
+    return {r["step"]: r for r in map(json.loads, open(log))}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_live_recovery_in_the_same_processes(tmp_path, shm_roots, strategy):
+    """3 ranks of a fit under ``unickpt launch --max-restarts 1`` through
+    ``unickpt.integrations.lightning.run`` (the Trainer, module and callback built per
+    generation), DDP or FSDP2 (ModelParallelStrategy: the mesh and the shards made again
+    on each world); the last rank SIGKILLed mid-epoch: the two survivors go on in their
+    own processes from memory (resharded) on the unbroken run's curve with the same
+    global batches, the replacement joins at a step boundary, the job ends 0
+    (live_helpers.check_live_run)."""
+    steps = 30
+    want = _live_reference(tmp_path, steps)
+    shm_roots.append(str(tmp_path / "shm"))
+    rows, job = live_job(tmp_path, LIVE, 3, steps, ["--strategy", strategy], sleep=0.3, kill_after=4)
+    took = check_live_run(rows, job, 3, steps, want, f"Lightning {strategy}")
+    assert took < 10, took  # the target is 2 s; a loaded shared machine may stretch it

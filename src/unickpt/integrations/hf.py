@@ -25,6 +25,15 @@ private and write files per object; unickpt takes their place through the public
 Accelerate's ``register_save_state_pre_hook`` / ``register_load_state_pre_hook`` are
 not used: they run inside ``Accelerator.save_state`` / ``load_state``, which the Trainer
 never calls (it writes its checkpoints itself). See docs/INTEGRATIONS.md.
+
+Live recovery (under ``unickpt launch``): :func:`run` calls ``fn(world)`` once per
+generation of the job in the same process, with accelerate's cached state
+(``PartialState``, ``AcceleratorState``, ``GradientState``) cleared before each call, so
+that the Trainer ``fn`` builds sees the generation's process group and ranks:
+
+    run(lambda world: UnickptTrainer(model=build_model(), args=TrainingArguments(
+        per_device_train_batch_size=GLOBAL // world.size, ...), train_dataset=ds,
+        manager=unickpt.CheckpointManager("ckpt", snapshot_every=1)).train())
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,10 +53,12 @@ from ..api.manager import CheckpointManager
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import UnickptError
+from ..live.run import World
+from ..live.run import run as _live_run
 
 log = logging.getLogger("unickpt")
 
-__all__ = ["UnickptCallback", "UnickptTrainer", "UnickptTrainerMixin"]
+__all__ = ["UnickptCallback", "UnickptTrainer", "UnickptTrainerMixin", "run"]
 
 # What ``trainer.state`` keeps of a run's progress; every rank holds the same values.
 _PROGRESS = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "best_metric", "best_global_step",
@@ -62,6 +74,55 @@ _RESUMED = "<restored by unickpt>"
 
 # The managers closed at the end of a train(): they serve no other.
 _CLOSED: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
+    """``unickpt.run`` for a Hugging Face Trainer job: under ``unickpt launch``
+    ``fn(world)`` is called once per generation of the job, in this process (after a
+    lost rank, on the survivors; after a replacement joined, on the larger world); under
+    torchrun or plain ``python`` once.
+
+    Before each call accelerate's process-wide state (``PartialState``,
+    ``AcceleratorState``, ``GradientState``: the ranks, the world size and the
+    accumulation state of the Accelerator the last Trainer made) is cleared, so the
+    ``TrainingArguments`` and Trainer ``fn`` builds take the generation's process group
+    (formed before ``fn`` runs: accelerate does not initialise another) and its ranks.
+    ``fn`` builds a fresh ``TrainingArguments`` (``per_device_train_batch_size`` from
+    ``world.size`` to keep the global batch), model, ``CheckpointManager`` and
+    :class:`UnickptTrainer`, and calls ``train()``: the trainer restores the newest
+    snapshot (from memory after a re-forming) and goes on at the step after it, skipping
+    the batches done as after its own resume.
+
+    Args:
+        fn: Builds the trainer for ``world`` and trains; what it returns (in the last
+            generation) is returned.
+        backend: The process group's backend (None: torch's default for the device;
+            ``"gloo"`` on CPU).
+
+    Returns:
+        What ``fn`` returned in its last generation.
+
+    Raises:
+        UnickptError: The process group was initialised before ``run``.
+    """
+
+    def generation(world: World) -> Any:
+        _reset_accelerate()
+        return fn(world)
+
+    try:
+        return _live_run(generation, backend)
+    finally:
+        _reset_accelerate()  # its state names the process group run() has destroyed
+
+
+def _reset_accelerate() -> None:
+    """Forget accelerate's singletons: they keep the ranks and the device of the process
+    group they first saw (and the last Accelerator's gradient state)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 class UnickptCallback(TrainerCallback):

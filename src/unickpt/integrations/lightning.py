@@ -16,25 +16,71 @@ calls ``maybe_save`` with ``trainer.global_step`` once per optimizer step;
 ``on_train_end`` takes the durable checkpoint of the last step; ``teardown`` of the fit
 calls ``close``. docs/INTEGRATIONS.md ("Lightning") says what works and what
 does not.
+
+Live recovery (under ``unickpt launch``): :func:`run` calls ``fn(world)`` once per
+generation of the job in the same process; ``fn`` builds the Trainer (``devices=
+world.local_size, num_nodes=world.nodes``), the LightningModule and the callback, and
+fits. Lightning finds the generation's process group formed (its strategies skip
+``init_process_group`` then, and leave the group to its owner); ``Interrupted`` leaves
+``fit`` as Lightning re-raises every exception after its ``on_exception`` hooks.
+
+    run(lambda world: L.Trainer(devices=world.local_size, num_nodes=world.nodes, strategy="ddp",
+                                callbacks=[UnickptCallback("ckpt", snapshot_every=1)]).fit(Model(), data))
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..api.manager import CheckpointManager
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import UnickptError
+from ..live.control import under_launch
+from ..live.run import Interrupted, World
+from ..live.run import run as _live_run
 
 log = logging.getLogger("unickpt")
 
-__all__ = ["UnickptCallback", "FitLoopState"]
+__all__ = ["UnickptCallback", "FitLoopState", "run"]
+
+
+def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
+    """``unickpt.run`` for a Lightning job: under ``unickpt launch`` ``fn(world)`` is
+    called once per generation of the job, in this process (after a lost rank, on the
+    survivors; after a replacement joined, on the larger world); under torchrun or plain
+    ``python`` once.
+
+    ``fn`` builds the ``Trainer`` for ``world`` (``devices=world.local_size,
+    num_nodes=world.nodes``: Lightning reads the generation's torchrun variables and
+    checks them against these), a fresh LightningModule (a strategy wraps or shards it in
+    place) and a :class:`UnickptCallback`, and calls ``fit``: the callback restores the
+    newest snapshot (from memory after a re-forming) onto the new world and the fit
+    continues at the step after it. The process group is formed before ``fn`` runs, so
+    Lightning's strategies skip ``init_process_group`` and leave the group alone;
+    ``unickpt.run`` tears it down between generations and at the end.
+
+    Args:
+        fn: Builds the Trainer, module and callback for ``world`` and fits; what it
+            returns (in the last generation) is returned.
+        backend: The process group's backend (None: torch's default for the device;
+            ``"gloo"`` on CPU).
+
+    Returns:
+        What ``fn`` returned in its last generation.
+
+    Raises:
+        UnickptError: The process group was initialised before ``run`` (by another
+            ``init_process_group`` or an earlier Trainer's fit in this process).
+    """
+    return _live_run(fn, backend)
 
 
 class FitLoopState:
@@ -128,6 +174,7 @@ class UnickptCallback(pl.Callback):
     # -- Lightning's hooks ---------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the state and restore the newest one (collective, on every rank)."""
+        _check_ranks(trainer)
         if self.manager.log_deltas:
             _check_replayable(trainer, pl_module)
         self.state = self.build_state(trainer, pl_module)
@@ -188,7 +235,12 @@ class UnickptCallback(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Nothing collective (the other ranks may be elsewhere): the snapshots stay in
-        memory for the relaunch, an unfinished save is never committed."""
+        memory for the relaunch, an unfinished save is never committed. Under ``unickpt
+        launch`` nothing is said here: ``unickpt.run`` either re-forms the job (a peer was
+        lost: ``Interrupted``, or a collective cut short by its loss) and says so, or
+        ends it with the error."""
+        if isinstance(exception, Interrupted) or under_launch():
+            return
         if self.state is not None and trainer.is_global_zero:
             log.warning("unickpt: training stopped by %s at step %d; the snapshots stay in memory for the relaunch",
                         type(exception).__name__, trainer.global_step)
@@ -198,6 +250,16 @@ class UnickptCallback(pl.Callback):
         stops the keepers; collective)."""
         if stage == "fit" and self.state is not None:
             self.manager.close()
+
+
+def _check_ranks(trainer: pl.Trainer) -> None:
+    """Lightning numbers ranks ``node_rank * devices + local_rank``: on nodes that run
+    different numbers of processes (a live job after a node lost a rank) that is not the
+    process group's rank, and every collective would pair the wrong peers."""
+    if dist.is_initialized() and trainer.global_rank != dist.get_rank():
+        raise UnickptError(f"Lightning numbers this process rank {trainer.global_rank} (node {trainer.node_rank} x "
+                           f"{trainer.num_devices} devices + local rank {trainer.local_rank}), the process group rank "
+                           f"{dist.get_rank()}: Lightning needs the same number of processes on every node")
 
 
 def _samplers(dataloader: Any) -> list[Any]:

@@ -1,0 +1,100 @@
+"""Live recovery of a framework's job under ``unickpt launch``, for the integrations'
+tests (tests/test_lightning.py, tests/test_hf_trainer.py): one launch with a rank
+SIGKILLed, and what every framework's run must then show."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import unickpt
+
+
+def live_job(tmp_path, script: str, nproc: int, steps: int, flags: list[str], sleep: float,
+             kill_after: int, timeout: float = 240) -> tuple[list[dict], dict]:
+    """``unickpt launch --max-restarts 1`` of ``script`` on ``nproc`` ranks; SIGKILL the
+    last rank once step ``kill_after`` is logged; wait for the job. Returns every rank's
+    log lines and what happened: the exit code, the pids of generation 0, the kill's time,
+    the output and the re-formings' phases (rank 0's $UNICKPT_LIVE_TIMINGS)."""
+    log, timings = tmp_path / "log.jsonl", tmp_path / "timings.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=str(tmp_path / "shm"),
+               UNICKPT_LIVE_TIMINGS=str(timings),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(unickpt.__file__)),
+                                           os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc),
+                             "--max-restarts", "1", script, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ck"),
+                             "--log", str(log), "--sleep", str(sleep), *flags],
+                            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+
+    def rows() -> list[dict]:
+        return [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.exists() else []
+
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(r["step"] >= kill_after for r in rows()):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-4000:]
+            time.sleep(0.05)
+        pids = {r["rank"]: r["pid"] for r in rows() if r["generation"] == 0}
+        killed_at = time.time()
+        os.kill(pids[nproc - 1], signal.SIGKILL)
+        code = proc.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.close()
+    phases = [json.loads(x) for x in timings.read_text().splitlines()] if timings.exists() else []
+    return rows(), {"code": code, "pids": pids, "killed_at": killed_at, "output": (tmp_path / "out.txt").read_text(),
+                    "phases": phases}
+
+
+def check_live_run(rows: list[dict], job: dict, nproc: int, steps: int, want: dict[int, dict],
+                   what: str) -> float:
+    """What live recovery must give, whatever the framework: the job ends 0; the survivors
+    log later generations with the pids they had in generation 0 (the same processes),
+    first on nproc-1 ranks, then on nproc once the replacement joined (a new pid); every
+    step of the run is logged, each on the unbroken run's curve (loss within 1e-4, the
+    same samples: the sum of the global batch's inputs); rank 0 logs each step once per
+    generation and a generation goes on at the step after the one restored (the steps
+    logged after the newest whole snapshot, at most two, are logged again). Returns kill -> next step logged (s)."""
+    assert job["code"] == 0, job["output"][-4000:]
+    pids, survivors = job["pids"], {job["pids"][r] for r in range(nproc - 1)}
+    gens = sorted({r["generation"] for r in rows})
+    assert gens[0] == 0 and len(gens) >= 3, (gens, job["output"][-3000:])
+    lost = [r for r in rows if r["generation"] == 1]
+    assert {r["size"] for r in lost} == {nproc - 1} and {r["pid"] for r in lost} == survivors
+    grown = [r for r in rows if r["generation"] == gens[-1]]
+    assert {r["size"] for r in grown} == {nproc}
+    assert survivors < {r["pid"] for r in grown} and not {r["pid"] for r in grown} & {pids[nproc - 1]}
+    assert {r["step"] for r in rows} == set(range(1, steps + 1))
+    for r in rows:
+        assert abs(r["loss"] - want[r["step"]]["loss"]) <= 1e-4 * abs(want[r["step"]]["loss"]), (r, want[r["step"]])
+        assert abs(r["xsum"] - want[r["step"]]["xsum"]) <= 1e-4 * max(1.0, abs(want[r["step"]]["xsum"])), r
+    zero = [r for r in rows if r["rank"] == 0]
+    for g in gens:
+        mine = [r["step"] for r in zero if r["generation"] == g]
+        assert mine == list(range(mine[0], mine[0] + len(mine))), (g, mine)
+    for prev, nxt in zip(gens, gens[1:]):
+        last = max(r["step"] for r in zero if r["generation"] == prev)
+        first = min(r["step"] for r in zero if r["generation"] == nxt)
+        # the newest whole snapshot: the last step logged, or one or two before it (each
+        # snapshot is made whole in the background while the next step runs)
+        assert last - 2 <= first - 1 <= last, (prev, last, nxt, first)
+    out = job["output"]
+    assert re.search(rf"rank {nproc - 1} lost \(exit -9\); continuing on {nproc - 1} ranks at step \d+ \(generation 1\)",
+                     out), out[-3000:]
+    assert re.search(rf"1 replacement joined; continuing on {nproc} ranks at step \d+", out), out[-3000:]
+    assert "resumed step" in out and "from memory" in out
+    first_after = min(r["t"] for r in rows if r["generation"] == 1)
+    took = first_after - job["killed_at"]
+    lost_phase = next(p for p in job["phases"] if p["generation"] == 1)
+    phases = {k: round(lost_phase[k] - lost_phase["died"], 3) for k in ("formed", "restored", "first_step")
+              if k in lost_phase}
+    print(f"{what}: kill -> next step logged {took:.2f} s; rank 0's phases after the death {phases}")
+    return took
