@@ -115,9 +115,27 @@ def pin_slot(slot: Slot) -> None:
     slot.pinned = int(err) == 0
 
 
+_RINGS: dict[str, "MappedRing"] = {}  # directory -> this process's ring there (see MappedRing.shared)
+
+
 class MappedRing:
     """One rank's ring of at most ``slots`` mapped files under ``directory``. Not
     thread-safe: one snapshot at a time uses it (the snapshot channel's saver)."""
+
+    @classmethod
+    def shared(cls, directory: str, rank: int, slots: int) -> "MappedRing":
+        """This process's ring in ``directory``: the one an earlier Snapshotter of this
+        process made (live recovery calls the training function again after a re-forming,
+        whose new manager then reuses the mapped, populated, pinned slots instead of
+        mapping them again and leaking the old maps), else a new one. The ring of another
+        rank there (this process's rank changed at the re-forming) is closed first."""
+        ring = _RINGS.get(directory)
+        if ring is not None and (ring.rank, ring.most) == (rank, slots):
+            return ring
+        if ring is not None:
+            ring.close()
+        ring = _RINGS[directory] = cls(directory, rank, slots)
+        return ring
 
     def __init__(self, directory: str, rank: int, slots: int) -> None:
         if slots < 2:
@@ -269,6 +287,8 @@ class MappedRing:
         for s in self.slots.values():
             s.close()
         self.slots.clear()
+        if _RINGS.get(self.directory) is self:
+            del _RINGS[self.directory]
 
 
 def sweep(directory: str, ranks: set[int]) -> int:

@@ -326,7 +326,7 @@ class Snapshotter:
                     "against lost nodes needs 2 nodes or more)")
             log.warning(f"unickpt: {what}")
         # the rank's ring of mapped files in the shm root that its snapshots are written into
-        self.ring = MappedRing(os.path.join(self.jdir, RING_DIR), self.group.rank, RING_SLOTS)
+        self.ring = MappedRing.shared(os.path.join(self.jdir, RING_DIR), self.group.rank, RING_SLOTS)
         self.memory: dict[str, Any] = {}  # the node's host memory for snapshots (memory_plan), once known
         self.handle: AsyncSaveHandle | None = None
         self.stall_s = 0.0  # seconds the training loop spent in snapshot() and before_update()
