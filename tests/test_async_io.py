@@ -14,7 +14,8 @@ from unickpt.engine.tensor_reads import TensorReads
 from unickpt.engine.reads import Segment, SpanRead, coalesce, crc_blocks, fill_gaps
 from unickpt.engine.staging import plan_batches
 from unickpt.format.checksum import crc32c
-from unickpt.testing import run_ranks
+
+from forked import run_forked
 
 
 def test_fill_gaps_and_crc_over_segments():
@@ -146,4 +147,4 @@ def broadcast_load(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.multiprocess
 def test_broadcast_replicated_reads_once_per_group(tmp_path):
-    run_ranks(broadcast_load, 2, str(tmp_path))
+    run_forked(broadcast_load, 2, str(tmp_path))

@@ -10,6 +10,7 @@ import torch
 import unickpt
 from unickpt.testing import run_ranks
 
+from forked import run_forked
 from dist_cases import VALUES, build_state, check_state, start_manager, world2, world3, world4
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -20,9 +21,9 @@ def root(tmp_path_factory):
     """Checkpoints saved once by 1, 3 and 4 ranks, then loaded by the other world sizes."""
     root = tmp_path_factory.mktemp("reshard")
     unickpt.save(build_state("a4", fill=True), str(root / "single"))
-    run_ranks(world3, 3, str(root))
-    run_ranks(world4, 4, str(root))
-    run_ranks(world2, 2, str(root))
+    run_forked(world3, 3, str(root))
+    run_forked(world4, 4, str(root))
+    run_forked(world2, 2, str(root))
     return root
 
 

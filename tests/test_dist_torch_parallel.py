@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 import unickpt
-from unickpt.testing import run_ranks
 
+from forked import run_forked
 from torch_parallel_cases import Net, _check, _full, _train, fsdp_load, tp_fsdp_save, tp_load
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_fsdp")
-    run_ranks(tp_fsdp_save, 4, str(root))
+    run_forked(tp_fsdp_save, 4, str(root))
     return root
 
 
@@ -40,17 +40,17 @@ def test_tp_x_fsdp2_to_single_process(root):
 
 
 def test_tp_x_fsdp2_to_fsdp2_on_2_ranks(root):
-    run_ranks(fsdp_load, 2, str(root))
+    run_forked(fsdp_load, 2, str(root))
 
 
 def test_tp_x_fsdp2_to_tp_on_2_ranks(root):
-    run_ranks(tp_load, 2, str(root))
+    run_forked(tp_load, 2, str(root))
 
 
 def test_tp_submesh_inside_data_parallel_writes_each_shard_once(tmp_path):
     from torch_parallel_cases import tp_in_ddp_save
 
-    run_ranks(tp_in_ddp_save, 4, str(tmp_path))
+    run_forked(tp_in_ddp_save, 4, str(tmp_path))
     m = unickpt.read_manifest(str(tmp_path / "tp_in_ddp"))
     for name, entry in m.tensors.items():
         boxes = [(p.global_box.offsets, p.global_box.lengths) for f in entry.fragments for p in f.pieces]

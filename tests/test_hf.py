@@ -28,8 +28,8 @@ from unickpt.cli import app  # noqa: E402
 from unickpt.examples.model import ModelArgs, Transformer  # noqa: E402
 from unickpt.rules.hf import HF_LLAMA, hf_row_of, rotary_from_hf, rotary_to_hf  # noqa: E402
 from unickpt.storage.local import LocalStorage  # noqa: E402
-from unickpt.testing import run_ranks  # noqa: E402
 
+from forked import run_forked  # noqa: E402
 from train_cases import train  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -247,7 +247,7 @@ def test_export_import_round_trip(ckpt, tmp_path):
 def test_export_from_two_ranks_tp2(tmp_path):
     """A checkpoint saved by 2 tensor-parallel ranks (sharded wq/wk/...): the export gathers
     every tensor from its fragments, and transformers computes the example model's logits."""
-    run_ranks(train, 2, ["--tp", "2", "--stop-after", "2", "--save-every", "2", "--layers", "2",
+    run_forked(train, 2, ["--tp", "2", "--stop-after", "2", "--save-every", "2", "--layers", "2",
                          "--ckpt-dir", str(tmp_path / "ck")], None)
     path = str(tmp_path / "ck" / "step_00000002")
     m = unickpt.read_manifest(path)

@@ -58,6 +58,29 @@ def _reference(tmp_path, nproc: int, steps: int, extra=()) -> tuple[dict[int, fl
     return losses(log), torch.load(final)
 
 
+# the lengths of the 2-rank runs below: one unbroken run of the longest is the reference of
+# them all (a step's loss and state do not depend on how many steps the run has)
+LENGTHS = (10, 14, 18, 24)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> str:
+    """One unbroken 2-rank run of the user's loop (default flags) for the module: its loss
+    log, and its tensors after each step of LENGTHS in final.pt_<step> (+ .json)."""
+    ref = tmp_path_factory.mktemp("unbroken")
+    _run(ref, [str(ref / "shm")], ["--steps", str(LENGTHS[-1]), "--ckpt-dir", "ck", "--loss-log", str(ref / "loss.jsonl"),
+                                   "--final", str(ref / "final.pt"), *(f"--final-at={n}" for n in LENGTHS)], 2)
+    return str(ref)
+
+
+def _unbroken(ref: str, steps: int) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """The unbroken 2-rank run of ``steps`` steps: its losses and tensors after the last."""
+    assert steps in LENGTHS
+    got = losses(os.path.join(ref, "loss.jsonl"))
+    assert sorted(got) == list(range(1, LENGTHS[-1] + 1))
+    return {s: v for s, v in got.items() if s <= steps}, torch.load(os.path.join(ref, f"final.pt_{steps}"))
+
+
 def _same_final(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert set(a) == set(b) and any("exp_avg_sq" in k for k in a) and "model.1.calls" in a
     for k in a:
@@ -74,12 +97,12 @@ def _kill_one(procs, log: str, at: int, shm: str | None = None) -> int:
 
 
 @pytest.mark.multiprocess
-def test_crash_resumes_from_memory_bitwise(tmp_path, shm_roots):
+def test_crash_resumes_from_memory_bitwise(unbroken, tmp_path, shm_roots):
     """2 ranks, snapshots every step, no durable checkpoint yet: a SIGKILLed trainer's
     relaunch resumes from memory, and the run ends bitwise equal to an unbroken one
     (weights, moments, the buffer, scheduler, data position, dropout's RNG)."""
     steps = 14
-    want_losses, want = _reference(tmp_path, 2, steps)
+    want_losses, want = _unbroken(unbroken, steps)
     shm = str(tmp_path / "shm")
     shm_roots.append(shm)
     log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
@@ -100,13 +123,13 @@ def test_crash_resumes_from_memory_bitwise(tmp_path, shm_roots):
 
 
 @pytest.mark.multiprocess
-def test_corrupt_memory_and_no_disk_starts_fresh_from_the_initial_state(tmp_path, shm_roots):
+def test_corrupt_memory_and_no_disk_starts_fresh_from_the_initial_state(unbroken, tmp_path, shm_roots):
     """Snapshots only (no durable checkpoint): every rank file in memory has flipped bytes,
     so the memory load fails midway, after part of the state was overwritten; restore says
     why and starts fresh from the state the loop built, and the run ends bitwise equal to
     an unbroken one (nothing of the rejected snapshot leaked into it)."""
     steps = 10
-    want_losses, want = _reference(tmp_path, 2, steps)
+    want_losses, want = _unbroken(unbroken, steps)
     shm = str(tmp_path / "shm")
     shm_roots.append(shm)
     log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
@@ -132,31 +155,59 @@ def test_corrupt_memory_and_no_disk_starts_fresh_from_the_initial_state(tmp_path
     got = losses(log)
     assert sorted(got) == list(range(1, steps + 1)) and all(got[s] == want_losses[s] for s in got)
     _same_final(torch.load(final), want)
-    assert json.load(open(final + ".json"))["samples"] == json.load(open(tmp_path / "ref" / "final.pt.json"))["samples"]
+    assert json.load(open(final + ".json"))["samples"] == json.load(open(os.path.join(unbroken, f"final.pt_{steps}.json")))["samples"]
+
+
+def _committed(ck: str) -> list[int]:
+    """Steps whose delta log entry is committed (its manifest, the commit marker, in
+    place): the steps the log promises to replay."""
+    d = os.path.join(ck, "deltas")
+    names = os.listdir(d) if os.path.isdir(d) else []
+    return sorted(int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit()
+                  and os.path.exists(os.path.join(d, n, "manifest.json")))
+
+
+# DeltaLog's back-pressure: maybe_save(s) returns once at most this many entries (s's
+# included) are unwritten, so when the loop logs the loss of s, every entry up to s - 2
+# is committed; s - 1 and s may still be in flight (docs/DELTAS.md, "Limits").
+IN_FLIGHT = 2
 
 
 @pytest.mark.multiprocess
-def test_delta_log_loses_no_step_bitwise(tmp_path):
-    """Durable checkpoints every 10 steps, the delta log on, no snapshots: SIGKILL after
-    step 13; the relaunch resumes at the last logged step (no step lost) and ends bitwise."""
+def test_delta_log_loses_no_step_bitwise(unbroken, tmp_path):
+    """Durable checkpoints every 10 steps, the delta log on, no snapshots: SIGKILL once the
+    entry of step 13 is committed; the relaunch replays every committed entry (no step
+    the log holds is lost; only the entries in flight when the kill came, at most
+    IN_FLIGHT steps behind the last loss logged) and ends bitwise.
+
+    A step counts as logged when its entry's commit marker is on disk, not when the loop
+    has written its loss: maybe_save only queues the entry, written in the background."""
     steps = 18
-    want_losses, want = _reference(tmp_path, 2, steps)
-    log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
+    want_losses, want = _unbroken(unbroken, steps)
+    log, final, ck = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt"), str(tmp_path / "ck")
     flags = ["--steps", str(steps), "--ckpt-dir", "ck", "--loss-log", log, "--save-every", "10", "--log-deltas",
              "--async-save"]
     procs = launch_nodes(tmp_path, [str(tmp_path / "shm")], [*flags, "--compute-sleep", "0.3"], 2, script=LOOP)
     try:
-        last = _kill_one(procs, log, 13)
+        _wait(lambda: 13 in _committed(ck) and len(_trainers(procs[0])) == 2, procs, "the entry of step 13")
+        committed = _committed(ck)[-1]
+        os.kill(_trainers(procs[0])[-1], signal.SIGKILL)
     finally:
         wait_all(procs, tmp_path, check=False)
+    # every trainer is gone: these entries are what the relaunch finds (those up to 10 the
+    # checkpoint of step 10 covers, folded away unless the kill came first)
+    logged, on_disk = _last(log), [s for s in _committed(ck) if s > 10]
+    print(f"kill: entry {committed} committed, loss of step {logged} logged, entries {on_disk} on disk")
+    assert on_disk == list(range(11, on_disk[-1] + 1)) and on_disk[-1] >= committed >= 13, on_disk
     outs = _run(tmp_path, [str(tmp_path / "shm")], [*flags, "--final", final], 2)
     lines = resumed_lines(outs)
     m = re.fullmatch(r"resumed step (\d+) from disk \+ (\d+) logged steps \(.*step_00000010; replayed steps 11\.\.\d+.*\)",
                      lines[0]) if len(lines) == 1 else None
     assert m, outs[0][-2000:]
-    assert int(m.group(1)) >= last and int(m.group(2)) == int(m.group(1)) - 10
+    assert int(m.group(1)) == on_disk[-1] and int(m.group(2)) == int(m.group(1)) - 10, (lines[0], on_disk)
+    assert int(m.group(1)) >= logged - IN_FLIGHT, (lines[0], logged)
     got = losses(log)
-    assert all(got[s] == want_losses[s] for s in got)
+    assert sorted(got) == list(range(1, steps + 1)) and all(got[s] == want_losses[s] for s in got)
     _same_final(torch.load(final), want)
 
 
@@ -191,11 +242,11 @@ def test_node_lost_resumes_on_fewer_nodes(tmp_path, shm_roots):
 
 
 @pytest.mark.multiprocess
-def test_torchrun_restarts_recover_by_themselves(tmp_path, shm_roots):
+def test_torchrun_restarts_recover_by_themselves(unbroken, tmp_path, shm_roots):
     """torchrun --max-restarts: three SIGKILLs in one run; torchrun restarts the workers,
     each round resumes from memory, the job ends with exit 0, bitwise equal."""
     steps = 24
-    want_losses, want = _reference(tmp_path, 2, steps)
+    want_losses, want = _unbroken(unbroken, steps)
     shm = str(tmp_path / "shm")
     shm_roots.append(shm)
     log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
@@ -216,11 +267,11 @@ def test_torchrun_restarts_recover_by_themselves(tmp_path, shm_roots):
 
 
 @pytest.mark.multiprocess
-def test_durable_tier_fallback(tmp_path):
+def test_durable_tier_fallback(unbroken, tmp_path):
     """The fast tier's newest checkpoint corrupt: restore loads the durable tier's copy of
     the same step (the line names it) and the run ends bitwise."""
     steps = 14
-    want_losses, want = _reference(tmp_path, 2, steps)
+    want_losses, want = _unbroken(unbroken, steps)
     log, final = str(tmp_path / "loss.jsonl"), str(tmp_path / "final.pt")
     durable = str(tmp_path / "durable")
     flags = ["--ckpt-dir", "ck", "--loss-log", log, "--save-every", "5", "--durable", durable]

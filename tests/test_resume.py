@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.testing import run_ranks
 
+from forked import run_forked
 from train_cases import SMALL, train_many
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -67,7 +67,7 @@ def _run(world, jobs):
             with open(out, "w") as f:
                 json.dump(run(SMALL + flags), f)
     else:
-        run_ranks(train_many, world, jobs, timeout=600)
+        run_forked(train_many, world, jobs, timeout=600)
 
 
 @pytest.fixture(scope="module")

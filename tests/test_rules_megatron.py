@@ -23,8 +23,8 @@ import torch
 import unickpt
 from unickpt.format.values import decode_value
 from unickpt.rules import Coords, Rules
-from unickpt.testing import run_ranks
 
+from forked import run_forked
 from rules_cases import (
     CFG,
     PAD_SAVE,
@@ -73,7 +73,7 @@ def root(tmp_path_factory) -> Path:
             save_layout(a, str(root / _name(a, keys)), keys)
     # the Megatron-style job stores under the example model's names, for the torch-native job
     save_layout(Layout(2, 2, 1, 1), str(root / "megatron_llama"), ADAM, store="llama")
-    run_ranks(world4, 4, str(root))
+    run_forked(world4, 4, str(root))
     return root
 
 

@@ -20,19 +20,18 @@ import os
 
 import pytest
 
-from unickpt.testing import run_ranks
-
+from forked import run_forked
 from trust_cases import corrupt_newest_is_passed_over, every_checkpoint_corrupt_is_an_error
 
 
 @pytest.mark.multiprocess
 def test_a_corrupt_newest_checkpoint_is_passed_over_by_every_rank(tmp_path):
-    run_ranks(corrupt_newest_is_passed_over, 2, str(tmp_path / "ckpt"))
+    run_forked(corrupt_newest_is_passed_over, 2, str(tmp_path / "ckpt"))
 
 
 @pytest.mark.multiprocess
 def test_no_whole_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
-    run_ranks(every_checkpoint_corrupt_is_an_error, 2, str(tmp_path / "ckpt"))
+    run_forked(every_checkpoint_corrupt_is_an_error, 2, str(tmp_path / "ckpt"))
 
 
 def test_a_state_entry_that_can_never_be_saved_is_refused_at_restore(tmp_path):

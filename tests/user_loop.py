@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--stop-after", type=int, default=None, help="return after this step without close() (a failure)")
     p.add_argument("--loss-log", required=True)
     p.add_argument("--final", default=None)
+    p.add_argument("--final-at", type=int, action="append", default=[],
+                   help="also write --final's files as they are after this step, to FINAL_<step> (repeatable)")
     p.add_argument("--dropout", type=float, default=0.1)
     args = p.parse_args()
 
@@ -118,23 +120,31 @@ def main() -> None:
         if rank == 0:
             with open(args.loss_log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(total) / world}) + "\n")
+        if step in args.final_at:  # one unbroken run serves as the reference of runs of several lengths
+            write_final(f"{args.final}_{step}", model, optimizer, scheduler, loader, state, manager, rank)
         if args.stop_after == step:
             dist.destroy_process_group()
             return
     manager.close()
     if args.final:
-        tensors = {f"model.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-        for name, param in model.named_parameters():
-            for k, v in optimizer.state[param].items():
-                tensors[f"optim.{name}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
-        if rank == 0:
-            torch.save(tensors, args.final)
-            sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-            with open(args.final + ".json", "w") as f:
-                json.dump({"sched": sched, "loader": loader.state_dict(), "samples": state["samples"],
-                           "stats": manager.stats()}, f)
+        write_final(args.final, model, optimizer, scheduler, loader, state, manager, rank)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def write_final(path: str, model, optimizer, scheduler, loader, state, manager, rank: int) -> None:
+    """Every parameter and optimizer moment, whole (collective), to ``path`` (rank 0), and
+    the scheduler, loader, sample count and the manager's stats to ``path``.json."""
+    tensors = {f"model.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    for name, param in model.named_parameters():
+        for k, v in optimizer.state[param].items():
+            tensors[f"optim.{name}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    if rank == 0:
+        torch.save(tensors, path)
+        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+        with open(path + ".json", "w") as f:
+            json.dump({"sched": sched, "loader": loader.state_dict(), "samples": state["samples"],
+                       "stats": manager.stats()}, f)
 
 
 if __name__ == "__main__":

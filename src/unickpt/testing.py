@@ -23,11 +23,41 @@ class RankFailure(AssertionError):
     """One or more spawned ranks raised; the message holds each rank's traceback."""
 
 
+# "LO-HI": free_port() takes ports from this range only (the test suite gives each
+# pytest-xdist worker its own slice below the kernel's ephemeral range, so two workers
+# never pick the same port, nor does the kernel hand it to a client socket meanwhile).
+PORTS_ENV = "UNICKPT_TEST_PORTS"
+_cursor: int | None = None
+
+
 def free_port() -> int:
-    """A TCP port on localhost that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on localhost that is free right now (from ``$UNICKPT_TEST_PORTS`` when
+    set, ``LO-HI``: each call the next free one after the last, starting at a place drawn
+    from the process id, so that processes sharing a range rarely try the same one)."""
+    span = os.environ.get(PORTS_ENV)
+    if not span:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    try:
+        lo, hi = (int(x) for x in span.split("-"))
+        if not 0 < lo < hi < 65536:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"${PORTS_ENV}={span!r}: expected LO-HI, two port numbers with LO < HI") from None
+    global _cursor
+    size = hi - lo + 1
+    if _cursor is None or not lo <= _cursor <= hi:
+        _cursor = lo + (os.getpid() * 7919) % size
+    for _ in range(size):
+        port, _cursor = _cursor, lo + (_cursor - lo + 1) % size
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in ${PORTS_ENV}={span}")
 
 
 def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errdir: str) -> None:
