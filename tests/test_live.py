@@ -113,9 +113,10 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     stopped = time.time()
     os.kill(pids[1], signal.SIGSTOP)
     after = job.wait_step(7, generation=1)
-    # a hang costs its timeout and little more: not the collective timeout (10 s here) on top
+    # a hang costs its timeout and a crash's recovery (0.6-1.1 s measured), not the collective
+    # timeout on top (10 s here: 11 s and more before); 5 s of slack for a loaded machine
     back = min(r["t"] for r in job.lines() if r["generation"] == 1) - stopped
-    assert back < 4 + 3, back
+    assert back < 4 + 5, back
     assert pids[1] not in after.values()
     killed = time.time()
     os.kill(after[2], signal.SIGKILL)
@@ -195,7 +196,9 @@ RUN_ONCE = textwrap.dedent("""
         return world.rank
     got = unickpt.run(fn)
     assert len(calls) == 1 and not dist.is_initialized()
-    print("calls", len(calls), "rank", got, "size", calls[0].size, "generation", calls[0].generation)
+    # one write of a short line: the two ranks share torchrun's pipe, and print's separate
+    # writes of the text and the newline interleave ("callscalls 1 rank 1 ...")
+    os.write(1, f"calls {len(calls)} rank {got} size {calls[0].size} generation {calls[0].generation}\n".encode())
 """)
 
 
