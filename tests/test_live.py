@@ -162,6 +162,9 @@ PLAIN = textwrap.dedent("""
         # a torch behaviour this test is not about
         dist.destroy_process_group()
         sys.exit(3)
+    if sys.argv[1] == "fail":
+        import time
+        time.sleep(120)  # rank 0 waits in no collective: the launcher must end the job, with rank 1's code
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -198,7 +201,7 @@ RUN_ONCE = textwrap.dedent("""
     assert len(calls) == 1 and not dist.is_initialized()
     # one write of a short line: the two ranks share torchrun's pipe, and print's separate
     # writes of the text and the newline interleave ("callscalls 1 rank 1 ...")
-    os.write(1, f"calls {len(calls)} rank {got} size {calls[0].size} generation {calls[0].generation}\n".encode())
+    os.write(1, f"calls {len(calls)} rank {got} size {calls[0].size} generation {calls[0].generation}\\n".encode())
 """)
 
 

@@ -171,6 +171,7 @@ class CheckpointManager(Checkpoints):
         self._started = False
         self._closed = False
         self._reform_after: int | None = None  # a re-forming is due after this step (live recovery)
+        self._prepared = False  # the snapshot ring and pinned staging made (see _prepare_buffers)
         self._snap: Any = None
         self._deltas: StepDeltas | None = None
         self._state: dict[str, Any] | None = None
@@ -235,7 +236,8 @@ class CheckpointManager(Checkpoints):
                 outcome = Restored(got[0], "disk", seconds, got[1], logged=_logged(plan))
         else:
             outcome = self._recover(state, plan, latest, disk_step, kept)
-        self._prepare_buffers(state)
+        if outcome.step:  # a fresh start prepares them after its first update (see _prepare_buffers)
+            self._prepare_buffers(state)
         step, line = outcome.step, replace(outcome, kept=tuple(kept)).line()
         if self._deltas is not None:
             self._deltas.started(step)
@@ -298,6 +300,8 @@ class CheckpointManager(Checkpoints):
             if self._deltas is not None:
                 self._deltas.started(step - 1)
                 self._deltas.watch(state)
+        if not self._prepared and (self._snap is not None or self.async_save):
+            self._prepare_buffers(state)  # a fresh run, after its first update: its first save takes the first slot
         if step == self._stepped:  # the same step again (a framework's end of fit): its durable checkpoint only
             if force and self._saved_step != step:
                 self._save_step(state, step)
@@ -391,7 +395,12 @@ class CheckpointManager(Checkpoints):
     def _prepare_buffers(self, state: dict[str, Any]) -> None:
         """Now that the state's size is known: take the snapshot ring's memory and the
         async saves' pinned staging buffer in the background, so that neither the
-        allocation nor the pinning lands on a training step."""
+        allocation nor the pinning lands on a training step. Not before the first update
+        of a fresh run: sizing the state reads every ``state_dict()``, and torch's
+        ``get_optimizer_state_dict`` (torchtitan's optimizers container, say) initialises a
+        never-stepped optimizer's state with a step of its own, which changes every update
+        after it (test_torchtitan's runs then left the unbroken curve at step 2)."""
+        self._prepared = True
         if self._snap is not None:
             self._snap.prepare(state)
         if self.async_save:
