@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -103,9 +104,9 @@ def node_position(rank: int | None = None) -> tuple[int, int]:
     return int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", fallback))
 
 
-def state_bytes(state: dict[str, Any]) -> int:
-    """Bytes of the tensors this rank holds in ``state`` (local shards of DTensors)."""
-    total = 0
+def local_tensors(state: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor this rank holds in ``state``, by name: a per-rank value's, a
+    ``Sharded``'s local part, a DTensor's local shard."""
     for leaf in flatten(state):
         v = leaf.value
         if isinstance(v, PerRank):
@@ -113,10 +114,12 @@ def state_bytes(state: dict[str, Any]) -> int:
         if isinstance(v, Sharded):
             v = v.local
         if isinstance(v, torch.Tensor):
-            if is_dtensor(v):
-                v = v.to_local()
-            total += v.numel() * v.element_size()
-    return total
+            yield leaf.name, (v.to_local() if is_dtensor(v) else v)
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of the tensors this rank holds in ``state`` (local shards of DTensors)."""
+    return sum(v.numel() * v.element_size() for _, v in local_tensors(state))
 
 
 def in_progress(jdir: str, keepers: list[dict[str, Any]]) -> int:
@@ -217,17 +220,8 @@ def estimated_file_bytes(state: dict[str, Any], rank: int) -> tuple[int, bool]:
         name: str
         local: torch.Tensor
 
-    items, cuda = [], False
-    for leaf in flatten(state):
-        v = leaf.value
-        if isinstance(v, PerRank):
-            v = v.value
-        if isinstance(v, Sharded):
-            v = v.local
-        if isinstance(v, torch.Tensor):
-            v = v.to_local() if is_dtensor(v) else v
-            cuda = cuda or v.is_cuda
-            items.append(_Item(leaf.name, v.detach()))
+    items = [_Item(name, v.detach()) for name, v in local_tensors(state)]
+    cuda = any(item.local.is_cuda for item in items)
     return data_file_layout(rank, items)[2], cuda and torch.cuda.is_available()  # type: ignore[arg-type]
 
 
