@@ -672,6 +672,7 @@ class Coordinator:
         self.next_note = 0.0
         self.silent: dict[int, tuple[bytes, float]] = {}  # all_done's view of each node's beat
         self.probes = 0  # probes sent
+        self.multiple: int | None = None  # the job's multiple_of, once a worker has said it
         self.probe: tuple[int, float, list[int]] | None = None  # the one in flight: number, sent at, nodes asked
         self.me = args.node_rank if getattr(args, "store", None) is None else -1  # the node hosting this coordinator
 
@@ -709,7 +710,7 @@ class Coordinator:
         self.gen = gen
         self.ever.update(gen.members)
         if gen.members:
-            self.size = len(gen.active(control.multiple_of(self.store)))
+            self.size = len(gen.active(self._multiple()))
         control.publish(self.store, gen)
         for n in range(self.args.nnodes):
             control.mail(self.store, n, gen=gen.number)
@@ -790,7 +791,7 @@ class Coordinator:
             if self.attempt < self.args.max_restarts:
                 return self._restart(end[1])
             return self._end(*end)
-        active = set(self.gen.active(control.multiple_of(self.store)))
+        active = set(self.gen.active(self._multiple()))
         if active and self.finished >= active:  # hot spares or replacements may still wait: the job is over
             return self._end(0, "finished")
         if lost:
@@ -805,7 +806,7 @@ class Coordinator:
         members = [m for m in self.gen.members if m not in gone] + joined
         members.sort(key=control.node_of)  # stable: the survivors keep their order
         gen = Generation(self.gen.number + 1, members, cause, lost, joined)
-        k = control.multiple_of(self.store)
+        k = self._multiple()
         active = len(gen.active(k))
         if not active or active < self.args.min_ranks:
             if not active:
@@ -845,6 +846,13 @@ class Coordinator:
         summary = f"{ranks} rank{'s' if ranks != 1 else ''} ran, {lost}, final world size {self.size}"
         line = f"{head}{reason}{'; ' if reason else ': '}{summary} (exit {code})"
         self._publish(Generation(self.gen.number + 1, [], "end", code=code, reason=line))
+
+    def _multiple(self) -> int:
+        """The job's ``multiple_of`` (1 until a worker said otherwise; read from the store
+        until then, once after: every worker gives the same, and it never changes)."""
+        if self.multiple is None and self.store.check([control.MULTIPLE_KEY]):
+            self.multiple = control.multiple_of(self.store)
+        return self.multiple or 1
 
     def _send_probe(self) -> None:
         """Ask every other node of the generation to answer within PROBE_S (one message a
