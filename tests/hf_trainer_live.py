@@ -24,6 +24,7 @@ import unickpt
 from unickpt.integrations.hf import UnickptTrainer, run
 
 from hf_trainer_job import Tokens, tiny_llama, training_args
+from live_helpers import pace
 
 GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks; Tokens() has 48 samples: 4 steps an epoch
 
@@ -55,8 +56,7 @@ class StepLog(TrainerCallback):
             f.write(json.dumps({"step": state.global_step, "loss": logs["loss"], "xsum": float(seen),
                                 "size": self.world.size, "generation": self.world.generation,
                                 "rank": self.world.rank, "pid": os.getpid(), "t": time.time()}) + "\n")
-        if self.sleep:
-            time.sleep(self.sleep)
+        pace(self.world.generation, self.sleep)
 
 
 def main() -> None:

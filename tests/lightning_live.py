@@ -24,6 +24,7 @@ import torch.distributed as dist
 from unickpt.integrations.lightning import UnickptCallback, run
 
 from lightning_train import Batches, Regression, ShardedRegression
+from live_helpers import pace
 
 GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks
 SAMPLES = 96  # 8 steps an epoch
@@ -48,8 +49,7 @@ class Logged(Regression):
                                 "xsum": float(total[1]), "size": self.world.size,
                                 "generation": self.world.generation, "rank": self.world.rank,
                                 "pid": os.getpid(), "t": time.time()}) + "\n")
-        if self.sleep:
-            time.sleep(self.sleep)
+        pace(self.world.generation, self.sleep)
 
 
 class ShardedLogged(Logged):

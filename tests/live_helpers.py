@@ -14,6 +14,18 @@ import time
 
 import unickpt
 
+SHORT_SLEEP = 1.0  # s a step at least, while the job runs short a rank (see pace)
+
+
+def pace(generation: int, sleep: float) -> None:
+    """The pause after each step of the live scripts (tests/hf_trainer_live.py,
+    tests/lightning_live.py): ``sleep``, and at least SHORT_SLEEP while the job runs short a
+    rank (generation 1: after the kill, before the replacement joined). The replacement is a
+    fresh process that imports torch and the framework (5 s and more on a loaded 2-core
+    machine) and must join before the run ends: the bound it is given is the steps left after
+    the kill x SHORT_SLEEP (about 20 s); once it joined, the steps are fast again."""
+    time.sleep(max(sleep, SHORT_SLEEP) if generation == 1 else sleep)
+
 
 def live_job(tmp_path, script: str, nproc: int, steps: int, flags: list[str], sleep: float,
              kill_after: int, timeout: float = 240) -> tuple[list[dict], dict]:
