@@ -43,6 +43,7 @@ from ..errors import UnickptError
 from ..logs import log, say
 from . import control
 from .control import Generation, key
+from .nccl_abort import abort_in_background, join_aborts
 
 __all__ = ["run", "World", "Interrupted"]
 
@@ -142,6 +143,7 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
         return live.loop(fn, backend)
     finally:
         live.stop()
+        join_aborts()  # an NCCL communicator half aborted at the interpreter's exit can hang it
         _CURRENT = None
         gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
 
@@ -427,8 +429,8 @@ class _Live:
         if dist.is_initialized():
             old = weakref.ref(dist.group.WORLD)
             backend = str(dist.get_backend())
-            if "nccl" in backend and not collect:
-                _abort_nccl()
+            if "nccl" in backend and not collect and not abort_in_background():
+                _abort_nccl()  # this torch's registry is not the one abort_in_background knows
             if dist.is_initialized():
                 dist.destroy_process_group()
         self.mark("destroyed")
@@ -662,9 +664,10 @@ def _network_error(error: BaseException) -> bool:
 
 
 def _abort_nccl() -> None:
-    """NCCL: abort every communicator of the generation at once (a serial abort per group
-    can deadlock); never destroy after a peer crash. Run on an H200 by bench.gpu's 1-rank re-forming
-    (about 1 s); not yet after a real peer crash, which needs several GPUs."""
+    """NCCL, where :func:`.nccl_abort.abort_in_background` cannot (another torch's
+    registry): abort every communicator of the generation at once, here (a serial abort
+    per group can deadlock); never destroy after a peer crash. Measured on an H200 by
+    bench.gpu's 1-rank re-forming (about 1.2 s, nearly all of it this abort)."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None:
         try:
