@@ -11,6 +11,7 @@ import gc
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,7 @@ def all_gather_fixed(group: Group, payload: bytes) -> list[bytes]:
 
 
 _CACHES: list[dict] = []  # every cache of process groups unickpt made (see group_cache)
+_TEARDOWN_HOOKS: list[Callable[[], Any]] = []  # what else a generation leaves (see on_teardown)
 
 
 def group_cache() -> dict:
@@ -167,6 +169,22 @@ def group_cache() -> dict:
     cache: dict = {}
     _CACHES.append(cache)
     return cache
+
+
+def on_teardown(reset: Callable[[], Any]) -> Callable[[], Any]:
+    """Register ``reset``: called when live recovery tears a generation down after a
+    failure (``unickpt.live.regroup.teardown``), before the groups' sockets are cut, for
+    process-global state a module keeps that holds the generation's groups and is not a
+    :func:`group_cache` (the savers still in flight on them, say). Returns ``reset``
+    (usable as a decorator)."""
+    _TEARDOWN_HOOKS.append(reset)
+    return reset
+
+
+def run_teardown_hooks() -> None:
+    """Call every :func:`on_teardown` reset, in the order they were registered."""
+    for reset in _TEARDOWN_HOOKS:
+        reset()
 
 
 @atexit.register

@@ -29,7 +29,7 @@ import crc32c as _crc
 import torch
 import torch.distributed as dist
 
-from ..dist import Group, all_gather_fixed, group_cache, new_group, resolve_group
+from ..dist import Group, all_gather_fixed, group_cache, new_group, on_teardown, resolve_group
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
@@ -530,6 +530,7 @@ def staging_bytes(channel: str | None = None) -> int:
     return sum(s.pool.nbytes for s in _SAVERS.values())
 
 
+@on_teardown
 def abandon_in_flight() -> int:
     """Forget every channel's save still in flight, so that the next save on the channel
     does not wait for it: live recovery calls it when a peer died, where such a save is

@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -35,15 +34,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from ..dist import release_groups, shut_group_sockets, track_group_sockets
+from ..dist import release_groups, track_group_sockets
 from ..errors import UnickptError
 from ..logs import log, say
 from . import control
 from .control import Generation, key
-from .nccl_abort import abort_in_background, join_aborts
+from . import regroup
+from .nccl_abort import join_aborts
 
 __all__ = ["run", "World", "Interrupted"]
 
@@ -256,7 +255,7 @@ class _Live:
                 gen = self.newer(gen)
                 continue
             self.form(gen, backend)
-            _freeze_heap()
+            regroup.freeze_heap()
             self.mark("frozen")
             try:
                 with self.interruptible():
@@ -325,8 +324,8 @@ class _Live:
         it may cover, a join, the job's end); returns it."""
         self.gen, self.world = gen, None
         self._seen = max(self._seen, gen.number)
-        if not self.prev_active:  # warm while it waits: what fn imports lazily, frozen (see _freeze_heap)
-            _freeze_heap()
+        if not self.prev_active:  # warm while it waits: what fn imports lazily, frozen (see regroup.freeze_heap)
+            regroup.freeze_heap()
         self.node_store.set(key("beat", self.worker), f"spare g{gen.number}")  # not a step: no hang check
         n = gen.number + 1
         while True:
@@ -416,37 +415,19 @@ class _Live:
         return self.store.get(go) == control.GO_ALL.encode()
 
     def teardown(self, collect: bool = False) -> None:
-        """Drop every process group of the generation (unickpt's cached ones too) so that
-        their sockets close and peers blocked on them fail at once."""
-        from ..engine.background_save import abandon_in_flight
-
-        if self.gen is not None and not collect:
-            abandon_in_flight()
-            self.cut()
-        release_groups(collect=False)
-        _forget_meshes()
-        old = None
-        if dist.is_initialized():
-            old = weakref.ref(dist.group.WORLD)
-            backend = str(dist.get_backend())
-            if "nccl" in backend and not collect and not abort_in_background():
-                _abort_nccl()  # this torch's registry is not the one abort_in_background knows
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        self.mark("destroyed")
-        gc.collect()  # FSDP2 states and meshes hold their groups through reference cycles: cheap, see _freeze_heap
-        gc.freeze()  # what survived is alive: the next collection skips it (the modules fn imported, say)
+        """Tear the generation down (:func:`.regroup.teardown`): after a failure or a
+        re-forming its collectives are cut and its saves abandoned; ``collect`` when ``fn``
+        returned. With $UNICKPT_LIVE_DEBUG, what still holds the old default group is logged."""
+        old = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
+        regroup.teardown(crashed=self.gen is not None and not collect, mark=self.mark)
+        self.mark("torn_down")
         if old is not None and old() is not None and os.environ.get("UNICKPT_LIVE_DEBUG"):
             held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
             log.warning(f"unickpt: the old group is still referenced by {held}")
-        self.mark("torn_down")
 
     def cut(self) -> None:
-        """Shut the old generation's gloo sockets down: every group's, whoever made it (the
-        default group, a DeviceMesh's, FSDP2's, unickpt's, the user's; see
-        :func:`unickpt.dist.track_group_sockets`), so that a collective blocked on any of
-        them fails at once here and in every survivor, whoever still holds the group."""
-        shut_group_sockets()
+        """Shut the generation's gloo sockets down (:func:`.regroup.cut`)."""
+        regroup.cut()
 
     def _end_if_over(self, gen: Generation) -> None:
         if gen.cause == "end":
@@ -619,22 +600,6 @@ def _forget_exception(error: BaseException) -> None:
         x.__traceback__ = x.__cause__ = x.__context__ = None
 
 
-def _freeze_heap() -> None:
-    """Move every object alive now into the cyclic collector's permanent generation
-    (``gc.freeze``), before ``fn`` runs: the tear-down's ``gc.collect()``, which frees the
-    reference cycles FSDP2 and DeviceMesh hold the old groups in, then scans only what
-    ``fn`` made since (its model, its state, the modules it imported lazily), not the
-    interpreter's whole heap (torch's modules alone: ~0.1 s, ~0.3-0.5 s with DTensor's
-    imports, once per survivor and hop of the wake-up chain). The tear-down freezes
-    what its collection left (all of it alive) too. The modules an FSDP2 or DTensor
-    ``fn`` imports lazily (~75,000 objects) are imported first, so that they are frozen
-    before the first failure, not scanned by its tear-down."""
-    import torch.distributed.fsdp  # noqa: F401 (imported once)
-    import torch.distributed.tensor  # noqa: F401
-
-    gc.collect()
-    gc.freeze()  # (gc.get_freeze_count() walks the frozen heap: ~70 ms)
-
 
 def _describe(gen: Generation, multiple_of: int = 1, before: list[str] | None = None) -> str:
     """The first part of a re-forming's line: who was lost or who joined (or which spare
@@ -663,32 +628,3 @@ def _network_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(w in text for w in ("gloo", "connection", "nccl", "socket", "peer"))
 
 
-def _abort_nccl() -> None:
-    """NCCL, where :func:`.nccl_abort.abort_in_background` cannot (another torch's
-    registry): abort every communicator of the generation at once, here (a serial abort
-    per group can deadlock); never destroy after a peer crash. Measured on an H200 by
-    bench.gpu's 1-rank re-forming (about 1.2 s, nearly all of it this abort)."""
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is not None:
-        try:
-            abort()  # also forgets every group: no destroy follows
-        except (RuntimeError, ValueError):
-            pass
-
-
-def _forget_meshes() -> None:
-    """Empty DTensor's sharding-propagation caches: they key output specs on meshes that
-    compare equal by shape alone, so a process that sits elsewhere in an equal mesh of a
-    re-formed world would get back a spec holding an old mesh, with its old coordinate
-    (its shard read and written as another rank's)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None:
-        return
-    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear is not None:
-        clear()
-    propagator = module.DTensor._op_dispatcher.sharding_propagator
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
-        if cache_clear is not None:
-            cache_clear()

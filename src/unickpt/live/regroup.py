@@ -1,0 +1,141 @@
+"""Tearing a generation down: the one place that knows every process-global thing a
+generation leaves behind, so that the next one starts clean.
+
+What a generation leaves, and who resets it:
+- the sockets of every group made in it, whoever made it (torch's
+  ``_new_process_group_helper`` is wrapped, see :func:`unickpt.dist.track_group_sockets`):
+  shut down by :func:`cut`, so that a collective blocked on any of them fails at once;
+- the caches of groups unickpt made (async-save and snapshot channels, replica groups,
+  a DeviceMesh's flattened items): every one is a :func:`unickpt.dist.group_cache`,
+  emptied by ``release_groups``;
+- anything else a module keeps per generation registers its reset with
+  :func:`unickpt.dist.on_teardown` (the savers still in flight on the old groups,
+  abandoned) and is reset here;
+- DTensor's sharding-propagation caches (:func:`forget_meshes`);
+- torch's registry of groups: destroyed (gloo), or forgotten with the communicators
+  aborted in the background (NCCL, :mod:`.nccl_abort`).
+
+tests/test_live_regroup.py fails when a tear-down leaves any process group of the old
+generation alive (a cache someone adds later included).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..dist import release_groups, run_teardown_hooks, shut_group_sockets
+from .nccl_abort import abort_in_background
+
+__all__ = ["cut", "forget_meshes", "teardown"]
+
+
+def cut() -> int:
+    """Shut the generation's gloo sockets down: every group's, whoever made it (the
+    default group, a DeviceMesh's, FSDP2's, unickpt's, the user's), so that a collective
+    blocked on any of them fails at once here and in every peer, whoever still holds the
+    group. Returns how many sockets were shut down."""
+    return shut_group_sockets()
+
+
+def teardown(crashed: bool, mark: Callable[[str], Any] | None = None) -> None:
+    """Drop every process group of the generation and everything that holds one.
+    ``crashed``: the generation ended by a failure or a re-forming (its collectives in
+    flight are cut, its saves in flight abandoned, NCCL's communicators aborted, never
+    destroyed); False when ``fn`` returned (everything finished: a plain destroy).
+    ``mark("destroyed")`` is called once the groups are gone, before the collection
+    (bench.mttr's phases)."""
+    if crashed:
+        run_teardown_hooks()
+        cut()
+    release_groups(collect=False)
+    forget_meshes()
+    if dist.is_initialized():
+        nccl = "nccl" in str(dist.get_backend())
+        if nccl and crashed and not abort_in_background():
+            _abort_now()  # this torch's registry is not the one abort_in_background knows
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if mark is not None:
+        mark("destroyed")
+    gc.collect()  # FSDP2 states and meshes hold their groups through reference cycles (cheap: see freeze_heap)
+    gc.freeze()  # what survived is alive: the next collection skips it (the modules fn imported, say)
+
+
+def freeze_heap() -> None:
+    """Move every object alive now into the cyclic collector's permanent generation
+    (``gc.freeze``), before ``fn`` runs: the tear-down's ``gc.collect()``, which frees the
+    reference cycles FSDP2 and DeviceMesh hold the old groups in, then scans only what
+    ``fn`` made since (its model, its state, the modules it imported lazily), not the
+    interpreter's whole heap (torch's modules alone: ~0.1 s, ~0.3-0.5 s with DTensor's
+    imports, once per survivor and hop of the wake-up chain). The tear-down freezes
+    what its collection left (all of it alive) too. The modules an FSDP2 or DTensor
+    ``fn`` imports lazily (~75,000 objects) are imported first, so that they are frozen
+    before the first failure, not scanned by its tear-down."""
+    import torch.distributed.fsdp  # noqa: F401 (imported once)
+    import torch.distributed.tensor  # noqa: F401
+
+    gc.collect()
+    gc.freeze()  # (gc.get_freeze_count() walks the frozen heap: ~70 ms)
+
+
+def _abort_now() -> None:
+    """NCCL, where :func:`.nccl_abort.abort_in_background` cannot (another torch's
+    registry): abort every communicator of the generation at once, here (a serial abort
+    per group can deadlock); never destroy after a peer crash. Measured on an H200 by
+    bench.gpu's 1-rank re-forming (about 1.2 s, nearly all of it this abort)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()  # also forgets every group: no destroy follows
+        except (RuntimeError, ValueError):
+            pass
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches that hold a device mesh: they key on meshes that compare
+    equal by shape alone, so a process that sits elsewhere in an equal mesh of a re-formed
+    world would get back a spec holding an old mesh, with its old coordinate (its shard
+    read and written as another rank's); and a mesh holds its process groups
+    (``_pg_registry``), so a cached one keeps the old generation's groups, their gloo
+    threads and buffers, alive. torch 2.13 keeps such meshes in the sharding propagator's
+    caches, the redistribute planners' (an optimizer step on FSDP2's DTensors fills it),
+    the transform infos' and the mesh topologies': every ``functools`` cache of
+    ``torch.distributed.tensor``'s modules and of their classes is emptied, so that a
+    cache a later torch adds there is emptied too (tests/test_live_regroup.py)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    propagator = module.DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        _clear(getattr(propagator, name, None))
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    planners = getattr(redistribute, "clear_redistribute_planner_cache", None)
+    if planners is not None:
+        planners()
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(mod).values()):
+            _clear(value)
+            if isinstance(value, type) and value.__module__ == name:
+                for member in list(vars(value).values()):
+                    _clear(getattr(member, "__func__", member))
+
+
+def _clear(value: Any) -> None:
+    """``value.cache_clear()`` where ``value`` is a ``functools`` cache (or torch's
+    per-thread wrapper of one), not a class that defines such a method."""
+    if isinstance(value, type):
+        return
+    cache_clear = getattr(value, "cache_clear", None)
+    if callable(cache_clear) and hasattr(value, "cache_info"):
+        cache_clear()
