@@ -32,7 +32,7 @@ import os
 import re
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
@@ -41,13 +41,14 @@ from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
 from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
 from ..format.manifest import MANIFEST_NAME, Fragment, fragment_to_json
-from ..format.rank_message import FragmentRecord, decode as decode_message, encode as encode_message
+from ..format.rank_message import FragmentRecord
 from ..storage.base import Storage
 from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import DirectoryWrite
 from .assemble import manifest_document
 from .collect import LocalState
 from .items import TensorItem
+from .rank_report import RankReport, rank_message, read_message
 from .unchanged import BaseIndex, holders_json
 from .writer import DataFileWriter, as_bytes
 
@@ -78,37 +79,6 @@ def describe(e: Exception) -> str:
 
 
 # ---------------------------------------------------------------- a rank's part
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank tells the committing rank once its file is durable (or that it
-    failed: ``error``). Travels as the binary message of ``format/rank_message.py``
-    (:meth:`message`); each fragment as the JSON text the manifest stores, with what rank
-    0 checks it by (a :class:`~unickpt.format.rank_message.FragmentRecord`)."""
-
-    rank: int
-    error: str | None = None
-    files: dict[str, int] = field(default_factory=dict)  # data file -> size
-    fragments: list[FragmentRecord] = field(default_factory=list)
-    declared: dict[str, list[Any]] = field(default_factory=dict)  # empty tensors: name -> [shape, dtype, layout]
-    replicated: list[str] = field(default_factory=list)
-    digests: dict[str, str] = field(default_factory=dict)
-    values: dict[str, Any] = field(default_factory=dict)
-    rank_values: dict[str, Any] = field(default_factory=dict)
-    rank_tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    group_values: dict[str, Any] = field(default_factory=dict)
-    bases: dict[str, Any] = field(default_factory=dict)  # an incremental save's referenced holders
-    incremental: dict[str, Any] | None = None  # an incremental save's lineage
-
-    @classmethod
-    def failed(cls, rank: int, error: str) -> RankReport:
-        """The report of a rank that failed with ``error``."""
-        return cls(rank, error)
-
-    def message(self) -> bytes:
-        """The bytes sent to rank 0 (:func:`rank_message` of the members)."""
-        return rank_message({f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -193,18 +163,6 @@ def rank_report(
 def _short_hash(text: str) -> int:
     """A 64-bit key of ``text`` (the first 8 bytes of its BLAKE2b, as a big-endian integer)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
-def rank_message(payload: dict[str, Any]) -> bytes:
-    """The bytes of a report's members (``payload``: a :class:`RankReport`'s fields) in
-    the binary form of ``format/rank_message.py`` (members left empty are left out)."""
-    head = {k: v for k, v in payload.items() if k != "fragments" and v is not None and not (isinstance(v, (dict, list)) and not v)}
-    return encode_message(head, payload.get("fragments", []))
-
-
-def read_message(message: bytes) -> dict[str, Any]:
-    """The members of a :func:`rank_message` (each fragment as a dict, its JSON text as bytes)."""
-    return decode_message(message)
 
 
 # ---------------------------------------------------------------- where the ranks write
