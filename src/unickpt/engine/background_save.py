@@ -529,6 +529,12 @@ def staging_bytes(channel: str | None = None) -> int:
     return sum(s.pool.nbytes for s in _SAVERS.values())
 
 
+def release_staging(channel: str = DEFAULT_CHANNEL) -> None:
+    """Free ``channel``'s staging buffer (the next save allocates it again)."""
+    if channel in _SAVERS:
+        _SAVERS[channel].pool.release()
+
+
 def abandon_in_flight() -> int:
     """Forget every channel's save still in flight, so that the next save on the channel
     does not wait for it: live recovery calls it when a peer died, where such a save is
