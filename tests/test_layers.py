@@ -38,6 +38,14 @@ def layer_of(module: str) -> int:
     return best
 
 
+def imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from X import ...`` in ``package`` names (relative ones resolved)."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    return ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
 @functools.cache
 def module_graph(root: Path = SRC) -> dict[str, set[str]]:
     """Each module of the package and the unickpt modules it imports (a ``from X import
@@ -54,11 +62,7 @@ def module_graph(root: Path = SRC) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                else:
-                    base = node.module or ""
+                base = imported_from(node, package)
                 for a in node.names:
                     targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in files else base)
         graph[mod] = {t for t in targets if t in files and t != mod}
@@ -145,11 +149,7 @@ def private_uses(path: Path, module: str, package: str, modules: set[str]) -> li
     bound: dict[str, str] = {}  # local name -> the unickpt module it stands for
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
+            base = imported_from(node, package)
             if base.split(".")[0] != "unickpt":
                 continue
             for a in node.names:
