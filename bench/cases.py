@@ -161,7 +161,7 @@ def stall(rank: int, world: int, cfg: dict, total: int) -> None:
         _emit(cfg["out"], kind="stall", mode=name, world=world, bytes=total, first_s=stalls[0],
               steady_s=statistics.median(stalls[1:]) if len(stalls) > 1 else stalls[0], all_s=stalls)
         if name == "unickpt_lazy":
-            unickpt.engine.background_save._SAVER.pool.release()
+            unickpt.engine.background_save.release_staging()
 
 
 def reshard_load(rank: int, world: int, cfg: dict) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
 import unickpt
+from unickpt.api.load import load_into
 
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "w.rowcol": ((7, 5), torch.float32),          # uneven on both dims
@@ -141,10 +142,9 @@ def save_layout(rank: int, world: int, layout: str, path: str) -> None:
 
 def load_layout(rank: int, world: int, layout: str, path: str) -> dict:
     sd = build_state(layout, fill=False)
-    stats: dict = {}
-    unickpt.load(sd, path, stats=stats)
+    record = load_into(sd, path)
     check_state(sd, f"rank {rank}/{world} layout {layout} from {path}")
-    return stats
+    return record
 
 
 def world4(rank: int, world: int, root: str) -> None:
@@ -160,10 +160,10 @@ def world4(rank: int, world: int, root: str) -> None:
         unickpt.save({"x": torch.arange(6.0), "k": 7}, f"{root}/sub", process_group=sub)
     dist.barrier()
     # same layout: a rank reads exactly the bytes of its own shards, nothing of other shards
-    stats = load_layout(rank, world, "a4", f"{root}/a4")
+    record = load_layout(rank, world, "a4", f"{root}/a4")
     sd = build_state("a4", fill=False)
     needed = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in sd["model"].values())
-    assert stats["bytes_read"] == needed, (stats, needed)
+    assert record.bytes_read == needed, (record, needed)
 
 
 def world3(rank: int, world: int, root: str) -> None:

@@ -12,6 +12,7 @@ import sys
 import time
 
 import unickpt
+from unickpt.api.load import load_into
 from unickpt.testing import free_port
 
 from dist_cases import build_state, check_state
@@ -72,13 +73,12 @@ def load_d2_counting(rank: int, world: int, env: dict[str, str], url: str, out: 
     from unickpt.storage.fsspec_store import TRANSFER
 
     sd = build_state("d2", fill=False)
-    stats: dict = {}
     TRANSFER.reset()
-    unickpt.load(sd, url, stats=stats)
+    record = load_into(sd, url)
     check_state(sd, f"rank {rank}/{world} d2 from {url}")
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"get_bytes": TRANSFER.get_bytes, "gets": TRANSFER.gets, "ranges": TRANSFER.get_ranges,
-                   "planned": stats["bytes_read"]}, f)
+                   "planned": record.bytes_read}, f)
 
 
 def tiered_training(rank: int, world: int, env: dict[str, str], local: str, durable: str, out: str) -> None:

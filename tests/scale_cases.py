@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import unickpt
+from unickpt.api.load import load_into
 
 PRELOAD = ["torch", "torch.distributed.tensor", "unickpt", "unickpt.rules", "scale_cases"]
 
@@ -38,10 +39,9 @@ def balance_rank(rank: int, world: int, root: str) -> None:
     got, reads = [], []
     for share, where in ((False, ""), (True, ""), (None, ""), (None, "local://")):
         dts = {k: distribute_tensor(torch.zeros(64, 64), mesh, [Shard(0), Replicate()]) for k in half}
-        stats: dict = {}
-        unickpt.load(dts, where + os.path.join(root, "ck"), broadcast_replicated=share, stats=stats)
+        record = load_into(dts, where + os.path.join(root, "ck"), broadcast_replicated=share)
         got.append(dts)
-        reads.append(stats["bytes_read"])
+        reads.append(record.bytes_read)
     for dts in got:
         for k, v in half.items():
             assert torch.equal(dts[k].full_tensor(), v), k
@@ -127,10 +127,10 @@ def replicated_load_rank(rank: int, world: int, root: str, repo: str) -> None:
         t = Coords.from_rank(rank, **layout)
         got, reads = [], []
         for share, where in ((False, ""), (True, ""), (None, ""), (None, "local://")):
-            state, stats = rank_state(spec, rules, t, "load", fill=zeros), {}
-            unickpt.load(state, where + os.path.join(root, "ck"), broadcast_replicated=share, stats=stats)
+            state = rank_state(spec, rules, t, "load", fill=zeros)
+            record = load_into(state, where + os.path.join(root, "ck"), broadcast_replicated=share)
             got.append({leaf.name: leaf.value.local for leaf in flatten(state) if isinstance(leaf.value, Sharded)})
-            reads.append(stats["bytes_read"])
+            reads.append(record.bytes_read)
             replicated = [v.local for v in (leaf.value for leaf in flatten(state)) if isinstance(v, Sharded) and v.replicas > 1]
         weights = sum(t.numel() * t.element_size() for t in replicated)
         assert weights, "no replicated shard to share"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import unickpt
+from unickpt.api.load import load_into
 from unickpt.engine.tensor_reads import TensorReads
 from unickpt.engine.reads import Segment, SpanRead, coalesce, crc_blocks, fill_gaps
 from unickpt.engine.staging import plan_batches
@@ -72,7 +73,8 @@ def test_direct_reads_into_targets_and_buffered_fallback(tmp_path):
     unickpt.load(out, str(tmp_path / "c"), stats=stats)
     for k in sd:
         assert torch.equal(out[k], sd[k]), k
-    assert stats["bytes_read"] == sum(v.nbytes for v in sd.values())
+    # the public edge's dict: this rank's LoadRecord, converted once
+    assert stats == {"bytes_read": sum(v.nbytes for v in sd.values()), "files_read": ["rank_00000.safetensors"]}
     # the contiguous targets are read in place: no scratch buffer in their spans
     m = unickpt.read_manifest(str(tmp_path / "c"))
     from unickpt.plan.piece import whole_piece
@@ -125,12 +127,11 @@ def broadcast_load(rank: int, world: int, root: str) -> None:
         dist.new_group([0])
     dist.barrier()
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    stats = {}
-    unickpt.load(out, os.path.join(root, "c"), broadcast_replicated=True, stats=stats)
+    record = load_into(out, os.path.join(root, "c"), broadcast_replicated=True)
     for k in sd:
         assert torch.equal(out[k], sd[k]), (rank, k)
     total = sum(v.nbytes for v in sd.values())
-    assert 0 < stats["bytes_read"] < total, (rank, stats)  # each rank reads only its share
+    assert 0 < record.bytes_read < total, (rank, record)  # each rank reads only its share
     # a rank that fails to read makes every rank raise (nobody waits in a broadcast)
     if rank == 0:
         c = os.path.join(root, "c")

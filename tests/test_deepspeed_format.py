@@ -208,6 +208,20 @@ def test_client_state_read_or_reported(tmp_path) -> None:
         read_deepspeed(str(tmp_path / "evil"))
 
 
+def test_a_value_with_no_plain_form_is_in_the_ledger_with_its_reason(tmp_path) -> None:
+    """An engine value holding an object unickpt does not build (a NumPy array in the LR
+    scheduler's state) is not kept, nor kept as its repr: the ledger says it was skipped
+    and why (the rule the legacy Megatron reader shares, adapters/manifest_builder.py)."""
+    import numpy as np
+
+    _zero2(tmp_path, world=3, client_state={"lr_scheduler": {"last_epoch": 7, "base_lrs": np.array([0.1, 0.2])}})
+    m = read_deepspeed(str(tmp_path))
+    assert "deepspeed.lr_scheduler" not in m.values and m.values["deepspeed.global_samples"] == 56
+    why = m.provenance["skipped"]["deepspeed.lr_scheduler"]
+    assert why.startswith("a value with no plain form, not kept") and "numpy" in why and "does not build" in why, why
+    assert_every_byte(str(tmp_path), ("deepspeed.lr_scheduler",))
+
+
 def test_unknown_class_refused(tmp_path) -> None:
     _zero2(tmp_path, world=4, evil=True)
     with pytest.raises(UnsafePickleError, match="os.system"):

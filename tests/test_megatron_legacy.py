@@ -315,6 +315,22 @@ def test_a_class_off_the_allow_list_is_refused_and_never_run(tmp_path: Path) -> 
     assert not marker.exists()
 
 
+def test_a_value_with_no_plain_form_is_in_the_ledger_with_its_reason(tmp_path: Path) -> None:
+    """A value of the state dict holding an object unickpt does not build (a NumPy array
+    beside Megatron's own keys) is not kept, nor kept as its repr: the ledger says it was
+    skipped and why (the rule the DeepSpeed reader shares, adapters/manifest_builder.py)."""
+    import numpy as np
+
+    ckpt = _copy(tmp_path)
+    _rewrite(ckpt / "iter_0000007/mp_rank_00_000/model_optim_rng.pt", lambda sd: sd.update(sampler={"order": np.arange(4)}))
+    m = open_manifest(str(ckpt))
+    assert "megatron.sampler" not in m.values and decode_value(m.values["train.step"]) == 7
+    why = m.provenance["skipped"]["megatron.sampler"]
+    assert why.startswith("a value with no plain form, not kept") and "numpy" in why and "does not build" in why, why
+    ledger = source_ledger(str(ckpt))
+    assert ledger.unaccounted == [] and ledger.skipped["megatron.sampler"] == why
+
+
 def test_old_versions_refused_distributed_optimizer_accounted(tmp_path: Path) -> None:
     """A checkpoint_version before 3.0 (another QKV order) is refused with the remedy; a
     distributed optimizer's ``distrib_optim.pt`` is reported as skipped, its bytes owned; an

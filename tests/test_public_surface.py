@@ -65,7 +65,7 @@ def test_modules_imported_on_their_own_export_what_the_docs_list():
 
 def test_the_library_s_plumbing_is_not_in_the_public_signatures():
     assert not {"storage", "manifest"} & set(inspect.signature(unickpt.load).parameters)
-    assert "manifest_copy" not in inspect.signature(unickpt.async_save).parameters
+    assert "target" not in inspect.signature(unickpt.async_save).parameters
     # what users write stays: the documented keywords
     assert {"stats", "per_rank", "cast", "storage_options"} <= set(inspect.signature(unickpt.load).parameters)
     assert {"lazy", "base", "channel", "max_staging_bytes"} <= set(inspect.signature(unickpt.async_save).parameters)

@@ -48,6 +48,25 @@ def test_a_message_reads_back_as_its_payload():
     assert empty == {"rank": 2, "error": "boom", "fragments": {}}
 
 
+def test_rank_zero_reads_each_head_back_as_a_typed_report():
+    from unickpt.engine.rank_report import RankReport
+
+    heads = rm.decode_all(_messages()).heads
+    reports = [RankReport.from_head(h, k) for k, h in enumerate(heads)]
+    assert [r.rank for r in reports] == [0, 1, 2]
+    assert reports[1].files == {"rank_00001.safetensors": 101} and reports[0].replicated == ["w.é0", "scalar0"]
+    assert reports[2].error is None and reports[2].fragments == []  # the fragments stay in the batch's arrays
+    # a failed rank's report names it; a head with a member no report has, or of the wrong kind, names its sender
+    failed = [rank_message({"rank": 0}), rank_message({"rank": 1, "error": "disk full"})]
+    with pytest.raises(unickpt.SaveError, match="rank 1: disk full") as e:
+        manifest_document(failed, 2, {})
+    assert e.value.failures == {1: "disk full"}
+    for bad, why in (({"rank": 1, "colour": "red"}, r"members \['colour'\] are not a report's"),
+                     ({"rank": 1, "files": [1]}, "its files is a list, not a dict")):
+        with pytest.raises(unickpt.SaveError, match=f"rank 1 sent a malformed commit message: {why}"):
+            manifest_document([rank_message({"rank": 0}), rank_message(bad)], 2, {})
+
+
 def _messages():
     return [rank_message(_payload(k)) for k in range(3)]
 

@@ -81,13 +81,13 @@ from ..errors import CorruptionError, LayoutError, NotACheckpointError, UnickptE
 from ..format.dtypes import itemsize
 from ..format.ledger import Region
 from ..format.manifest import Fragment, Manifest, TensorEntry
-from ..format.values import encode_value
 from ..plan.box import Box, row_major_strides
 from ..plan.piece import flat_pieces, whole_piece
 from ..storage.open import open_storage
 from .deepspeed_moe import ExpertLayout, expert_layout
 from .megatron_pickles import MEGATRON_ALLOWED
-from .torch_archive import StoredTensor, archive_layout, read_archive, records_in, stored_tensors
+from .manifest_builder import ManifestBuilder
+from .torch_archive import StoredTensor, records_in, stored_tensors
 
 
 class DeepSpeedRecord:
@@ -193,103 +193,34 @@ def is_deepspeed(path: str) -> bool:
 
 # ----------------------------------------------------------------------------- helpers
 
-def _plain(obj: Any) -> Any:
-    """A JSON-encodable copy of a pickled value (records become dicts, tensors are dropped)."""
-    if isinstance(obj, StoredTensor):
-        return None
-    if isinstance(obj, (DeepSpeedRecord, argparse.Namespace)):  # a Namespace: Megatron-DeepSpeed's args
-        return {k: _plain(v) for k, v in vars(obj).items()}
-    if isinstance(obj, dict):
-        return {str(k) if not isinstance(k, (int, str)) else k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(_plain(v) for v in obj)
-    if isinstance(obj, (list, set, frozenset)):
-        return [_plain(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
-    return str(obj)
+class _Builder(ManifestBuilder):
+    """The manifest being built from a DeepSpeed checkpoint: the base's accounts, and
+    what the flat ZeRO partitions add (their alignment padding, flat slices)."""
 
-
-class _Builder:
-    """Collects entries, values and files of the manifest being built."""
+    RECORDS = (DeepSpeedRecord, argparse.Namespace)  # a Namespace: Megatron-DeepSpeed's args
 
     def __init__(self, root: str, prefix: str) -> None:
-        self.storage = open_storage(root)
-        self.prefix = prefix
-        self.manifest = Manifest()
-        self.skipped: dict[str, str] = {}
-        self.replicas: dict[str, str] = {}
-        self.regions: dict[str, list[Region]] = {}  # per file: its zip structure, padding and owned storages
-        self.storage_spans: dict[str, dict[int, tuple[int, int]]] = {}
+        super().__init__(root, prefix, ALLOWED)
         self.group_paddings = 0  # elements of alignment padding of all flat groups (ZeRO-1/2 group_paddings)
         self.alignment = 0  # elements a flat group is padded to a multiple of, when group_paddings are not known
-
-    def skip(self, name: str, reason: str, t: Any = None, at: int = 0, numel: int | None = None) -> None:
-        """Account for a tensor of the source that the manifest leaves out (``t``: its
-        bytes, or elements ``[at, at + numel)`` of it)."""
-        self.skipped[name] = reason
-        self.own(name, t, at, numel)
-
-    def replica(self, name: str, reason: str, t: Any = None, at: int = 0, numel: int | None = None) -> None:
-        """Account for a further copy of data the manifest reads from another copy (``t``:
-        its bytes, or elements ``[at, at + numel)`` of it)."""
-        self.replicas[name] = reason
-        self.own(name, t, at, numel)
-
-    def own(self, owner: str | None, t: Any, at: int = 0, numel: int | None = None) -> None:
-        """Declare the bytes of stored tensor ``t`` (its whole storage record, or elements
-        ``[at, at + numel)`` of the tensor; every tensor's storage record inside a nested
-        value) as owned by ``owner`` (None: structure, such as alignment padding)."""
-        if not isinstance(t, StoredTensor):
-            if numel is None:  # a nested value (a skipped RNG state...): every tensor inside it
-                for inner in stored_tensors(t):
-                    self.own(owner, inner)
-            return
-        if numel is None:
-            start, stop = self.storage_spans.get(t.file, {}).get(t.storage_at, (t.offset, t.offset + t.nbytes))
-        else:
-            size = itemsize(t.dtype)
-            start = t.offset + at * size
-            stop = start + numel * size
-        if stop > start:
-            self.regions.setdefault(t.file, []).append(Region(t.file, start, stop, owner))
 
     def padding(self, t: Any, at: int, numel: int) -> None:
         """Elements ``[at, at + numel)`` of flat tensor ``t`` are alignment padding, no data."""
         self.own(None, t, at, numel)
 
-    def rel(self, name: str) -> str:
-        return self.prefix + name
-
-    def archive(self, name: str) -> Any:
-        rel = self.rel(name)
-        self.manifest.files[rel] = self.storage.size(rel)
-        obj = read_archive(self.storage, rel, allowed=ALLOWED)
-        layout = archive_layout(self.storage, rel)
-        self.regions.setdefault(rel, []).extend(Region(rel, a, b) for a, b in layout.structure)
-        self.storage_spans[rel] = layout.storages
-        return obj
-
-    def value(self, key: str, value: Any) -> None:
+    def same_plain(self, a: Any, b: Any) -> bool:
+        """Whether two values have one plain form (False when either has none)."""
         try:
-            self.manifest.values[key] = encode_value(_plain(value), key)
-        except UnickptError as e:  # a value with no plain form: reported, never dropped silently
-            self.skipped[key] = str(e)
-
-    def entry(self, name: str, shape: tuple[int, ...], dtype: str, layout: str) -> TensorEntry:
-        e = self.manifest.tensors.get(name)
-        if e is None:
-            e = self.manifest.tensors[name] = TensorEntry(name, tuple(shape), dtype, [], layout)
-        elif e.shape != tuple(shape) or e.dtype != dtype:
-            raise CorruptionError(f"{name!r}: fragments disagree on shape or dtype ({e.shape}/{e.dtype} vs {shape}/{dtype})")
-        return e
+            return self.plain(a) == self.plain(b)
+        except UnickptError:
+            return False
 
     def whole(self, name: str, t: StoredTensor, layout: str, rank: int = 0) -> None:
         if not isinstance(t, StoredTensor):
             raise CorruptionError(f"{name!r}: expected a tensor, found {type(t).__name__}")
         if not t.is_contiguous():
             raise CorruptionError(f"{name!r}: a non-contiguous tensor in {t.file}")
-        e = self.entry(name, t.shape, t.dtype, layout)
+        e = self.entry(name, t.shape, t.dtype, layout, t.file)
         if t.numel:
             e.fragments.append(Fragment(t.file, t.offset, t.shape, [whole_piece(t.shape)], [], itemsize(t.dtype), rank))
 
@@ -305,7 +236,7 @@ class _Builder:
                 f"{name!r}: slice ({at}, {numel}) lies outside the partition of {flat.numel} elements in {flat.file} "
                 f"or outside the parameter's {box.volume} elements"
             )
-        e = self.entry(name, shape, flat.dtype, layout)
+        e = self.entry(name, shape, flat.dtype, layout, flat.file)
         if numel:
             size = itemsize(flat.dtype)
             pieces = flat_pieces(box, start, start + numel)
@@ -340,7 +271,7 @@ def _model_values(b: _Builder, model: dict[str, Any], zero_stage: int, world: in
     b.manifest.world_size = world
     b.manifest.provenance.update({
         "format": "deepspeed", "framework": "deepspeed", "zero_stage": zero_stage, "world_size": world,
-        "ds_version": _plain(model.get("ds_version")), "step": steps if isinstance(steps, int) else None,
+        "ds_version": version if isinstance(version := model.get("ds_version"), str) else None, "step": steps if isinstance(steps, int) else None,
     })
 
 
@@ -367,7 +298,7 @@ def _client_state(b: _Builder, fname: str, model: Any, read_from: str, first: An
             b.skip(f"{fname}:rng_state", RNG_STATE, v)
         elif fname != read_from:
             theirs = first.get(key) if isinstance(first, dict) else None
-            if stored_tensors(v) or records_in(v) or _plain(v) != _plain(theirs):
+            if stored_tensors(v) or records_in(v) or not b.same_plain(v, theirs):
                 b.skip(f"{fname}:{key}", f"this rank's own client state {key!r} (the one in {read_from} is read as {name})", v)
         elif records_in(v):
             kinds = sorted({r.global_name for r in records_in(v)})
@@ -498,7 +429,7 @@ def _refuse_experts(tag_dir: str, names: list[str], model: dict[str, Any], why: 
         shown = ", ".join(experts[:3]) + (", ..." if len(experts) > 3 else "")
         raise LayoutError(
             f"{tag_dir}: a DeepSpeed MoE (expert-parallel) checkpoint (expert files: {shown or 'none'}; "
-            f"num_experts={_plain(model.get('num_experts', '?'))}) {why} is not supported: unickpt maps expert "
+            f"num_experts={model.get('num_experts', '?')!r}) {why} is not supported: unickpt maps expert "
             "parameters to global experts for ZeRO-1/2 without tensor or pipeline parallelism only; nothing was read"
         )
 
@@ -1014,11 +945,6 @@ def read_deepspeed(path: str, regions: dict[str, list[Region]] | None = None) ->
         m = _read_universal(b, tag_dir) if kind == "universal" else _read_zero(b, tag_dir)
     finally:
         b.storage.close()
-    if b.skipped:
-        m.provenance["skipped"] = dict(b.skipped)
-    if b.replicas:
-        m.provenance["replicas"] = dict(b.replicas)
-    if regions is not None:
-        regions.update(b.regions)
+    b.account(m, regions)
     m.metadata.setdefault("deepspeed", {"tag": prefix.rstrip("/") or os.path.basename(os.path.abspath(tag_dir)), "kind": kind})
     return m

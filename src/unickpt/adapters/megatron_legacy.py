@@ -51,18 +51,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptionError, LayoutError, NotACheckpointError, UnickptError
+from ..errors import CorruptionError, LayoutError, NotACheckpointError
 from ..format.dtypes import itemsize
 from ..format.ledger import Region
-from ..format.manifest import Fragment, Manifest, TensorEntry
+from ..format.manifest import Fragment, Manifest
 from ..format.values import encode_value
 from ..plan.piece import box_piece, whole_piece
-from ..storage.open import open_storage
-from .megatron_pickles import MEGATRON_ALLOWED, MegatronEnum
-from .torch_archive import StoredTensor, archive_layout, read_archive, records_in, stored_tensors
+from .manifest_builder import ManifestBuilder
+from .megatron_pickles import MEGATRON_ALLOWED
+from .torch_archive import StoredTensor, records_in, stored_tensors
 
 if TYPE_CHECKING:  # the rules import torch: loaded when a legacy checkpoint is read, not when formats are probed
     from ..rules.coords import Coords
@@ -131,21 +130,6 @@ def is_megatron_legacy(path: str) -> bool:
 
 # ----------------------------------------------------------------------------- helpers
 
-def _plain(obj: Any) -> Any:
-    """A JSON-encodable copy of a pickled value (dtypes and enums as text, tensors dropped)."""
-    if isinstance(obj, StoredTensor):
-        return None
-    if isinstance(obj, argparse.Namespace):
-        return {k: _plain(v) for k, v in vars(obj).items()}
-    if isinstance(obj, dict):
-        return {k if isinstance(k, (int, str)) else str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return str(obj) if isinstance(obj, (MegatronEnum, Enum)) else obj
-    return str(obj)
-
-
 def _leaves(obj: Any, prefix: str) -> list[tuple[str, Any]]:
     """(dotted name, value) of the leaves of nested str-keyed dicts (a model state dict,
     flat or nested as the legacy ``state_dict_for_save_checkpoint`` makes it)."""
@@ -208,55 +192,18 @@ def hf_config(args: argparse.Namespace, dtype: str) -> dict[str, Any] | None:
     }
 
 
-class _Builder:
-    """The manifest being built, with the ledger's regions of every file read."""
+class _Builder(ManifestBuilder):
+    """The manifest being built from the ranks' ``model_optim_rng.pt`` (named relative to
+    the root: the prefix is in every name)."""
 
-    def __init__(self, root: str, prefix: str) -> None:
-        self.storage = open_storage(root)
-        self.prefix = prefix
-        self.manifest = Manifest()
-        self.skipped: dict[str, str] = {}
-        self.replicas: dict[str, str] = {}
-        self.regions: dict[str, list[Region]] = {}
-        self.spans: dict[str, dict[int, tuple[int, int]]] = {}
-
-    def archive(self, rel: str) -> Any:
-        self.manifest.files[rel] = self.storage.size(rel)
-        obj = read_archive(self.storage, rel, allowed=ALLOWED)
-        layout = archive_layout(self.storage, rel)
-        self.regions.setdefault(rel, []).extend(Region(rel, a, b) for a, b in layout.structure)
-        self.spans[rel] = layout.storages
-        return obj
-
-    def own(self, owner: str, value: Any) -> None:
-        """The storages of the tensors inside ``value`` are owned by ``owner`` (a reported name)."""
-        for t in stored_tensors(value):
-            start, stop = self.spans.get(t.file, {}).get(t.storage_at, (t.offset, t.offset + t.nbytes))
-            self.regions.setdefault(t.file, []).append(Region(t.file, start, stop, owner))
-
-    def skip(self, name: str, reason: str, value: Any = None) -> None:
-        self.skipped[name] = reason
-        self.own(name, value)
-
-    def replica(self, name: str, reason: str, value: Any) -> None:
-        self.replicas[name] = reason
-        self.own(name, value)
-
-    def value(self, key: str, value: Any) -> None:
-        try:
-            self.manifest.values[key] = encode_value(_plain(value), key)
-        except UnickptError as e:
-            self.skipped[key] = str(e)
+    def __init__(self, root: str) -> None:
+        super().__init__(root, "", ALLOWED)
 
     def tensor(self, name: str, shape: tuple[int, ...], t: StoredTensor, pieces: list, rank: int, layout: str) -> None:
+        """The ``pieces`` of global tensor ``name`` that rank ``rank``'s tensor ``t`` holds."""
         if not t.is_contiguous():
             raise CorruptionError(f"{name!r}: a non-contiguous tensor in {t.file}")
-        e = self.manifest.tensors.get(name)
-        if e is None:
-            e = self.manifest.tensors[name] = TensorEntry(name, tuple(shape), t.dtype, [], layout)
-        elif e.shape != tuple(shape) or e.dtype != t.dtype:
-            raise CorruptionError(f"{name!r}: ranks disagree on its shape or dtype ({list(e.shape)} {e.dtype} vs "
-                                  f"{list(shape)} {t.dtype}, in {t.file})")
+        e = self.entry(name, shape, t.dtype, layout, t.file)
         if pieces:
             e.fragments.append(Fragment(t.file, t.offset, t.shape, pieces, [], itemsize(t.dtype), rank))
 
@@ -453,13 +400,12 @@ def read_megatron_legacy(path: str, regions: dict[str, list[Region]] | None = No
                                   f"{TRACKER} naming an iteration directory holding them)")
     prefix, tag_dir = found
     dirs = _rank_dirs(tag_dir)
-    b = _Builder(str(path), prefix)
+    b = _Builder(str(path))
     try:
         manifest = _read(b, dirs, prefix)
     finally:
         b.storage.close()
-    if regions is not None:
-        regions.update(b.regions)
+    b.account(manifest, regions)
     return manifest
 
 
@@ -511,8 +457,4 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
     config = hf_config(args, {"BF16": "bfloat16", "F16": "float16"}.get(embed.dtype if embed else "", "float32"))
     if config is not None:  # what `unickpt export --format hf` writes as config.json
         m.metadata["hf_config"] = encode_value(config, "hf_config")
-    if b.skipped:
-        m.provenance["skipped"] = dict(b.skipped)
-    if b.replicas:
-        m.provenance["replicas"] = dict(b.replicas)
     return m

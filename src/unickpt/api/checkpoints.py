@@ -14,12 +14,13 @@ import warnings
 from typing import Any
 
 from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
+from ..engine.load import LoadRecord
 from ..errors import CorruptionError, UnickptError
 from ..logs import log
 from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
 from .incremental import prune
-from .load import load, read_manifest
+from .load import load_into, read_manifest
 from .options import DurableOptions, SaveSchedule, check_tiers
 from .save import checkpoint_file, save
 from .tiers import Tier
@@ -106,6 +107,7 @@ class Checkpoints:
         self.incremental = saves.incremental
         self.full_every = saves.full_every
         self.passed_over: list[str] = []  # the checkpoints the last load() passed over, and why
+        self.last_load: LoadRecord | None = None  # what this rank read in the last load() that succeeded
         self._failed: set[str] = set()  # checkpoints that failed their checks in a load of this process
 
     @property
@@ -266,12 +268,22 @@ class Checkpoints:
         checksum that does not match on any rank) is passed over for the next older one,
         and :attr:`passed_over` says which and why; the steps tried are rank 0's, so every
         rank loads the same one. Returns the location loaded, or None when there is no
-        checkpoint; a :class:`~unickpt.CorruptionError` naming each one when none is whole."""
-        self.passed_over = []
+        checkpoint; a :class:`~unickpt.CorruptionError` naming each one when none is whole.
+        :attr:`last_load` is what this rank read (a :class:`~unickpt.engine.load.LoadRecord`),
+        and a ``stats`` dict among ``kwargs`` receives it as :func:`unickpt.load` fills one."""
+        stats = kwargs.pop("stats", None)
+        self.passed_over, self.last_load = [], None
+        loaded = self._load_newest(state_dict, path, kwargs)
+        if stats is not None and self.last_load is not None:
+            stats.update(self.last_load.as_stats())
+        return loaded
+
+    def _load_newest(self, state_dict: dict[str, Any], path: str | None, kwargs: dict[str, Any]) -> str | None:
+        """:meth:`load`'s search: ``path``'s step, or the newest whole one."""
         if path is not None:
             step = self._step_of(path)
             if step is None or self.durable is None:
-                load(state_dict, path, storage_options=self._options_for(path), **kwargs)
+                self.last_load = load_into(state_dict, path, storage_options=self._options_for(path), **kwargs)
                 return path
             return self._load_step(state_dict, step, [(self.fast, self.fast.path_for(step)), (self.durable, self.durable.path_for(step))],
                                    kwargs)
@@ -311,13 +323,13 @@ class Checkpoints:
                 reasons.append(why)
                 self._failed.add(path)
                 if last and not quiet_missing:
-                    load(state_dict, path, storage_options=tier.storage_options, **kwargs)  # raises what is wrong
+                    load_into(state_dict, path, storage_options=tier.storage_options, **kwargs)  # raises what is wrong
                 continue
             if why is not None:
                 fallback(f"step {step}: {why}; loading the durable copy {path}")
             error: UnickptError | None = None
             try:
-                load(state_dict, path, storage_options=tier.storage_options, **kwargs)
+                self.last_load = load_into(state_dict, path, storage_options=tier.storage_options, **kwargs)
             except UnickptError as e:
                 error = e
             if all_true(group, error is None):

@@ -1,31 +1,26 @@
 """``load``: fill a target state in place from a checkpoint saved on any layout.
 
-Collective in name only: each rank plans and reads independently (no communication), so
-a rank that fails cannot hang the others, and a single process needs no process group.
+The protocol lives in :mod:`unickpt.engine.load`; this module is its entry point: it
+opens the checkpoint (:func:`~unickpt.adapters.checkpoint.open_checkpoint`, foreign
+formats included) and hands the engine its storage and manifest. Collective in name
+only: each rank plans and reads independently (no communication), so a rank that fails
+cannot hang the others, and a single process needs no process group.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 import torch
 
-from ..dist import resolve_group
-from ..errors import CorruptionError, LayoutError, ManifestError, MismatchError, UnickptError
-from ..format.dtypes import CASTS, cast_allowed, dtype_from_name, dtype_name
 from ..adapters.checkpoint import open_checkpoint
-from ..format.manifest import Manifest, TensorEntry
-from ..format.values import decode_value
-from ..plan.piece import Piece
+from ..dist import resolve_group
+from ..engine.load import LoadOptions, LoadRecord, load_state, missing, rank_value
+from ..engine.tensor_reads import mapped_entry, read_entry
+from ..errors import ManifestError, MismatchError
+from ..format.manifest import Manifest
 from ..storage.base import Storage
 from ..storage.open import open_storage
-from ..engine.gc_pause import gc_paused
-from ..engine.items import is_dtensor, mesh_replicas, sharded_item, tensor_item
-from ..engine.replicated import ReplicatedReads, ShardedReplicas, share_by_default
-from ..engine.tensor_reads import TensorReads, mapped_entry, read_entry
-from ..engine.optim_state import NamedOptimizer
-from ..engine.state import PerRank, Sharded, flatten
 
 __all__ = ["load", "load_rank_values", "load_tensor", "read_manifest"]
 
@@ -50,29 +45,6 @@ def read_manifest(path: str, storage_options: dict[str, Any] | None = None, *, b
     """
     with open_checkpoint(path, storage_options, bases=bases) as ckpt:
         return ckpt.manifest
-
-
-def _fill(reader: TensorReads, entry: TensorEntry, local: torch.Tensor, pieces: list[Piece]) -> None:
-    reader.add(entry, local, pieces)
-
-
-def _check_compatible(entry: TensorEntry, target: torch.Tensor, global_shape: tuple[int, ...] | None = None,
-                      cast: str = "widen") -> None:
-    shape = tuple(target.shape) if global_shape is None else tuple(global_shape)
-    if shape != entry.shape:
-        raise MismatchError(f"{entry.name!r}: saved shape {list(entry.shape)}, target shape {list(shape)}")
-    _check_dtype(entry, target, cast)
-
-
-def _check_dtype(entry: TensorEntry, target: torch.Tensor, cast: str) -> None:
-    """Refuse a target whose dtype the ``cast`` policy does not let ``entry`` be loaded into."""
-    if not cast_allowed(entry.dtype, dtype_name(target.dtype), cast):
-        saved = dtype_from_name(entry.dtype)
-        how = "a different dtype" if cast == "none" else "a cast that can change values (rounding, overflow, another kind)"
-        raise MismatchError(
-            f"{entry.name!r}: saved dtype {saved}, target dtype {target.dtype}: {how}; pass cast='any' to load it "
-            f"with torch's cast, or load into a tensor of the saved dtype {saved}"
-        )
 
 
 def load(
@@ -142,7 +114,8 @@ def load(
         process_group: The group loading together (default: the default group, if any).
         threads: Parallel reads.
         verify: Check every byte read against its checksum.
-        stats: Receives ``bytes_read``, ``files_read`` (and ``per_rank_kept``).
+        stats: Receives ``bytes_read``, ``files_read`` (and ``per_rank_kept``): this
+            rank's :class:`~unickpt.engine.load.LoadRecord` as a dict.
         broadcast_replicated: Read replicated tensors once and broadcast them (collective).
         storage_options: Options of a URL's file system (fsspec).
         per_rank: ``"error"`` or ``"keep"``, for per-rank state saved by another number of
@@ -159,38 +132,33 @@ def load(
             strict key is missing.
         LayoutError: Per-rank state saved by another number of ranks (``per_rank="error"``).
     """
-    return load_into(state_dict, path, strict=strict, process_group=process_group, threads=threads, verify=verify,
-                     stats=stats, broadcast_replicated=broadcast_replicated, storage_options=storage_options,
-                     per_rank=per_rank, cast=cast)
+    record = load_into(state_dict, path, strict=strict, process_group=process_group, threads=threads, verify=verify,
+                       broadcast_replicated=broadcast_replicated, storage_options=storage_options, per_rank=per_rank,
+                       cast=cast)
+    if stats is not None:  # the public edge's dict, filled once from the typed record
+        stats.update(record.as_stats())
+    return state_dict
 
 
-@gc_paused()
 def load_into(
     state_dict: dict[str, Any],
     path: str,
     *,
-    strict: bool = True,
     process_group: Any = None,
-    threads: int = 4,
-    verify: bool = True,
-    stats: dict[str, Any] | None = None,
-    broadcast_replicated: bool | None = None,
     storage: Storage | None = None,
     storage_options: dict[str, Any] | None = None,
     manifest: Manifest | None = None,
-    per_rank: str = "error",
-    cast: str = "widen",
-) -> dict[str, Any]:
-    """:func:`load` (which see), with the keywords of the library's own callers:
-    ``storage`` replaces the files of ``path`` (the manifest still comes from ``path``):
-    any :class:`~unickpt.storage.base.Storage` (only ``reader`` and ``close`` are used),
-    such as the snapshot tier's view of files spread over several machines; ``manifest``,
-    when given, is the checkpoint's manifest already read (and validated) by the caller:
-    it is not parsed again."""
-    if per_rank not in ("error", "keep"):
-        raise UnickptError(f"per_rank must be 'error' or 'keep', not {per_rank!r}")
-    if cast not in CASTS:
-        raise UnickptError(f"cast={cast!r}: expected one of {', '.join(map(repr, CASTS))}")
+    **options: Any,
+) -> LoadRecord:
+    """:func:`load` (which see) for the library's own callers, returning what this rank
+    read as a :class:`~unickpt.engine.load.LoadRecord`. ``storage`` replaces the files of
+    ``path`` (the manifest still comes from ``path``): any
+    :class:`~unickpt.storage.base.Storage` (only ``reader`` and ``close`` are used), such
+    as the snapshot tier's view of files spread over several machines; ``manifest``, when
+    given, is the checkpoint's manifest already read (and validated) by the caller: it is
+    not parsed again. ``options``: the fields of :class:`~unickpt.engine.load.LoadOptions`
+    (``strict``, ``threads``, ``verify``, ``broadcast_replicated``, ``per_rank``, ``cast``)."""
+    opts = LoadOptions(**options)
     if manifest is None:
         ckpt = open_checkpoint(path, storage_options)
         manifest = ckpt.manifest
@@ -200,139 +168,7 @@ def load_into(
             storage = ckpt.storage
     elif storage is None:
         storage = open_storage(path, storage_options)
-    group = resolve_group(process_group)
-    statefuls: list[tuple[Any, dict[str, Any]]] = []
-
-    def on_stateful(name: str, obj: Any) -> dict[str, Any]:
-        sd = obj.target_state_dict(name, manifest, strict) if isinstance(obj, NamedOptimizer) else obj.state_dict()
-        statefuls.append((obj, sd))
-        return sd
-
-    reader = TensorReads(storage, threads, verify)
-    share = share_by_default(state_dict, group, storage) if broadcast_replicated is None else broadcast_replicated
-    shared = ReplicatedReads(group) if broadcast_replicated else None
-    replicas = ShardedReplicas(group) if share else None
-    error: BaseException | None = None
-    try:
-        for leaf in flatten(state_dict, on_stateful):
-            v = leaf.value
-            if isinstance(v, PerRank):
-                if per_rank == "keep" and group.size != manifest.world_size:
-                    if stats is not None:
-                        stats.setdefault("per_rank_kept", []).append(leaf.name)
-                    continue
-                _load_per_rank(storage, manifest, leaf.name, v, group.rank, group.size, strict, threads, verify, cast)
-            elif isinstance(v, Sharded):
-                entry = manifest.tensors.get(leaf.name)
-                if entry is None:
-                    if strict:
-                        raise MismatchError(_missing(leaf.name, manifest))
-                    continue
-                item = sharded_item(leaf.name, v)
-                _check_compatible(entry, v.local, item.global_shape, cast)
-                if replicas is None or not replicas.defer(entry, item):
-                    _fill(reader, entry, item.local, item.pieces)
-            elif isinstance(v, torch.Tensor):
-                entry = manifest.tensors.get(leaf.name)
-                if entry is None:
-                    if strict:
-                        raise MismatchError(_missing(leaf.name, manifest))
-                    continue
-                _check_compatible(entry, v, None, cast)
-                if shared is not None and not is_dtensor(v) and not shared.read_here(leaf.name, v):
-                    continue
-                item = tensor_item(leaf.name, v, None)
-                if item is None or not item.pieces:
-                    continue
-                if replicas is not None and mesh_replicas(v) > 1 and \
-                        replicas.defer(entry, dataclasses.replace(item, replicas=mesh_replicas(v))):
-                    continue
-                _fill(reader, entry, item.local, item.pieces)
-            elif leaf.name in manifest.values:
-                leaf.replace(decode_value(manifest.values[leaf.name]))
-            elif (subtree := _value_subtree(manifest, leaf.name)) is not None:
-                leaf.replace(subtree)
-            elif leaf.name in manifest.tensors:
-                raise MismatchError(f"{leaf.name!r} was saved as a tensor but the target holds a {type(v).__name__}")
-            elif strict:
-                raise MismatchError(_missing(leaf.name, manifest))
-    except BaseException as e:
-        error = e
-    try:
-        if replicas is not None:  # collective: every rank gets here, failed or not
-            for entry, part in replicas.plan(error is not None):
-                _fill(reader, entry, part.local, part.pieces)
-        if error is None:
-            reader.run()
-    except BaseException as e:
-        error = error or e
-    finally:
-        storage.close()
-    if shared is not None:
-        shared.finish(error is not None)
-    if replicas is not None:
-        replicas.finish(error is not None)
-    if error is not None:
-        if isinstance(error, CorruptionError) and str(path) not in str(error):
-            raise CorruptionError(f"{path}: {error}") from None  # which checkpoint, not only which file
-        raise error
-    if stats is not None:
-        stats["bytes_read"] = reader.bytes_read
-        stats["files_read"] = sorted(reader.files_read)
-    for obj, sd in statefuls:
-        obj.load_state_dict(sd)
-    return state_dict
-
-
-def _value_subtree(manifest: Manifest, name: str) -> dict[str, Any] | None:
-    """Saved values below ``name`` rebuilt as nested dicts (string keys), for a target that
-    holds a placeholder where the saved state had a dict of values; None if there are none."""
-    prefix = name + "."
-    found = {k[len(prefix):]: v for k, v in manifest.values.items() if k.startswith(prefix)}
-    if not found or any(k.startswith(prefix) for k in manifest.tensors):
-        return None
-    out: dict[str, Any] = {}
-    for key, v in sorted(found.items()):
-        node = out
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = decode_value(v)
-    return out
-
-
-def _missing(name: str, manifest: Manifest) -> str:
-    return (f"{name!r} is not in the checkpoint (it holds {len(manifest.tensors)} tensors and {len(manifest.values)} values); "
-            "pass strict=False to skip missing keys")
-
-
-def _load_per_rank(
-    storage: Storage, manifest: Manifest, name: str, target: PerRank, rank: int, world: int,
-    strict: bool, threads: int, verify: bool, cast: str,
-) -> None:
-    if name not in manifest.rank_values and name not in manifest.rank_tensors:
-        if strict:
-            raise MismatchError(_missing(name, manifest))
-        return
-    if world != manifest.world_size:
-        raise LayoutError(
-            f"{name!r} is per-rank state saved by {manifest.world_size} ranks and this job has {world}; "
-            "read all ranks' values with unickpt.load_rank_values() and redistribute them"
-        )
-    into = target.value
-    entry = manifest.rank_tensors[name][rank] if name in manifest.rank_tensors else None
-    if entry is not None and isinstance(into, torch.Tensor) and tuple(into.shape) == entry.shape:
-        _check_dtype(entry, into, cast)  # filled in place, as a tensor target is; else replaced by the saved tensor
-    target.value = _rank_value(storage, manifest, name, rank, threads, verify, into)
-
-
-def _rank_value(storage: Storage, manifest: Manifest, name: str, rank: int, threads: int, verify: bool, into: Any = None) -> Any:
-    if name in manifest.rank_values:
-        return decode_value(manifest.rank_values[name][rank])
-    entry = manifest.rank_tensors[name][rank]
-    if entry is None:
-        return None
-    return read_entry(storage, entry, threads, verify, into if isinstance(into, torch.Tensor) else None)
+    return load_state(state_dict, path, storage, manifest, resolve_group(process_group), opts)
 
 
 def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True,
@@ -361,7 +197,7 @@ def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = T
     if len(row) != manifest.world_size:  # parsing refuses this; adapter-built manifests are checked here
         raise ManifestError(f"{name!r} holds {len(row)} per-rank entries, the checkpoint's world_size is {manifest.world_size}")
     try:
-        return [_rank_value(storage, manifest, name, r, threads, verify) for r in range(manifest.world_size)]
+        return [rank_value(storage, manifest, name, r, threads, verify) for r in range(manifest.world_size)]
     finally:
         storage.close()
 
@@ -397,7 +233,7 @@ def load_tensor(path: str, name: str, *, threads: int = 4, verify: bool = True, 
     try:
         entry = manifest.tensors.get(name)
         if entry is None:
-            raise MismatchError(_missing(name, manifest))
+            raise MismatchError(missing(name, manifest))
         mapped = mapped_entry(storage, entry, verify) if mmap else None
         return mapped if mapped is not None else read_entry(storage, entry, threads, verify)
     finally:

@@ -440,9 +440,8 @@ class CheckpointManager(Checkpoints):
         """Collective: load the checkpoint of ``path``'s step (the durable tier's copy when
         the fast one is missing or fails its checks on any rank), or with None the newest
         whole one (:meth:`Checkpoints.load`); returns the copy loaded."""
-        stats: dict[str, Any] = {}
-        loaded = self.load(state, path, process_group=self.process_group, per_rank="keep", stats=stats)
-        kept[:] = list(dict.fromkeys(stats.get("per_rank_kept", [])))  # a copy passed over may have listed them too
+        loaded = self.load(state, path, process_group=self.process_group, per_rank="keep")
+        kept[:] = self.last_load.per_rank_kept if self.last_load is not None else []
         return loaded or path
 
     def _durable(self, state: dict[str, Any], plan: Replay | None, latest: str | None,
@@ -484,10 +483,9 @@ class CheckpointManager(Checkpoints):
             initial = StateCopy(state)
 
         def from_memory(path: str, storage: Any) -> int:
-            stats: dict[str, Any] = {}
-            load_into(state, path, storage=storage, manifest=storage.manifest, process_group=self.process_group,
-                      per_rank="keep", stats=stats)
-            kept[:] = stats.get("per_rank_kept", [])
+            record = load_into(state, path, storage=storage, manifest=storage.manifest, process_group=self.process_group,
+                               per_rank="keep")
+            kept[:] = record.per_rank_kept
             return int(storage.manifest.metadata["snapshot"]["step"])
 
         def from_disk() -> tuple[int, str] | None:

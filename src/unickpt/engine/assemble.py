@@ -25,6 +25,7 @@ from ..format.rank_message import Batch, decode_all, entry
 from ..format.values import decode_value
 from ..format.values import encode_value
 from ..version import __version__
+from .rank_report import RankReport
 
 
 def manifest_document(
@@ -40,36 +41,34 @@ def manifest_document(
 
 def assemble(batch: Batch, world_size: int, metadata: dict[str, Any], indexed: bool | None = None) -> dict[str, bytes]:
     """:func:`manifest_document` from the decoded messages."""
-    heads = batch.heads
-    failed = [(k, p) for k, p in enumerate(heads) if p.get("error")]  # heads in rank order
+    reports = [RankReport.from_head(h, k) for k, h in enumerate(batch.heads)]  # in rank order
+    failed = [p for p in reports if p.error]
     if failed:
-        raise SaveError("save failed, nothing was committed:\n" + "\n".join(f"rank {p.get('rank')}: {p['error']}" for _, p in failed),
-                        {p["rank"] if isinstance(p.get("rank"), int) else k: p["error"] for k, p in failed})
-    _check_agreement(heads)
+        raise SaveError("save failed, nothing was committed:\n" + "\n".join(f"rank {p.rank}: {p.error}" for p in failed),
+                        {p.rank: p.error for p in failed})
+    _check_agreement(reports)
     files: dict[str, int] = {}
     values: dict[str, Any] = {}
-    for p in heads:
-        if "values" in p:
-            values.update(p["values"])
-    values.update(_joined_groups(heads))
-    for p in heads:
-        if "files" in p:
-            files.update(p["files"])
-    tensors, tensor = _tensors(batch)
-    keep = _drop_duplicates(batch, tensor, tensors)
+    for p in reports:
+        values.update(p.values)
+    values.update(_joined_groups(reports))
+    for p in reports:
+        files.update(p.files)
+    tensors, tensor = _tensors(batch, reports)
+    keep = _drop_duplicates(batch, reports, tensor, tensors)
     ids = {name: t for t, (name, _) in enumerate(tensors)}
-    unwritten = [(n, p.get("rank")) for p in heads for n in p.get("replicated", ()) if n not in ids]
+    unwritten = [(n, p.rank) for p in reports for n in p.replicated if n not in ids]
     if unwritten:
         raise SaveError("no replica wrote " + ", ".join(f"{n!r} (held by rank {r} and its replicas)" for n, r in unwritten[:5])
                         + "; the replicas disagree on what they hold (docs/FORMAT.md, 'Who writes replicas')")
     _check_tiling(tensors, tensor[keep], batch.volume[keep])
-    rank_values = {name: [p.get("rank_values", {}).get(name) for p in heads]
-                   for name in sorted({k for p in heads for k in p.get("rank_values", ())})}
+    rank_values = {name: [p.rank_values.get(name) for p in reports]
+                   for name in sorted({k for p in reports for k in p.rank_values})}
     rank_tensors = {}
-    for name in sorted({k for p in heads for k in p.get("rank_tensors", ())}):
+    for name in sorted({k for p in reports for k in p.rank_tensors}):
         row: list[dict[str, Any] | None] = []
-        for p in heads:
-            d = p.get("rank_tensors", {}).get(name)
+        for p in reports:
+            d = p.rank_tensors.get(name)
             row.append(None if d is None else dict(tensor_head(d["shape"], d["dtype"], "per-rank"), fragments=[d["fragment"]]))
         rank_tensors[name] = row
     if indexed is None:
@@ -84,13 +83,13 @@ def assemble(batch: Batch, world_size: int, metadata: dict[str, Any], indexed: b
         "metadata": encode_value(metadata, "metadata"), "files": files,
     }
     bases: dict[str, dict[str, Any]] = {}
-    for p in heads:  # the checkpoints holding bytes an incremental save references
-        for holder, d in (p.get("bases") or {}).items():
+    for p in reports:  # the checkpoints holding bytes an incremental save references
+        for holder, d in p.bases.items():
             bases.setdefault(holder, {"digest": d["digest"], "files": {}})["files"].update(d["files"])
     if bases:
         head["bases"] = bases
-    if heads and heads[0].get("incremental") is not None:
-        head["incremental"] = heads[0]["incremental"]
+    if reports and reports[0].incremental is not None:
+        head["incremental"] = reports[0].incremental
     tail = {"values": values, "rank_values": rank_values, "rank_tensors": rank_tensors}
     texts = [batch.texts[k] for k in np.nonzero(keep)[0].tolist()] if not keep.all() else batch.texts
     rows = FragmentRows(tensor[keep], texts, batch.text_len[keep], batch.lo[keep], batch.length[keep])
@@ -99,7 +98,7 @@ def assemble(batch: Batch, world_size: int, metadata: dict[str, Any], indexed: b
     return {MANIFEST_NAME: doc} if index is None else {INDEX_NAME: index, MANIFEST_NAME: doc}
 
 
-def _tensors(batch: Batch) -> tuple[list[tuple[str, dict[str, Any]]], np.ndarray]:
+def _tensors(batch: Batch, reports: list[RankReport]) -> tuple[list[tuple[str, dict[str, Any]]], np.ndarray]:
     """Every tensor the ranks reported (name and ``tensor_head``, in order of first
     appearance: the tensors of the fragments, then the empty ones ranks declared) and
     the tensor of each fragment (an index into that list). Each distinct entry line is
@@ -112,7 +111,7 @@ def _tensors(batch: Batch) -> tuple[list[tuple[str, dict[str, Any]]], np.ndarray
         try:
             name, shape, dtype, layout = entry(None, line)
         except SaveError:  # again, naming the rank that sent it
-            entry(batch.heads[batch.rank_of(batch.entries.index(line))].get("rank"), line)
+            entry(reports[batch.rank_of(batch.entries.index(line))].rank, line)
             raise
         if name not in ids:
             ids[name] = len(tensors)
@@ -124,24 +123,24 @@ def _tensors(batch: Batch) -> tuple[list[tuple[str, dict[str, Any]]], np.ndarray
     wrong = np.nonzero(np.array(ndim, dtype=np.int64)[line] != batch.ndim)[0] if len(line) else ()
     if len(wrong):
         k = int(wrong[0])
-        raise SaveError(f"rank {batch.heads[batch.rank_of(k)].get('rank')} sent a malformed commit message: "
+        raise SaveError(f"rank {reports[batch.rank_of(k)].rank} sent a malformed commit message: "
                         f"the box of a fragment of {batch.entries[k]!r:.80} "
                         f"has {int(batch.ndim[k])} dimensions, not its tensor's")
     tensor = np.array(of_line, dtype=np.int64)[line] if len(line) else np.zeros(0, dtype=np.int64)
-    for p in batch.heads:
-        for name, (shape, dtype, layout) in p.get("declared", {}).items():
+    for p in reports:
+        for name, (shape, dtype, layout) in p.declared.items():
             if name not in ids:
                 ids[name] = len(tensors)
                 tensors.append((name, tensor_head(shape, dtype, layout)))
     return tensors, tensor
 
 
-def _check_agreement(heads: list[dict[str, Any]]) -> None:
+def _check_agreement(reports: list[RankReport]) -> None:
     """Every key held by several ranks (plain values, plain tensors) must be equal on all."""
     seen: dict[str, dict[str, list[int]]] = {}
-    for p in heads:
-        for key, digest in p.get("digests", {}).items():
-            seen.setdefault(key, {}).setdefault(digest, []).append(p["rank"])
+    for p in reports:
+        for key, digest in p.digests.items():
+            seen.setdefault(key, {}).setdefault(digest, []).append(p.rank)
     problems = []
     for key in sorted(seen):
         if len(seen[key]) > 1:
@@ -154,15 +153,15 @@ def _check_agreement(heads: list[dict[str, Any]]) -> None:
         )
 
 
-def _joined_groups(heads: list[dict[str, Any]]) -> dict[str, Any]:
+def _joined_groups(reports: list[RankReport]) -> dict[str, Any]:
     """Each optimizer's ``param_groups`` joined over the ranks: the hyperparameters of a
     group must agree; its parameter names are every rank's, in rank order (a pipeline
     stage holds a part of each group, data-parallel replicas the same names)."""
     out: dict[str, Any] = {}
-    names = sorted({k for p in heads for k in p.get("group_values", ())})
+    names = sorted({k for p in reports for k in p.group_values})
     problems = []
     for name in names:
-        parts = [(p["rank"], decode_value(p["group_values"][name])) for p in heads if name in p.get("group_values", {})]
+        parts = [(p.rank, decode_value(p.group_values[name])) for p in reports if name in p.group_values]
         first_rank, first = parts[0]
         joined = [dict(g) for g in first]
         seen = [list(g.get("params", [])) for g in first]
@@ -186,7 +185,8 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks[:6])) + (",..." if len(ranks) > 6 else "")
 
 
-def _drop_duplicates(batch: Batch, tensor: np.ndarray, tensors: list[tuple[str, dict[str, Any]]]) -> np.ndarray:
+def _drop_duplicates(batch: Batch, reports: list[RankReport], tensor: np.ndarray,
+                     tensors: list[tuple[str, dict[str, Any]]]) -> np.ndarray:
     """Which fragments to keep: of several with the same tensor and boxes (replicas
     that wrote the same shard), the first in rank order, once every copy is checked to
     hold the same data (same checksums key)."""
@@ -204,7 +204,7 @@ def _drop_duplicates(batch: Batch, tensor: np.ndarray, tensors: list[tuple[str, 
     crcs = batch.crcs[order]
     differ = np.nonzero(again & (crcs != crcs[first]))[0]
     if len(differ):
-        rank = np.repeat(np.array([p.get("rank") for p in batch.heads]), batch.counts)
+        rank = np.repeat(np.array([p.rank for p in reports]), batch.counts)
         k = differ[0]
         raise InconsistentStateError(f"{tensors[int(t[k])][0]!r}: replicas on ranks {rank[order[first[k]]]} and "
                                      f"{rank[order[k]]} hold different data for the same shard")

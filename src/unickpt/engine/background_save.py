@@ -35,7 +35,7 @@ from ..format.dtypes import dtype_name
 from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
 from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
-from .commit import IndexParts, Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
+from .commit import CommitTarget, Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
 from .gc_pause import gc_paused
 from .save_options import SaveOptions
 from .items import TensorItem
@@ -193,7 +193,7 @@ class _Job:
     events: list
     lazy: bool
     limit: int | None
-    manifest_copy: bool | IndexParts | None = None
+    target: CommitTarget | None = None  # None: a SharedDirectory
     storage_options: dict[str, Any] | None = None
     base: BaseIndex | None = None  # an incremental save's base
     refs: list[tuple[TensorItem, Fragment]] = field(default_factory=list)  # found unchanged in the call
@@ -318,11 +318,11 @@ class _Saver:
         # Start writing only once every rank has staged: a rank that writes while others
         # still copy takes CPU and memory bandwidth from their (blocking) staging.
         all_gather_fixed(job.group, b"\x01")
-        target = prepare_collective(job.group, job.path, job.overwrite, job.manifest_copy, job.storage_options)
+        target = prepare_collective(job.group, job.path, job.overwrite, job.target, job.storage_options)
         write = self._write_ring if job.ring is not None else lambda j, c, s: self._write(j, progress, buf, c, s)
         report = write_rank(job.group.rank, job.local, lambda: write(job, crcs, target.storage), job.error)
         progress.staged.set()
-        commit(job.group, report, target, job.metadata, job.manifest_copy)
+        commit(job.group, report, target, job.metadata)
         return sum(report.files.values())
 
     @staticmethod
@@ -467,7 +467,7 @@ def start_save(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     max_staging_bytes: int | None = None,
     lazy: bool = False,
-    manifest_copy: bool | IndexParts | None = None,
+    target: CommitTarget | None = None,
     storage_options: dict[str, Any] | None = None,
     base: Callable[[], BaseIndex] | None = None,
     channel: str = DEFAULT_CHANNEL,
@@ -477,12 +477,11 @@ def start_save(
     callers: ``base`` opens the base of an incremental save (its failure is this rank's,
     reported at the commit); ``channel`` picks the saver and gloo group (one save in
     flight per channel; the snapshot tier uses ``"snapshot"``, so that a snapshot never
-    waits for a durable save); ``manifest_copy`` (for directories local to each machine,
-    like the in-memory snapshots): None commits the manifest on rank 0 only; otherwise
-    each rank passing True also writes the committed manifest into its own ``path``, and
-    every rank creates its ``path`` if needed (all ranks must pass None, or all a bool; or
-    all the same :class:`~unickpt.engine.commit.IndexParts`: an indexed manifest, each rank
-    keeping only its parts of the index); ``ring`` (with ``manifest_copy``, a directory on a
+    waits for a durable save); ``target`` where the files go and how the manifest is
+    committed there (:mod:`unickpt.engine.targets`; every rank passes the same kind): None
+    is one shared directory rank 0 claims, a
+    :class:`~unickpt.engine.targets.NodeCopies` a directory on each rank's own machine
+    (the in-memory snapshots); ``ring`` (with ``NodeCopies``, a directory on a
     local file system) writes the rank's file straight into a free slot of that ring of
     mapped files and hard-links it into ``path`` (:mod:`unickpt.engine.ring`)."""
     SaveOptions.from_keywords(threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes)
@@ -506,7 +505,7 @@ def start_save(
     events = record_streams(sources)
     job = _Job(
         group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
-        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, manifest_copy,
+        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, target,
         storage_options,
         index, refs, undecided, ring if base is None else None,
     )
@@ -528,6 +527,12 @@ def staging_bytes(channel: str | None = None) -> int:
     if channel is not None:
         return _SAVERS[channel].pool.nbytes if channel in _SAVERS else 0
     return sum(s.pool.nbytes for s in _SAVERS.values())
+
+
+def release_staging(channel: str = DEFAULT_CHANNEL) -> None:
+    """Free ``channel``'s staging buffer (the next save allocates it again)."""
+    if channel in _SAVERS:
+        _SAVERS[channel].pool.release()
 
 
 @on_teardown

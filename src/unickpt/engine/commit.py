@@ -6,18 +6,22 @@ rank gets its bytes to its file.
 Call order, every rank of the group unless said::
 
     local = collect(state_dict, group)              # engine.collect: what this rank holds
-    target = prepare_collective(group, path, ...)   # rank 0 claims the location (lock,
+    target = prepare_collective(group, path, ...)   # the target (engine.targets) gets ready: by
+                                                    #   default rank 0 claims the location (lock,
                                                     #   staging directory; or an object-store
                                                     #   prefix); every rank learns where to write
     report = write_rank(rank, local, write)         # this rank's data file, then its RankReport;
                                                     #   a failure becomes a failed report, never
                                                     #   an exception: rank 0 hears from every rank
     commit(group, report, target, metadata)         # rank 0 gathers the reports, checks them
-                                                    #   (engine.assemble) and commits the manifest
-                                                    #   last, or removes what the save wrote; the
-                                                    #   same outcome (or the same error) on every rank
+                                                    #   (engine.assemble) and publishes the manifest
+                                                    #   through the target, or aborts it; the same
+                                                    #   outcome (or the same error) on every rank,
+                                                    #   then each rank's target.finish
 
-A process writing a checkpoint alone (convert, export, a tier copy) takes :func:`claim`
+Where the files go and how the manifest is committed there is the target's
+(:class:`~unickpt.engine.targets.CommitTarget`: one shared directory, or a directory on
+each machine). A process writing a checkpoint alone (convert, export, a tier copy) takes :func:`claim`
 instead of ``prepare_collective``; the DCP plugin does too (DCP carries the reports to its
 coordinator, which commits with the claim). :func:`check_not_committed` is the early
 check of a save's arguments. A failed save raises :class:`~unickpt.SaveError`, whose
@@ -28,47 +32,31 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
-from ..dist import Group, broadcast_bytes, gather_bytes, scatter_bytes
+from ..dist import Group, broadcast_bytes, gather_bytes
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
-from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
-from ..format.manifest import MANIFEST_NAME, Fragment, fragment_to_json
-from ..format.rank_message import FragmentRecord, decode as decode_message, encode as encode_message
+from ..format.manifest import Fragment, fragment_to_json
+from ..format.rank_message import FragmentRecord
 from ..storage.base import Storage
-from ..storage.open import is_remote, local_path, open_storage
-from ..storage.transaction import DirectoryWrite
 from .assemble import manifest_document
 from .collect import LocalState
 from .items import TensorItem
+from .rank_report import RankReport, rank_message, read_message
+from .targets import CommitTarget, SharedDirectory, check_not_committed, checkpoint_file, claim, data_file_name, rank_storage
 from .unchanged import BaseIndex, holders_json
 from .writer import DataFileWriter, as_bytes
 
 __all__ = [
-    "IndexParts", "RankReport", "Target", "Written", "check_not_committed", "checkpoint_file", "claim", "commit", "data_file_name",
+    "CommitTarget", "RankReport", "Written", "check_not_committed", "checkpoint_file", "claim", "commit", "data_file_name",
     "describe", "prepare_collective", "rank_message", "rank_report", "rank_storage", "read_message", "write_data_file",
     "write_items", "write_rank",
 ]
-
-
-def data_file_name(rank: int) -> str:
-    """Name of the data file a group rank writes."""
-    return f"rank_{rank:05d}.safetensors"
-
-
-_DATA_FILE = re.compile(r"rank_\d{5,}\.safetensors")
-
-
-def checkpoint_file(name: str) -> bool:
-    """True for the names a unickpt checkpoint's files have in its directory."""
-    return name in (MANIFEST_NAME, INDEX_NAME) or _DATA_FILE.fullmatch(name) is not None
 
 
 def describe(e: Exception) -> str:
@@ -78,37 +66,6 @@ def describe(e: Exception) -> str:
 
 
 # ---------------------------------------------------------------- a rank's part
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank tells the committing rank once its file is durable (or that it
-    failed: ``error``). Travels as the binary message of ``format/rank_message.py``
-    (:meth:`message`); each fragment as the JSON text the manifest stores, with what rank
-    0 checks it by (a :class:`~unickpt.format.rank_message.FragmentRecord`)."""
-
-    rank: int
-    error: str | None = None
-    files: dict[str, int] = field(default_factory=dict)  # data file -> size
-    fragments: list[FragmentRecord] = field(default_factory=list)
-    declared: dict[str, list[Any]] = field(default_factory=dict)  # empty tensors: name -> [shape, dtype, layout]
-    replicated: list[str] = field(default_factory=list)
-    digests: dict[str, str] = field(default_factory=dict)
-    values: dict[str, Any] = field(default_factory=dict)
-    rank_values: dict[str, Any] = field(default_factory=dict)
-    rank_tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    group_values: dict[str, Any] = field(default_factory=dict)
-    bases: dict[str, Any] = field(default_factory=dict)  # an incremental save's referenced holders
-    incremental: dict[str, Any] | None = None  # an incremental save's lineage
-
-    @classmethod
-    def failed(cls, rank: int, error: str) -> RankReport:
-        """The report of a rank that failed with ``error``."""
-        return cls(rank, error)
-
-    def message(self) -> bytes:
-        """The bytes sent to rank 0 (:func:`rank_message` of the members)."""
-        return rank_message({f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -195,118 +152,17 @@ def _short_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-def rank_message(payload: dict[str, Any]) -> bytes:
-    """The bytes of a report's members (``payload``: a :class:`RankReport`'s fields) in
-    the binary form of ``format/rank_message.py`` (members left empty are left out)."""
-    head = {k: v for k, v in payload.items() if k != "fragments" and v is not None and not (isinstance(v, (dict, list)) and not v)}
-    return encode_message(head, payload.get("fragments", []))
-
-
-def read_message(message: bytes) -> dict[str, Any]:
-    """The members of a :func:`rank_message` (each fragment as a dict, its JSON text as bytes)."""
-    return decode_message(message)
-
-
 # ---------------------------------------------------------------- where the ranks write
 
 
-def check_not_committed(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None) -> None:
-    """SaveError when ``path`` (a directory or URL) already holds a committed checkpoint
-    and not ``overwrite``; StorageError for a URL no backend knows."""
-    if not overwrite and open_storage(path, storage_options).exists(MANIFEST_NAME):
-        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
-
-
-
-@dataclass
-class Target:
-    """Where a save writes: the staging directory every rank writes its file to, and
-    (on rank 0) the claim on the checkpoint directory that commits or discards it."""
-
-    storage: Storage
-    write: Any  # DirectoryWrite, PrefixWrite (object stores) or None
-
-
-def prepare_collective(group: Group, path: str, overwrite: bool, manifest_copy: Any = None,
-                       storage_options: dict[str, Any] | None = None) -> Target:
-    """Collective: rank 0 claims the checkpoint directory (an exclusive lock, then the
-    overwrite check) and makes the staging directory every rank writes to. Raises the same
-    :class:`SaveError` on every rank when it cannot.
-
-    With ``manifest_copy`` not None (each rank's ``path`` a directory of its own machine,
-    as the in-memory snapshots' fresh per-step directories in host memory) every rank
-    writes straight into its own ``path``, created if needed: no claim, no staging.
-
-    On an object store (a URL other than ``file://``) there is no staging: every rank
-    writes into the prefix itself and the manifest, written last, commits
-    (:class:`~unickpt.storage.fsspec_store.PrefixWrite`)."""
-    if is_remote(path):
-        return _prepare_remote(group, path, overwrite, storage_options)
-    path = local_path(path)
-    if manifest_copy is not None:
-        storage, problem = open_storage(path), b""
-        try:
-            storage.prepare()
-        except (OSError, UnickptError) as e:
-            problem = f"rank {group.rank}: cannot prepare {path}: {e}".encode()
-        problems = gather_bytes(group, problem, 0)
-        status = broadcast_bytes(group, b"\n".join(p for p in problems if p) if problems is not None else b"", 0)
-        if status:
-            raise SaveError(status.decode(errors="replace"))
-        return Target(storage, None)
-    write, status = None, b""
-    if group.rank == 0:
-        try:
-            write = DirectoryWrite.begin(path, MANIFEST_NAME, overwrite, checkpoint_file)
-            status = b"ok\n" + os.fsencode(write.staging_from_target)
-        except UnickptError as e:
-            status = str(e).encode()
-    status = broadcast_bytes(group, status, 0)
-    kind, _, where = status.partition(b"\n")
-    if kind != b"ok" or not where:
-        raise SaveError(status.decode(errors="replace"))
-    return Target(rank_storage(path, os.fsdecode(where)), write)
-
-
-def rank_storage(path: str, where: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """The storage a rank writes its data file to: the staging directory ``where``
-    (relative to the checkpoint directory ``path``, as the claim names it), or on an
-    object store (``where`` empty) the prefix itself."""
-    if is_remote(path):
-        return open_storage(path, storage_options)
-    return open_storage(os.path.join(local_path(path), where))
-
-
-def claim(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None) -> tuple[Any, Storage]:
-    """One process's claim on a checkpoint location it writes alone (convert, export, a
-    tier copy) and the storage its files go to: a locked directory and its staging
-    directory, or an object-store prefix (written in place, the manifest commits).
-    The claim's ``commit(documents)`` commits, ``abort()`` removes what was written."""
-    if is_remote(path):
-        from ..storage.fsspec_store import PrefixWrite
-
-        storage = open_storage(path, storage_options)
-        return PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file), storage
-    write = DirectoryWrite.begin(local_path(path), MANIFEST_NAME, overwrite, checkpoint_file)
-    return write, open_storage(write.staging)
-
-
-def _prepare_remote(group: Group, path: str, overwrite: bool, storage_options: dict[str, Any] | None) -> Target:
-    from ..storage.fsspec_store import PrefixWrite
-
-    storage, write, status = None, None, b"ok"
-    try:
-        storage = open_storage(path, storage_options)
-        if group.rank == 0:
-            write = PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file)
-    except UnickptError as e:
-        status = str(e).encode()
-    status = broadcast_bytes(group, status if group.rank == 0 else b"", 0)
-    if status != b"ok" or storage is None:
-        raise SaveError(status.decode(errors="replace") if status != b"ok" else f"cannot open {path}")
-    return Target(storage, write)
-
-
+def prepare_collective(group: Group, path: str, overwrite: bool, target: CommitTarget | None = None,
+                       storage_options: dict[str, Any] | None = None) -> CommitTarget:
+    """Collective: make ``target`` (default: a :class:`~unickpt.engine.targets.SharedDirectory`,
+    which rank 0 claims) ready at ``path``; every rank learns where to write
+    (``target.storage``). Raises the same :class:`SaveError` on every rank when it cannot."""
+    target = target if target is not None else SharedDirectory()
+    target.prepare(group, path, overwrite, storage_options)
+    return target
 
 
 # ---------------------------------------------------------------- the commit
@@ -365,87 +221,21 @@ class Outcome:
         raise cls(self.message)
 
 
-@dataclass(frozen=True)
-class IndexParts:
-    """A manifest committed into directories local to each machine (the in-memory
-    snapshots), in the index form (format 2.0): the index cut into ``count`` parts at line
-    starts (:func:`~unickpt.format.index.part_bounds`); group rank ``r`` writes the parts
-    ``kept[r]`` and then the root into its own directory (nothing when ``kept[r]`` is
-    empty). Rank 0 writes the whole index and the root."""
-
-    count: int
-    kept: tuple[tuple[int, ...], ...]
-
-    def payloads(self, index: bytes) -> list[bytes]:
-        """What rank 0 sends each rank: a JSON line ``[[part, length], ...]``, then the parts' bytes."""
-        bounds = part_bounds(line_offsets(index), len(index), self.count)
-        out = []
-        for r, kept in enumerate(self.kept):
-            if r == 0 or not kept:
-                out.append(b"")
-                continue
-            head = json.dumps([[j, bounds[j + 1] - bounds[j]] for j in kept]).encode()
-            out.append(head + b"\n" + b"".join(index[bounds[j] : bounds[j + 1]] for j in kept))
-        return out
-
-    @staticmethod
-    def write(storage: Storage, payload: bytes) -> None:
-        """Write the parts of a payload of :meth:`payloads` into ``storage``."""
-        head, _, rest = payload.partition(b"\n")
-        at = 0
-        for j, n in json.loads(head):
-            storage.write_atomic(part_name(j), rest[at : at + n])
-            at += n
-
-
-def commit(
-    group: Group, report: RankReport, target: Target, metadata: dict[str, Any],
-    manifest_copy: bool | IndexParts | None = None,
-) -> None:
-    """Collective: gather every rank's report to rank 0, which checks them and commits the
-    manifest (swapping the staging directory in), or, when any rank failed, removes
-    everything the save wrote; raises the same error on every rank if any rank failed.
-
-    ``manifest_copy`` (the same None-ness on every rank): when not None, the ranks wrote
-    straight into their own directories (``prepare_collective``), rank 0 sends the
-    committed manifest to every rank, and each rank passing True also writes it into its
-    own directory (ranks writing to different machines' directories, as the in-memory
-    snapshots do: every node needs the manifest). As :class:`IndexParts` the manifest is
-    indexed: the root goes to every rank, each rank gets only the index parts it keeps."""
-    parts = manifest_copy if isinstance(manifest_copy, IndexParts) else None
+def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dict[str, Any]) -> None:
+    """Collective: gather every rank's report to rank 0, which checks them and publishes
+    the manifest through ``target`` (the target's own way: swapping a staging directory
+    in, or writing into each machine's directory), or, when any rank failed, aborts
+    (removing what the save wrote); raises the same error on every rank if any rank
+    failed, else every rank finishes its part of the target (``target.finish``)."""
     gathered = gather_bytes(group, report.message(), 0)
-    outcome, payloads = Outcome(), None
+    outcome = Outcome()
     if gathered is not None:
         try:
-            # a manifest sent to every rank is one document, or indexed with its index in parts
-            indexed = None if manifest_copy is None else parts is not None
-            docs = manifest_document(gathered, group.size, metadata, indexed)
-            doc = docs[MANIFEST_NAME]
-            if parts is not None:
-                payloads = parts.payloads(docs[INDEX_NAME])
-            if target.write is not None:
-                target.write.commit(docs)
-            else:
-                for name in sorted(docs, key=lambda n: n == MANIFEST_NAME):  # the root last: it commits
-                    target.storage.write_atomic(name, docs[name])
-            if manifest_copy is not None:
-                outcome = Outcome(manifest=doc)
+            docs = manifest_document(gathered, group.size, metadata, target.indexed)
+            outcome = Outcome(manifest=target.publish(docs))
         except Exception as e:
             outcome = Outcome.of(e)
-        finally:
-            if outcome.error is not None and target.write is not None:
-                target.write.abort()
+            target.abort()
     outcome = Outcome.decode(broadcast_bytes(group, outcome.encode(), 0))
     outcome.raise_error()
-    if group.rank == 0 or outcome.manifest is None:
-        if parts is not None:
-            scatter_bytes(group, payloads, 0)
-        return
-    if parts is not None:
-        mine = scatter_bytes(group, None, 0)
-        if not parts.kept[group.rank]:
-            return
-        IndexParts.write(target.storage, mine)
-    elif not manifest_copy:
-        return
-    target.storage.write_atomic(MANIFEST_NAME, outcome.manifest)
+    target.finish(group, outcome.manifest)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 # safetensors name -> (torch attribute, bytes per element)
-_DTYPES: dict[str, tuple[str, int]] = {
+DTYPES: dict[str, tuple[str, int]] = {
     "F64": ("float64", 8),
     "F32": ("float32", 4),
     "F16": ("float16", 2),
@@ -34,14 +34,14 @@ _DTYPES: dict[str, tuple[str, int]] = {
 }
 
 # torch attribute -> safetensors name (what a pickled dtype is called without torch)
-DTYPE_ATTRS: dict[str, str] = {attr: name for name, (attr, _) in _DTYPES.items()}
+DTYPE_ATTRS: dict[str, str] = {attr: name for name, (attr, _) in DTYPES.items()}
 
 
 @cache
 def _tables() -> tuple[dict[Any, str], dict[str, Any]]:
     import torch
 
-    to_name = {getattr(torch, attr): name for name, (attr, _) in _DTYPES.items() if hasattr(torch, attr)}
+    to_name = {getattr(torch, attr): name for name, (attr, _) in DTYPES.items() if hasattr(torch, attr)}
     return to_name, {v: k for k, v in to_name.items()}
 
 
@@ -64,7 +64,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 def itemsize(name: str) -> int:
     """Bytes per element of a safetensors dtype name (no torch needed)."""
     try:
-        return _DTYPES[name][1]
+        return DTYPES[name][1]
     except KeyError:
         raise LayoutError(f"unknown dtype {name!r} in checkpoint") from None
 

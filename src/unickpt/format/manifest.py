@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CorruptionError, FormatVersionError, LayoutError, ManifestError
 from ..plan.box import Box
 from ..plan.piece import Piece
-from .dtypes import _DTYPES as _DTYPE_NAMES  # names known without torch
+from .dtypes import DTYPES as _DTYPE_NAMES  # names known without torch
 from .dtypes import itemsize
 from .refs import BaseRef, check_base_path, check_digest_text, ref_key, split_key
 from .index import INDEX_NAME, INDEXED_VERSION, IndexReader, index_chunks, read_line

@@ -313,7 +313,8 @@ def _lookup_shape(shapes: dict[str, Any] | None, *names: str) -> tuple[int, ...]
     return None
 
 
-def _check_mode(mode: str) -> None:
+def check_mode(mode: str) -> None:
+    """Refuse a mode other than ``"save"`` or ``"load"``."""
     if mode not in MODES:
         raise LayoutError(f"mode must be 'save' or 'load', not {mode!r}")
 
@@ -340,7 +341,7 @@ def tensor_leaves(res: Resolved, local: torch.Tensor, coords: Coords, mode: str)
     ``mode="save"`` keeps only the boxes this rank stores; ``"load"`` keeps every box it
     holds and zero-fills local padding (rows past the vocabulary) in place.
     """
-    _check_mode(mode)
+    check_mode(mode)
     if tuple(local.shape) != res.local_shape:
         raise LayoutError(f"{res.local_name}: local shape {list(local.shape)} does not match its layout")
     index, count = res.replicas(coords)
@@ -403,24 +404,24 @@ def apply_rules(
     ``stages`` say it should, is a LayoutError; otherwise unmatched tensors pass through
     unchanged. Non-tensor entries pass through under their global names.
     """
-    _check_mode(mode)
+    check_mode(mode)
     out: dict[str, Any] = {}
     matched: set[int] = set()
     unmatched: list[str] = []
     for local_name, value in state.items():
         gname = rules.global_name(str(local_name), coords)
         if not _is_tensor(value) or _is_dtensor(value):
-            _put(out, gname, value)
+            put_unique(out, gname, value)
             continue
         res = rules.resolve(str(local_name), tuple(value.shape), coords, shapes)
         if res is None:
             unmatched.append(gname)
             if not strict:
-                _put(out, gname, value)
+                put_unique(out, gname, value)
             continue
         matched.add(res.rule_index)
         for name, leaf in tensor_leaves(res, value, coords, mode):
-            _put(out, name, leaf)
+            put_unique(out, name, leaf)
     if strict:
         rules.check_coverage(matched, unmatched, coords, "tensors")
     if mode == "save" and check_replicas:
@@ -448,7 +449,7 @@ def optimizer_state(
     (``step``) is stored once for all the ranks holding the parameter. Put the result
     under ``{"optim": {"state": ...}}`` to match torch's own optimizer state names.
     """
-    _check_mode(mode)
+    check_mode(mode)
     out: dict[str, dict[str, Any]] = {}
     matched: set[int] = set()
     unmatched: list[str] = []
@@ -475,12 +476,12 @@ def optimizer_state(
                         f"{list(res.local_shape)}; give it a rule of its own"
                     )
                 for name, leaf in tensor_leaves(res, v, coords, mode):
-                    _put(out.setdefault(name, {}), key, leaf, f"{name}.{key}")
+                    put_unique(out.setdefault(name, {}), key, leaf, f"{name}.{key}")
             else:
                 for name in names:
                     renumbered = frozenset(r.axis for r in rules.renumber if re.search(r.pattern, str(local_name)))
                     leaf = scalar_leaf(v, coords, found[1], renumbered) if _is_tensor(v) else v
-                    _put(out.setdefault(name, {}), key, leaf, f"{name}.{key}")
+                    put_unique(out.setdefault(name, {}), key, leaf, f"{name}.{key}")
     if strict:
         rules.check_coverage(matched, unmatched, coords, "optimizer states")
     if mode == "save" and check_replicas:
@@ -508,7 +509,8 @@ def scalar_leaf(t: torch.Tensor, coords: Coords, rule: Rule | None = None, renum
                        tuple((0, n) for n in t.shape))
 
 
-def _put(d: dict[str, Any], name: str, value: Any, shown: str | None = None) -> None:
+def put_unique(d: dict[str, Any], name: str, value: Any, shown: str | None = None) -> None:
+    """``d[name] = value``, refusing a second tensor under one global name (``shown`` in the error)."""
     if name in d:
         raise LayoutError(f"two tensors of the state map to the same global name {shown or name!r}")
     d[name] = value

@@ -27,7 +27,7 @@ from ..errors import LayoutError
 from ..plan.box import Box, flat_range_to_boxes, intersect
 from ..plan.piece import Piece
 from .coords import Coords
-from .language import Resolved, RuledTensor, Rules, _check_mode, _put, layout_text, scalar_leaf
+from .language import Resolved, RuledTensor, Rules, check_mode, put_unique, layout_text, scalar_leaf
 from .schemes import Target
 
 
@@ -188,7 +188,7 @@ class ZeroPlan:
         ``mode="load"`` zero-fills the buffers' padding in place. ``scalars``:
         optional per-parameter 0-d state ``{stage-local name: {key: tensor}}``.
         """
-        _check_mode(mode)
+        check_mode(mode)
         out: dict[str, dict[str, Any]] = {}
         zero_text = f", zero-{self.stage} over dp={self.coords.dp}"
         for key, buffers in tensors.items():
@@ -217,7 +217,7 @@ class ZeroPlan:
                         pieces = [Piece(p.global_box, p.local_offsets, p.view, p.flat_offset - lo) for _, p in kept]
                         leaf = RuledTensor(buf[lo:hi], res.part_shapes[items[0][0].part], pieces, index, count, text,
                                            res.layout.reduce, buf, [p for _, p in every], ((lo, hi - lo),))
-                        _put(out.setdefault(name, {}), key, leaf, f"{name}.{key}")
+                        put_unique(out.setdefault(name, {}), key, leaf, f"{name}.{key}")
                 if mode == "load":
                     _zero_gaps(buf, covered)
         for local_name, entries in (scalars or {}).items():
@@ -226,7 +226,7 @@ class ZeroPlan:
                 raise LayoutError(f"zero scalars: {local_name!r} is not a parameter of this plan")
             for key, v in entries.items():
                 for name in dict.fromkeys(res.part_names):
-                    _put(out.setdefault(name, {}), key, scalar_leaf(v, self.coords, res.rule, res.renumbered), f"{name}.{key}")
+                    put_unique(out.setdefault(name, {}), key, scalar_leaf(v, self.coords, res.rule, res.renumbered), f"{name}.{key}")
         if mode == "save" and check_replicas:
             from .replicas import reconcile
 

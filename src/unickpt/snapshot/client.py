@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..engine.background_save import AsyncSaveHandle, checkpoint_group, start_save
-from ..engine.commit import IndexParts
+from ..engine.targets import IndexParts, NodeCopies
 from ..engine.items import is_dtensor
 from ..engine.ring import RING_DIR, MappedRing, sweep
 from ..engine.state import PerRank, Sharded, flatten
@@ -400,7 +400,7 @@ class Snapshotter:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
         self.handle = start_save(state, path, lazy=True, metadata=meta, overwrite=True,
-                                  manifest_copy=index_parts(rows, self.nodes, self.parity),
+                                  target=NodeCopies(index_parts(rows, self.nodes, self.parity)),
                                   process_group=self.process_group, channel=CHANNEL,
                                   ring=self.ring if rows[self.group.rank].ring_free else None)
         self.taken += 1

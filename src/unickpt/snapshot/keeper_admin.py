@@ -97,7 +97,7 @@ def unreachable_keepers(hosts: list[str], machines: list[bytes]) -> str | None:
             f"node's address on the cluster network, or leave it unset (each machine's network address is then used)")
 
 
-def _alive(pid: int) -> bool:
+def keeper_alive(pid: int) -> bool:
     """True when ``pid`` is a running (not zombie) keeper process."""
     try:
         os.kill(pid, 0)
@@ -122,7 +122,7 @@ def running_keeper(root: str) -> dict[str, Any] | None:
         doc = {"pid": int(doc["pid"]), "host": str(doc["host"]), "port": int(doc["port"]), "job": str(doc["job"])}
     except (OSError, SnapshotError, KeyError, TypeError, ValueError):
         return None
-    return doc if doc["pid"] > 0 and _alive(doc["pid"]) else None
+    return doc if doc["pid"] > 0 and keeper_alive(doc["pid"]) else None
 
 
 _CHILDREN: list[subprocess.Popen] = []
@@ -200,7 +200,7 @@ def _wait_gone(pid: int, timeout: float) -> bool:
         except subprocess.TimeoutExpired:
             return False
         _CHILDREN.remove(mine[0])
-    while _alive(pid):
+    while keeper_alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)

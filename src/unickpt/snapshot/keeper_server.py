@@ -44,7 +44,7 @@ from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
 from .store_commit import StoreCommit, StoreFlush, check_control, store_address
-from .keeper_admin import _alive
+from .keeper_admin import keeper_alive
 from .parity import blob_parts, code_name, encode, group_of, holders, read_blob, stripe_range, xor_into
 
 POLL_S = 0.02
@@ -173,7 +173,7 @@ class Keeper:
             text = paths.read_regular(path, 64).decode("ascii").strip()
             if text == str(os.getpid()):
                 return True
-            if text.isdigit() and _alive(int(text)):
+            if text.isdigit() and keeper_alive(int(text)):
                 return False
         except (OSError, ValueError):
             pass
