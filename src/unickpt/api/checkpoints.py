@@ -63,6 +63,10 @@ class Checkpoints:
     (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
     bytes of kept ones; they go once nothing kept references them).
 
+    :attr:`options` holds the groups in effect (a
+    :class:`~unickpt.api.options.CheckpointsOptions`: the save schedule, the durable tier),
+    built once from what was given (the flat keywords or the groups).
+
     Args:
         root: The fast tier: a directory or a URL.
         keep: Keep the newest ``keep`` checkpoints (None: all).
