@@ -313,7 +313,6 @@ class Snapshotter:
                                     f"{e.strerror or e}") from None
             self.keeper = ensure_keeper(self.root, job, self.host)
         self._default_cap: int | None = None  # without max_bytes: fixed at the first look (_cap)
-        self.requested_parity = parity
         self.secret: bytes | None = None
         self.table = self._exchange(0)[0]  # also agrees on the job's secret (self.secret)
         why = unreachable_keepers([t["host"] for t in self.table], [self.machines[n] for n in range(len(self.table))])
