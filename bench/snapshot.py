@@ -97,6 +97,7 @@ def _take(rank: int, world: int, total: int, roots: list[str], disk: str | None,
           parity: int = 1, replicas: int = 1) -> None:
     """Phase 1: snapshots (stall, time to whole), memcpy floor, and (``disk`` given)
     async_save to disk and the durable checkpoint the cold load reads."""
+    from unickpt import SnapshotOptions
     from unickpt.snapshot import Snapshotter
 
     _as_node(rank, roots)
@@ -108,7 +109,7 @@ def _take(rank: int, world: int, total: int, roots: list[str], disk: str | None,
     # what any verified load from memory must do: copy every byte and crc32c it
     floor = [_copy_all(sd, dst, crc=True) for _ in range(2)]
     del dst
-    snap = Snapshotter("bench", 1, parity, replicas=replicas)
+    snap = Snapshotter("bench", SnapshotOptions(every=1, parity=parity, replicas=replicas))
     stalls, background, whole = [], [], []
     for step in range(1, snaps + 1):
         dist.barrier()
@@ -183,12 +184,13 @@ def _recover(rank: int, world: int, total: int, roots: list[str], disk: str | No
              parity: int = 1, replicas: int = 1) -> None:
     """Phase 2/3: recovery from memory (``disk`` None) or a cold load from disk, timed."""
     from unickpt.api.load import load_into
+    from unickpt import SnapshotOptions
     from unickpt.snapshot import Snapshotter, recover
 
     _as_node(rank, roots)
     sd = _target(total)
     best, line, timings, resident, fetched = float("inf"), "disk", {}, None, 0
-    snap = Snapshotter("bench", 1, parity, replicas=replicas) if disk is None else None
+    snap = Snapshotter("bench", SnapshotOptions(every=1, parity=parity, replicas=replicas)) if disk is None else None
     for _ in range(2):  # best of 2: the first in a fresh process also pays one-time imports (DTensor)
         for v in sd.values():
             v.to_local().zero_()

@@ -154,13 +154,14 @@ def limits(sd: dict[str, torch.Tensor], shm: str) -> dict[str, float]:
 
 
 def _rank(rank: int, world: int, total: int, steps: int, root: str, out: str) -> None:
+    from unickpt import SnapshotOptions
     from unickpt.snapshot import Snapshotter
 
     os.environ.update(UNICKPT_SHM_ROOT=root, UNICKPT_JOB_ID="rate")
     sd = _state(total)
     os.makedirs(root, exist_ok=True)
     fig = limits(sd, root)
-    snap = Snapshotter("rate", 1, 0)
+    snap = Snapshotter("rate", SnapshotOptions(every=1, parity=0))
     t0 = time.perf_counter()
     snap.prepare(sd)  # as CheckpointManager.restore does: the ring is made in the background
     prepare_call = time.perf_counter() - t0

@@ -50,6 +50,7 @@ def _report_threads() -> None:
 
 
 import unickpt  # noqa: E402
+from unickpt import SnapshotOptions  # noqa: E402
 from unickpt.snapshot.client import Snapshotter  # noqa: E402
 from unickpt.testing import free_port  # noqa: E402
 
@@ -69,7 +70,7 @@ def user_script(rank: int, world: int, work: str, port: int) -> None:
     state = {"w": w, "mine": unickpt.PerRank(torch.full((256,), float(rank))), "step": 3}
     unickpt.save(state, os.path.join(work, "sync"))
     handle = unickpt.async_save(state, os.path.join(work, "async"))
-    snap = Snapshotter("clean-exit", 1, 0)
+    snap = Snapshotter("clean-exit", SnapshotOptions(every=1, parity=0))
     KEPT.append(snap)  # a user's global holding on to it until the exit
     snap.snapshot(state, 3)
     handle.result()

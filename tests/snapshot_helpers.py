@@ -151,13 +151,14 @@ def snapshots_during_slow_save(rank: int, world: int, env: dict[str, str], url: 
 
     import unickpt
     from unickpt.api.load import load_into
+    from unickpt import SnapshotOptions
     from unickpt.snapshot import Snapshotter, recover
 
     os.environ.update(env, UNICKPT_SHM_ROOT=root, UNICKPT_JOB_ID="slow-durable", GROUP_RANK="0", LOCAL_RANK=str(rank))
     gen = torch.Generator().manual_seed(rank)
     durable = {"w": torch.arange(64.0), "big": unickpt.PerRank(torch.randn(1 << 19, generator=gen))}  # 2 MiB a rank
     state = {"w": torch.zeros(1000), "mine": unickpt.PerRank(torch.full((500,), float(rank))), "step": 0}
-    snap = Snapshotter("slow-durable", 1, 0)
+    snap = Snapshotter("slow-durable", SnapshotOptions(every=1, parity=0))
     t0 = time.monotonic()
     handle = unickpt.async_save(durable, url)
     seen = []
@@ -201,13 +202,14 @@ def two_machines_rank(rank: int, world: int, roots: list[str], host: str, out: s
 
     import unickpt
     from unickpt.api.load import load_into
+    from unickpt import SnapshotOptions
     from unickpt.snapshot import Snapshotter, recover
 
     os.environ.update(UNICKPT_SHM_ROOT=roots[rank], UNICKPT_JOB_ID="hosts", GROUP_RANK=str(rank), LOCAL_RANK="0",
                       UNICKPT_KEEPER_HOST=host)
     want = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
     state = {"w": unickpt.PerRank(want.clone())}
-    snap = Snapshotter("hosts", 1, 1)
+    snap = Snapshotter("hosts", SnapshotOptions(every=1, parity=1))
     snap.snapshot(state, 1).result()
     deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(snap.jdir, "step_00000001", "whole")):  # parity exchanged

@@ -20,10 +20,36 @@ def test_flat_keywords_and_groups_configure_the_same_manager(tmp_path):
                                         durable=DurableOptions(str(tmp_path / "d"), every=2))
     assert flat.options == grouped.options
     assert grouped.options.saves == SaveSchedule(every=5, mode="async")
-    assert (grouped.save_every, grouped.async_save, grouped.snapshot_every, grouped.delta_dtype) == (5, True, 1, "bf16")
-    assert grouped.durable is not None and grouped.durable_every == 2
+    assert grouped.options.snapshot == SnapshotOptions(every=1, parity=0)
+    assert grouped.options.deltas == DeltaLogOptions(dtype="bf16")
+    assert grouped.options.durable == DurableOptions(str(tmp_path / "d"), every=2) and grouped.durable is not None
     plain = unickpt.CheckpointManager(str(tmp_path / "b"))
-    assert plain.options.snapshot is None and plain.options.deltas is None
+    assert plain.options.snapshot is None and plain.options.deltas is None and plain.options.durable is None
+
+
+def test_the_groups_are_the_manager_s_only_copy_of_its_options(tmp_path):
+    """No flat attribute mirrors a group (``manager.async_save`` was a bool shadowing the
+    function); a plain Checkpoints keeps its groups the same way."""
+    manager = unickpt.CheckpointManager(str(tmp_path / "a"), save_every=5, async_save=True, snapshot_every=1, parity=0)
+    flat = {"save_every", "async_save", "snapshot_every", "parity", "snapshot_replicas", "flush_every",
+            "snapshot_max_bytes", "snapshot_stripes", "log_deltas", "delta_dtype", "incremental", "full_every",
+            "durable_every", "durable_keep"}
+    assert not flat & set(vars(manager))
+    tiers = unickpt.Checkpoints(str(tmp_path / "b"), incremental=True, full_every=3)
+    assert tiers.options.saves == SaveSchedule(incremental=True, full_every=3) and tiers.options.durable is None
+    assert not flat & set(vars(tiers))
+
+
+def test_the_signature_reads_grouped():
+    """The groups come first, then the flat spellings of the same options."""
+    import inspect
+
+    names = list(inspect.signature(unickpt.CheckpointManager).parameters)
+    assert names[:9] == ["root", "keep", "saves", "snapshot", "deltas", "durable", "storage_options", "process_group",
+                         "metadata"]
+    assert set(names[9:]) == {"save_every", "async_save", "incremental", "full_every", "snapshot_every", "parity",
+                              "snapshot_replicas", "flush_every", "snapshot_max_bytes", "snapshot_stripes", "log_deltas",
+                              "delta_dtype", "durable_every", "durable_keep", "durable_storage_options"}
 
 
 @pytest.mark.parametrize("make, says", [
@@ -54,10 +80,37 @@ def test_a_group_checks_itself_and_names_its_field(make, says):
     ({"durable": DurableOptions("d"), "durable_keep": 2}, r"^durable_keep and a DurableOptions were both given"),
     ({"snapshot": {"every": 1}}, r"^expected a SnapshotOptions, not dict"),
     ({"deltas": DeltaLogOptions()}, r"^DeltaLogOptions\.enabled=True needs save_every"),
+    ({"log_deltas": True}, r"^log_deltas=True needs save_every"),
+    ({"saves": SaveSchedule(every=2), "log_deltas": True, "delta_dtype": "fp8"},
+     r"^delta_dtype must be 'exact' or 'bf16', not 'fp8'$"),
+    ({"async_save": True}, r"^async_save=True writes the checkpoints of save_every in the background: set save_every too"),
+    ({"snapshot_replicas": 2}, r"^snapshot_replicas=2 configures the memory snapshots: set snapshot_every too$"),
+    ({"snapshot_every": 1, "parity": 1, "snapshot_replicas": 2}, r"^snapshot_replicas=2 and parity=1 exclude each other"),
+    ({"incremental": True, "durable": "d"}, r"^incremental=True needs a local root and no durable tier"),
+    ({"saves": SaveSchedule(incremental=True), "durable": "d"},
+     r"^SaveSchedule\.incremental=True needs a local root and no durable tier"),
+    ({"snapshot": SnapshotOptions(flush_every=2), "storage_options": {}, "root": "memory://r"},
+     r"^SnapshotOptions\.flush_every needs a local root"),
 ])
 def test_the_manager_names_the_keyword_the_user_wrote(tmp_path, kwargs, says):
+    kwargs = dict(kwargs)
+    root = kwargs.pop("root", str(tmp_path / "ck"))
     with pytest.raises(unickpt.UnickptError, match=says):
-        unickpt.CheckpointManager(str(tmp_path / "ck"), **kwargs)
+        unickpt.CheckpointManager(root, **kwargs)
+
+
+def test_the_snapshot_tier_takes_its_group_whole(tmp_path):
+    """Snapshotter(job, SnapshotOptions): the group checked once when built; what only the
+    Snapshotter can refuse (no interval, a flush without a directory) names the field."""
+    from unickpt.snapshot import Snapshotter
+
+    with pytest.raises(unickpt.SnapshotError, match=r"^a Snapshotter needs SnapshotOptions\.every of at least 1 step"):
+        Snapshotter("opts", SnapshotOptions(every=0), root=str(tmp_path / "shm"))
+    with pytest.raises(unickpt.SnapshotError, match=r"^SnapshotOptions\.flush_every needs a checkpoint directory"):
+        Snapshotter("opts", SnapshotOptions(every=1, flush_every=2), root=str(tmp_path / "shm"))
+    with pytest.raises(unickpt.SnapshotError, match=r"^Snapshotter takes a SnapshotOptions, not int"):
+        Snapshotter("opts", 1, root=str(tmp_path / "shm"))  # type: ignore[arg-type]
+    assert not (tmp_path / "shm").exists()  # refused before any keeper or shm folder
 
 
 def test_save_takes_save_options_or_the_flat_keywords(tmp_path):
@@ -72,6 +125,22 @@ def test_save_takes_save_options_or_the_flat_keywords(tmp_path):
         unickpt.save(state, str(tmp_path / "c"), block_bytes=12)
     with pytest.raises(unickpt.SaveError, match=r"^threads and a SaveOptions were both given"):
         unickpt.save(state, str(tmp_path / "c"), threads=2, options=SaveOptions())
+    with pytest.raises(unickpt.SaveError, match=r"^max_staging_bytes must be positive, not 0$"):
+        unickpt.async_save(state, str(tmp_path / "c"), max_staging_bytes=0)
+    with pytest.raises(unickpt.SaveError, match=r"^SaveOptions\.max_staging_bytes must be positive, not 0$"):
+        unickpt.async_save(state, str(tmp_path / "c"), options=SaveOptions(max_staging_bytes=0))
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_group_remembers_nothing_of_how_it_was_spelled():
+    """The same values make the same group, whichever way they were written; building
+    it from the flat keywords leaves nothing on it (the spelling stays at the entry point)."""
+    from unickpt.engine.save_options import Spelling
+
+    given = SaveSchedule.merged(None, {"every": 3, "mode": "async"})
+    assert given.group == SaveSchedule(every=3, mode="async") and vars(given.group) == vars(SaveSchedule(every=3, mode="async"))
+    assert given.spelling == Spelling(SaveSchedule, flat=True) and given.said("mode", "async") == "async_save=True"
+    assert SaveSchedule.merged(SaveSchedule(every=3), {"every": 0}).said("mode", "async") == "SaveSchedule.mode='async'"
 
 
 def test_the_async_handle_is_future_like(tmp_path):

@@ -266,17 +266,18 @@ def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down, 
     """A snapshot above max_bytes is refused before anything is written; copies and parity
     together, or more parity than nodes, are refused; parity asked of a single node is
     said to protect nothing against a lost node."""
+    from unickpt import SnapshotOptions
     from unickpt.snapshot import Snapshotter
 
     root = str(tmp_path / "shm")
     keepers_down.append(root)
     with pytest.raises(SnapshotError, match="exclude each other"):
-        Snapshotter("cap", 1, 1, root=root, replicas=2)
+        Snapshotter("cap", SnapshotOptions(every=1, parity=1, replicas=2), root=root)
     afile = tmp_path / "afile"
     afile.write_text("")
     for bad, why in ((afile, "not a directory"), (afile / "sub", "Not a directory")):
         with pytest.raises(SnapshotError, match=rf"the shm root {bad} \(\$UNICKPT_SHM_ROOT\) cannot hold snapshots: {why}$"):
-            Snapshotter("cap", 1, 0, root=str(bad))
+            Snapshotter("cap", SnapshotOptions(every=1, parity=0), root=str(bad))
     from unickpt.snapshot.keeper_admin import ensure_keeper
 
     with pytest.raises(SnapshotError, match=r"the snapshot keeper exited at start \(code 1: OSError: .*Cannot assign requested "
@@ -287,19 +288,19 @@ def test_memory_cap_and_bad_protection_are_clear_errors(tmp_path, keepers_down, 
     with pytest.raises(SnapshotError, match="parity must be 0 or more"):
         layout(3, -1)
     assert layout(3, 3) == (1, 2) and layout(4, 2) == (2, 2) and layout(4, 1) == (3, 1) and layout(4, 0, 2) == (1, 1) and layout(1, 2) == (1, 0)
-    snap = Snapshotter("cap", 1, 0, root=root, max_bytes=1000)
+    snap = Snapshotter("cap", SnapshotOptions(every=1, parity=0, max_bytes=1000), root=root)
     with pytest.raises(SnapshotError, match=r"above the cap of 1000 B; raise max_bytes"):
         snap.snapshot({"w": torch.zeros(1000)}, 1)
     assert not os.path.exists(os.path.join(root, "unickpt", "cap", "step_00000001"))
     snap.close()
     said = lambda: [r.getMessage() for r in caplog.records if r.name == "unickpt"]  # noqa: E731  (the unickpt logger)
     assert said() == []  # --parity 0: nothing asked, nothing to say
-    Snapshotter("cap", 1, root=root).close()  # the default on one node: the user asked for nothing, nothing said
+    Snapshotter("cap", SnapshotOptions(every=1), root=root).close()  # the default on one node: the user asked for nothing, nothing said
     assert said() == []
     one_node = ["unickpt: one node: snapshots survive a crashed process, not the loss of the node "
                 "(protection against lost nodes needs 2 nodes or more)"]
-    first = Snapshotter("cap", 1, 1, root=root)  # parity 1 asked of one node: said
-    again = Snapshotter("cap", 1, 1, root=root)  # the same job's next start (a re-forming): said once per job
+    first = Snapshotter("cap", SnapshotOptions(every=1, parity=1), root=root)  # parity 1 asked of one node: said
+    again = Snapshotter("cap", SnapshotOptions(every=1, parity=1), root=root)  # the same job's next start (a re-forming): said once per job
     assert said() == one_node
     again.close()
     first.close()

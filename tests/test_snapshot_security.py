@@ -13,6 +13,7 @@ import torch
 
 from unickpt.errors import SnapshotError
 from unickpt.snapshot import paths, wire
+from unickpt import SnapshotOptions
 from unickpt.snapshot.client import Snapshotter
 from unickpt.snapshot.keeper_admin import ensure_keeper, running_keeper, stop_keeper
 
@@ -88,13 +89,13 @@ def test_a_snapshotter_stores_the_secret_privately_and_nowhere_else(tmp_path):
     Snapshotter of the same job (a relaunch), and is in no file of the snapshot."""
     root = str(tmp_path / "shm")
     try:
-        snap = Snapshotter("priv", 1, 0, root=root)
+        snap = Snapshotter("priv", SnapshotOptions(every=1, parity=0), root=root)
         secret = paths.read_secret(root, "priv")
         assert secret == snap.secret and len(secret) == paths.SECRET_BYTES
         assert _mode(paths.secret_file(root, "priv")) == 0o600 and _mode(paths.base_dir(root)) == 0o700
         snap.snapshot({"w": torch.arange(1000.0)}, 1).result()
         snap.close(clean=False)
-        again = Snapshotter("priv", 1, 0, root=root)  # the relaunch proposes the stored secret
+        again = Snapshotter("priv", SnapshotOptions(every=1, parity=0), root=root)  # the relaunch proposes the stored secret
         assert again.secret == secret
         found = []
         for d, _, files in os.walk(paths.job_dir(root, "priv")):

@@ -180,14 +180,12 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
     def __init__(self, path: str | os.PathLike, *, overwrite: bool | None = None, metadata: dict[str, Any] | None = None,
                  threads: int = 4, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  storage_options: dict[str, Any] | None = None) -> None:
-        SaveOptions.from_keywords(threads=max(1, threads), block_bytes=block_bytes)
+        self.options = SaveOptions.from_keywords(threads=max(1, threads), block_bytes=block_bytes)
         if metadata is not None and "dcp" in metadata:
             raise SaveError("StorageWriter: the metadata key 'dcp' is unickpt's (DCP's flattening map)")
         self.path = os.fspath(path)
         self.overwrite = overwrite
         self.metadata = dict(metadata or {})
-        self.threads = max(1, threads)
-        self.block_bytes = block_bytes
         self.storage_options = storage_options
         self._rank = 0
         self._claim: Any = None
@@ -394,7 +392,8 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         if items:
             storage = rank_storage(self.path, where, self.storage_options)
             name = data_file_name(self._rank)
-            writer = DataFileWriter(storage, name, self._rank, [t for _, t in items], self.block_bytes, self.threads)
+            writer = DataFileWriter(storage, name, self._rank, [t for _, t in items], self.options.block_bytes,
+                                    self.options.threads)
             try:
                 batch: list[tuple[int, int, memoryview]] = []  # (each view keeps its tensor alive)
                 nbytes = 0

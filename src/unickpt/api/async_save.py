@@ -90,8 +90,7 @@ def async_save(
             ``overwrite`` (the save's own failures come from ``handle.result()``).
     """
     opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes,
-                                        "max_staging_bytes": max_staging_bytes})
+                                        "max_staging_bytes": max_staging_bytes}).group
     opener = None if base is None else partial(open_base, os.fspath(base), str(path))
-    return start_save(state_dict, path, process_group=process_group, metadata=metadata, overwrite=overwrite,
-                      threads=opts.threads, block_bytes=opts.block_bytes, max_staging_bytes=opts.max_staging_bytes, lazy=lazy,
-                      storage_options=storage_options, base=opener, channel=channel)
+    return start_save(state_dict, path, opts, process_group=process_group, metadata=metadata, overwrite=overwrite,
+                      lazy=lazy, storage_options=storage_options, base=opener, channel=channel)

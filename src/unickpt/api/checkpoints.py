@@ -20,8 +20,9 @@ from ..logs import log
 from ..storage.open import open_storage
 from ..storage.transaction import remove_abandoned
 from .incremental import prune
+from ..engine.save_options import Given
 from .load import load_into, read_manifest
-from .options import DurableOptions, SaveSchedule, check_tiers
+from .options import CheckpointsOptions, DurableOptions, SaveSchedule, check_tiers
 from .save import checkpoint_file, save
 from .tiers import Tier
 
@@ -63,6 +64,10 @@ class Checkpoints:
     (so ``steps()`` may list, besides the newest ``keep``, older checkpoints that hold
     bytes of kept ones; they go once nothing kept references them).
 
+    :attr:`options` holds the groups in effect (a
+    :class:`~unickpt.api.options.CheckpointsOptions`: the save schedule, the durable tier),
+    built once from what was given (the flat keywords or the groups).
+
     Args:
         root: The fast tier: a directory or a URL.
         keep: Keep the newest ``keep`` checkpoints (None: all).
@@ -94,18 +99,23 @@ class Checkpoints:
         full_every: int | None = None,
         saves: SaveSchedule | None = None,
     ) -> None:
-        saves = SaveSchedule.merged(saves, {"incremental": incremental, "full_every": full_every})
-        tier = durable_options(durable, durable_every, durable_keep, durable_storage_options)
-        check_tiers(str(root), saves, tier)
+        given = SaveSchedule.merged(saves, {"incremental": incremental, "full_every": full_every})
+        self._configure(root, keep, storage_options, given,
+                        durable_options(durable, durable_every, durable_keep, durable_storage_options))
+
+    def _configure(self, root: str | os.PathLike, keep: int | None, storage_options: dict[str, Any] | None,
+                   saves: Given[SaveSchedule], durable: Given[DurableOptions] | None) -> None:
+        """Set up the tiers from the groups as a public constructor was given them (this
+        one's, or :class:`~unickpt.CheckpointManager`'s), checked across groups first."""
+        check_tiers(str(root), saves, durable)
+        self.options: CheckpointsOptions = CheckpointsOptions(saves.group, durable.group if durable else None)
         self.fast = Tier(root, keep, storage_options)
+        tier = self.options.durable
         self.durable = Tier(tier.url, tier.keep, tier.storage_options) if tier is not None else None
-        self.durable_every = tier.every if tier is not None else durable_every
         self.durable_errors: list[BaseException] = []
         self._saves = 0
         self._copy: threading.Thread | None = None
         self._copying: int | None = None
-        self.incremental = saves.incremental
-        self.full_every = saves.full_every
         self.passed_over: list[str] = []  # the checkpoints the last load() passed over, and why
         self.last_load: LoadRecord | None = None  # what this rank read in the last load() that succeeded
         self._failed: set[str] = set()  # checkpoints that failed their checks in a load of this process
@@ -160,7 +170,8 @@ class Checkpoints:
     def base_for(self, step: int) -> str | None:
         """The base of an incremental save of ``step``: the latest valid checkpoint, unless
         the save is to be a full one (the first, every ``full_every``-th, or no base)."""
-        if not self.incremental:
+        saves = self.options.saves
+        if not saves.incremental:
             return None
         base = self.latest()
         if base is None or os.path.abspath(base) == os.path.abspath(self.path_for(step)):
@@ -169,7 +180,7 @@ class Checkpoints:
             depth = (read_manifest(base).incremental or {}).get("depth", 0)
         except UnickptError:
             return None
-        if self.full_every is not None and depth + 1 >= self.full_every:
+        if saves.full_every is not None and depth + 1 >= saves.full_every:
             return None
         return base
 
@@ -183,7 +194,7 @@ class Checkpoints:
         """:meth:`save`; returns the location and the bytes this rank wrote."""
         path = self.path_for(step)
         group = resolve_group(kwargs.get("process_group"))
-        if self.incremental and "base" not in kwargs:
+        if self.options.saves.incremental and "base" not in kwargs:
             kwargs["base"] = self.shared_base(step, group)
         written = save(state_dict, path, storage_options=self.fast.storage_options, **kwargs)
         if group.rank == 0:
@@ -200,7 +211,8 @@ class Checkpoints:
         copy to the durable tier when due, apply retention, clean what killed saves left."""
         self._saves += 1
         pinned = {self._copying} if self._copying is not None else set()
-        if self.durable is not None and self._saves % self.durable_every == 0:
+        tier = self.options.durable
+        if self.durable is not None and tier is not None and self._saves % tier.every == 0:
             self.wait()
             pinned = {step}
             self._start_copy(self.path_for(step), step)
@@ -364,9 +376,9 @@ class Checkpoints:
 
 
 def durable_options(durable: str | os.PathLike | DurableOptions | None, every: int, keep: int | None,
-                    storage_options: dict[str, Any] | None) -> DurableOptions | None:
+                    storage_options: dict[str, Any] | None) -> Given[DurableOptions] | None:
     """The durable tier of ``durable=`` (a :class:`DurableOptions`, or the location with the
-    flat ``durable_*`` keywords), or None."""
+    flat ``durable_*`` keywords) as the user gave it, or None."""
     if durable is None:
         return None
     given = durable if isinstance(durable, DurableOptions) else None

@@ -30,11 +30,12 @@ from ..errors import UnickptError
 from ..logs import say
 from ..live.run import Interrupted, restored, step_boundary
 from .async_save import AsyncSaveHandle, async_save
-from .checkpoints import Checkpoints, TierFallbackWarning
+from .checkpoints import Checkpoints, TierFallbackWarning, durable_options
 from .deltas.log import Replay, step_of
 from .load import load_into
 from .stats import RunStats, SaveRecord
-from .options import DeltaDtype, SaveMode, DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions, check_loop
+from .options import (DeltaDtype, DeltaLogOptions, DurableOptions, ManagerOptions, SaveMode, SaveSchedule, SnapshotOptions,
+                      check_loop)
 from .saveable import check_saveable
 from .state_copy import StateCopy
 from .deltas.replay import StepDeltas, replay_line, replay_refusal
@@ -77,53 +78,77 @@ class CheckpointManager(Checkpoints):
     :class:`Checkpoints`): ``save``/``load`` are collective, ``latest``, ``path_for`` and
     ``steps`` local, ``prune`` and the durable copy rank 0's.
 
-    Each group of options may also be given as one object (never both ways for one group),
-    checked when built: ``saves=SaveSchedule(every=50, mode="async")``,
-    ``snapshot=SnapshotOptions(every=1, parity=1)``, ``deltas=DeltaLogOptions(dtype="bf16")``,
-    ``durable=DurableOptions("s3://bucket/run", every=4)``; :attr:`options` holds the
-    groups in effect. What the run did is :meth:`stats` (each durable save's
+    Options come in groups, each one object checked when built:
+    ``saves=SaveSchedule(every=50, mode="async")``, ``snapshot=SnapshotOptions(every=1,
+    parity=1)``, ``deltas=DeltaLogOptions(dtype="bf16")``, ``durable=DurableOptions("s3://bucket/run",
+    every=4)``. Each group may instead be written with its flat keywords (the
+    signature's second part, after ``metadata``: ``save_every=50, async_save=True``), one
+    way per group, never both; they are turned into the same groups here, once, and an
+    error names what was written (the keyword, or ``Group.field``). :attr:`options` holds
+    the groups in effect (a :class:`~unickpt.api.options.ManagerOptions`); nothing else
+    keeps a copy of them. What the run did is :meth:`stats` (each durable save's
     :class:`~unickpt.api.stats.SaveRecord` in ``last_save``); what it tells goes through the
     ``unickpt`` logger (:mod:`unickpt.logs`).
 
     Args:
         root: The fast tier: a directory or a URL.
         keep: Keep the newest ``keep`` checkpoints (None: all).
-        save_every: A durable checkpoint every N steps (0: only forced ones).
-        async_save: Write them in the background.
-        snapshot_every: A memory snapshot every N steps (0: none).
-        parity: Parity blocks per group across nodes (None: 1, XOR; 0: local only).
-        snapshot_replicas: Full copies per node's snapshot instead of parity.
-        flush_every: The keepers write every Nth snapshot as a checkpoint under ``root``.
-        snapshot_max_bytes: A cap on the snapshots' host memory per node.
-        snapshot_stripes: The most nodes one parity block covers (default 8).
-        log_deltas: Log every step for replay after the last full checkpoint.
-        delta_dtype: ``"exact"`` or ``"bf16"``.
+        saves: The save schedule: every N steps, sync or async, incremental
+            (:class:`~unickpt.SaveSchedule`; flat: ``save_every``, ``async_save``,
+            ``incremental``, ``full_every``).
+        snapshot: The memory snapshots (:class:`~unickpt.SnapshotOptions`; flat:
+            ``snapshot_every``, ``parity``, ``snapshot_replicas``, ``flush_every``,
+            ``snapshot_max_bytes``, ``snapshot_stripes``).
+        deltas: The delta log (:class:`~unickpt.DeltaLogOptions`; flat: ``log_deltas``,
+            ``delta_dtype``).
+        durable: The durable tier: a :class:`~unickpt.DurableOptions`, or its URL or
+            directory (flat, with ``durable_every``, ``durable_keep``,
+            ``durable_storage_options``).
         storage_options: Options of the root's file system (fsspec).
-        durable: The durable tier: a URL or directory, or a :class:`~unickpt.DurableOptions`.
-        durable_every: Copy every Nth checkpoint to the durable tier.
-        durable_keep: Keep the newest N there (None: all).
-        durable_storage_options: Options of the durable tier's file system.
-        incremental: Incremental saves (a local root, no durable tier).
-        full_every: With ``incremental``, a full save every N saves.
         process_group: The job's group (default: the default group).
         metadata: Plain values stored in every durable checkpoint's manifest.
-        saves: ``save_every``, ``async_save``, ``incremental``, ``full_every`` as one
-            :class:`~unickpt.SaveSchedule`.
-        snapshot: The snapshot options as one :class:`~unickpt.SnapshotOptions`.
-        deltas: The delta log's options as one :class:`~unickpt.DeltaLogOptions`.
+        save_every: Flat ``saves``: a durable checkpoint every N steps (0: only forced ones).
+        async_save: Flat ``saves``: write them in the background.
+        incremental: Flat ``saves``: incremental saves (a local root, no durable tier).
+        full_every: Flat ``saves``: with ``incremental``, a full save every N saves.
+        snapshot_every: Flat ``snapshot``: a memory snapshot every N steps (0: none).
+        parity: Flat ``snapshot``: parity blocks per group across nodes (None: 1, XOR;
+            0: local only).
+        snapshot_replicas: Flat ``snapshot``: full copies per node's snapshot instead of parity.
+        flush_every: Flat ``snapshot``: the keepers write every Nth snapshot as a
+            checkpoint under ``root``.
+        snapshot_max_bytes: Flat ``snapshot``: a cap on the snapshots' host memory per node.
+        snapshot_stripes: Flat ``snapshot``: the most nodes one parity block covers (default 8).
+        log_deltas: Flat ``deltas``: log every step for replay after the last full checkpoint.
+        delta_dtype: Flat ``deltas``: ``"exact"`` or ``"bf16"``.
+        durable_every: Flat ``durable``: copy every Nth checkpoint to the durable tier.
+        durable_keep: Flat ``durable``: keep the newest N there (None: all).
+        durable_storage_options: Flat ``durable``: options of the durable tier's file system.
 
     Raises:
         UnickptError: A bad value or combination, naming the keyword (or ``Group.field``),
             the value and what is allowed; nothing has started then.
     """
 
+    options: ManagerOptions  # the groups in effect: the only copy of the configuration
+
     def __init__(
         self,
         root: str | os.PathLike,
         keep: int | None = None,
         *,
+        saves: SaveSchedule | None = None,
+        snapshot: SnapshotOptions | None = None,
+        deltas: DeltaLogOptions | None = None,
+        durable: str | os.PathLike | DurableOptions | None = None,
+        storage_options: dict[str, Any] | None = None,
+        process_group: Any = None,
+        metadata: dict[str, Any] | None = None,
+        # -- the flat spellings of the groups above: one way per group, turned into it here --
         save_every: int = 0,
         async_save: bool = False,
+        incremental: bool = False,
+        full_every: int | None = None,
         snapshot_every: int = 0,
         parity: int | None = None,
         snapshot_replicas: int = 1,
@@ -132,39 +157,27 @@ class CheckpointManager(Checkpoints):
         snapshot_stripes: int = 8,
         log_deltas: bool = False,
         delta_dtype: DeltaDtype = "exact",
-        storage_options: dict[str, Any] | None = None,
-        durable: str | os.PathLike | DurableOptions | None = None,
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_storage_options: dict[str, Any] | None = None,
-        incremental: bool = False,
-        full_every: int | None = None,
-        process_group: Any = None,
-        metadata: dict[str, Any] | None = None,
-        saves: SaveSchedule | None = None,
-        snapshot: SnapshotOptions | None = None,
-        deltas: DeltaLogOptions | None = None,
     ) -> None:
-        saves = SaveSchedule.merged(saves, {"every": save_every, "mode": "async" if async_save else "sync",
+        given = SaveSchedule.merged(saves, {"every": save_every, "mode": "async" if async_save else "sync",
                                             "incremental": incremental, "full_every": full_every})
         snap = SnapshotOptions.merged(snapshot, {"every": snapshot_every, "parity": parity, "replicas": snapshot_replicas,
                                                  "flush_every": flush_every, "max_bytes": snapshot_max_bytes,
                                                  "stripes": snapshot_stripes},
                                       {"every": 0})
         logged = DeltaLogOptions.merged(deltas, {"enabled": log_deltas, "dtype": delta_dtype}, {"enabled": False})
-        super().__init__(root, keep, storage_options=storage_options, durable=durable, durable_every=durable_every,
-                         durable_keep=durable_keep, durable_storage_options=durable_storage_options, saves=saves)
-        check_loop(self.root, saves, snap, logged)
-        if snap.every:  # a node without the memory fails here, not at a later step
+        self._configure(root, keep, storage_options, given,
+                        durable_options(durable, durable_every, durable_keep, durable_storage_options))
+        check_loop(self.root, given, snap, logged)
+        if snap.group.every:  # a node without the memory fails here, not at a later step
             from ..snapshot.client import check_host_memory, job_id
             from ..snapshot.paths import shm_root
 
-            check_host_memory(shm_root(), job_id(self.root), snap.max_bytes, snap.name("max_bytes"))
-        self.options = ManagerOptions(saves, snap if snap.every else None, logged if logged.enabled else None)
-        self.save_every, self.async_save, self.snapshot_every = saves.every, saves.mode == "async", snap.every
-        self.parity, self.snapshot_replicas, self.flush_every = snap.parity, snap.replicas, snap.flush_every
-        self.snapshot_max_bytes, self.log_deltas, self.delta_dtype = snap.max_bytes, logged.enabled, logged.dtype
-        self.snapshot_stripes = snap.stripes
+            check_host_memory(shm_root(), job_id(self.root), snap.group.max_bytes, snap.name("max_bytes"))
+        self.options = ManagerOptions(given.group, self.options.durable, snap.group if snap.group.every else None,
+                                      logged.group if logged.group.enabled else None)
         self.process_group = process_group
         self.metadata = metadata  # stored in every durable checkpoint's manifest (plain values)
         self.restored_line: str | None = None
@@ -216,7 +229,7 @@ class CheckpointManager(Checkpoints):
         t0 = time.perf_counter()
         self._state = state
         check_saveable(state)
-        if self.log_deltas:
+        if self.options.deltas is not None:
             why = replay_refusal(state)
             if why:
                 raise UnickptError(f"log_deltas=True cannot replay this state's steps exactly: {why}; "
@@ -300,7 +313,7 @@ class CheckpointManager(Checkpoints):
             if self._deltas is not None:
                 self._deltas.started(step - 1)
                 self._deltas.watch(state)
-        if not self._prepared and (self._snap is not None or self.async_save):
+        if not self._prepared and (self._snap is not None or self.options.saves.mode == "async"):
             self._prepare_buffers(state)  # a fresh run, after its first update: its first save takes the first slot
         if step == self._stepped:  # the same step again (a framework's end of fit): its durable checkpoint only
             if force and self._saved_step != step:
@@ -308,7 +321,8 @@ class CheckpointManager(Checkpoints):
             self.run_stats.stall_s += time.perf_counter() - t0
             return
         self._stepped = step
-        saved = force or (bool(self.save_every) and step % self.save_every == 0)
+        every = self.options.saves.every
+        saved = force or (bool(every) and step % every == 0)
         if saved:
             self._save_step(state, step)
         elif self._pending is not None and resolve_group(self.process_group).rank == 0 and self._pending.handle.done():
@@ -403,7 +417,7 @@ class CheckpointManager(Checkpoints):
         self._prepared = True
         if self._snap is not None:
             self._snap.prepare(state)
-        if self.async_save:
+        if self.options.saves.mode == "async":
             from ..engine.background_save import prepare_staging
             from ..snapshot.client import estimated_file_bytes
 
@@ -416,15 +430,14 @@ class CheckpointManager(Checkpoints):
         if self._started:
             return
         self._started = True
-        if self.snapshot_every:
+        snapshot, deltas = self.options.snapshot, self.options.deltas
+        if snapshot is not None:
             from ..snapshot.client import Snapshotter, job_id
 
-            self._snap = Snapshotter(job_id(self.root), self.snapshot_every, self.parity,
-                                     max_bytes=self.snapshot_max_bytes, process_group=self.process_group,
-                                     flush_every=self.flush_every, flush_dir=self.root if self.flush_every else None,
-                                     replicas=self.snapshot_replicas, stripes=self.snapshot_stripes)
-        if self.log_deltas:
-            self._deltas = StepDeltas(self.root, self._covered, self.delta_dtype, self.process_group)
+            self._snap = Snapshotter(job_id(self.root), snapshot, process_group=self.process_group,
+                                     flush_dir=self.root if snapshot.flush_every else None)
+        if deltas is not None:
+            self._deltas = StepDeltas(self.root, self._covered, deltas.dtype, self.process_group)
 
     def _covered(self) -> int | None:
         """The step of the newest valid full checkpoint (the delta log folds entries up to
@@ -508,7 +521,7 @@ class CheckpointManager(Checkpoints):
             if not self._snap.due(step):
                 self._snap.snapshot(state, step, flush=not saved)
             self._snap.settle()
-        elif self.save_every and not saved:
+        elif self.options.saves.every and not saved:
             self._save_step(state, step)
         self._finish_pending()
 
@@ -519,7 +532,7 @@ class CheckpointManager(Checkpoints):
         replace = self.failed_checks(self.path_for(step))  # a checkpoint restore passed over is replaced
         versions = self._deltas.versions() if self._deltas is not None else {}
         t0 = time.perf_counter()
-        if not self.async_save:
+        if self.options.saves.mode == "sync":
             try:
                 _, written = self._save(state, step, process_group=self.process_group, metadata=self.metadata,
                                         overwrite=replace)
@@ -532,7 +545,7 @@ class CheckpointManager(Checkpoints):
             return
         self._finish_pending()
         t0 = time.perf_counter()
-        base = self.shared_base(step, group) if self.incremental else None
+        base = self.shared_base(step, group) if self.options.saves.incremental else None
         try:
             handle = async_save(state, self.path_for(step), process_group=self.process_group, base=base,
                                 storage_options=self.fast.storage_options, metadata=self.metadata, overwrite=replace)
@@ -610,17 +623,6 @@ class _Pending:
     def end(self) -> float:
         """When the save was over (now, if its callback has not run yet)."""
         return self.ended or time.perf_counter()
-
-
-@dataclass(frozen=True)
-class ManagerOptions:
-    """What a :class:`CheckpointManager` was configured with, grouped (each group checked
-    when built): the save schedule, the memory snapshots (None: off) and the delta log
-    (None: off)."""
-
-    saves: SaveSchedule
-    snapshot: SnapshotOptions | None
-    deltas: DeltaLogOptions | None
 
 
 def _logged(plan: Replay | None) -> int | None:

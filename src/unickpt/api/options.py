@@ -1,6 +1,9 @@
 """The options of :class:`unickpt.CheckpointManager`, grouped by what they configure, each
-group a frozen dataclass that checks its own values (``__post_init__``), and the two
-checks of values that belong to different groups (:func:`check_tiers`, :func:`check_loop`).
+group a frozen dataclass that checks its own values when built (its ``check``), and the
+two checks of values that belong to different groups (:func:`check_tiers`,
+:func:`check_loop`). :class:`SnapshotOptions` lives with the snapshot tier that takes it
+(:mod:`unickpt.snapshot.options`), :class:`SaveOptions` with the writers
+(:mod:`unickpt.engine.save_options`); both are exported here too.
 
 Two ways to write the same configuration, never both for one group::
 
@@ -9,7 +12,9 @@ Two ways to write the same configuration, never both for one group::
                       snapshot=SnapshotOptions(every=1, parity=1))
 
 An error names what the user wrote: the flat keyword (``snapshot_every``) or the group's
-field (``SnapshotOptions.every``), the value and what is allowed.
+field (``SnapshotOptions.every``), the value and what is allowed. The manager turns what it
+was given into the groups once (:meth:`~unickpt.engine.save_options.Checked.merged`) and keeps
+only the groups (:class:`ManagerOptions`); the flat keywords go no further.
 """
 
 from __future__ import annotations
@@ -18,23 +23,17 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from ..engine.save_options import Checked, SaveOptions
-from ..errors import SnapshotError, UnickptError
+from ..engine.save_options import Checked, Given, SaveOptions, Spelling, whole
+from ..snapshot.options import SnapshotOptions
 from ..storage.open import is_remote
 
-__all__ = ["DeltaDtype", "DeltaLogOptions", "DurableOptions", "SaveMode", "SaveOptions", "SaveSchedule",
-           "SnapshotOptions", "check_loop", "check_tiers"]
+__all__ = ["CheckpointsOptions", "DeltaDtype", "DeltaLogOptions", "DurableOptions", "ManagerOptions", "SaveMode",
+           "SaveOptions", "SaveSchedule", "SnapshotOptions", "check_loop", "check_tiers"]
 
 SaveMode = Literal["sync", "async"]
 """How the manager's periodic checkpoints are written: in the loop, or in the background."""
 DeltaDtype = Literal["exact", "bf16"]
 """How the delta log stores a step's changes: bitwise, or bf16 (half the bytes, a close replay)."""
-
-
-def _whole(group: Checked, field: str) -> None:
-    value = getattr(group, field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        group.fail(f"{group.name(field)} must be a whole number >= 0 (0: never), not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -57,77 +56,23 @@ class SaveSchedule(Checked):
     """
 
     KEYWORDS: ClassVar[dict[str, str]] = {"every": "save_every", "mode": "async_save"}
+    FLAT_VALUES: ClassVar[dict[str, dict[Any, Any]]] = {"mode": {"async": True, "sync": False}}
 
     every: int = 0
     mode: SaveMode = "sync"
     incremental: bool = False
     full_every: int | None = None
 
-    def __post_init__(self) -> None:
-        _whole(self, "every")
-        if self.mode not in ("sync", "async"):
-            self.fail(f"{self.name('mode')} must be 'sync' or 'async', not {self.mode!r}")
-        if self.full_every is not None and (not isinstance(self.full_every, int) or self.full_every < 1):
-            self.fail(f"{self.name('full_every')} must be at least 1, not {self.full_every}")
-        if self.mode == "async" and not self.every:
-            said = "async_save=True" if getattr(self, "_flat", False) else f"{self.name('mode')}='async'"
-            self.fail(f"{said} writes the checkpoints of {self.name('every')} in the background: set "
-                      f"{self.name('every')} too (maybe_save(..., force=True) then saves in the background as well)")
-
-
-@dataclass(frozen=True)
-class SnapshotOptions(Checked):
-    """The in-memory snapshots: host shared memory held by a keeper process per node.
-
-    Args:
-        every: A snapshot every ``every`` steps (0: none). Flat keyword: ``snapshot_every``.
-        parity: Parity blocks per group across nodes (None: 1, XOR; 0: local only;
-            2 or more: Reed-Solomon).
-        replicas: Full copies of each node's snapshot, its own included, on neighbour
-            nodes (instead of parity). Flat keyword: ``snapshot_replicas``.
-        flush_every: The keepers write every ``flush_every``-th snapshot as an ordinary
-            checkpoint under the root (0: never; needs a local root).
-        max_bytes: A cap on the host memory per node (None: half the shm file system).
-            Flat keyword: ``snapshot_max_bytes``.
-        stripes: The most nodes whose data one parity block covers (the code's ``k``;
-            default 8): parity takes ``parity/k`` of the memory, and rebuilding a lost
-            byte reads ``k`` bytes from ``k`` nodes. Flat keyword: ``snapshot_stripes``.
-
-    Raises:
-        SnapshotError: A value out of range, a snapshot option without ``every``, or
-            ``replicas`` beside ``parity``.
-    """
-
-    KEYWORDS: ClassVar[dict[str, str]] = {"every": "snapshot_every", "replicas": "snapshot_replicas",
-                                          "max_bytes": "snapshot_max_bytes", "stripes": "snapshot_stripes"}
-    ERROR: ClassVar[type[UnickptError]] = SnapshotError
-
-    every: int = 1
-    parity: int | None = None
-    replicas: int = 1
-    flush_every: int = 0
-    max_bytes: int | None = None
-    stripes: int = 8
-
-    def __post_init__(self) -> None:
-        _whole(self, "every")
-        _whole(self, "flush_every")
-        if not isinstance(self.stripes, int) or self.stripes < 1:
-            self.fail(f"{self.name('stripes')} must be at least 1, not {self.stripes}")
-        if self.replicas < 1:
-            self.fail(f"{self.name('replicas')} must be at least 1, not {self.replicas}")
-        if self.parity is not None and self.parity < 0:
-            self.fail(f"{self.name('parity')} must be >= 0, not {self.parity}")
-        if not self.every:
-            for field, value in (("parity", self.parity), ("flush_every", self.flush_every or None),
-                                 ("max_bytes", self.max_bytes), ("replicas", self.replicas if self.replicas > 1 else None)):
-                if value is not None:
-                    self.fail(f"{self.name(field)}={value} configures the memory snapshots: set {self.name('every')} too")
-        if self.replicas > 1 and self.parity:
-            self.fail(f"{self.name('replicas')}={self.replicas} and {self.name('parity')}={self.parity} exclude each "
-                      "other: a node's snapshot is protected by copies on neighbours or by parity, not both")
-        if self.max_bytes is not None and self.max_bytes < 1:
-            self.fail(f"{self.name('max_bytes')} must be positive, not {self.max_bytes}")
+    @classmethod
+    def check(cls, v: Any, said: Spelling) -> None:
+        whole(v, said, "every")
+        if v.mode not in ("sync", "async"):
+            said.fail(f"{said.name('mode')} must be 'sync' or 'async', not {v.mode!r}")
+        if v.full_every is not None and (not isinstance(v.full_every, int) or v.full_every < 1):
+            said.fail(f"{said.name('full_every')} must be at least 1, not {v.full_every}")
+        if v.mode == "async" and not v.every:
+            said.fail(f"{said.said('mode', v.mode)} writes the checkpoints of {said.name('every')} in the background: "
+                      f"set {said.name('every')} too (maybe_save(..., force=True) then saves in the background as well)")
 
 
 @dataclass(frozen=True)
@@ -154,11 +99,12 @@ class DurableOptions(Checked):
     keep: int | None = None
     storage_options: dict[str, Any] | None = None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.every, int) or self.every < 1:
-            self.fail(f"{self.name('every')} must be at least 1, not {self.every}")
-        if self.keep is not None and self.keep < 1:
-            self.fail(f"{self.name('keep')} must be at least 1, not {self.keep}")
+    @classmethod
+    def check(cls, v: Any, said: Spelling) -> None:
+        if not isinstance(v.every, int) or v.every < 1:
+            said.fail(f"{said.name('every')} must be at least 1, not {v.every}")
+        if v.keep is not None and v.keep < 1:
+            said.fail(f"{said.name('keep')} must be at least 1, not {v.keep}")
 
 
 @dataclass(frozen=True)
@@ -180,49 +126,71 @@ class DeltaLogOptions(Checked):
     enabled: bool = True
     dtype: DeltaDtype = "exact"
 
-    def __post_init__(self) -> None:
-        if self.dtype not in ("exact", "bf16"):
-            self.fail(f"{self.name('dtype')} must be 'exact' or 'bf16', not {self.dtype!r}")
-        if self.dtype != "exact" and not self.enabled:
-            self.fail(f"{self.name('dtype')}={self.dtype!r} is the delta log's: set {self.name('enabled')}=True too")
+    @classmethod
+    def check(cls, v: Any, said: Spelling) -> None:
+        if v.dtype not in ("exact", "bf16"):
+            said.fail(f"{said.name('dtype')} must be 'exact' or 'bf16', not {v.dtype!r}")
+        if v.dtype != "exact" and not v.enabled:
+            said.fail(f"{said.said('dtype', v.dtype)} is the delta log's: set {said.said('enabled', True)} too")
 
 
-def check_tiers(root: str, saves: SaveSchedule, durable: DurableOptions | None) -> None:
+@dataclass(frozen=True)
+class CheckpointsOptions:
+    """What a :class:`~unickpt.Checkpoints` was configured with, grouped (each group
+    checked when built): the save schedule (its ``incremental`` and ``full_every``) and the
+    durable tier (None: none)."""
+
+    saves: SaveSchedule
+    durable: DurableOptions | None
+
+
+@dataclass(frozen=True)
+class ManagerOptions(CheckpointsOptions):
+    """What a :class:`~unickpt.CheckpointManager` was configured with, grouped: besides the
+    save schedule and the durable tier, the memory snapshots (None: off) and the delta log
+    (None: off)."""
+
+    snapshot: SnapshotOptions | None = None
+    deltas: DeltaLogOptions | None = None
+
+
+def check_tiers(root: str, saves: Given[SaveSchedule], durable: Given[DurableOptions] | None) -> None:
     """Values of the durable checkpoints that exclude each other across groups.
 
     Args:
         root: The fast tier's root (a directory or a URL).
-        saves: The save schedule (its ``incremental``).
+        saves: The save schedule (its ``incremental``), as the user gave it.
         durable: The durable tier, if any.
 
     Raises:
         UnickptError: ``incremental`` on an object store or beside a durable tier.
     """
-    if saves.incremental and (durable is not None or is_remote(root)):
-        saves.fail(f"{saves.name('incremental')}=True needs a local root and no durable tier (incremental checkpoints "
+    if saves.group.incremental and (durable is not None or is_remote(root)):
+        saves.fail(f"{saves.said('incremental', True)} needs a local root and no durable tier (incremental checkpoints "
                    "reference their bases by relative paths; an object store holds whole checkpoints)")
 
 
-def check_loop(root: str, saves: SaveSchedule, snapshot: SnapshotOptions | None, deltas: DeltaLogOptions | None) -> None:
+def check_loop(root: str, saves: Given[SaveSchedule], snapshot: Given[SnapshotOptions],
+               deltas: Given[DeltaLogOptions]) -> None:
     """Values of the training loop's tiers that need each other across groups.
 
     Args:
         root: The fast tier's root (a directory or a URL).
-        saves: The save schedule.
-        snapshot: The memory snapshots, if any.
-        deltas: The delta log, if any.
+        saves: The save schedule, as the user gave it.
+        snapshot: The memory snapshots (``every`` 0: off).
+        deltas: The delta log (``enabled`` False: off).
 
     Raises:
         UnickptError: A flush or a delta log on an object store, a delta log without
             periodic checkpoints.
     """
-    if snapshot is not None and snapshot.flush_every and is_remote(root):
+    if snapshot.group.flush_every and is_remote(root):
         snapshot.fail(f"{snapshot.name('flush_every')} needs a local root: the keepers write files "
                       "(use durable= for an object store)")
-    if deltas is not None and deltas.enabled:
-        if not saves.every:
-            deltas.fail(f"{deltas.name('enabled')}=True needs {saves.name('every')}: the log replays onto the last "
+    if deltas.group.enabled:
+        if not saves.group.every:
+            deltas.fail(f"{deltas.said('enabled', True)} needs {saves.name('every')}: the log replays onto the last "
                         "full checkpoint")
         if is_remote(root):
-            deltas.fail(f"{deltas.name('enabled')}=True needs a local root (the log's entries are files beside the "
+            deltas.fail(f"{deltas.said('enabled', True)} needs a local root (the log's entries are files beside the "
                         "checkpoints)")

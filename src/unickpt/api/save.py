@@ -8,38 +8,22 @@ its synchronous entry point: :func:`stage` (capture the state) then
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..dist import Group, resolve_group
-from ..engine.collect import LocalState, collect
+from ..engine.collect import collect
 from ..engine.commit import Written, check_not_committed, commit, describe, prepare_collective, write_items, write_rank
 from ..engine.commit import checkpoint_file  # noqa: F401  (api.checkpoints names it from here)
 from ..engine.gc_pause import gc_paused
 from ..engine.save_options import SaveOptions
+from ..engine.staged_save import StagedSave
 from ..engine.unchanged import split_unchanged
 from ..format.manifest import DEFAULT_BLOCK_BYTES
 from ..storage.base import Storage
 from .incremental import open_base
 
 __all__ = ["save"]
-
-
-@dataclass
-class StagedSave:
-    """A save: where and how it writes, and, once :func:`stage` has run, this rank's
-    captured state (staged in host memory), so that it can finish without the live
-    state_dict, now or in a background thread."""
-
-    group: Group
-    path: str
-    overwrite: bool
-    metadata: dict[str, Any]
-    options: SaveOptions
-    storage_options: dict[str, Any] | None = None
-    base: str | None = None
-    local: LocalState | None = None
-    error: str | None = None
 
 
 def stage(state_dict: dict[str, Any], staged: StagedSave) -> StagedSave:
@@ -62,13 +46,14 @@ def _write(staged: StagedSave, storage: Storage) -> Written:
     rank, local = staged.group.rank, staged.local
     assert local is not None
     to_write = local.to_write + local.rank_tensors
-    base = open_base(staged.base, staged.path) if staged.base is not None else None
+    opts = staged.options
+    base = staged.base() if staged.base is not None else None
     refs: list = []
     if base is not None:
-        changed, found = split_unchanged(base, to_write, rank, staged.options.block_bytes, staged.options.threads)
+        changed, found = split_unchanged(base, to_write, rank, opts.block_bytes, opts.threads)
         refs = [(to_write[k], f) for k, f in found]
         to_write = [to_write[k] for k in changed]
-    done = write_items(storage, rank, to_write, staged.options.block_bytes, staged.options.threads)
+    done = write_items(storage, rank, to_write, opts.block_bytes, opts.threads)
     return Written(refs + done.fragments, done.files, base)
 
 
@@ -141,8 +126,9 @@ def save(
         SaveError: On every rank, when any rank failed (naming each rank and why), or a
             bad option, or a committed checkpoint at ``path`` without ``overwrite``.
     """
-    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes})
-    staged = StagedSave(resolve_group(process_group), str(path), overwrite, dict(metadata or {}), opts, storage_options,
-                        None if base is None else os.fspath(base))
+    opts = SaveOptions.merged(options, {"threads": threads, "block_bytes": block_bytes}).group
+    opener = None if base is None else partial(open_base, os.fspath(base), str(path))
+    staged = StagedSave(resolve_group(process_group), str(path), opts, overwrite, dict(metadata or {}), storage_options,
+                        opener)
     stage(state_dict, staged)
     return write_and_commit(staged)

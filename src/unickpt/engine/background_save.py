@@ -32,12 +32,13 @@ import torch.distributed as dist
 from ..dist import Group, all_gather_fixed, group_cache, new_group, on_teardown, resolve_group
 from ..errors import SaveError, UnickptError
 from ..format.dtypes import dtype_name
-from ..format.manifest import DEFAULT_BLOCK_BYTES, Fragment
+from ..format.manifest import Fragment
 from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
 from .commit import CommitTarget, Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
 from .gc_pause import gc_paused
 from .save_options import SaveOptions
+from .staged_save import StagedSave
 from .items import TensorItem
 from .ring import MappedRing, Slot
 from .ring_write import fragments, link_into, stage_into_slot, whole_crc
@@ -177,14 +178,11 @@ class AsyncSaveHandle:
 
 @dataclass
 class _Job:
-    group: Group
-    path: str
-    overwrite: bool
-    local: LocalState | None
-    error: str | None
-    metadata: dict[str, Any]
-    block_bytes: int
-    threads: int
+    """One async save on its way: the save itself (where, its options, this rank's captured
+    state) and how this saver stages it (the items and sources, their batches through the
+    buffer, or a ring slot)."""
+
+    staged: StagedSave
     items: list[TensorItem]
     sources: list[torch.Tensor]
     digests: dict[int, str]
@@ -192,10 +190,8 @@ class _Job:
     capacity: int
     events: list
     lazy: bool
-    limit: int | None
     target: CommitTarget | None = None  # None: a SharedDirectory
-    storage_options: dict[str, Any] | None = None
-    base: BaseIndex | None = None  # an incremental save's base
+    base: BaseIndex | None = None  # an incremental save's base, opened
     refs: list[tuple[TensorItem, Fragment]] = field(default_factory=list)  # found unchanged in the call
     undecided: set[int] = field(default_factory=set)  # items to hash in the background (CUDA, lazy)
     ring: MappedRing | None = None  # write straight into a mapped slot of this ring (snapshots)
@@ -224,14 +220,15 @@ class _Saver:
         if job.ring is not None:  # CUDA sources: staged once copied, while the checksums still run on the slot
             job.on_copied = progress.staged.set
         pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
-        buf = self.pool.buffer(job.capacity, pin, job.limit) if job.local is not None and job.ring is None else None
+        limit = job.staged.options.max_staging_bytes
+        buf = self.pool.buffer(job.capacity, pin, limit) if job.staged.local is not None and job.ring is None else None
         crcs: dict[int, int] = {}
-        here = not job.lazy and len(job.batches) == 1 and job.error is None
+        here = not job.lazy and len(job.batches) == 1 and job.staged.error is None
         if here:
             try:
                 self._stage(job, 0, buf, crcs)
             except Exception as e:
-                job.error = describe(e)
+                job.staged.error = describe(e)
             progress.staged.set()
         thread = threading.Thread(
             target=self._run, args=(job, progress, buf, crcs, here), name="unickpt-async-save", daemon=False
@@ -254,7 +251,7 @@ class _Saver:
     def _stage_ring(self, job: _Job, crcs: dict[int, int]) -> None:
         """Copy the items straight into a free slot of the job's ring, checksumming as
         they land; digest the replicated tensors the agreement check compares."""
-        ring, items, rank = job.ring, job.items, job.group.rank
+        ring, items, rank, opts = job.ring, job.items, job.staged.group.rank, job.staged.options
         assert ring is not None
         for i in job.digests:  # the replicated tensors not written here first: sources are not read after on_copied
             if i < len(items):
@@ -272,16 +269,16 @@ class _Saver:
         if items:
             pin = torch.cuda.is_available() and any(i.local.is_cuda for i in items)
             job.slot = ring.acquire(data_file_layout(rank, items)[2], pin)
-            job.slot_crcs = stage_into_slot(items, rank, job.slot, job.block_bytes, job.threads, job.events, self.streams,
+            job.slot_crcs = stage_into_slot(items, rank, job.slot, opts.block_bytes, opts.threads, job.events, self.streams,
                                             job.on_copied)
         for i in job.digests:
             if i < len(items):
                 n = items[i].local.numel() * items[i].local.element_size()
-                crcs[i] = whole_crc(job.slot_crcs[i], n, job.block_bytes)
+                crcs[i] = whole_crc(job.slot_crcs[i], n, opts.block_bytes)
 
     def _write_ring(self, job: _Job, crcs: dict[int, int], storage: Storage) -> Written:
         """The rank's file is the staged slot: link it into the step directory."""
-        local, rank = job.local, job.group.rank
+        local, rank = job.staged.local, job.staged.group.rank
         assert local is not None and job.base is None
         files: dict[str, int] = {}
         written = list(job.refs)
@@ -290,7 +287,7 @@ class _Saver:
             name = data_file_name(rank)
             link_into(job.slot, str(storage.path(name)))  # type: ignore[attr-defined]
             files[name] = job.slot.size
-            written += list(zip(job.items, fragments(job.items, rank, name, job.slot_crcs, job.block_bytes)))
+            written += list(zip(job.items, fragments(job.items, rank, name, job.slot_crcs, job.staged.options.block_bytes)))
         for i, name in job.digests.items():
             t = job.sources[i]
             local.digests[name] = tensor_digest(dtype_name(t.dtype), tuple(t.shape), crcs.get(i, 0))
@@ -301,28 +298,29 @@ class _Saver:
             written = self._write_and_commit(job, progress, buf, crcs, staged_batch0)
         except BaseException as e:
             progress.fail(e if isinstance(e, UnickptError) else SaveError(
-                f"async save to {job.path} failed on rank {job.group.rank}: {type(e).__name__}: {e}"
+                f"async save to {job.staged.path} failed on rank {job.staged.group.rank}: {type(e).__name__}: {e}"
             ))
         else:
             progress.succeed(written)
 
     def _write_and_commit(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], staged_batch0: bool) -> int:
         last = len(job.batches) - 1
-        if job.error is None and not staged_batch0:
+        if job.staged.error is None and not staged_batch0:
             try:
                 self._stage(job, 0, buf, crcs)
             except Exception as e:
-                job.error = describe(e)
-        if last == 0 or job.error is not None:
+                job.staged.error = describe(e)
+        if last == 0 or job.staged.error is not None:
             progress.staged.set()
         # Start writing only once every rank has staged: a rank that writes while others
         # still copy takes CPU and memory bandwidth from their (blocking) staging.
-        all_gather_fixed(job.group, b"\x01")
-        target = prepare_collective(job.group, job.path, job.overwrite, job.target, job.storage_options)
+        staged = job.staged
+        all_gather_fixed(staged.group, b"\x01")
+        target = prepare_collective(staged.group, staged.path, staged.overwrite, job.target, staged.storage_options)
         write = self._write_ring if job.ring is not None else lambda j, c, s: self._write(j, progress, buf, c, s)
-        report = write_rank(job.group.rank, job.local, lambda: write(job, crcs, target.storage), job.error)
+        report = write_rank(staged.group.rank, staged.local, lambda: write(job, crcs, target.storage), staged.error)
         progress.staged.set()
-        commit(job.group, report, target, job.metadata)
+        commit(staged.group, report, target, staged.metadata)
         return sum(report.files.values())
 
     @staticmethod
@@ -348,17 +346,17 @@ class _Saver:
     def _write(self, job: _Job, progress: _Progress, buf: torch.Tensor, crcs: dict[int, int], storage: Storage) -> Written:
         """Write this rank's file from the staging buffer, batch by batch (staging the
         next batch once the previous one is written)."""
-        group, local, base = job.group, job.local, job.base
+        group, local, base, opts = job.staged.group, job.staged.local, job.base, job.staged.options
         assert local is not None
         files: dict[str, int] = {}
         slots = {k: k for k in range(len(job.items))}  # item index -> index among the items written
         written = list(job.refs)
         if base is not None and job.undecided:
-            changed, refs = split_unchanged(base, job.items, group.rank, job.block_bytes, job.threads, self._staged_bytes(job, buf))
+            changed, refs = split_unchanged(base, job.items, group.rank, opts.block_bytes, opts.threads, self._staged_bytes(job, buf))
             written += [(job.items[k], f) for k, f in refs]
             slots = {k: n for n, k in enumerate(changed)}
         to_write = [job.items[k] for k in slots]
-        writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, to_write, job.block_bytes, job.threads) if to_write else None
+        writer = DataFileWriter(storage, data_file_name(group.rank), group.rank, to_write, opts.block_bytes, opts.threads) if to_write else None
         try:
             for k, batch in enumerate(job.batches):
                 if k > 0:
@@ -402,7 +400,7 @@ def _saver(channel: str) -> _Saver:
 
 
 def _unchanged_in_call(
-    index: BaseIndex, local: LocalState, rank: int, world: int, block_bytes: int, threads: int, lazy: bool
+    index: BaseIndex, local: LocalState, rank: int, world: int, options: SaveOptions, lazy: bool
 ) -> list[tuple[TensorItem, Fragment]]:
     """An incremental save's CPU tensors that equal the base's, found by hashing them in
     the call (xxh3-128 runs faster than the copy into the staging buffer that it spares)
@@ -422,7 +420,7 @@ def _unchanged_in_call(
     sources = local.digest_sources
     crcs = {k: 0 for k, i in enumerate(items) if i.name in sources and tuple(i.local.shape) == tuple(sources[i.name].shape)}
     crcs = crcs if world > 1 else {}
-    _, refs = split_unchanged(index, items, rank, block_bytes, threads, data, crcs)
+    _, refs = split_unchanged(index, items, rank, options.block_bytes, options.threads, data, crcs)
     for k, f in refs:
         name = items[k].name
         if name in local.digest_sources and (world == 1 or k in crcs):
@@ -435,7 +433,7 @@ def _unchanged_in_call(
     return [(items[k], f) for k, f in refs]
 
 
-def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: int):
+def _plan(local: LocalState | None, options: SaveOptions):
     if local is None:
         return [], [], {}, [[]], 0
     items = local.to_write + local.rank_tensors
@@ -452,20 +450,18 @@ def _plan(local: LocalState | None, max_staging_bytes: int | None, block_bytes: 
             sources.append(t)
             staged.append(t.is_cuda)
     sizes = [t.numel() * t.element_size() for t in sources]
-    batches, capacity = plan_batches(sizes, staged, max_staging_bytes, block_bytes)
+    batches, capacity = plan_batches(sizes, staged, options.max_staging_bytes, options.block_bytes)
     return items, sources, digests, batches, capacity
 
 
 def start_save(
     state_dict: dict[str, Any],
     path: str,
+    options: SaveOptions,
     *,
     process_group: Any = None,
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
-    threads: int = 4,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    max_staging_bytes: int | None = None,
     lazy: bool = False,
     target: CommitTarget | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -473,45 +469,43 @@ def start_save(
     channel: str = DEFAULT_CHANNEL,
     ring: MappedRing | None = None,
 ) -> AsyncSaveHandle:
-    """:func:`unickpt.async_save` (which see), with the keywords of the library's own
-    callers: ``base`` opens the base of an incremental save (its failure is this rank's,
-    reported at the commit); ``channel`` picks the saver and gloo group (one save in
-    flight per channel; the snapshot tier uses ``"snapshot"``, so that a snapshot never
-    waits for a durable save); ``target`` where the files go and how the manifest is
+    """:func:`unickpt.async_save` (which see) with its write options as one
+    :class:`~unickpt.SaveOptions` (checked when it was built), and the keywords of the
+    library's own callers: ``base`` opens the base of an incremental save (its failure is
+    this rank's, reported at the commit); ``channel`` picks the saver and gloo group (one
+    save in flight per channel; the snapshot tier uses ``"snapshot"``, so that a snapshot
+    never waits for a durable save); ``target`` where the files go and how the manifest is
     committed there (:mod:`unickpt.engine.targets`; every rank passes the same kind): None
     is one shared directory rank 0 claims, a
     :class:`~unickpt.engine.targets.NodeCopies` a directory on each rank's own machine
-    (the in-memory snapshots); ``ring`` (with ``NodeCopies``, a directory on a
-    local file system) writes the rank's file straight into a free slot of that ring of
-    mapped files and hard-links it into ``path`` (:mod:`unickpt.engine.ring`)."""
-    SaveOptions.from_keywords(threads=threads, block_bytes=block_bytes, max_staging_bytes=max_staging_bytes)
+    (the in-memory snapshots); ``ring`` (with ``NodeCopies``, a directory on a local file
+    system) writes the rank's file straight into a free slot of that ring of mapped files
+    and hard-links it into ``path`` (:mod:`unickpt.engine.ring`)."""
     saver = _saver(channel)
     saver.wait()
-    group = checkpoint_group(resolve_group(process_group), channel)
-    check_not_committed(path, overwrite, storage_options)
+    staged = StagedSave(checkpoint_group(resolve_group(process_group), channel), str(path), options, overwrite,
+                        dict(metadata or {}), storage_options, base)
+    group = staged.group
+    check_not_committed(staged.path, overwrite, storage_options)
     index, refs, undecided = None, [], set()
     try:
         with gc_paused():
-            local, error = collect(state_dict, group, defer=True), None
+            staged.local = collect(state_dict, group, defer=True)
             if base is not None:
                 index = base()
-                refs = _unchanged_in_call(index, local, group.rank, group.size, block_bytes, threads, lazy)
-            items, sources, digests, batches, capacity = _plan(local, max_staging_bytes, block_bytes)
+                refs = _unchanged_in_call(index, staged.local, group.rank, group.size, options, lazy)
+            items, sources, digests, batches, capacity = _plan(staged.local, options)
             if index is not None:
                 undecided = {k for k, i in enumerate(items) if lazy or i.local.device.type != "cpu"}
     except Exception as e:  # reported to rank 0 by the background commit, like save()
-        local, error = None, describe(e)
-        items, sources, digests, batches, capacity = _plan(None, None, block_bytes)
+        staged.local, staged.error = None, describe(e)
+        items, sources, digests, batches, capacity = _plan(None, options)
     events = record_streams(sources)
-    job = _Job(
-        group, str(path), overwrite, local, error, dict(metadata or {}), block_bytes, threads,
-        items, sources, digests, batches, capacity, events, lazy, max_staging_bytes, target,
-        storage_options,
-        index, refs, undecided, ring if base is None else None,
-    )
+    job = _Job(staged, items, sources, digests, batches, capacity, events, lazy, target, index, refs, undecided,
+               ring if base is None else None)
     progress = _Progress()
     saver.start(job, progress)
-    return AsyncSaveHandle(str(path), group.rank, progress)
+    return AsyncSaveHandle(staged.path, group.rank, progress)
 
 
 def prepare_staging(nbytes: int, pin: bool, channel: str = DEFAULT_CHANNEL) -> None:

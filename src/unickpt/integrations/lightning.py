@@ -175,7 +175,7 @@ class UnickptCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the state and restore the newest one (collective, on every rank)."""
         _check_ranks(trainer)
-        if self.manager.log_deltas:
+        if self.manager.options.deltas is not None:
             _check_replayable(trainer, pl_module)
         self.state = self.build_state(trainer, pl_module)
         self.restored_step = self.manager.restore(self.state)

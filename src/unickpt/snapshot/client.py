@@ -34,6 +34,7 @@ import torch
 from ..engine.background_save import AsyncSaveHandle, checkpoint_group, start_save
 from ..engine.targets import IndexParts, NodeCopies
 from ..engine.items import is_dtensor
+from ..engine.save_options import SaveOptions
 from ..engine.ring import RING_DIR, MappedRing, sweep
 from ..engine.state import PerRank, Sharded, flatten
 from ..dist import Group, all_gather_fixed, resolve_group
@@ -42,13 +43,15 @@ from ..format.manifest import MANIFEST_NAME
 from ..logs import log
 from ..units import human_bytes
 from . import paths
+from .options import SnapshotOptions
 from .keeper_admin import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
-from .parity import STRIPES, layout
+from .parity import layout
 from .store_commit import control_doc, store_address
 
 # The snapshots' own async-save channel: staging buffer, gloo group and save in flight
 # apart from the trainer's durable saves, so a snapshot never waits for one.
 CHANNEL = "snapshot"
+WRITES = SaveOptions()  # how each rank's snapshot file is written: the writers' defaults
 # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, the
 # job secret the node proposes (1: stored on the node already, 0: freshly drawn), and
 # whether the rank's ring has a slot for the next snapshot
@@ -252,31 +255,44 @@ def _first_warning(jdir: str) -> bool:
 
 
 class Snapshotter:
-    """One rank's handle on the snapshot tier (collective methods: every rank calls them).
+    """One rank's handle on the snapshot tier (collective methods: every rank calls them),
+    configured by one :class:`~unickpt.SnapshotOptions` (checked when it was built):
+    a snapshot every ``every`` steps; ``parity`` M: parity blocks per group across nodes
+    (1: XOR, M >= 2: Reed-Solomon, 0: local memory only; default 1, or 0 with
+    ``replicas``); ``replicas`` R >= 2: a full copy of each node's snapshot on the next
+    R - 1 nodes instead; ``stripes``: the most data stripes in a parity group (memory
+    ``1 + M/k``; a lost byte is rebuilt from ``k`` bytes); ``max_bytes``: the cap on the
+    node's host memory; ``flush_every`` F: every Fth snapshot written by the keepers as a
+    checkpoint under ``flush_dir``. See :mod:`unickpt.snapshot.parity`.
 
-    ``parity`` M: parity blocks per group across nodes (1: XOR, M >= 2: Reed-Solomon,
-    0: local memory only; default 1, or 0 with ``replicas``); ``replicas`` R >= 2: a full
-    copy of each node's snapshot on the next R - 1 nodes instead (excludes M > 0);
-    ``stripes``: the most data stripes in a parity group (memory ``1 + M/k``; a lost byte
-    is rebuilt from ``k`` bytes). See :mod:`unickpt.snapshot.parity`."""
+    Args:
+        job: The job's name in the shm root (:func:`job_id`).
+        options: The snapshots' options (``every`` at least 1).
+        root: The shm root (None: ``$UNICKPT_SHM_ROOT`` or ``/dev/shm``).
+        process_group: The job's group (default: the default group).
+        host: The address the keepers listen on (None: chosen).
+        flush_dir: Where flushed snapshots go (needed with ``flush_every``).
 
-    def __init__(self, job: str, every: int, parity: int | None = None, *, root: str | None = None,
-                 max_bytes: int | None = None, process_group: Any = None, host: str | None = None,
-                 flush_every: int = 0, flush_dir: str | None = None, replicas: int = 1,
-                 stripes: int = STRIPES) -> None:
-        if every < 1:
-            raise SnapshotError(f"snapshot interval must be at least 1 step, not {every}")
-        if flush_every < 0 or (flush_every and not flush_dir):
-            raise SnapshotError("a durable flush needs a positive interval (in snapshots) and a checkpoint directory")
-        self.job, self.every = job, every
-        self.flush_every = flush_every
+    Raises:
+        SnapshotError: No snapshot interval, a flush without ``flush_dir``, an shm root
+            that cannot hold snapshots, unreachable keepers.
+    """
+
+    def __init__(self, job: str, options: SnapshotOptions, *, root: str | None = None, process_group: Any = None,
+                 host: str | None = None, flush_dir: str | None = None) -> None:
+        if not isinstance(options, SnapshotOptions):
+            raise SnapshotError(f"Snapshotter takes a SnapshotOptions, not {type(options).__name__} ({options!r})")
+        if not options.every:
+            raise SnapshotError("a Snapshotter needs SnapshotOptions.every of at least 1 step, not 0")
+        if options.flush_every and not flush_dir:
+            raise SnapshotError("SnapshotOptions.flush_every needs a checkpoint directory (flush_dir)")
+        self.job, self.options = job, options
         self.flush_dir = os.path.abspath(flush_dir) if flush_dir else None
         self.root = root or paths.shm_root()
         self.jdir = paths.job_dir(self.root, job)
-        user_set = parity is not None or replicas > 1  # the default's protection is not warned about
-        if parity is None:  # XOR by default; none with copies on neighbours
-            parity = 0 if replicas > 1 else 1
-        layout(1 << 30, parity, replicas, stripes)  # a bad combination fails before any process starts
+        replicas = options.replicas
+        user_set = options.parity is not None or replicas > 1  # the default's protection is not warned about
+        parity = (0 if replicas > 1 else 1) if options.parity is None else options.parity  # XOR by default
         self.process_group = process_group
         self.group = checkpoint_group(resolve_group(process_group), CHANNEL)
         self.node, self.local_rank = node_position(self.group.rank)
@@ -296,9 +312,7 @@ class Snapshotter:
                 raise SnapshotError(f"the shm root {self.root} (${paths.SHM_ROOT_ENV}) cannot hold snapshots: "
                                     f"{e.strerror or e}") from None
             self.keeper = ensure_keeper(self.root, job, self.host)
-        self.max_bytes = max_bytes
         self._default_cap: int | None = None  # without max_bytes: fixed at the first look (_cap)
-        self.requested_parity, self.replicas = parity, replicas
         self.secret: bytes | None = None
         self.table = self._exchange(0)[0]  # also agrees on the job's secret (self.secret)
         why = unreachable_keepers([t["host"] for t in self.table], [self.machines[n] for n in range(len(self.table))])
@@ -306,7 +320,7 @@ class Snapshotter:
             raise SnapshotError(why)
         if self.local_rank == 0 and paths.read_secret(self.root, job) != self.secret:
             paths.write_secret(self.root, job, self.secret)
-        self.k, self.parity = layout(len(self.table), parity, replicas, stripes)
+        self.k, self.parity = layout(len(self.table), parity, replicas, options.stripes)
         # the keepers' commit on the job's store (.store_commit), under a prefix drawn for this
         # Snapshotter by rank 0: a relaunch or a re-formed job never meets an earlier one's keys
         address = store_address()
@@ -336,12 +350,13 @@ class Snapshotter:
 
     def due(self, step: int) -> bool:
         """True when ``step`` is a snapshot step."""
-        return step % self.every == 0
+        return step % self.options.every == 0
 
     def flush_due(self, step: int) -> bool:
         """True when the snapshot of ``step`` is to be flushed to the durable tier (every
         ``flush_every``-th snapshot step)."""
-        return bool(self.flush_every) and step % (self.every * self.flush_every) == 0
+        flush_every = self.options.flush_every
+        return bool(flush_every) and step % (self.options.every * flush_every) == 0
 
     def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[RankInfo]]:
         """Collective: every rank's node, keeper and memory figures; the keeper table by node.
@@ -393,13 +408,13 @@ class Snapshotter:
         if self.local_rank == 0:
             self._sweep_ring(rows)
         meta = {"snapshot": {"step": step, "job": self.job, "parity": self.parity, "k": self.k,
-                             "replicas": self.replicas, "nodes": self.table}}
+                             "replicas": self.options.replicas, "nodes": self.table}}
         if self.control:
             meta["snapshot"]["control"] = self.control
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
-        self.handle = start_save(state, path, lazy=True, metadata=meta, overwrite=True,
+        self.handle = start_save(state, path, WRITES, lazy=True, metadata=meta, overwrite=True,
                                   target=NodeCopies(index_parts(rows, self.nodes, self.parity)),
                                   process_group=self.process_group, channel=CHANNEL,
                                   ring=self.ring if rows[self.group.rank].ring_free else None)
@@ -410,8 +425,8 @@ class Snapshotter:
         """The node's cap on snapshot memory: ``max_bytes``, else the default fixed at the
         first look (what the node could give then: a later dip of MemAvailable does not
         fail a snapshot the ring already holds the memory of)."""
-        if self.max_bytes is not None:
-            return self.max_bytes
+        if self.options.max_bytes is not None:
+            return self.options.max_bytes
         if self._default_cap is None:
             self._default_cap = default_max_bytes(self.root, used)
         return self._default_cap
