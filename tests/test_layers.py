@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("unickpt.adapters", "unickpt.rules"),
     ("unickpt.engine",),
     ("unickpt.format", "unickpt.plan", "unickpt.storage"),
-    ("unickpt.errors", "unickpt.dist", "unickpt.version", "unickpt.units", "unickpt.logs"),
+    ("unickpt.errors", "unickpt.dist", "unickpt.version", "unickpt.units", "unickpt.logs", "unickpt.store_client"),
 ]
 
 

@@ -30,6 +30,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,6 +40,9 @@ import torch.distributed as dist
 from ..dist import release_groups, track_group_sockets
 from ..errors import UnickptError
 from ..logs import log, say
+from ..store_client import (LIVE_DEBUG_ENV, LIVE_NODE_STORE_ENV, LIVE_PG_TIMEOUT_ENV, LIVE_STORE_ENV, LIVE_TIMINGS_ENV,
+                            LIVE_WORKER_ENV, torchrun_env)
+from .. import store_client
 from . import control
 from .control import Generation, key
 from . import regroup
@@ -46,8 +50,6 @@ from .nccl_abort import join_aborts
 
 __all__ = ["run", "World", "Interrupted"]
 
-PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
-TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
 NETWORK_ERROR_WAIT_S = 15.0  # after a failed collective, how long to wait for the coordinator's verdict
 WATCH_WAIT_S = 3600.0  # the watcher's wait in its node's store: stop() wakes it with its own key (no timeout logged)
 ALIVE_S = 0.5  # how often it tells the launcher that this process runs
@@ -82,7 +84,8 @@ class World:
     nodes: int = 1
 
 
-_CURRENT: "_Live | None" = None  # this process's live-recovery state, under `unickpt launch`
+# this thread's live-recovery state under `unickpt launch` (set by run; the manager reads it)
+_CURRENT: ContextVar["_Live | None"] = ContextVar("unickpt_live", default=None)
 
 
 def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int = 1,
@@ -132,18 +135,18 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
                            "init_process_group, not after (and not from inside another unickpt.run)")
     if not control.under_launch():
         return _run_once(fn, backend, multiple_of)
-    global _CURRENT
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     track_group_sockets()  # every group of a generation (a DeviceMesh's too) is cut when it ends
-    live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV],
-                            os.environ.get(control.NODE_STORE_ENV), multiple_of, recover)
+    live = _Live(os.environ[LIVE_STORE_ENV], os.environ[LIVE_WORKER_ENV], os.environ.get(LIVE_NODE_STORE_ENV),
+                 multiple_of, recover)
+    token = _CURRENT.set(live)
     try:
         return live.loop(fn, backend)
     finally:
         live.stop()
         join_aborts()  # an NCCL communicator half aborted at the interpreter's exit can hang it
-        _CURRENT = None
+        _CURRENT.reset(token)
         gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
 
 
@@ -192,7 +195,7 @@ def step_boundary(step: int) -> bool:
     launcher (its hang detection) and says whether the job re-forms after this step (a
     replacement is ready: the caller snapshots the step, then raises :class:`Interrupted`).
     False, at no cost, outside ``unickpt launch``."""
-    live = _CURRENT
+    live = _CURRENT.get()
     if live is None or live.gen is None:
         return False
     return live.boundary(step)
@@ -202,7 +205,7 @@ def restored(step: int) -> None:
     """Called by ``CheckpointManager.restore``: rank 0 prints the re-forming's line
     (``rank 2 lost (exit -9); continuing on 3 ranks at step 14 (generation 1)``) once the
     step the survivors continue from is known."""
-    live = _CURRENT
+    live = _CURRENT.get()
     if live is not None:
         live.mark("restored")
         live.say(step + 1)
@@ -220,10 +223,10 @@ class _Live:
                  recover: bool | tuple[type[BaseException], ...] = False) -> None:
         self.address, self.worker, self.multiple_of = address, worker, multiple_of
         self.recover = recover  # the exceptions of fn that drop this rank instead of ending the job
-        self.store = control.connect(address)
+        self.store = store_client.connect(address)
         # progress and liveness go to this node's launcher only: its own store, not the job's
         self.node_address = node_address or address
-        self.node_store = control.connect(node_address) if node_address else self.store
+        self.node_store = store_client.connect(node_address) if node_address else self.store
         self.gen: Generation | None = None
         self.world: World | None = None
         self.main = threading.get_ident()
@@ -330,7 +333,7 @@ class _Live:
         n = gen.number + 1
         while True:
             name = control.watch_key(self.worker, n) if self.node_address != self.address else key("g", n)
-            if control.wait_key(self.node_store, name, 3600.0):
+            if store_client.wait_key(self.node_store, name, 3600.0):
                 break
         self._seen = max(self._seen, n)
         nxt = control.read(self.store, n)
@@ -345,12 +348,11 @@ class _Live:
         torchrun variables for it."""
         place = gen.place(self.worker, self.multiple_of)
         assert place is not None
-        os.environ.update(RANK=str(place["rank"]), WORLD_SIZE=str(place["size"]), LOCAL_RANK=str(place["local_rank"]),
-                          LOCAL_WORLD_SIZE=str(place["local_size"]), GROUP_RANK=str(place["node"]),
-                          GROUP_WORLD_SIZE=str(place["nodes"]), ROLE_RANK=str(place["rank"]),
-                          ROLE_WORLD_SIZE=str(place["size"]), TORCHELASTIC_RESTART_COUNT=str(gen.number))
+        # a framework fn builds (Lightning, accelerate) reads its place from torchrun's variables
+        os.environ.update(torchrun_env(place["rank"], place["size"], place["local_rank"], place["local_size"],
+                                       place["node"], place["nodes"], gen.number))
         store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
-        timeout = timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "600")))
+        timeout = timedelta(seconds=float(os.environ.get(LIVE_PG_TIMEOUT_ENV, "600")))
         dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
@@ -376,7 +378,7 @@ class _Live:
         elif _network_error(error):
             deadline += NETWORK_ERROR_WAIT_S
         if deadline > time.monotonic():  # one wake-up when the coordinator publishes, no polling
-            control.wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
+            store_client.wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
         while True:
             if control.newest(self.store) > gen.number:
                 return self.newer(gen)
@@ -410,7 +412,7 @@ class _Live:
         """Wait for the ``go`` key: every member arrived (True), or the coordinator published
         a newer generation first (False: it closes the key of the one it replaces)."""
         go = key("g", gen.number, "go")
-        while not control.wait_key(self.store, go, 3600.0):
+        while not store_client.wait_key(self.store, go, 3600.0):
             pass
         return self.store.get(go) == control.GO_ALL.encode()
 
@@ -421,7 +423,7 @@ class _Live:
         old = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
         regroup.teardown(crashed=self.gen is not None and not collect, mark=self.mark)
         self.mark("torn_down")
-        if old is not None and old() is not None and os.environ.get("UNICKPT_LIVE_DEBUG"):
+        if old is not None and old() is not None and os.environ.get(LIVE_DEBUG_ENV):
             held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
             log.warning(f"unickpt: the old group is still referenced by {held}")
 
@@ -442,18 +444,18 @@ class _Live:
         """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
         generation, no polling, no timeout; in the node's store, on this worker's own key,
         where the launcher relays it); one that removes members ends ``fn`` at once."""
-        store = control.connect(self.address)
+        store = store_client.connect(self.address)
         # under unickpt launch its launcher relays each generation on the node's store
-        watched = control.connect(self.node_address) if self.node_address != self.address else store
+        watched = store_client.connect(self.node_address) if self.node_address != self.address else store
         self._beater = threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True)
         self._beater.start()
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
                 if self.node_address != self.address:
-                    woke = control.wait_key(watched, control.watch_key(self.worker, nxt), WATCH_WAIT_S)
+                    woke = store_client.wait_key(watched, control.watch_key(self.worker, nxt), WATCH_WAIT_S)
                 else:  # no node store (a test's own): the job's store, a second at a time
-                    woke = control.wait_key(watched, key("g", nxt), 1.0)
+                    woke = store_client.wait_key(watched, key("g", nxt), 1.0)
                 if not woke or self._stop.is_set():
                     continue
                 gen = control.read(store, nxt)
@@ -481,7 +483,7 @@ class _Live:
         """Tell the launcher this process runs, every ALIVE_S (its own connection: the
         watcher's is blocked in ``wait``)."""
         try:
-            store = control.connect(self.node_address)
+            store = store_client.connect(self.node_address)
             while not self._stop.wait(ALIVE_S):
                 store.add(key("alive", self.worker), 1)
         except RuntimeError:
@@ -540,7 +542,7 @@ class _Live:
 
     def _report(self) -> None:
         """Rank 0 appends the last re-forming's phases to $UNICKPT_LIVE_TIMINGS (bench)."""
-        path = os.environ.get(TIMINGS_ENV)
+        path = os.environ.get(LIVE_TIMINGS_ENV)
         if not path or self.world is None or self.world.rank != 0 or self.gen is None or self.gen.number == 0:
             self.times.clear()
             return
