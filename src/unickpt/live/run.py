@@ -32,7 +32,6 @@ import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -40,12 +39,12 @@ import torch.distributed as dist
 from ..dist import release_groups, track_group_sockets
 from ..errors import UnickptError
 from ..logs import log, say
-from ..store_client import (LIVE_DEBUG_ENV, LIVE_NODE_STORE_ENV, LIVE_PG_TIMEOUT_ENV, LIVE_STORE_ENV, LIVE_TIMINGS_ENV,
+from ..store_client import (LIVE_DEBUG_ENV, LIVE_NODE_STORE_ENV, LIVE_STORE_ENV, LIVE_TIMINGS_ENV,
                             LIVE_WORKER_ENV, torchrun_env)
 from .. import store_client
 from . import control
 from .control import Generation, key
-from . import regroup
+from . import membership, regroup
 from .nccl_abort import join_aborts
 
 __all__ = ["run", "World", "Interrupted"]
@@ -311,7 +310,7 @@ class _Live:
                 continue
             n += 1
             gen = control.read(self.store, n)
-            self._end_if_over(gen)
+            membership.end_if_over(gen)
             if self.worker in gen.members:
                 self._seen = n
                 return gen
@@ -337,7 +336,7 @@ class _Live:
                 break
         self._seen = max(self._seen, n)
         nxt = control.read(self.store, n)
-        self._end_if_over(nxt)
+        membership.end_if_over(nxt)
         if self.worker not in nxt.members:
             raise SystemExit(f"unickpt: this worker ({self.worker}) was left out of generation {n}")
         self.prev_active = gen.active(self.multiple_of)
@@ -351,9 +350,7 @@ class _Live:
         # a framework fn builds (Lightning, accelerate) reads its place from torchrun's variables
         os.environ.update(torchrun_env(place["rank"], place["size"], place["local_rank"], place["local_size"],
                                        place["node"], place["nodes"], gen.number))
-        store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
-        timeout = timedelta(seconds=float(os.environ.get(LIVE_PG_TIMEOUT_ENV, "600")))
-        dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
+        regroup.form(self.store, gen.number, place["rank"], place["size"], backend)
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -388,33 +385,12 @@ class _Live:
 
     def newer(self, gen: Generation) -> Generation:
         """The newest generation, published after ``gen`` (this worker must be in it)."""
-        n = control.newest(self.store)
-        newer = control.read(self.store, n)
-        self._end_if_over(newer)
-        if self.worker not in newer.members:
-            raise SystemExit(f"unickpt: this worker ({self.worker}) was left out of generation {n}")
-        return newer
+        return membership.newer(self.store, self.worker)
 
     def arrive(self, gen: Generation) -> bool:
-        """A barrier of ``gen``'s members on the store before its process group forms (whose
-        rendezvous would wait for a member lost meanwhile); False when a newer generation
-        is published while waiting. Three requests a member (``add``, ``wait``, ``get``),
-        one wake-up: O(members) for the store, however long the gathering takes."""
-        self.say_arrived(gen)
-        return self.all_arrived(gen)
-
-    def say_arrived(self, gen: Generation) -> None:
-        """Count this member in; the last one opens the generation's ``go`` key."""
-        if int(self.store.add(key("g", gen.number, "arrived"), 1)) == len(gen.active(self.multiple_of)):
-            self.store.compare_set(key("g", gen.number, "go"), "", control.GO_ALL)
-
-    def all_arrived(self, gen: Generation) -> bool:
-        """Wait for the ``go`` key: every member arrived (True), or the coordinator published
-        a newer generation first (False: it closes the key of the one it replaces)."""
-        go = key("g", gen.number, "go")
-        while not store_client.wait_key(self.store, go, 3600.0):
-            pass
-        return self.store.get(go) == control.GO_ALL.encode()
+        """Gather with ``gen``'s members before its group forms (:func:`.membership.arrive`);
+        False when a newer generation was published meanwhile."""
+        return membership.arrive(self.store, gen, self.multiple_of)
 
     def teardown(self, collect: bool = False) -> None:
         """Tear the generation down (:func:`.regroup.teardown`): after a failure or a
@@ -431,10 +407,6 @@ class _Live:
         """Shut the generation's gloo sockets down (:func:`.regroup.cut`)."""
         regroup.cut()
 
-    def _end_if_over(self, gen: Generation) -> None:
-        if gen.cause == "end":
-            log.warning(f"unickpt: the job ended: {gen.reason}")
-            raise SystemExit(gen.code if gen.code >= 0 else 1)
 
     # -- interrupting fn --------------------------------------------------------------------
     def interruptible(self) -> "_InFn":
