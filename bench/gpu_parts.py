@@ -529,45 +529,42 @@ def _tear_down(ctx: Ctx) -> None:
 
 
 def _reform_with_run(ctx: Ctx) -> None:
-    """Time ``unickpt.run``'s own tear-down and re-forming (its worker side, ``_Live``, on a
-    control plane hosted here as ``unickpt launch`` hosts it): generation 0 formed, then
-    generations 1 and 2 published for the same member, as a re-forming publishes them."""
+    """Time ``unickpt.run``'s own tear-down and re-forming (its parts: the membership on a
+    control plane hosted here as ``unickpt launch`` hosts it, ``regroup``'s tear-down and
+    forming): generation 0 formed, then generations 1 and 2 published for the same member,
+    as a re-forming publishes them."""
     import torch.distributed as dist
 
-    from unickpt.live import control
-    from unickpt.live.run import _Live
+    from unickpt.live import control, membership, regroup
+    from unickpt.store_client import connect
 
     host = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    address, worker = f"127.0.0.1:{host.port}", "0.0"
+    store, worker = connect(f"127.0.0.1:{host.port}"), "0.0"
     backend = "cpu:gloo,cuda:nccl" if ctx.cuda else "gloo"
     if ctx.cuda:
         import torch
 
         torch.cuda.set_device(ctx.dev)
     control.publish(host, control.Generation(0, [worker]))
-    live = _Live(address, worker)
-    try:
-        gen = live.join()
-        live.arrive(gen)
-        live.form(gen, backend)
-        model, opt = _tiny_model(ctx)
+    gen = membership.newer(store, worker)
+    membership.arrive(store, gen)
+    regroup.form(store, gen.number, 0, 1, backend)
+    model, opt = _tiny_model(ctx)
+    _step(ctx, model, opt)
+    for number in (1, 2):
+        control.publish(host, control.Generation(number, [worker], cause="grow", joined=[]))
+        t0 = time.perf_counter()
+        regroup.teardown(crashed=True)
+        t1 = time.perf_counter()
+        gen = membership.newer(store, worker)
+        membership.arrive(store, gen)
+        regroup.form(store, gen.number, 0, 1, backend)
+        t2 = time.perf_counter()
         _step(ctx, model, opt)
-        for number in (1, 2):
-            control.publish(host, control.Generation(number, [worker], cause="grow", joined=[]))
-            t0 = time.perf_counter()
-            live.teardown()
-            t1 = time.perf_counter()
-            gen = live.newer(gen)
-            live.arrive(gen)
-            live.form(gen, backend)
-            t2 = time.perf_counter()
-            _step(ctx, model, opt)
-            t3 = time.perf_counter()
-            ctx.emit(what="re-form in process (unickpt.run)", generation=number, total_s=round(t3 - t0, 3),
-                     tear_down_s=round(t1 - t0, 3), new_group_s=round(t2 - t1, 3), first_step_s=round(t3 - t2, 3))
-        live.teardown(collect=True)
-    finally:
-        live.stop()
+        t3 = time.perf_counter()
+        ctx.emit(what="re-form in process (unickpt.run)", generation=number, total_s=round(t3 - t0, 3),
+                 tear_down_s=round(t1 - t0, 3), new_group_s=round(t2 - t1, 3), first_step_s=round(t3 - t2, 3))
+    regroup.teardown(crashed=False)
 
 
 def _tiny_model(ctx: Ctx):

@@ -174,11 +174,10 @@ def calibrate(address: str, procs: int, steps: int, store_pid: int | None = None
 
 
 def simulate_reform(address: str, ranks: int, waiters: int = 64, store_pid: int | None = None) -> dict[str, Any]:
-    """R ranks arriving at a new generation with the real ``_Live.arrive`` in its two
+    """R ranks arriving at a new generation with the real ``membership.arrive`` in its two
     halves (pooled connections: every rank says it arrived, then every rank waits for the
     generation's ``go``); its requests and time."""
-    from unickpt.live import control
-    from unickpt.live.run import _Live
+    from unickpt.live import control, membership
 
     pool = Pool(address, waiters)
     counted: Counter[str] = Counter()
@@ -194,20 +193,16 @@ def simulate_reform(address: str, ranks: int, waiters: int = 64, store_pid: int 
     gen_no = int(pool.clients[0].add(control.key("simgen"), 1)) + 1000
     gen = control.Generation(gen_no, [f"{i // 8}.{i % 8}" for i in range(ranks)])
     pool.clients[0].set(control.key("gen"), str(gen_no))
-    lives = []
-    for i in range(ranks):
-        live = object.__new__(_Live)
-        live.store, live.worker = Counting(pool(address)), gen.members[i]
-        lives.append(live)
-    groups = [lives[i::waiters] for i in range(waiters)]
+    stores = [Counting(pool(address)) for _ in range(ranks)]  # each rank's connection (from the pool)
+    groups = [stores[i::waiters] for i in range(waiters)]
     ok: list[bool] = []
     c0 = cpu_s(store_pid) if store_pid else 0.0
     t0 = time.perf_counter()
 
     def run(group: list[Any]) -> None:
-        for live in group:
-            live.say_arrived(gen)
-        ok.extend(live.all_arrived(gen) for live in group)
+        for store in group:
+            membership.say_arrived(store, gen)
+        ok.extend(membership.all_arrived(store, gen) for store in group)
 
     threads = [threading.Thread(target=run, args=(g,)) for g in groups]
     for t in threads:

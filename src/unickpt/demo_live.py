@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .demo_resume import print_rows, pyplot, save_figure
+from .store_client import LIVE_WORKER_ENV
 
 RANKS, KILLED = 4, 2
 STEPS, KILL_AFTER = 24, 5
@@ -113,7 +114,7 @@ def _workers(launcher: int) -> dict[str, int]:
         except (OSError, ValueError, IndexError):
             continue
         for var in env:
-            if var.startswith(b"UNICKPT_LIVE_WORKER="):
+            if var.startswith(LIVE_WORKER_ENV.encode() + b"="):
                 out[var.split(b"=", 1)[1].decode()] = pid
     return out
 

@@ -15,12 +15,10 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-STORE_ENV = "UNICKPT_LIVE_STORE"  # host:port of the job's store, set by `unickpt launch`
-WORKER_ENV = "UNICKPT_LIVE_WORKER"  # this worker's id in the job (node.local[.replacement])
-NODE_STORE_ENV = "UNICKPT_LIVE_NODE_STORE"  # host:port of its node's launcher's own store (beats, liveness)
+from ..store_client import LIVE_NODE_STORE_ENV, LIVE_STORE_ENV, LIVE_WORKER_ENV, wait_key
+
 PREFIX = "unickpt/live/"
 
 
@@ -28,14 +26,6 @@ def key(*parts: Any) -> str:
     """A key of the control plane."""
     return PREFIX + "/".join(str(p) for p in parts)
 
-
-def connect(address: str, timeout_s: float = 600.0) -> Any:
-    """A new client connection to the job's store at ``host:port``."""
-    from torch.distributed import TCPStore
-
-    host, _, port = address.rpartition(":")
-    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                    wait_for_workers=False, use_libuv=True)
 
 
 def node_of(worker: str) -> int:
@@ -179,22 +169,10 @@ def post_event(store: Any, **event: Any) -> None:
 def worker_env(address: str, worker: str, node_address: str | None = None) -> dict[str, str]:
     """The variables through which ``unickpt.run`` finds the job's control plane (and its
     node's store, where it reports progress and liveness to its own launcher only)."""
-    return {STORE_ENV: address, WORKER_ENV: worker, **({NODE_STORE_ENV: node_address} if node_address else {})}
+    return {LIVE_STORE_ENV: address, LIVE_WORKER_ENV: worker, **({LIVE_NODE_STORE_ENV: node_address} if node_address else {})}
 
 
 def under_launch() -> bool:
     """True in a worker that ``unickpt launch`` started."""
-    return bool(os.environ.get(STORE_ENV)) and bool(os.environ.get(WORKER_ENV))
+    return bool(os.environ.get(LIVE_STORE_ENV)) and bool(os.environ.get(LIVE_WORKER_ENV))
 
-
-def wait_key(store: Any, name: str, timeout_s: float) -> bool:
-    """Block until ``name`` exists in the store (True) or ``timeout_s`` passed (False)."""
-    from torch.distributed import DistStoreError
-
-    try:
-        store.wait([name], timedelta(seconds=max(timeout_s, 0.001)))
-        return True
-    except DistStoreError as e:
-        if "timeout" in str(e).lower():
-            return False
-        raise

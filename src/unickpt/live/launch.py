@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from .. import store_client
+from ..store_client import LIVE_DEBUG_ENV, LIVE_PG_TIMEOUT_ENV, torchrun_env
 from . import control
 from .control import Generation, key
 from .output import Output, parse_filter, parse_std
@@ -45,7 +47,6 @@ MAIL_WAIT_S = 3600.0  # the mailbox thread's wait in the job's store (woken by a
 PROBE_S = 0.5  # a launcher that does not answer a probe within this is lost (a live one answers in milliseconds)
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
-PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a worker's collective may wait for its peers
 DEFAULT_PG_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's: after the forwarded SIGINT/SIGTERM, SIGKILL
 JOIN_TIMEOUT_S = 600.0  # torchrun's c10d rendezvous join_timeout
@@ -277,7 +278,7 @@ def _reach(address: str, timeout_s: float, signals: Signals, output: Output) -> 
     deadline = time.monotonic() + timeout_s
     while signals.signum is None:
         try:
-            store = control.connect(address, timeout_s=CONNECT_TRY_S)
+            store = store_client.connect(address, timeout_s=CONNECT_TRY_S)
             store.set_timeout(timedelta(seconds=600))
             return store
         except RuntimeError:
@@ -386,7 +387,7 @@ class Launcher:
         the coordinator's probes (a node whose launcher answers is up, however slow its
         workers)."""
         try:
-            client = control.connect(self.address)
+            client = store_client.connect(self.address)
             i = 0
             while True:
                 msg = control.read_mail(client, self.node, i, MAIL_WAIT_S)
@@ -454,15 +455,14 @@ class Launcher:
         world = a.nnodes * a.nproc_per_node
         rank = self.node * a.nproc_per_node + local
         env = dict(os.environ)
-        env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(a.nproc_per_node),
-                   GROUP_RANK=str(self.node), GROUP_WORLD_SIZE=str(a.nnodes), ROLE_RANK=str(rank),
-                   ROLE_WORLD_SIZE=str(world), ROLE_NAME="default", MASTER_ADDR=a.master_addr,
+        env.update(torchrun_env(rank, world, local, a.nproc_per_node, self.node, a.nnodes, self.attempt))
+        env.update(ROLE_NAME="default", MASTER_ADDR=a.master_addr,
                    MASTER_PORT=self.attempt_port or self.address.rpartition(":")[2], TORCHELASTIC_USE_AGENT_STORE="True",
-                   TORCHELASTIC_RESTART_COUNT=str(self.attempt), TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
+                   TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
                    TORCHELASTIC_RUN_ID=a.rdzv_id, **control.worker_env(self.address, name, self.node_address))
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicators, never the process
         # a survivor blocked in a collective whose peers cannot free the old group gives up then
-        env.setdefault(PG_TIMEOUT_ENV, str(max(10.0, 2 * a.hang_timeout) if a.hang_timeout else DEFAULT_PG_TIMEOUT_S))
+        env.setdefault(LIVE_PG_TIMEOUT_ENV, str(max(10.0, 2 * a.hang_timeout) if a.hang_timeout else DEFAULT_PG_TIMEOUT_S))
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines come through the pipe as they are printed
         if a.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
@@ -508,7 +508,7 @@ class Launcher:
         """Kill the workers that showed no progress for --hang-timeout seconds and whose
         watcher thread is silent too (a stopped process, or one holding the GIL). A worker
         blocked in a collective on a dead peer is not hung: its collective fails within the
-        generation's timeout (``PG_TIMEOUT_ENV``) and it re-forms."""
+        generation's timeout (``LIVE_PG_TIMEOUT_ENV``) and it re-forms."""
         limit = self.args.hang_timeout
         stale = []
         for w in self.workers.values():
@@ -740,7 +740,7 @@ class Coordinator:
             while self.events < total:
                 ev = json.loads(self.store.get(key("event", self.events)))
                 self.events += 1
-                if os.environ.get("UNICKPT_LIVE_DEBUG"):
+                if os.environ.get(LIVE_DEBUG_ENV):
                     self.output.say(f"unickpt launch: event {ev}")
                 if ev["kind"] == "suspect":  # a worker's collective failed: is a node gone?
                     self._send_probe()

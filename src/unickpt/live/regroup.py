@@ -22,17 +22,32 @@ generation alive (a cache someone adds later included).
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..dist import release_groups, run_teardown_hooks, shut_group_sockets
+from ..store_client import LIVE_PG_TIMEOUT_ENV
+from .control import key
 from .nccl_abort import abort_in_background
 
-__all__ = ["cut", "forget_meshes", "teardown"]
+__all__ = ["cut", "forget_meshes", "form", "teardown"]
+
+DEFAULT_PG_TIMEOUT_S = 600.0  # a generation's collectives, where $UNICKPT_LIVE_PG_TIMEOUT is not set
+
+
+def form(store: Any, number: int, rank: int, size: int, backend: str | None = None) -> None:
+    """Initialise generation ``number``'s default group on the job's ``store``, under the
+    generation's own prefix (``g<N>/pg/``, never reused: no key of an earlier generation
+    can mislead it); its collectives wait up to $UNICKPT_LIVE_PG_TIMEOUT seconds."""
+    prefixed = dist.PrefixStore(key("g", number, "pg") + "/", store)
+    timeout = timedelta(seconds=float(os.environ.get(LIVE_PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S)))
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=timeout)
 
 
 def cut() -> int:

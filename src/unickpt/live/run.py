@@ -30,8 +30,8 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -39,15 +39,16 @@ import torch.distributed as dist
 from ..dist import release_groups, track_group_sockets
 from ..errors import UnickptError
 from ..logs import log, say
+from ..store_client import (LIVE_DEBUG_ENV, LIVE_NODE_STORE_ENV, LIVE_STORE_ENV, LIVE_TIMINGS_ENV,
+                            LIVE_WORKER_ENV, torchrun_env)
+from .. import store_client
 from . import control
 from .control import Generation, key
-from . import regroup
+from . import membership, regroup
 from .nccl_abort import join_aborts
 
 __all__ = ["run", "World", "Interrupted"]
 
-PG_TIMEOUT_ENV = "UNICKPT_LIVE_PG_TIMEOUT"  # seconds a collective may wait (the launcher sets it)
-TIMINGS_ENV = "UNICKPT_LIVE_TIMINGS"  # a file rank 0 appends each re-forming's phases to (JSON lines)
 NETWORK_ERROR_WAIT_S = 15.0  # after a failed collective, how long to wait for the coordinator's verdict
 WATCH_WAIT_S = 3600.0  # the watcher's wait in its node's store: stop() wakes it with its own key (no timeout logged)
 ALIVE_S = 0.5  # how often it tells the launcher that this process runs
@@ -82,7 +83,8 @@ class World:
     nodes: int = 1
 
 
-_CURRENT: "_Live | None" = None  # this process's live-recovery state, under `unickpt launch`
+# this thread's live-recovery state under `unickpt launch` (set by run; the manager reads it)
+_CURRENT: ContextVar["_Live | None"] = ContextVar("unickpt_live", default=None)
 
 
 def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int = 1,
@@ -132,18 +134,18 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
                            "init_process_group, not after (and not from inside another unickpt.run)")
     if not control.under_launch():
         return _run_once(fn, backend, multiple_of)
-    global _CURRENT
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     track_group_sockets()  # every group of a generation (a DeviceMesh's too) is cut when it ends
-    live = _CURRENT = _Live(os.environ[control.STORE_ENV], os.environ[control.WORKER_ENV],
-                            os.environ.get(control.NODE_STORE_ENV), multiple_of, recover)
+    live = _Live(os.environ[LIVE_STORE_ENV], os.environ[LIVE_WORKER_ENV], os.environ.get(LIVE_NODE_STORE_ENV),
+                 multiple_of, recover)
+    token = _CURRENT.set(live)
     try:
         return live.loop(fn, backend)
     finally:
         live.stop()
         join_aborts()  # an NCCL communicator half aborted at the interpreter's exit can hang it
-        _CURRENT = None
+        _CURRENT.reset(token)
         gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
 
 
@@ -192,7 +194,7 @@ def step_boundary(step: int) -> bool:
     launcher (its hang detection) and says whether the job re-forms after this step (a
     replacement is ready: the caller snapshots the step, then raises :class:`Interrupted`).
     False, at no cost, outside ``unickpt launch``."""
-    live = _CURRENT
+    live = _CURRENT.get()
     if live is None or live.gen is None:
         return False
     return live.boundary(step)
@@ -202,7 +204,7 @@ def restored(step: int) -> None:
     """Called by ``CheckpointManager.restore``: rank 0 prints the re-forming's line
     (``rank 2 lost (exit -9); continuing on 3 ranks at step 14 (generation 1)``) once the
     step the survivors continue from is known."""
-    live = _CURRENT
+    live = _CURRENT.get()
     if live is not None:
         live.mark("restored")
         live.say(step + 1)
@@ -220,10 +222,10 @@ class _Live:
                  recover: bool | tuple[type[BaseException], ...] = False) -> None:
         self.address, self.worker, self.multiple_of = address, worker, multiple_of
         self.recover = recover  # the exceptions of fn that drop this rank instead of ending the job
-        self.store = control.connect(address)
+        self.store = store_client.connect(address)
         # progress and liveness go to this node's launcher only: its own store, not the job's
         self.node_address = node_address or address
-        self.node_store = control.connect(node_address) if node_address else self.store
+        self.node_store = store_client.connect(node_address) if node_address else self.store
         self.gen: Generation | None = None
         self.world: World | None = None
         self.main = threading.get_ident()
@@ -308,7 +310,7 @@ class _Live:
                 continue
             n += 1
             gen = control.read(self.store, n)
-            self._end_if_over(gen)
+            membership.end_if_over(gen)
             if self.worker in gen.members:
                 self._seen = n
                 return gen
@@ -330,11 +332,11 @@ class _Live:
         n = gen.number + 1
         while True:
             name = control.watch_key(self.worker, n) if self.node_address != self.address else key("g", n)
-            if control.wait_key(self.node_store, name, 3600.0):
+            if store_client.wait_key(self.node_store, name, 3600.0):
                 break
         self._seen = max(self._seen, n)
         nxt = control.read(self.store, n)
-        self._end_if_over(nxt)
+        membership.end_if_over(nxt)
         if self.worker not in nxt.members:
             raise SystemExit(f"unickpt: this worker ({self.worker}) was left out of generation {n}")
         self.prev_active = gen.active(self.multiple_of)
@@ -345,13 +347,10 @@ class _Live:
         torchrun variables for it."""
         place = gen.place(self.worker, self.multiple_of)
         assert place is not None
-        os.environ.update(RANK=str(place["rank"]), WORLD_SIZE=str(place["size"]), LOCAL_RANK=str(place["local_rank"]),
-                          LOCAL_WORLD_SIZE=str(place["local_size"]), GROUP_RANK=str(place["node"]),
-                          GROUP_WORLD_SIZE=str(place["nodes"]), ROLE_RANK=str(place["rank"]),
-                          ROLE_WORLD_SIZE=str(place["size"]), TORCHELASTIC_RESTART_COUNT=str(gen.number))
-        store = dist.PrefixStore(key("g", gen.number, "pg") + "/", self.store)
-        timeout = timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "600")))
-        dist.init_process_group(backend, store=store, rank=place["rank"], world_size=place["size"], timeout=timeout)
+        # a framework fn builds (Lightning, accelerate) reads its place from torchrun's variables
+        os.environ.update(torchrun_env(place["rank"], place["size"], place["local_rank"], place["local_size"],
+                                       place["node"], place["nodes"], gen.number))
+        regroup.form(self.store, gen.number, place["rank"], place["size"], backend)
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -376,7 +375,7 @@ class _Live:
         elif _network_error(error):
             deadline += NETWORK_ERROR_WAIT_S
         if deadline > time.monotonic():  # one wake-up when the coordinator publishes, no polling
-            control.wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
+            store_client.wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
         while True:
             if control.newest(self.store) > gen.number:
                 return self.newer(gen)
@@ -386,33 +385,12 @@ class _Live:
 
     def newer(self, gen: Generation) -> Generation:
         """The newest generation, published after ``gen`` (this worker must be in it)."""
-        n = control.newest(self.store)
-        newer = control.read(self.store, n)
-        self._end_if_over(newer)
-        if self.worker not in newer.members:
-            raise SystemExit(f"unickpt: this worker ({self.worker}) was left out of generation {n}")
-        return newer
+        return membership.newer(self.store, self.worker)
 
     def arrive(self, gen: Generation) -> bool:
-        """A barrier of ``gen``'s members on the store before its process group forms (whose
-        rendezvous would wait for a member lost meanwhile); False when a newer generation
-        is published while waiting. Three requests a member (``add``, ``wait``, ``get``),
-        one wake-up: O(members) for the store, however long the gathering takes."""
-        self.say_arrived(gen)
-        return self.all_arrived(gen)
-
-    def say_arrived(self, gen: Generation) -> None:
-        """Count this member in; the last one opens the generation's ``go`` key."""
-        if int(self.store.add(key("g", gen.number, "arrived"), 1)) == len(gen.active(self.multiple_of)):
-            self.store.compare_set(key("g", gen.number, "go"), "", control.GO_ALL)
-
-    def all_arrived(self, gen: Generation) -> bool:
-        """Wait for the ``go`` key: every member arrived (True), or the coordinator published
-        a newer generation first (False: it closes the key of the one it replaces)."""
-        go = key("g", gen.number, "go")
-        while not control.wait_key(self.store, go, 3600.0):
-            pass
-        return self.store.get(go) == control.GO_ALL.encode()
+        """Gather with ``gen``'s members before its group forms (:func:`.membership.arrive`);
+        False when a newer generation was published meanwhile."""
+        return membership.arrive(self.store, gen, self.multiple_of)
 
     def teardown(self, collect: bool = False) -> None:
         """Tear the generation down (:func:`.regroup.teardown`): after a failure or a
@@ -421,7 +399,7 @@ class _Live:
         old = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
         regroup.teardown(crashed=self.gen is not None and not collect, mark=self.mark)
         self.mark("torn_down")
-        if old is not None and old() is not None and os.environ.get("UNICKPT_LIVE_DEBUG"):
+        if old is not None and old() is not None and os.environ.get(LIVE_DEBUG_ENV):
             held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
             log.warning(f"unickpt: the old group is still referenced by {held}")
 
@@ -429,10 +407,6 @@ class _Live:
         """Shut the generation's gloo sockets down (:func:`.regroup.cut`)."""
         regroup.cut()
 
-    def _end_if_over(self, gen: Generation) -> None:
-        if gen.cause == "end":
-            log.warning(f"unickpt: the job ended: {gen.reason}")
-            raise SystemExit(gen.code if gen.code >= 0 else 1)
 
     # -- interrupting fn --------------------------------------------------------------------
     def interruptible(self) -> "_InFn":
@@ -442,18 +416,18 @@ class _Live:
         """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
         generation, no polling, no timeout; in the node's store, on this worker's own key,
         where the launcher relays it); one that removes members ends ``fn`` at once."""
-        store = control.connect(self.address)
+        store = store_client.connect(self.address)
         # under unickpt launch its launcher relays each generation on the node's store
-        watched = control.connect(self.node_address) if self.node_address != self.address else store
+        watched = store_client.connect(self.node_address) if self.node_address != self.address else store
         self._beater = threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True)
         self._beater.start()
         while not self._stop.is_set():
             nxt = self._seen + 1
             try:
                 if self.node_address != self.address:
-                    woke = control.wait_key(watched, control.watch_key(self.worker, nxt), WATCH_WAIT_S)
+                    woke = store_client.wait_key(watched, control.watch_key(self.worker, nxt), WATCH_WAIT_S)
                 else:  # no node store (a test's own): the job's store, a second at a time
-                    woke = control.wait_key(watched, key("g", nxt), 1.0)
+                    woke = store_client.wait_key(watched, key("g", nxt), 1.0)
                 if not woke or self._stop.is_set():
                     continue
                 gen = control.read(store, nxt)
@@ -481,7 +455,7 @@ class _Live:
         """Tell the launcher this process runs, every ALIVE_S (its own connection: the
         watcher's is blocked in ``wait``)."""
         try:
-            store = control.connect(self.node_address)
+            store = store_client.connect(self.node_address)
             while not self._stop.wait(ALIVE_S):
                 store.add(key("alive", self.worker), 1)
         except RuntimeError:
@@ -540,7 +514,7 @@ class _Live:
 
     def _report(self) -> None:
         """Rank 0 appends the last re-forming's phases to $UNICKPT_LIVE_TIMINGS (bench)."""
-        path = os.environ.get(TIMINGS_ENV)
+        path = os.environ.get(LIVE_TIMINGS_ENV)
         if not path or self.world is None or self.world.rank != 0 or self.gen is None or self.gen.number == 0:
             self.times.clear()
             return

@@ -32,8 +32,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from .. import store_client
+from ..store_client import LIVE_STORE_ENV
+
 STORE_ENV = "UNICKPT_SNAPSHOT_STORE"  # host:port of a TCPStore the keepers outlive no more than the job
-LIVE_STORE_ENV = "UNICKPT_LIVE_STORE"  # set by `unickpt launch` (live.control.STORE_ENV): its launcher's store
 PREFIX = "unickpt/snap/"
 WINDOW = 8  # sequence entries of whole steps kept in the store
 WAIT_S = 30.0  # a waiter blocked this long looks for the newest entry again (a keeper stopped a while)
@@ -68,12 +70,9 @@ def check_control(doc: Any) -> tuple[str, str] | str:
 
 
 def connect(address: str, timeout_s: float = 60.0) -> Any:
-    """A client connection to the TCPStore at ``host:port``."""
-    from torch.distributed import TCPStore
-
-    host, _, port = address.rpartition(":")
-    return TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                    wait_for_workers=False, use_libuv=True)
+    """A client connection to the TCPStore at ``host:port`` (the keepers' requests time out
+    sooner than the trainers')."""
+    return store_client.connect(address, timeout_s)
 
 
 class StoreCommit:
