@@ -338,9 +338,6 @@ def _rss_and_files(pid: int) -> tuple[int, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-@pytest.mark.skip(reason="known intermittent hang (1 run in 4 under the suite's load): after 8 re-formings the job "
-                  "sometimes does not end at close(), rank 0's snapshot commit waiting in its broadcast; passes alone "
-                  "(3 of 3 runs, 46 s); left open in issue 48")
 def test_four_failures_in_a_row_each_followed_by_a_replacement(tmp_path):
     """4 SIGKILLs in one run, each followed by a replacement joining at a step boundary: every
     step on the unbroken curve and logged (the boundary step too: the loop logs after

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 import weakref
 
@@ -90,3 +91,70 @@ def _three_generations(rank: int, world: int, tmp: str) -> None:
 
 def test_a_re_forming_leaves_no_process_group_of_the_old_generation_alive(tmp_path):
     run_forked(_three_generations, 2, str(tmp_path), timeout=120)
+
+
+def _abandoned_save(rank: int, world: int, tmp: str) -> None:
+    import unickpt
+    from unickpt.dist import resolve_group, track_group_sockets
+    from unickpt.engine.background_save import checkpoint_group
+    from unickpt.live import regroup
+
+    track_group_sockets()
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g0/", store), rank=rank, world_size=world)
+    checkpoint_group(resolve_group())  # made by both ranks (collective)
+    dist.barrier()
+    # both ranks save; then rank 1 stops answering, its connections open (SIGSTOP; rank 0
+    # continues it): rank 0's save thread waits in a collective for it
+    handle = unickpt.async_save({"w": torch.arange(1024.0)}, os.path.join(tmp, "ck"))
+    if rank == 1:
+        store.set("stopped", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        time.sleep(0.5)
+        if handle.done():
+            os.kill(int(store.get("stopped")), signal.SIGCONT)
+        assert not handle.done(), handle.exception(0)
+    t0 = time.monotonic()
+    try:
+        regroup.teardown(crashed=True)
+    finally:
+        if rank == 0:
+            os.kill(int(store.get("stopped")), signal.SIGCONT)
+    took = time.monotonic() - t0
+    if rank == 0:
+        # the tear-down returned only once the abandoned save's thread had ended: no thread is
+        # left to start a collective on a group the tear-down shut down (that one would wait
+        # forever, and the process would never exit)
+        assert handle.done() and took < 5, took
+        assert handle.exception(0) is not None
+        assert not any(t.name == "unickpt-async-save" and t.is_alive() for t in __import__("threading").enumerate())
+    dist.init_process_group("gloo", store=dist.PrefixStore("end/", store), rank=rank, world_size=world)
+
+
+def test_a_save_abandoned_at_a_re_forming_ends_before_its_groups_are_destroyed(tmp_path):
+    run_forked(_abandoned_save, 2, str(tmp_path), timeout=120)
+
+
+def test_no_collective_starts_on_an_abandoned_group():
+    """A group whose ``stop`` is set refuses every collective of unickpt's helpers before
+    torch is called (torch's fake backend: the same calls would return)."""
+    import threading
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from unickpt.dist import Group, GroupAbandoned, all_gather_fixed, broadcast_bytes, gather_bytes
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        stop = threading.Event()
+        group = Group(dist.group.WORLD, 0, 4, stop=stop)
+        assert broadcast_bytes(group, b"abc") == b"abc" and gather_bytes(group, b"x") is not None
+        stop.set()
+        for call in (lambda: broadcast_bytes(group, b"abc"), lambda: gather_bytes(group, b"x"),
+                     lambda: all_gather_fixed(group, b"\x01")):
+            with pytest.raises(GroupAbandoned):
+                call()
+    finally:
+        dist.destroy_process_group()

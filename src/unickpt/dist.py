@@ -11,8 +11,9 @@ import gc
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,13 +28,31 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+class GroupAbandoned(RuntimeError):
+    """A collective asked of a group whose generation live recovery tore down."""
+
+
 @dataclass
 class Group:
-    """A process group (or none) with this process's rank and the group's size."""
+    """A process group (or none) with this process's rank and the group's size. ``stop``,
+    when given and set, refuses every collective from then on (:meth:`handle`)."""
 
     pg: Any
     rank: int
     size: int
+    stop: threading.Event | None = field(default=None, compare=False, repr=False)
+
+    def handle(self) -> Any:
+        """``pg``, for a collective about to start; GroupAbandoned once ``stop`` is set.
+        Why: a background save abandoned at a re-forming may reach its next collective
+        while the tear-down shuts the old groups down, and a gloo collective queued on a
+        group that is shut down waits forever (torch 2.13: no error, no timeout; the
+        process then never exits, waiting for the thread). The tear-down sets ``stop``
+        first, cuts the sockets, and waits for such threads before it destroys a group."""
+        if self.stop is not None and self.stop.is_set():
+            raise GroupAbandoned("the process group's generation was torn down (live recovery): no collective "
+                                 "starts on it any more")
+        return self.pg
 
     @property
     def active(self) -> bool:
@@ -78,7 +97,7 @@ def gather_bytes(group: Group, payload: bytes, dst: int = 0) -> list[bytes] | No
     dev = group.device()
     n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(group.size)]
-    dist.all_gather(sizes, n, group=group.pg)
+    dist.all_gather(sizes, n, group=group.handle())
     lengths = torch.cat(sizes).tolist()
     longest = max(lengths)
     buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
@@ -87,12 +106,12 @@ def gather_bytes(group: Group, payload: bytes, dst: int = 0) -> list[bytes] | No
     dst_global = group.global_rank(dst)
     if group.rank == dst:
         out = torch.empty((group.size, longest), dtype=torch.uint8, device=dev)
-        dist.gather(buf, list(out.unbind(0)), dst=dst_global, group=group.pg)
+        dist.gather(buf, list(out.unbind(0)), dst=dst_global, group=group.handle())
         if not longest:
             return [b""] * group.size
         raw = memoryview(out.cpu().numpy()).cast("B")  # a slice per rank, no tensor op per rank (16,384 of them)
         return [bytes(raw[r * longest : r * longest + k]) for r, k in enumerate(lengths)]
-    dist.gather(buf, None, dst=dst_global, group=group.pg)
+    dist.gather(buf, None, dst=dst_global, group=group.handle())
     return None
 
 
@@ -103,12 +122,12 @@ def broadcast_bytes(group: Group, payload: bytes | None, src: int = 0) -> bytes:
     dev = group.device()
     src_global = group.global_rank(src)
     n = torch.tensor([len(payload) if group.rank == src else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(n, src=src_global, group=group.pg)
+    dist.broadcast(n, src=src_global, group=group.handle())
     buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
     if group.rank == src and payload:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev))
     if buf.numel():
-        dist.broadcast(buf, src=src_global, group=group.pg)
+        dist.broadcast(buf, src=src_global, group=group.handle())
     return bytes(buf.cpu().numpy())
 
 
@@ -122,7 +141,7 @@ def scatter_bytes(group: Group, payloads: list[bytes] | None, src: int = 0) -> b
     src_global = group.global_rank(src)
     n = torch.tensor([len(p) for p in payloads] if group.rank == src and payloads else [0] * group.size,
                      dtype=torch.int64, device=dev)
-    dist.broadcast(n, src=src_global, group=group.pg)
+    dist.broadcast(n, src=src_global, group=group.handle())
     lengths = n.tolist()
     longest = max(lengths)
     if not longest:
@@ -135,7 +154,7 @@ def scatter_bytes(group: Group, payloads: list[bytes] | None, src: int = 0) -> b
             if p:
                 out[r, : len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
         chunks = list(out.to(dev, non_blocking=True).unbind(0))  # pinned: NCCL's scatter is ordered after the copy
-    dist.scatter(buf, chunks, src=src_global, group=group.pg)
+    dist.scatter(buf, chunks, src=src_global, group=group.handle())
     return bytes(buf[: lengths[group.rank]].cpu().numpy())
 
 
@@ -144,7 +163,7 @@ def all_true(group: Group, flag: bool) -> bool:
     if not group.active:
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.pg)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.handle())
     return bool(t.item())
 
 
@@ -155,12 +174,12 @@ def all_gather_fixed(group: Group, payload: bytes) -> list[bytes]:
     dev = group.device()
     mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
     outs = [torch.empty_like(mine) for _ in range(group.size)]
-    dist.all_gather(outs, mine, group=group.pg)
+    dist.all_gather(outs, mine, group=group.handle())
     return [bytes(o.cpu().numpy()) for o in outs]
 
 
 _CACHES: list[dict] = []  # every cache of process groups unickpt made (see group_cache)
-_TEARDOWN_HOOKS: list[Callable[[], Any]] = []  # what else a generation leaves (see on_teardown)
+_TEARDOWN_HOOKS: list[tuple[bool, Callable[[], Any]]] = []  # what else a generation leaves (see on_teardown)
 
 
 def group_cache() -> dict:
@@ -171,20 +190,24 @@ def group_cache() -> dict:
     return cache
 
 
-def on_teardown(reset: Callable[[], Any]) -> Callable[[], Any]:
+def on_teardown(reset: Callable[[], Any] | None = None, *, after_cut: bool = False) -> Any:
     """Register ``reset``: called when live recovery tears a generation down after a
-    failure (``unickpt.live.regroup.teardown``), before the groups' sockets are cut, for
-    process-global state a module keeps that holds the generation's groups and is not a
-    :func:`group_cache` (the savers still in flight on them, say). Returns ``reset``
-    (usable as a decorator)."""
-    _TEARDOWN_HOOKS.append(reset)
+    failure (``unickpt.live.regroup.teardown``), for process-global state a module keeps
+    that holds the generation's groups and is not a :func:`group_cache` (the savers still
+    in flight on them, say): before the groups' sockets are cut, or (``after_cut``) after
+    the cut and before the groups are destroyed. Returns ``reset`` (usable as a decorator,
+    bare or with ``after_cut=True``)."""
+    if reset is None:
+        return lambda fn: on_teardown(fn, after_cut=after_cut)
+    _TEARDOWN_HOOKS.append((after_cut, reset))
     return reset
 
 
-def run_teardown_hooks() -> None:
-    """Call every :func:`on_teardown` reset, in the order they were registered."""
-    for reset in _TEARDOWN_HOOKS:
-        reset()
+def run_teardown_hooks(after_cut: bool = False) -> None:
+    """Call the :func:`on_teardown` resets of one phase, in the order they were registered."""
+    for phase, reset in _TEARDOWN_HOOKS:
+        if phase == after_cut:
+            reset()
 
 
 @atexit.register

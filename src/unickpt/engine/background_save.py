@@ -19,10 +19,11 @@ per channel in use.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import crc32c as _crc
@@ -206,6 +207,10 @@ class _Saver:
     def __init__(self) -> None:
         self.pool = StagingPool()
         self.current: _Progress | None = None
+        # the save in flight's thread and its group's stop event (not the job: a finished
+        # save must not keep its group alive into the next generation)
+        self.thread: threading.Thread | None = None
+        self.stop: threading.Event | None = None
         self.streams: dict[torch.device, Any] = {}
 
     def wait(self) -> None:
@@ -216,7 +221,7 @@ class _Saver:
     def start(self, job: _Job, progress: _Progress) -> None:
         """Stage (here unless lazy or the shard needs several batches) and start the
         background writer; return once staged unless lazy."""
-        self.current = progress
+        self.current, self.stop = progress, job.staged.group.stop
         if job.ring is not None:  # CUDA sources: staged once copied, while the checksums still run on the slot
             job.on_copied = progress.staged.set
         pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
@@ -233,6 +238,7 @@ class _Saver:
         thread = threading.Thread(
             target=self._run, args=(job, progress, buf, crcs, here), name="unickpt-async-save", daemon=False
         )
+        self.thread = thread
         thread.start()
         if not job.lazy:
             progress.staged.wait()
@@ -483,8 +489,10 @@ def start_save(
     and hard-links it into ``path`` (:mod:`unickpt.engine.ring`)."""
     saver = _saver(channel)
     saver.wait()
-    staged = StagedSave(checkpoint_group(resolve_group(process_group), channel), str(path), options, overwrite,
-                        dict(metadata or {}), storage_options, base)
+    # the background thread's collectives go through a group of its own stop event: set
+    # when live recovery abandons the save (abandon_in_flight)
+    group = replace(checkpoint_group(resolve_group(process_group), channel), stop=threading.Event())
+    staged = StagedSave(group, str(path), options, overwrite, dict(metadata or {}), storage_options, base)
     group = staged.group
     check_not_committed(staged.path, overwrite, storage_options)
     index, refs, undecided = None, [], set()
@@ -529,13 +537,36 @@ def release_staging(channel: str = DEFAULT_CHANNEL) -> None:
         _SAVERS[channel].pool.release()
 
 
+_ABANDONED: list[threading.Thread] = []  # threads of saves abandoned at a tear-down, until they end
+ABANDONED_JOIN_S = 5.0  # how long a tear-down waits for them (a thread still writing ends at its next collective)
+
+
 @on_teardown
 def abandon_in_flight() -> int:
     """Forget every channel's save still in flight, so that the next save on the channel
     does not wait for it: live recovery calls it when a peer died, where such a save is
-    stuck on the dead generation's process group (its thread ends once that group's
-    sockets close; its files are never committed). Returns how many were abandoned."""
+    stuck on the dead generation's process group. No collective starts on its group from
+    now on (its group's ``stop``): its thread ends in the collective it is in once the
+    group's sockets are cut, or at its next one (:func:`join_abandoned` waits for it);
+    its files are never committed. Returns how many were abandoned."""
     stuck = [name for name, saver in _SAVERS.items() if saver.current is not None and not saver.current.future.done()]
     for name in stuck:
+        saver = _SAVERS[name]
+        if saver.stop is not None:
+            saver.stop.set()
+        if saver.thread is not None:
+            _ABANDONED.append(saver.thread)
         _SAVERS[name] = _Saver()
     return len(stuck)
+
+
+@on_teardown(after_cut=True)
+def join_abandoned(timeout: float = ABANDONED_JOIN_S) -> int:
+    """Wait (up to ``timeout`` s in all) for the threads of the abandoned saves, before
+    the tear-down shuts their groups down; returns how many still run (a save still
+    writing its file: it ends at its next collective, which its group refuses)."""
+    deadline = time.monotonic() + timeout
+    for thread in list(_ABANDONED):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _ABANDONED[:] = [t for t in _ABANDONED if t.is_alive()]
+    return len(_ABANDONED)

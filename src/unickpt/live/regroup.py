@@ -9,8 +9,11 @@ What a generation leaves, and who resets it:
   a DeviceMesh's flattened items): every one is a :func:`unickpt.dist.group_cache`,
   emptied by ``release_groups``;
 - anything else a module keeps per generation registers its reset with
-  :func:`unickpt.dist.on_teardown` (the savers still in flight on the old groups,
-  abandoned) and is reset here;
+  :func:`unickpt.dist.on_teardown` and is reset here: the savers still in flight on the
+  old groups are abandoned (no collective starts on their groups any more) before the
+  cut, and their threads waited for after it (their collectives fail on the cut sockets),
+  before any group is destroyed: a gloo collective queued on a group that is shut down
+  waits forever, and the process would never exit;
 - DTensor's sharding-propagation caches (:func:`forget_meshes`);
 - torch's registry of groups: destroyed (gloo), or forgotten with the communicators
   aborted in the background (NCCL, :mod:`.nccl_abort`).
@@ -66,8 +69,9 @@ def teardown(crashed: bool, mark: Callable[[str], Any] | None = None) -> None:
     ``mark("destroyed")`` is called once the groups are gone, before the collection
     (bench.mttr's phases)."""
     if crashed:
-        run_teardown_hooks()
+        run_teardown_hooks()  # the saves in flight abandoned: no collective starts on their groups
         cut()
+        run_teardown_hooks(after_cut=True)  # their threads ended (their collectives fail on the cut sockets)
     release_groups(collect=False)
     forget_meshes()
     if dist.is_initialized():
