@@ -69,3 +69,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(os.path.basename(path), len(rank)), first_seen[path]
 
     items.sort(key=key)  # stable: each file's tests keep their order
+
+
+# seconds of tests (setup + call + teardown) per xdist worker and per file, for the summary
+_SECONDS: dict[str, dict[str, float]] = {"worker": {}, "file": {}}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # set by xdist on the reports its workers send
+    worker = node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main")
+    for kind, key in (("worker", worker), ("file", report.nodeid.split("::", 1)[0])):
+        _SECONDS[kind][key] = _SECONDS[kind].get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """After --durations: each worker's total (the longest bounds the wall) and the 12
+    longest files (what LONGEST_FIRST should list, longest first)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _SECONDS["file"]:
+        return
+    workers = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(_SECONDS["worker"].items()))
+    terminalreporter.write_sep("=", "seconds of tests per worker and per file")
+    terminalreporter.write_line(f"workers: {workers}")
+    for path, s in sorted(_SECONDS["file"].items(), key=lambda kv: -kv[1])[:12]:
+        terminalreporter.write_line(f"{s:8.1f} s  {path}")
