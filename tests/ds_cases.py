@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,28 +42,51 @@ class _Launcher:
 
     def run(self, nproc: int, argv: list[str], timeout: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
+            # its own session: the launcher and the ranks it forked are killed together (kill())
             self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "ds_fork.py")], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=self.errors, text=True, env=ds_env())
-        self.proc.stdin.write(json.dumps({"nproc": nproc, "argv": argv, "timeout": timeout}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+                                         stdout=subprocess.PIPE, stderr=self.errors, text=True, env=ds_env(),
+                                         start_new_session=True)
+        try:
+            self.proc.stdin.write(json.dumps({"nproc": nproc, "argv": argv, "timeout": timeout}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BaseException:  # interrupted (pytest-timeout, Ctrl-C): its answer would answer the next job
+            self.kill()
+            raise
         if not line:
             said = open(self.errors.name, errors="replace").read()[-6000:]
-            raise AssertionError(f"the DeepSpeed launcher (tests/ds_fork.py) ended ({self.proc.wait()}) running {argv}:\n{said}")
+            code = self.kill()
+            raise AssertionError(f"the DeepSpeed launcher (tests/ds_fork.py) ended ({code}) running {argv}:\n{said}")
         answer = json.loads(line)
         if any(answer["codes"]):
             tails = "".join(f"\n--- rank {r} (exit {c}) ---\n{open(log, errors='replace').read()[-6000:]}"
                             for r, (c, log) in enumerate(zip(answer["codes"], answer["logs"])) if c)
-            raise AssertionError(f"{' '.join(argv)} on {nproc} ranks failed:{tails}")
+            how = f"timed out after {timeout} s" if answer["timed_out"] else "failed"
+            raise AssertionError(f"{' '.join(argv)} on {nproc} ranks {how}:{tails}")
+
+    def kill(self) -> int | None:
+        """SIGKILL the launcher and every rank it forked (its session, killed before the
+        launcher is reaped: its id cannot be another's yet); the next job starts another.
+        Returns the launcher's exit status."""
+        if self.proc is None:
+            return None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        code, self.proc = self.proc.wait(), None
+        return code
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """End the launcher: EOF on its input, then SIGKILL if it has not ended in 30 s."""
+        if self.proc is None:
+            return
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+            self.proc = None
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 _LAUNCHER = _Launcher()

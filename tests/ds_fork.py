@@ -14,9 +14,9 @@ what it imports is imported once, before any process group exists.
 Protocol (this file run as a script, ``tests/ds_cases.py`` its only client): one JSON
 request a line on stdin, ``{"nproc": N, "argv": [script or "-m", module, args...],
 "timeout": s}``; one JSON answer a line on stdout, ``{"codes": [exit code of each rank],
-"logs": [file of each rank's stdout and stderr]}``. A rank that fails makes the others
-killed (as torchrun does); a job past its timeout is killed whole (its codes say -9). EOF
-on stdin ends the launcher.
+"logs": [file of each rank's stdout and stderr], "timed_out": bool}``. A rank that fails
+makes the others killed (as torchrun does); a job past its timeout is killed whole (its
+codes say -9). EOF on stdin ends the launcher.
 """
 
 from __future__ import annotations
@@ -100,10 +100,12 @@ def _job(nproc: int, argv: list[str], timeout: float, logdir: str) -> dict:
         pids[pid] = r
     codes: list[int | None] = [None] * nproc
     deadline = time.monotonic() + timeout
+    timed_out = False
     while any(c is None for c in codes):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            if time.monotonic() > deadline or any(c not in (None, 0) for c in codes):
+            timed_out = timed_out or time.monotonic() > deadline
+            if timed_out or any(c not in (None, 0) for c in codes):
                 for p, r in pids.items():  # a failed rank ends the job, as torchrun ends it
                     if codes[r] is None:
                         try:
@@ -114,7 +116,7 @@ def _job(nproc: int, argv: list[str], timeout: float, logdir: str) -> dict:
             continue
         if pid in pids:
             codes[pids[pid]] = os.waitstatus_to_exitcode(status)
-    return {"codes": codes, "logs": logs}
+    return {"codes": codes, "logs": logs, "timed_out": timed_out}
 
 
 def main() -> None:
