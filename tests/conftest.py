@@ -39,20 +39,21 @@ def shm_roots():
         kill_keeper(r)
 
 
-# The test files that take the longest (seconds of one worker, measured with --durations=0 on
-# 2 cores, load ~10, before issue 49 cut the DeepSpeed jobs), longest first. Under `-n 2 --dist loadfile --no-loadscope-reorder` the workers
-# take files in collection order, each the next one when it runs dry: started first, the long
-# files end together and the short ones fill in after them (longest first), so both workers
-# finish within about the shortest file's time of each other. A file not listed runs after
-# these, in its usual order; a wrong weight costs balance, never correctness.
+# The test files that take the longest (seconds of one worker: the run summary's list below,
+# 2 cores shared at load 4-8), longest first. Under `-n 2 --dist loadfile
+# --no-loadscope-reorder` the workers take files in collection order, each the next one when
+# it runs dry: started first, the long files end together and the short ones fill in after
+# them, so both workers finish within about the shortest file's time of each other. A file
+# not listed runs after these, in its usual order; a wrong place costs balance, never
+# correctness.
 LONGEST_FIRST: list[str] = [
-    "test_snapshot.py", "test_manager_loop.py", "test_launch.py", "test_lightning.py", "test_snapshot_fuzz.py",
-    "test_live.py", "test_deepspeed.py", "test_hf_trainer.py", "test_torchtitan.py", "test_cli.py",
-    "test_demo_fault.py", "test_resume.py", "test_objstore.py", "test_dist_torch_parallel.py", "test_dcp_plugin.py",
-    "test_restarts.py", "test_deltas.py", "test_clean_exit.py", "test_dist_reshard.py", "test_deepspeed_layouts.py",
-    "test_megatron.py", "test_deepspeed_moe.py", "test_bench_gpu.py", "test_optimizer_restart.py",
-    "test_snapshot_ring.py", "test_async_save.py", "test_dcp.py", "test_dcp_dropin.py", "test_megatron_moe.py",
-    "test_trust.py",
+    "test_snapshot.py", "test_manager_loop.py", "test_live.py", "test_lightning.py", "test_launch.py",
+    "test_hf_trainer.py", "test_snapshot_fuzz.py", "test_resume.py", "test_demo_fault.py", "test_cli.py",
+    "test_deepspeed.py", "test_torchtitan.py", "test_restarts.py", "test_objstore.py", "test_clean_exit.py",
+    "test_dist_torch_parallel.py", "test_bench_gpu.py", "test_dcp_plugin.py", "test_deltas.py", "test_megatron.py",
+    "test_dist_reshard.py", "test_dcp.py", "test_deepspeed_layouts.py", "test_rules_megatron.py",
+    "test_optimizer_restart.py", "test_async_save.py", "test_rules_convert.py", "test_megatron_moe.py",
+    "test_scale.py", "test_deepspeed_moe.py",
 ]
 
 
