@@ -37,3 +37,59 @@ def shm_roots():
     yield roots
     for r in roots:
         kill_keeper(r)
+
+
+# The test files that take the longest (seconds of one worker: the run summary's list below,
+# 2 cores shared at load 4-8), longest first. Under `-n 2 --dist loadfile
+# --no-loadscope-reorder` the workers take files in collection order, each the next one when
+# it runs dry: started first, the long files end together and the short ones fill in after
+# them, so both workers finish within about the shortest file's time of each other. A file
+# not listed runs after these, in its usual order; a wrong place costs balance, never
+# correctness.
+LONGEST_FIRST: list[str] = [
+    "test_snapshot.py", "test_manager_loop.py", "test_live.py", "test_lightning.py", "test_launch.py",
+    "test_hf_trainer.py", "test_snapshot_fuzz.py", "test_resume.py", "test_demo_fault.py", "test_cli.py",
+    "test_deepspeed.py", "test_torchtitan.py", "test_restarts.py", "test_objstore.py", "test_clean_exit.py",
+    "test_dist_torch_parallel.py", "test_bench_gpu.py", "test_dcp_plugin.py", "test_deltas.py", "test_megatron.py",
+    "test_dist_reshard.py", "test_dcp.py", "test_deepspeed_layouts.py", "test_rules_megatron.py",
+    "test_optimizer_restart.py", "test_async_save.py", "test_rules_convert.py", "test_megatron_moe.py",
+    "test_scale.py", "test_deepspeed_moe.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the longest files first (LONGEST_FIRST), every file's tests still together and
+    in their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(os.path.basename(path), len(rank)), first_seen[path]
+
+    items.sort(key=key)  # stable: each file's tests keep their order
+
+
+# seconds of tests (setup + call + teardown) per xdist worker and per file, for the summary
+_SECONDS: dict[str, dict[str, float]] = {"worker": {}, "file": {}}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # set by xdist on the reports its workers send
+    worker = node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main")
+    for kind, key in (("worker", worker), ("file", report.nodeid.split("::", 1)[0])):
+        _SECONDS[kind][key] = _SECONDS[kind].get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """After --durations: each worker's total (the longest bounds the wall) and the 12
+    longest files (what LONGEST_FIRST should list, longest first)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _SECONDS["file"]:
+        return
+    workers = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(_SECONDS["worker"].items()))
+    terminalreporter.write_sep("=", "seconds of tests per worker and per file")
+    terminalreporter.write_line(f"workers: {workers}")
+    for path, s in sorted(_SECONDS["file"].items(), key=lambda kv: -kv[1])[:12]:
+        terminalreporter.write_line(f"{s:8.1f} s  {path}")

@@ -1,7 +1,7 @@
 """async_save: staged at the call, written in the background on its own gloo group.
 
-Multi-rank checks run on real gloo ranks (``run_ranks``); the rank functions live here
-(module level, so spawned ranks can import them). Nothing here asserts on timing.
+Multi-rank checks run on real gloo ranks (``run_forked``: forked from the preloaded server);
+the rank functions live here (module level, so the ranks can import them). Nothing here asserts on timing.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import unickpt
 from unickpt.engine.background_save import staging_bytes
-from unickpt.testing import run_ranks
+
+from forked import run_forked
 
 
 # --------------------------------------------------------------------------- rank functions
@@ -165,17 +166,17 @@ def bounded_memory(rank: int, world: int, root: str, out: str) -> None:
 
 @pytest.mark.multiprocess
 def test_async_save_while_training_collectives_run(tmp_path):
-    run_ranks(concurrent_saves, 2, str(tmp_path))
+    run_forked(concurrent_saves, 2, str(tmp_path))
 
 
 @pytest.mark.multiprocess
 def test_failure_reaches_every_rank_with_rank_and_file(tmp_path):
-    run_ranks(failing_save, 2, str(tmp_path))
+    run_forked(failing_save, 2, str(tmp_path))
 
 
 @pytest.mark.multiprocess
 def test_host_memory_stays_at_one_copy_over_20_saves(tmp_path):
-    run_ranks(bounded_memory, 2, str(tmp_path / "ckpt"), str(tmp_path))
+    run_forked(bounded_memory, 2, str(tmp_path / "ckpt"), str(tmp_path))
     for rank in range(2):
         held, shard, *rss = map(int, (tmp_path / f"rss{rank}.txt").read_text().split())
         assert shard <= held <= shard + 4096, f"rank {rank}: staging buffer of {held} bytes for a shard of {shard}"

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO and universal checkpoints, against real DeepSpeed runs (CPU, gloo).
 
-Each DeepSpeed checkpoint is produced once per module (tests/ds_train.py under torchrun):
+Each DeepSpeed checkpoint is produced once per module (tests/ds_train.py, its ranks forked from
+the preloaded launcher tests/ds_fork.py with the environment torchrun gives them):
 ZeRO-1 on 2 ranks, ZeRO-2 on 4 ranks (8 steps, saved after 4: also the uninterrupted
 reference), ZeRO-3 on 2 and 4 ranks. What is checked:
 

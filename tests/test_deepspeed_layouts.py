@@ -38,8 +38,9 @@ from unickpt.errors import LayoutError  # noqa: E402
 from ds_cases import (STATES, assert_every_byte, bitwise_equal, ds_env, ds_parallel_train, ds_to_universal, ds_train,  # noqa: E402
                       universal_params, universal_tensor)
 
-# the module's fixture runs DeepSpeed 5 times and ds_to_universal 5 times (about 80 s on 2 idle
-# cores, several minutes on a loaded machine): more than the default per-test limit allows
+# the module's fixture runs DeepSpeed 5 times and ds_to_universal 5 times (forked from the preloaded
+# launcher: seconds after its start; 80 s under torchrun), minutes on a loaded machine: a bound
+# above the default per-test limit, for the launcher's imports on a loaded machine
 pytestmark = pytest.mark.timeout(900)
 
 SMALL = ["--dim", "18", "--heads", "3", "--kv-heads", "1"]  # 11898 parameters: not a multiple of 2 * 2 ranks

@@ -35,7 +35,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (see docs/FO
 import unickpt  # noqa: E402
 from unickpt.rules import Coords, apply_rules, optimizer_state, presets  # noqa: E402
 
-from ds_cases import HERE, assert_every_byte, bitwise_equal, ds_env, run_torchrun  # noqa: E402
+from ds_cases import HERE, assert_every_byte, bitwise_equal, ds_env, run_ds_job  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -55,7 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict]
     out = {}
     for case, (ranks, stage, data_first, bf16) in CASES.items():
         ckpt, truth = root / case / "ckpt", root / case / "truth"
-        run_torchrun(ranks, os.path.join(HERE, "ds_moe_train.py"), "--ep", "2", "--experts", str(EXPERTS), "--layers",
+        run_ds_job(ranks, os.path.join(HERE, "ds_moe_train.py"), "--ep", "2", "--experts", str(EXPERTS), "--layers",
                      str(LAYERS), "--stage", str(stage), "--save-dir", str(ckpt), "--truth", str(truth),
                      *(["--data-first"] if data_first else []), *(["--bf16"] if bf16 else []))
         out[case] = (str(ckpt), _assemble([torch.load(truth / f"rank_{r}.pt") for r in range(ranks)]))

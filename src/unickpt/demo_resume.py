@@ -1,7 +1,8 @@
 """The resume-anywhere demo: train on one parallel layout, "lose" the job, resume on
 another layout and world size, and show the loss curve continuing as if nothing happened.
 
-Used by ``unickpt demo``. Ranks are spawned processes with a gloo group on localhost.
+Used by ``unickpt demo``. Ranks are processes with a gloo group on localhost, forked from
+one server that imported torch and the example trainer once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ COMMON = ["--steps", "16", "--seed", "0", "--print-every", "0"]
 BEFORE = ("tp2 x dp2 (FSDP2), 4 ranks", ["--tp", "2", "--fsdp"], 4)
 AFTER = ("dp3 (FSDP2), 3 ranks", ["--fsdp"], 3)
 RESUME_STEP = 8
+# imported once by the server the ranks are forked from (a spawned rank spends seconds on them)
+RANK_IMPORTS = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "unickpt",
+                "unickpt.examples.train"]
 
 
 def _train(rank: int, world: int, jobs: list[tuple[list[str], str]]) -> None:
@@ -122,10 +126,11 @@ def run_resume_demo(directory: str | None = None, plot_path: str = "unickpt_demo
         root = str(base)
         ck = os.path.join(root, "checkpoints")
         say(f"1. training the reference on {BEFORE[0]} for 16 steps, checkpointing every {RESUME_STEP} ...")
-        run_ranks(_train, BEFORE[2], [(BEFORE[1] + ["--save-every", str(RESUME_STEP), "--ckpt-dir", ck], f"{root}/reference.json")])
+        run_ranks(_train, BEFORE[2], [(BEFORE[1] + ["--save-every", str(RESUME_STEP), "--ckpt-dir", ck], f"{root}/reference.json")],
+                  preload=RANK_IMPORTS)
         say(f"2. the job is lost after step {RESUME_STEP}; resuming from {ck}/step_{RESUME_STEP:08d} on {AFTER[0]} ...")
         resume_from = os.path.join(ck, f"step_{RESUME_STEP:08d}")
-        run_ranks(_train, AFTER[2], [(AFTER[1] + ["--resume", resume_from], f"{root}/resumed.json")])
+        run_ranks(_train, AFTER[2], [(AFTER[1] + ["--resume", resume_from], f"{root}/resumed.json")], preload=RANK_IMPORTS)
         reference = {r["step"]: r["loss"] for r in json.load(open(f"{root}/reference.json"))}
         resumed = {r["step"]: r["loss"] for r in json.load(open(f"{root}/resumed.json"))}
     save_figure(plot_figure(reference, resumed), plot_path)
