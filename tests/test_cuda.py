@@ -181,3 +181,44 @@ def test_reads_for_cuda_targets_go_through_pinned_scratch(tmp_path):
     assert reads.scratch.pin
     for k in ref:
         assert torch.equal(out[k].cpu(), ref[k]), k
+
+
+REFORM_JOB = textwrap.dedent("""
+    import gc, os, sys
+    import torch, torch.distributed as dist
+    from unickpt.live import control, membership, regroup
+    from unickpt.store_client import connect
+
+    torch.cuda.set_device(0)
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    store, worker, after = connect(f"127.0.0.1:{host.port}"), "0.0", []
+    for number in range(5):  # a generation: its group, a model, a step; then torn down as after a failure
+        control.publish(host, control.Generation(number, [worker], cause="start" if number == 0 else "lost"))
+        gen = membership.newer(store, worker)
+        membership.arrive(store, gen)
+        regroup.form(store, gen.number, 0, 1, "cpu:gloo,cuda:nccl")
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(64, 1024, device="cuda")).sum().backward()
+        opt.step()
+        x = torch.ones(1, device="cuda")
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        del model, opt, x
+        regroup.teardown(crashed=True)
+        gc.collect()
+        after.append(torch.cuda.memory_allocated())
+    print("ALLOCATED", after)
+    spread = max(after[1:]) - min(after[1:])
+    assert spread <= 1 << 20, after  # flat after each re-forming: nothing of a generation kept on the GPU
+    print("REFORM-OK")
+""")
+
+
+def test_cuda_memory_stays_flat_across_re_formings():
+    """Torch's users report in-process restarts that leak GPU memory into an OOM loop
+    (Megatron-LM#2774): five generations (an NCCL group, a model, an optimizer step),
+    each torn down as after a failure; ``torch.cuda.memory_allocated()`` after each is flat."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    p = subprocess.run([sys.executable, "-c", REFORM_JOB], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "REFORM-OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
