@@ -72,6 +72,7 @@ def _three_generations(rank: int, world: int, tmp: str) -> None:
     from unickpt.live import regroup
 
     track_group_sockets()
+    regroup.import_before_forming()  # as unickpt.run does, whatever the fork server preloaded
     store = dist.distributed_c10d._get_default_store()
     dist.destroy_process_group()  # the generations form their own, each on a fresh prefix
     for number in range(3):

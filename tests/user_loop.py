@@ -123,6 +123,8 @@ def main() -> None:
         if step in args.final_at:  # one unbroken run serves as the reference of runs of several lengths
             write_final(f"{args.final}_{step}", model, optimizer, scheduler, loader, state, manager, rank)
         if args.stop_after == step:
+            if args.durable:  # the last save's copy reached the durable tier before the failure (the
+                manager.wait()  # copy is a daemon thread: a process that ends mid-copy leaves it unfinished)
             dist.destroy_process_group()
             return
     manager.close()

@@ -86,6 +86,16 @@ def teardown(crashed: bool, mark: Callable[[str], Any] | None = None) -> None:
     gc.freeze()  # what survived is alive: the next collection skips it (the modules fn imported, say)
 
 
+def import_before_forming() -> None:
+    """Import what a training ``fn`` imports lazily (FSDP2, DTensor) before the first
+    generation's group forms: imported while a default group exists, torch 2.13's
+    ``torch.distributed.fsdp`` keeps that group alive for the life of the process (found
+    by tests/test_live_regroup.py: the group outlived its tear-down, held from no Python
+    container the collector sees)."""
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+
 def freeze_heap() -> None:
     """Move every object alive now into the cyclic collector's permanent generation
     (``gc.freeze``), before ``fn`` runs: the tear-down's ``gc.collect()``, which frees the
@@ -96,9 +106,7 @@ def freeze_heap() -> None:
     what its collection left (all of it alive) too. The modules an FSDP2 or DTensor
     ``fn`` imports lazily (~75,000 objects) are imported first, so that they are frozen
     before the first failure, not scanned by its tear-down."""
-    import torch.distributed.fsdp  # noqa: F401 (imported once)
-    import torch.distributed.tensor  # noqa: F401
-
+    import_before_forming()  # (imported once)
     gc.collect()
     gc.freeze()  # (gc.get_freeze_count() walks the frozen heap: ~70 ms)
 

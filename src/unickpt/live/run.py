@@ -137,6 +137,7 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     track_group_sockets()  # every group of a generation (a DeviceMesh's too) is cut when it ends
+    regroup.import_before_forming()  # before any group: torch's FSDP keeps the one alive at its import
     live = _Live(os.environ[LIVE_STORE_ENV], os.environ[LIVE_WORKER_ENV], os.environ.get(LIVE_NODE_STORE_ENV),
                  multiple_of, recover)
     token = _CURRENT.set(live)
