@@ -12,9 +12,6 @@ and the time.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +21,7 @@ import unickpt
 from unickpt.integrations.hf import UnickptTrainer, run
 
 from hf_trainer_job import Tokens, tiny_llama, training_args
-from live_helpers import pace
+from live_helpers import log_step
 
 GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks; Tokens() has 48 samples: 4 steps an epoch
 
@@ -52,11 +49,7 @@ class StepLog(TrainerCallback):
         if dist.is_initialized():
             dist.all_reduce(seen)
         Counting.ids_seen = 0
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": state.global_step, "loss": logs["loss"], "xsum": float(seen),
-                                "size": self.world.size, "generation": self.world.generation,
-                                "rank": self.world.rank, "pid": os.getpid(), "t": time.time()}) + "\n")
-        pace(self.world.generation, self.sleep)
+        log_step(self.path, self.world, state.global_step, logs["loss"], float(seen), self.sleep)
 
 
 def main() -> None:

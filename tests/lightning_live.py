@@ -13,9 +13,6 @@ generation, its rank and pid, and the time.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 
 import lightning as L
 import torch
@@ -24,7 +21,7 @@ import torch.distributed as dist
 from unickpt.integrations.lightning import UnickptCallback, run
 
 from lightning_train import Batches, Regression, ShardedRegression
-from live_helpers import pace
+from live_helpers import log_step
 
 GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks
 SAMPLES = 96  # 8 steps an epoch
@@ -44,12 +41,8 @@ class Logged(Regression):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         total = torch.stack([self._loss, self._xsum])
         dist.all_reduce(total)
-        with open(self.loss_log, "a") as f:
-            f.write(json.dumps({"step": self.global_step, "loss": float(total[0]) / self.world.size,
-                                "xsum": float(total[1]), "size": self.world.size,
-                                "generation": self.world.generation, "rank": self.world.rank,
-                                "pid": os.getpid(), "t": time.time()}) + "\n")
-        pace(self.world.generation, self.sleep)
+        log_step(self.loss_log, self.world, self.global_step, float(total[0]) / self.world.size, float(total[1]),
+                 self.sleep)
 
 
 class ShardedLogged(Logged):

@@ -27,6 +27,16 @@ def pace(generation: int, sleep: float) -> None:
     time.sleep(max(sleep, SHORT_SLEEP) if generation == 1 else sleep)
 
 
+def log_step(path: str, world: unickpt.World, step: int, loss: float, xsum: float, sleep: float) -> None:
+    """What every live script's rank logs after each step (the row check_live_run reads:
+    the step, the global batch's loss and the sum of its inputs, where and in which process
+    it ran), then the step's pause (:func:`pace`)."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "loss": loss, "xsum": xsum, "size": world.size, "generation": world.generation,
+                            "rank": world.rank, "pid": os.getpid(), "t": time.time()}) + "\n")
+    pace(world.generation, sleep)
+
+
 def live_job(tmp_path, script: str, nproc: int, steps: int, flags: list[str], sleep: float,
              kill_after: int, timeout: float = 240) -> tuple[list[dict], dict]:
     """``unickpt launch --max-restarts 1`` of ``script`` on ``nproc`` ranks; SIGKILL the
