@@ -37,16 +37,7 @@ from unickpt.engine.writer import as_bytes
 from unickpt.format.checksum import block_crcs, block_digests, block_sums, identity
 from unickpt.format.manifest import DEFAULT_BLOCK_BYTES
 
-
-def _best(fn, reps: int, before=None) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from .machine import best_time
 
 
 def _hash_all(sd: dict, threads: int) -> None:
@@ -99,9 +90,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         unickpt.save(sd, base)
-        t_full = _best(lambda: unickpt.save(sd, full), args.reps, fresh(full))
-        t_inc = _best(lambda: unickpt.save(sd, inc, base=base), args.reps, fresh(inc))
-        t_async = _best(lambda: unickpt.async_save(sd, inc_async, base=base).result(), args.reps, fresh(inc_async))
+        t_full = best_time(lambda: unickpt.save(sd, full), args.reps, fresh(full))
+        t_inc = best_time(lambda: unickpt.save(sd, inc, base=base), args.reps, fresh(inc))
+        t_async = best_time(lambda: unickpt.async_save(sd, inc_async, base=base).result(), args.reps, fresh(inc_async))
         calls = {"full": float("inf"), "incremental": float("inf")}
         # how long the training loop is blocked: the call (each kind in a row, after one
         # warm-up, so the staging buffer has the size that kind keeps)
@@ -114,15 +105,15 @@ def main(argv: list[str] | None = None) -> None:
                 h.result()
         full_bytes = stored_bytes(unickpt.read_manifest(full))[0]
         inc_bytes, referenced = stored_bytes(unickpt.read_manifest(inc))
-        t_hash1 = _best(lambda: _hash_all(sd, 1), args.reps)
-        t_hash4 = _best(lambda: _hash_all(sd, 4), args.reps)
-        t_cmp = _best(lambda: _compare_all(sd, full), args.reps)
+        t_hash1 = best_time(lambda: _hash_all(sd, 1), args.reps)
+        t_hash4 = best_time(lambda: _hash_all(sd, 4), args.reps)
+        t_cmp = best_time(lambda: _compare_all(sd, full), args.reps)
         views = [as_bytes(t) for t in sd.values()]
-        t_crc = _best(lambda: [block_crcs(v, DEFAULT_BLOCK_BYTES) for v in views], args.reps)
-        t_sums = _best(lambda: [block_sums(v, DEFAULT_BLOCK_BYTES) for v in views], args.reps)
+        t_crc = best_time(lambda: [block_crcs(v, DEFAULT_BLOCK_BYTES) for v in views], args.reps)
+        t_sums = best_time(lambda: [block_sums(v, DEFAULT_BLOCK_BYTES) for v in views], args.reps)
         target = {k: torch.empty_like(v) for k, v in sd.items()}
-        t_load_full = _best(lambda: unickpt.load(target, full), args.reps)
-        t_load_inc = _best(lambda: unickpt.load(target, inc_async), args.reps)  # holds the current state
+        t_load_full = best_time(lambda: unickpt.load(target, full), args.reps)
+        t_load_inc = best_time(lambda: unickpt.load(target, inc_async), args.reps)  # holds the current state
         assert all(torch.equal(target[k], v) for k, v in sd.items())
     finally:
         shutil.rmtree(root, ignore_errors=True)

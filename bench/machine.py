@@ -14,6 +14,18 @@ from unickpt.storage.local import start_writeback
 CHUNK = 16 << 20
 
 
+def best_time(fn, reps: int = 3, before=None) -> float:
+    """Best wall time of ``reps`` calls of ``fn`` (``before`` runs untimed before each)."""
+    out = float("inf")
+    for _ in range(reps):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
 def drop_caches() -> bool:
     """Write back dirty pages and drop the page cache (needs root); False if not allowed."""
     os.sync()

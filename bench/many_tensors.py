@@ -13,20 +13,12 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
 
 import torch
 
 import unickpt
 
-
-def _best(fn, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from .machine import best_time
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,10 +42,10 @@ def main(argv: list[str] | None = None) -> None:
             unickpt.convert(ck, out, consolidate=True)
 
         times = {
-            "save": _best(lambda: unickpt.save(sd, ck, overwrite=True), args.reps),
-            "load": _best(lambda: unickpt.load(target, ck), args.reps),
-            "convert --consolidate": _best(convert, args.reps),
-            "verify": _best(lambda: unickpt.verify(ck), args.reps),
+            "save": best_time(lambda: unickpt.save(sd, ck, overwrite=True), args.reps),
+            "load": best_time(lambda: unickpt.load(target, ck), args.reps),
+            "convert --consolidate": best_time(convert, args.reps),
+            "verify": best_time(lambda: unickpt.verify(ck), args.reps),
         }
         assert all(torch.equal(target[k], v) for k, v in sd.items())
     finally:

@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from .machine import best_time
+
 MiB = 1 << 20
 
 
@@ -43,18 +45,6 @@ def build(mib: int, fill: bool) -> dict[str, torch.Tensor]:
         for name, shape in ((f"layers.{i}.weight", (2048, 2048)), (f"layers.{i}.bias", (2048,)), (f"layers.{i}.norm", (2048,))):
             sd[name] = torch.randn(shape, generator=g) if fill else torch.zeros(shape)
     return sd
-
-
-def best(fn, reps: int, before=None) -> float:
-    """Best wall time of ``reps`` calls of ``fn`` (``before`` runs untimed first each time)."""
-    out = float("inf")
-    for _ in range(reps):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -126,19 +116,19 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         local = os.path.join(scratch, "local")
-        s = best(lambda: unickpt.save(sd, local, overwrite=True), args.reps)
-        lo = best(lambda: unickpt.load(target, local), args.reps)
+        s = best_time(lambda: unickpt.save(sd, local, overwrite=True), args.reps)
+        lo = best_time(lambda: unickpt.load(target, local), args.reps)
         row("unickpt local (page cache)", s, lo)
         for threads in (1, 4):
             url = f"s3://{args.bucket}/unickpt_t{threads}"
-            s = best(lambda: unickpt.save(sd, url, overwrite=True, threads=threads), args.reps)
-            lo = best(lambda: unickpt.load(target, url, threads=threads), args.reps)
+            s = best_time(lambda: unickpt.save(sd, url, overwrite=True, threads=threads), args.reps)
+            lo = best_time(lambda: unickpt.load(target, url, threads=threads), args.reps)
             row(f"unickpt s3 (threads={threads})", s, lo)
         for threads in (1, 4):
             url = f"s3://{args.bucket}/dcp_t{threads}"
-            s = best(lambda: dcp.save(sd, storage_writer=FsspecWriter(url, thread_count=threads, overwrite=True)), args.reps,
+            s = best_time(lambda: dcp.save(sd, storage_writer=FsspecWriter(url, thread_count=threads, overwrite=True)), args.reps,
                      lambda: clear_prefix(f"dcp_t{threads}"))
-            lo = best(lambda: dcp.load(target, storage_reader=FsspecReader(url)), args.reps)
+            lo = best_time(lambda: dcp.load(target, storage_reader=FsspecReader(url)), args.reps)
             row(f"dcp fsspec (thread_count={threads})", s, lo)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import xxhash
 
+from .machine import best_time
+
 GiB = 1 << 30
 MiB = 1 << 20
 PIECE = 1 << 20  # the copy-and-checksum piece: fits the L2 cache
@@ -53,15 +55,6 @@ def _flat(sd: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return [v.reshape(-1).view(torch.uint8) for v in sd.values()]
 
 
-def _best(fn, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _hash_rates(view: memoryview, nbytes: int) -> dict[str, float]:
     """Seconds of CRC-32C and xxh3-128 over ``view`` in 4 MiB pieces, one thread and four
     (four are faster only where the hash releases the GIL)."""
@@ -73,10 +66,10 @@ def _hash_rates(view: memoryview, nbytes: int) -> dict[str, float]:
     def xxh(i: int) -> bytes:
         return xxhash.xxh3_128_digest(view[i : i + 4 * MiB])
 
-    out = {"crc32c": _best(lambda: [crc(i) for i in pieces]), "xxh3": _best(lambda: [xxh(i) for i in pieces])}
+    out = {"crc32c": best_time(lambda: [crc(i) for i in pieces]), "xxh3": best_time(lambda: [xxh(i) for i in pieces])}
     with ThreadPoolExecutor(4) as pool:
-        out["crc32c_4_threads"] = _best(lambda: list(pool.map(crc, pieces)))
-        out["xxh3_4_threads"] = _best(lambda: list(pool.map(xxh, pieces)))
+        out["crc32c_4_threads"] = best_time(lambda: list(pool.map(crc, pieces)))
+        out["xxh3_4_threads"] = best_time(lambda: list(pool.map(xxh, pieces)))
     view.release()
     return out
 
@@ -111,7 +104,7 @@ def _mapped_rates(m: mmap.mmap, flats: list[torch.Tensor]) -> dict[str, float]:
                 _crc.crc32c(d[at + lo : at + hi])
             at += f.numel()
 
-    return {"memcpy_mapped": min(_best(copy), _best(copy_np)), "copy_crc_in_cache": _best(copy_crc)}
+    return {"memcpy_mapped": min(best_time(copy), best_time(copy_np)), "copy_crc_in_cache": best_time(copy_crc)}
 
 
 def limits(sd: dict[str, torch.Tensor], shm: str) -> dict[str, float]:
@@ -134,7 +127,7 @@ def limits(sd: dict[str, torch.Tensor], shm: str) -> dict[str, float]:
                 os.pwrite(target, f.numpy(), at)
                 at += f.numel()
 
-        out["pwrite_existing_file"] = _best(lambda: pwrite_all(fd))
+        out["pwrite_existing_file"] = best_time(lambda: pwrite_all(fd))
 
         def fresh() -> None:
             os.unlink(path)
@@ -144,7 +137,7 @@ def limits(sd: dict[str, torch.Tensor], shm: str) -> dict[str, float]:
             finally:
                 os.close(f2)
 
-        out["pwrite_fresh_file"] = _best(fresh)
+        out["pwrite_fresh_file"] = best_time(fresh)
     finally:
         os.close(fd)
         if os.path.exists(path):
