@@ -235,3 +235,25 @@ def test_cuda_staging_is_pinned_and_sees_the_state_at_the_call(tmp_path):
         unickpt.load(out, str(tmp_path / f"g{i}"))
         for k in want:
             assert torch.equal(out[k], want[k]), (kw, k)
+
+
+def test_a_script_that_exits_with_a_save_in_flight_commits_it(tmp_path):
+    """The save threads are daemons (an abandoned one must not keep a process alive), yet a
+    script that returns right after ``async_save`` still commits its checkpoint: the save
+    in flight is waited for at exit, as a thread that is not a daemon would be."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ck"
+    script = (
+        "import torch, unickpt\n"
+        "state = {f't{i}': torch.full((4 << 20,), float(i)) for i in range(16)}\n"  # 256 MiB
+        f"handle = unickpt.async_save(state, {str(path)!r})\n"
+        "print('in flight at exit:', not handle.done(), flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "in flight at exit: True" in out.stdout, out.stdout  # else the test proves nothing
+    loaded = {f"t{i}": torch.empty(4 << 20) for i in range(16)}
+    unickpt.load(loaded, str(path))
+    assert all(torch.equal(t, torch.full((4 << 20,), float(i))) for i, t in enumerate(loaded.values()))

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .kept_connections import is_kept
+
 
 def is_dtensor(t: Any) -> bool:
     """True for a DTensor."""
@@ -261,8 +263,9 @@ def opened_since(before: dict[int, str]) -> dict[int, str]:
 
 def shut_down(sockets: dict[int, str]) -> int:
     """``shutdown(SHUT_RDWR)`` every connected socket of ``sockets`` still open under the
-    same inode (an fd reused since is left alone, and a listening socket: gloo's listener
-    thread aborts the process when its accept fails); returns how many were shut down."""
+    same inode (an fd reused since is left alone, a listening socket: gloo's listener
+    thread aborts the process when its accept fails, and a connection to a store or a
+    keeper, see :mod:`unickpt.kept_connections`); returns how many were shut down."""
     done = 0
     now = open_sockets()
     for fd, inode in sockets.items():
@@ -273,6 +276,8 @@ def shut_down(sockets: dict[int, str]) -> int:
         except OSError:
             continue
         try:
+            if is_kept(dup):  # a store's or a keeper's, opened by another thread while a group was made
+                continue
             if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # gloo's listener aborts on it
                 dup.shutdown(socket.SHUT_RDWR)
                 done += 1

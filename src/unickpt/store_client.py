@@ -34,7 +34,10 @@ def connect(address: str, timeout_s: float = 600.0) -> Any:
     request's)."""
     from torch.distributed import TCPStore
 
+    from .kept_connections import keep
+
     host, port = split_address(address)
+    keep(host, port)  # a re-forming's cut of the groups never takes it for a group's (see there)
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
                     use_libuv=True)
 

@@ -5,12 +5,14 @@ Used by the test suite and the demo; users can use it to try unickpt without tor
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +67,8 @@ def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errdir:
     import torch
 
     torch.set_num_threads(1)
+    # run_ranks asks a rank that outlives its timeout for every thread's stack (SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, file=open(os.path.join(errdir, f"rank{rank}.stacks"), "w"), all_threads=True)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         try:
@@ -86,7 +90,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     With ``preload`` (module names), ranks are forked from a fork server that imported
     those modules once, instead of spawned: on a 2-core machine 4 spawned ranks spend
     ~25 s importing torch, forked ones start in under a second.
-    Raises RankFailure listing the traceback of every rank that failed.
+    Raises RankFailure listing the traceback of every rank that failed; ranks still running
+    after ``timeout`` seconds are killed, and the failure lists every thread's stack in each
+    (a stopped rank is continued first, so that it can tell).
     """
     if preload:
         multiprocessing.set_forkserver_preload(preload)
@@ -96,15 +102,34 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
             start_method="forkserver" if preload else "spawn",
         )
         try:
-            while not ctx.join(timeout=timeout):
-                pass
+            deadline = time.monotonic() + timeout
+            while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # False while one still runs
+                if time.monotonic() >= deadline:
+                    _kill_hung(ctx.processes)
+                    raise RuntimeError(f"run_ranks: the ranks were still running after {timeout:g} s; killed")
         except Exception as e:
-            reports = []
+            reports = [f"{e}"]
             for r in range(world):
-                p = os.path.join(errdir, f"rank{r}.txt")
-                if os.path.exists(p):
-                    reports.append(f"--- rank {r} ---\n{open(p).read()}")
-            raise RankFailure("\n".join(reports) or str(e)) from None
+                for name, what in ((f"rank{r}.txt", "traceback"), (f"rank{r}.stacks", "stacks at the timeout")):
+                    p = os.path.join(errdir, name)
+                    if os.path.exists(p) and os.path.getsize(p):
+                        reports.append(f"--- rank {r}: {what} ---\n{open(p).read()}")
+            raise RankFailure("\n".join(reports)) from None
+
+
+def _kill_hung(processes: list[Any]) -> None:
+    """Every live rank writes its threads' stacks (SIGUSR1, continued if stopped), then is killed."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        for sig in (signal.SIGUSR1, signal.SIGCONT):
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    time.sleep(1.0)  # faulthandler writes from the signal handler: a second is plenty
+    for p in alive:
+        p.kill()
+        p.join()
 
 
 def descendants(pid: int) -> list[int]:

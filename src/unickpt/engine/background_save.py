@@ -235,8 +235,10 @@ class _Saver:
             except Exception as e:
                 job.staged.error = describe(e)
             progress.staged.set()
+        # a daemon: an abandoned save stuck in gloo must not keep the process from exiting;
+        # one that is not abandoned is waited for at exit all the same (_finish_at_exit)
         thread = threading.Thread(
-            target=self._run, args=(job, progress, buf, crcs, here), name="unickpt-async-save", daemon=False
+            target=self._run, args=(job, progress, buf, crcs, here), name="unickpt-async-save", daemon=True
         )
         self.thread = thread
         thread.start()
@@ -539,6 +541,21 @@ def release_staging(channel: str = DEFAULT_CHANNEL) -> None:
 
 _ABANDONED: list[threading.Thread] = []  # threads of saves abandoned at a tear-down, until they end
 ABANDONED_JOIN_S = 5.0  # how long a tear-down waits for them (a thread still writing ends at its next collective)
+
+
+def _finish_at_exit() -> None:
+    """At the interpreter's exit, wait for each channel's save still in flight, as for a
+    thread that is not a daemon (a script that returns right after ``async_save`` still
+    commits its checkpoint). Abandoned saves are not waited for: gloo can leave one
+    blocked for the group's whole timeout (a send in flight on a connection its peer
+    closed is not always failed, seen in torch 2.13 after a rank was stopped and
+    continued), and the process must still exit."""
+    for saver in list(_SAVERS.values()):
+        if saver.thread is not None:
+            saver.thread.join()
+
+
+threading._register_atexit(_finish_at_exit)  # as concurrent.futures: before the threads are joined
 
 
 @on_teardown

@@ -28,6 +28,7 @@ import threading
 from typing import Any
 
 from ..errors import SnapshotError
+from ..kept_connections import keep
 from .paths import json_object
 
 _LEN = struct.Struct(">I")
@@ -152,6 +153,7 @@ class Connection:
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float = TIMEOUT) -> None:
         self.address = (host, port)
+        keep(host, port)  # a re-forming's cut of the groups never takes it for a group's
         try:
             self.sock = socket.create_connection(self.address, timeout=timeout)
         except OSError as e:
