@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("unickpt.adapters", "unickpt.rules"),
     ("unickpt.engine",),
     ("unickpt.format", "unickpt.plan", "unickpt.storage"),
-    ("unickpt.errors", "unickpt.dist", "unickpt.version", "unickpt.units", "unickpt.logs", "unickpt.store_client"),
+    ("unickpt.errors", "unickpt.dist", "unickpt.version", "unickpt.units", "unickpt.logs", "unickpt.store_client",
+     "unickpt.kept_connections"),
 ]
 
 
