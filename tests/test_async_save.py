@@ -237,6 +237,7 @@ def test_cuda_staging_is_pinned_and_sees_the_state_at_the_call(tmp_path):
             assert torch.equal(out[k], want[k]), (kw, k)
 
 
+@pytest.mark.multiprocess
 def test_a_script_that_exits_with_a_save_in_flight_commits_it(tmp_path):
     """The save threads are daemons (an abandoned one must not keep a process alive), yet a
     script that returns right after ``async_save`` still commits its checkpoint: the save
