@@ -58,3 +58,38 @@ def test_left_out_or_ended_stops_the_worker():
     with pytest.raises(SystemExit) as ended:
         membership.newer(store, "0.0")
     assert ended.value.code == 3
+
+
+def test_events_travel_typed_and_a_bad_one_is_named_not_followed():
+    """The launchers' and trainers' reports go through the store as typed events and come
+    back equal; what is not one (not JSON, an unknown kind, a field of the wrong type) is a
+    ValueError that says what is wrong (the coordinator skips it with that line)."""
+    from unickpt.live.control import Exited, Raised, Ready, Stopped, Suspect, key, parse_event, post_event
+
+    store = dist.HashStore()
+    sent = [Exited("0.1", -9, 1.5, "SIGKILL"), Ready("1.2.1", 1), Suspect("0.0", 2.0), Stopped(0, 15),
+            Raised("0.1", "RuntimeError: user bug", "train.py:3 in fn", False)]
+    for ev in sent:
+        post_event(store, ev)
+    assert [parse_event(store.get(key("event", i))) for i in range(len(sent))] == sent
+    for raw, says in ((b"{not json", "not JSON"), (b'{"kind": "vanish", "worker": "0.0"}', "no known kind"),
+                      (b'[1, 2]', "no known kind"),
+                      (b'{"kind": "exit", "worker": "0.1", "code": "9", "at": 1.0, "why": ""}', "code is '9'"),
+                      (b'{"kind": "exit", "worker": "0.1", "code": true, "at": 1.0, "why": ""}', "code is True"),
+                      (b'{"kind": "raised", "worker": "0.1", "error": "e", "where": "w"}', "recoverable is None")):
+        with pytest.raises(ValueError, match=says):
+            parse_event(raw)
+
+
+def test_a_generation_cause_is_one_of_the_causes():
+    """``cause`` is a :class:`Cause` (equal to its string, written as it on the store); an
+    unknown one is refused when the generation is made or read."""
+    from unickpt.live.control import Cause
+
+    gen = Generation(3, ["0.0"], cause="lost")
+    assert gen.cause is Cause.LOST and gen.cause == "lost"
+    assert Generation.from_json(gen.to_json().encode()) == gen
+    with pytest.raises(ValueError):
+        Generation(1, [], cause="vanished")
+    with pytest.raises(ValueError):
+        Generation.from_json(gen.to_json().replace('"cause": "lost"', '"cause": "vanished"').encode())

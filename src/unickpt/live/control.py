@@ -11,10 +11,12 @@ as numbered events; the trainers report progress (``beat``) and liveness (``aliv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from ..store_client import LIVE_NODE_STORE_ENV, LIVE_STORE_ENV, LIVE_WORKER_ENV, wait_key
@@ -33,21 +35,32 @@ def node_of(worker: str) -> int:
     return int(worker.split(".")[0])
 
 
+class Cause(StrEnum):
+    """Why a generation began (a string on the store: ``"lost"`` compares equal to LOST)."""
+
+    START = "start"  # the job's first
+    LOST = "lost"  # members died or hung
+    GROW = "grow"  # replacements join at the step boundary ``grow_at`` rank 0 sets
+    END = "end"  # the job is over: ``code``, ``reason``
+    RESTART = "restart"  # a plain script's group is restarted (``--max-restarts``): round ``code``
+
+
 @dataclass
 class Generation:
-    """One generation of the job: its members (worker ids, in rank order) and why it began.
-
-    ``cause``: ``start``, ``lost`` (members died or hung), ``grow`` (replacements join at
-    the step boundary ``grow_at`` rank 0 sets) or ``end`` (the job is over: ``code``)."""
+    """One generation of the job: its members (worker ids, in rank order) and why it began
+    (:class:`Cause`)."""
 
     number: int
     members: list[str]
-    cause: str = "start"
+    cause: Cause = Cause.START
     lost: list[dict[str, Any]] = field(default_factory=list)  # {"rank": old rank, "worker", "exit": code}
     joined: list[str] = field(default_factory=list)
     code: int = 0
     reason: str = ""
     at: float = 0.0  # when the coordinator published it (wall clock)
+
+    def __post_init__(self) -> None:
+        self.cause = Cause(self.cause)  # a cause spelled as its string; ValueError for an unknown one
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -159,11 +172,82 @@ def read(store: Any, number: int) -> Generation:
     return Generation.from_json(store.get(key("g", number)))
 
 
-def post_event(store: Any, **event: Any) -> None:
-    """A launcher's report to the coordinator: ``kind`` ``exit`` (worker, code) or
-    ``ready`` (a replacement waiting to join)."""
+@dataclass(frozen=True)
+class Exited:
+    """A launcher reaped one of its workers: its exit ``code`` (negative: the signal) and
+    ``why`` in words, at ``at`` (wall clock)."""
+
+    worker: str
+    code: int
+    at: float
+    why: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A replacement worker on ``node`` waits to join the next generation."""
+
+    worker: str
+    node: int
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A worker's collective failed at ``at``: the coordinator probes the nodes (is one gone?)."""
+
+    worker: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Node ``node``'s launcher got ``signal`` (SIGINT, SIGTERM): the job stops."""
+
+    node: int
+    signal: int
+
+
+@dataclass(frozen=True)
+class Raised:
+    """``fn`` raised for good on ``worker``: the error, where, and whether it is a failure
+    of the process the job recovers from (``recoverable``) or a bug that ends it."""
+
+    worker: str
+    error: str
+    where: str
+    recoverable: bool
+
+
+Event = Exited | Ready | Suspect | Stopped | Raised
+_KINDS: dict[str, type] = {"exit": Exited, "ready": Ready, "suspect": Suspect, "stop": Stopped, "raised": Raised}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def post_event(store: Any, event: Event) -> None:
+    """A report to the coordinator, numbered in the order it reaches the store."""
+    doc = {"kind": _KIND_OF[type(event)], **dataclasses.asdict(event)}
     i = store.add(key("nevents"), 1) - 1
-    store.set(key("event", i), json.dumps(event))
+    store.set(key("event", i), json.dumps(doc))
+
+
+def parse_event(raw: bytes) -> Event:
+    """An event read back from the store (untrusted: checked field by field); ValueError
+    saying what is wrong with it."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"not JSON: {bytes(raw)[:80]!r}") from None
+    cls = _KINDS.get(doc.get("kind")) if isinstance(doc, dict) else None
+    if cls is None:
+        raise ValueError(f"no known kind: {str(doc)[:80]}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = doc.get(f.name)
+        if not isinstance(value, _TYPES[str(f.type)]) or (f.type != "bool" and isinstance(value, bool)):
+            raise ValueError(f"{doc['kind']} event: {f.name} is {value!r}, not a {f.type}")
+        values[f.name] = value
+    return cls(**values)
 
 
 def worker_env(address: str, worker: str, node_address: str | None = None) -> dict[str, str]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import select
 import signal
@@ -36,7 +35,7 @@ from typing import Any
 from .. import store_client
 from ..store_client import LIVE_DEBUG_ENV, LIVE_PG_TIMEOUT_ENV, torchrun_env
 from . import control
-from .control import Generation, key
+from .control import Cause, Exited, Generation, Raised, Ready, Stopped, Suspect, key
 from .output import Output, parse_filter, parse_std
 
 NODE_TIMEOUT_S = 3.0  # a node whose launcher is silent this long is lost
@@ -347,7 +346,7 @@ class Launcher:
                     self.coordinator.step()
                 self._sleep(0.05)
             first = control.read(self.store, 0)
-            if first.cause == "end":  # a node did not join in time
+            if first.cause == Cause.END:  # a node did not join in time
                 return self._finish(first)
             mailbox = threading.Thread(target=self._mailbox, name="unickpt-launch-mailbox", daemon=True)
             mailbox.start()
@@ -438,9 +437,9 @@ class Launcher:
             if self.coordinator is not None:  # the store's host looks for the end every turn
                 self.coordinator.step()
                 gen = self._newest()
-            if gen is not None and gen.cause == "end":
+            if gen is not None and gen.cause == Cause.END:
                 return self._finish(gen)
-            if gen is not None and gen.cause == "restart" and gen.code > self.attempt:
+            if gen is not None and gen.cause == Cause.RESTART and gen.code > self.attempt:
                 self._restart_group(gen)
             if not self.workers and not self.done:  # then wait for the coordinator's verdict on the job
                 self.done = True
@@ -493,7 +492,7 @@ class Launcher:
                 continue
             del self.workers[pid]
             self.codes[w.name] = code
-            control.post_event(self.store, kind="exit", worker=w.name, code=code, at=time.time(), why=self._why(w, code))
+            control.post_event(self.store, Exited(w.name, code, time.time(), self._why(w, code)))
             if code != 0 and self.signals.signum is None:  # no replacement once a shutdown began
                 if self.restarts < self.args.max_restarts and self.store.check([key("run", w.name)]):
                     self.restarts += 1
@@ -596,7 +595,7 @@ class Launcher:
             if self.coordinator is not None:
                 self.coordinator.stop(self.signals.signum or 0, self.node)
             else:
-                control.post_event(self.store, kind="stop", node=self.node, signal=self.signals.signum)
+                control.post_event(self.store, Stopped(self.node, int(self.signals.signum)))
         except RuntimeError:
             pass  # the job's store is gone: this node stops on its own
         if self.workers:
@@ -626,7 +625,7 @@ class Launcher:
         except RuntimeError:
             end = None
         self.output.drain()
-        line = end.reason if end is not None and end.cause == "end" else f"the job was stopped: {name} on node {self.node}"
+        line = end.reason if end is not None and end.cause == Cause.END else f"the job was stopped: {name} on node {self.node}"
         self.last_line = f"unickpt launch: {line}{self._kept()}"
         return self.signals.exit_code()
 
@@ -664,7 +663,7 @@ class Coordinator:
         self.next_look = 0.0  # when _lost_nodes reads the launchers' beats again
         self.ever: set[str] = set()  # every worker that was a member of a generation
         self.recovered: list[str] = []  # "rank 2: SIGKILL" for each loss the job went on without
-        self.raised: dict[str, dict[str, Any]] = {}  # worker -> what its fn raised (unickpt.run's report)
+        self.raised: dict[str, Raised] = {}  # worker -> what its fn raised (unickpt.run's report)
         self.attempt = 0  # a plain script's group restarts
         self.attempt_stores: list[Any] = []
         self.size = 0  # the world size of the last generation that ran
@@ -720,7 +719,7 @@ class Coordinator:
         self.step()  # what happened before the signal is counted first
         if self.gen is None:
             self.gen = Generation(-1, [])
-        if self.gen.cause != "end":
+        if self.gen.cause != Cause.END:
             self._end(128 + signum, f"{signal.Signals(signum).name} on node {node}", stopped=True)
 
     def step(self) -> None:
@@ -728,47 +727,52 @@ class Coordinator:
         generation for replacements once rank 0 has fixed the step they join at."""
         if self.gen is None:
             return self._join()
-        if self.gen.cause == "end":
+        if self.gen.cause == Cause.END:
             return None
         lost: list[dict[str, Any]] = []
         end: tuple[int, str] | None = None
         bug: tuple[int, str] | None = None  # fn raised: not a failure of the process
-        stop: dict[str, Any] | None = None
+        stop: Stopped | None = None
         deadline = None
         while True:
             total = self.store.add(key("nevents"), 0)
             while self.events < total:
-                ev = json.loads(self.store.get(key("event", self.events)))
+                try:
+                    ev = control.parse_event(self.store.get(key("event", self.events)))
+                except ValueError as e:  # never crash the coordinator on what it reads back
+                    self.output.say(f"unickpt launch: event {self.events} skipped: {e}")
+                    self.events += 1
+                    continue
                 self.events += 1
                 if os.environ.get(LIVE_DEBUG_ENV):
                     self.output.say(f"unickpt launch: event {ev}")
-                if ev["kind"] == "suspect":  # a worker's collective failed: is a node gone?
+                if isinstance(ev, Suspect):  # a worker's collective failed: is a node gone?
                     self._send_probe()
-                elif ev["kind"] == "stop":
+                elif isinstance(ev, Stopped):
                     stop = stop or ev
-                elif ev["kind"] == "raised":
-                    self.raised[ev["worker"]] = ev
-                elif ev["kind"] == "ready":
-                    self.pending.append(ev["worker"])
+                elif isinstance(ev, Raised):
+                    self.raised[ev.worker] = ev
+                elif isinstance(ev, Ready):
+                    self.pending.append(ev.worker)
                     self.store.set(key("g", self.gen.number, "ready"), str(len(self.pending)))
-                elif ev["worker"] in self.pending:
-                    self.pending.remove(ev["worker"])
-                elif ev["code"] == 0:
-                    self.finished.add(ev["worker"])
-                elif ev["worker"] in self.gen.members:
-                    worker, rank = ev["worker"], self.gen.members.index(ev["worker"])
+                elif ev.worker in self.pending:
+                    self.pending.remove(ev.worker)
+                elif ev.code == 0:
+                    self.finished.add(ev.worker)
+                elif ev.worker in self.gen.members:
+                    worker, rank = ev.worker, self.gen.members.index(ev.worker)
                     raised = self.raised.get(worker)
-                    if not self.store.check([key("run", worker)]) and (end is None or (end[0] < 0 < ev["code"])):
+                    if not self.store.check([key("run", worker)]) and (end is None or (end[0] < 0 < ev.code)):
                         # of the failures reaped together, the first that chose its exit code: a peer
                         # aborted by its vanished gloo connection (a signal) is an effect, not the cause
-                        end = (ev["code"], f"worker {worker} (rank {rank}) exited with {ev['code']} outside unickpt.run: "
-                                           "nothing to recover")
-                    elif raised is not None and not raised.get("recoverable") and bug is None:
-                        bug = (ev["code"] if ev["code"] > 0 else 1,
-                               f"rank {rank} (worker {worker}) raised {raised['error']} ({raised['where']}): an error of "
+                        end = (ev.code, f"worker {worker} (rank {rank}) exited with {ev.code} outside unickpt.run: "
+                                        "nothing to recover")
+                    elif raised is not None and not raised.recoverable and bug is None:
+                        bug = (ev.code if ev.code > 0 else 1,
+                               f"rank {rank} (worker {worker}) raised {raised.error} ({raised.where}): an error of "
                                "fn is not recovered from (it would happen again; its traceback is above), unless "
                                "unickpt.run(fn, recover=...) says to go on without the rank")
-                    lost.append({"rank": rank, "worker": worker, "why": ev["why"], "at": ev["at"]})
+                    lost.append({"rank": rank, "worker": worker, "why": ev.why, "at": ev.at})
             if stop is not None or not lost or (end is not None and end[0] > 0):
                 break
             if deadline is None:
@@ -777,8 +781,7 @@ class Coordinator:
                 break
             time.sleep(0.002)
         if stop is not None:
-            return self._end(128 + int(stop["signal"]), f"{signal.Signals(int(stop['signal'])).name} on node "
-                                                        f"{stop['node']}", stopped=True)
+            return self._end(128 + stop.signal, f"{signal.Signals(stop.signal).name} on node {stop.node}", stopped=True)
         lost += self._lost_nodes()
         early = [m for m in self.gen.members if m in self.finished and self.store.check([key("run", m)])]
         if lost and early:  # a rank that left fn while its peers trained: they cannot go on without it
@@ -795,12 +798,12 @@ class Coordinator:
         if active and self.finished >= active:  # hot spares or replacements may still wait: the job is over
             return self._end(0, "finished")
         if lost:
-            return self._open("lost", lost)
+            return self._open(Cause.LOST, lost)
         if self.pending and self.store.check([key("g", self.gen.number, "grow_at")]):
-            self._open("grow", [])
+            self._open(Cause.GROW, [])
         return None
 
-    def _open(self, cause: str, lost: list[dict[str, Any]]) -> None:
+    def _open(self, cause: Cause, lost: list[dict[str, Any]]) -> None:
         gone = {x["worker"] for x in lost}
         joined, self.pending = self.pending, []
         members = [m for m in self.gen.members if m not in gone] + joined
@@ -834,7 +837,7 @@ class Coordinator:
         members = [f"{n}.a{self.attempt}.{i}" for n in range(a.nnodes) for i in range(a.nproc_per_node)]
         self.output.say(f"unickpt launch: {why}; restarting the group ({self.attempt} of --max-restarts "
                         f"{a.max_restarts})")
-        self._publish(Generation(self.gen.number + 1, members, "restart", code=self.attempt, reason=why))
+        self._publish(Generation(self.gen.number + 1, members, Cause.RESTART, code=self.attempt, reason=why))
 
     def _end(self, code: int, reason: str, stopped: bool = False) -> None:
         """End the job: ``reason`` and the job's summary become every launcher's last line."""
@@ -845,7 +848,7 @@ class Coordinator:
         lost = f"{len(self.recovered)} lost and recovered" + (f" ({'; '.join(self.recovered)})" if self.recovered else "")
         summary = f"{ranks} rank{'s' if ranks != 1 else ''} ran, {lost}, final world size {self.size}"
         line = f"{head}{reason}{'; ' if reason else ': '}{summary} (exit {code})"
-        self._publish(Generation(self.gen.number + 1, [], "end", code=code, reason=line))
+        self._publish(Generation(self.gen.number + 1, [], Cause.END, code=code, reason=line))
 
     def _multiple(self) -> int:
         """The job's ``multiple_of`` (1 until a worker said otherwise; read from the store

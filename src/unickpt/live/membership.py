@@ -16,7 +16,7 @@ from typing import Any
 
 from ..store_client import wait_key
 from . import control
-from .control import Generation, key
+from .control import Cause, Generation, key
 
 __all__ = ["all_arrived", "arrive", "end_if_over", "newer", "say_arrived"]
 
@@ -48,7 +48,7 @@ def arrive(store: Any, gen: Generation, multiple_of: int = 1) -> bool:
 
 def end_if_over(gen: Generation) -> None:
     """SystemExit with the job's code when ``gen`` says the job ended."""
-    if gen.cause == "end":
+    if gen.cause == Cause.END:
         from ..logs import log
 
         log.warning(f"unickpt: the job ended: {gen.reason}")

@@ -43,7 +43,7 @@ from ..store_client import (LIVE_DEBUG_ENV, LIVE_NODE_STORE_ENV, LIVE_STORE_ENV,
                             LIVE_WORKER_ENV, torchrun_env)
 from .. import store_client
 from . import control
-from .control import Generation, key
+from .control import Cause, Generation, key
 from . import membership, regroup
 from .nccl_abort import join_aborts
 
@@ -271,7 +271,7 @@ class _Live:
                 if not isinstance(e, Interrupted) and _network_error(e):
                     # a peer vanished (a lost node closes its connections at once): the
                     # coordinator confirms with the nodes' launchers before declaring it
-                    control.post_event(self.store, kind="suspect", worker=self.worker, at=time.time())
+                    control.post_event(self.store, control.Suspect(self.worker, time.time()))
                 nxt = self.verdict(e)
                 self.mark("verdict")
                 if nxt is None:
@@ -302,7 +302,7 @@ class _Live:
         if self.worker in gen.members:
             self._seen = n
             return gen
-        control.post_event(self.store, kind="ready", worker=self.worker, node=control.node_of(self.worker))
+        control.post_event(self.store, control.Ready(self.worker, control.node_of(self.worker)))
         self.node_store.set(key("beat", self.worker), "joining")
         while True:
             if not self.store.check([key("g", n + 1)]):
@@ -358,7 +358,7 @@ class _Live:
         self.node_store.set(key("beat", self.worker), f"g{gen.number}")
         self.mark("formed")
         self.times["published"] = gen.at
-        if gen.number > 0 and gen.cause in ("lost", "grow"):
+        if gen.number > 0 and gen.cause in (Cause.LOST, Cause.GROW):
             self.note = _describe(gen, self.multiple_of, self.prev_active) + " at step {} " + f"(generation {gen.number})"
         self.prev_active = gen.active(self.multiple_of)
         if self._watcher is None:
@@ -435,7 +435,7 @@ class _Live:
             except RuntimeError:
                 return  # the store is gone: the control plane was lost
             self._seen = nxt
-            if gen.cause != "grow" or self.worker not in gen.members:
+            if gen.cause != Cause.GROW or self.worker not in gen.members:
                 with self.lock:
                     if self.in_fn and self.gen is not None and self._unchanged(gen):
                         self.gen = gen  # a spare was lost: the active world trains on, in its groups
@@ -450,7 +450,7 @@ class _Live:
     def _unchanged(self, gen: Generation) -> bool:
         """True when ``gen`` keeps this generation's active world as it is (only spares or
         pending replacements changed): nothing to re-form."""
-        return gen.cause == "lost" and gen.active(self.multiple_of) == self.prev_active
+        return gen.cause == Cause.LOST and gen.active(self.multiple_of) == self.prev_active
 
     def _beat(self) -> None:
         """Tell the launcher this process runs, every ALIVE_S (its own connection: the
@@ -553,8 +553,8 @@ def _report_raised(live: _Live, error: BaseException) -> None:
     frames = traceback.extract_tb(error.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "fn"
     try:
-        control.post_event(live.store, kind="raised", worker=live.worker, error=f"{type(error).__name__}: {error}"[:300],
-                           where=where, recoverable=chosen or _network_error(error) or isinstance(error, KeyboardInterrupt))
+        control.post_event(live.store, control.Raised(live.worker, f"{type(error).__name__}: {error}"[:300], where,
+                                                      bool(chosen or _network_error(error) or isinstance(error, KeyboardInterrupt))))
     except RuntimeError:
         pass  # the job's store is gone: nothing to tell
 
@@ -583,7 +583,7 @@ def _describe(gen: Generation, multiple_of: int = 1, before: list[str] | None = 
     spares = len(gen.members) - len(active)
     size = f"{len(active)} ranks" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
     stepped = [m for m in active if before and m not in before and m not in gen.joined]
-    if gen.cause == "grow" or not gen.lost:
+    if gen.cause == Cause.GROW or not gen.lost:
         n = len(gen.joined)
         return f"{n} replacement{'s' if n != 1 else ''} joined; continuing on {size}"
     ranks = [int(x["rank"]) for x in gen.lost]

@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 
 from ..logs import say
-from .control import CONFIG_KEY
+from .control import CONFIG_KEY, Cause
 from .launch import Coordinator
 
 TURN_S = 0.01  # how often the coordinator looks at the launchers' reports
@@ -40,7 +40,7 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
     while True:
         coordinator.step()  # opens generation 0 once every node joined, then the others; ends the job
         gen = coordinator.gen
-        if gen is not None and gen.cause == "end":
+        if gen is not None and gen.cause == Cause.END:
             coordinator.wait_nodes_done()
             say(f"unickpt store: {gen.reason}")
             return gen.code if gen.code >= 0 else 1
