@@ -46,12 +46,11 @@ from . import control
 from .control import Cause, Generation, key
 from . import membership, regroup
 from .nccl_abort import join_aborts
+from .watcher import Watcher
 
 __all__ = ["run", "World", "Interrupted"]
 
 NETWORK_ERROR_WAIT_S = 15.0  # after a failed collective, how long to wait for the coordinator's verdict
-WATCH_WAIT_S = 3600.0  # the watcher's wait in its node's store: stop() wakes it with its own key (no timeout logged)
-ALIVE_S = 0.5  # how often it tells the launcher that this process runs
 
 
 class Interrupted(BaseException):
@@ -235,10 +234,7 @@ class _Live:
         self.grow_at: int | None = None
         self.note: str | None = None
         self.times: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._seen = -1
-        self._watcher: threading.Thread | None = None
-        self._beater: threading.Thread | None = None
+        self.watcher = Watcher(worker, address, self.node_address, self.node_store, self._on_generation)
         self.prev_active: list[str] = []  # the active members of the generation before (the lines rank 0 prints)
 
     # -- the generations ------------------------------------------------------------------
@@ -300,7 +296,7 @@ class _Live:
             n = control.newest(self.store)
         gen = control.read(self.store, n)
         if self.worker in gen.members:
-            self._seen = n
+            self.watcher.seen = n
             return gen
         control.post_event(self.store, control.Ready(self.worker, control.node_of(self.worker)))
         self.node_store.set(key("beat", self.worker), "joining")
@@ -313,7 +309,7 @@ class _Live:
             gen = control.read(self.store, n)
             membership.end_if_over(gen)
             if self.worker in gen.members:
-                self._seen = n
+                self.watcher.seen = n
                 return gen
 
     def _check_enough(self, gen: Generation) -> None:
@@ -326,7 +322,7 @@ class _Live:
         """A hot spare of ``gen``: wait, in this process, for the next generation (a failure
         it may cover, a join, the job's end); returns it."""
         self.gen, self.world = gen, None
-        self._seen = max(self._seen, gen.number)
+        self.watcher.seen = max(self.watcher.seen, gen.number)
         if not self.prev_active:  # warm while it waits: what fn imports lazily, frozen (see regroup.freeze_heap)
             regroup.freeze_heap()
         self.node_store.set(key("beat", self.worker), f"spare g{gen.number}")  # not a step: no hang check
@@ -335,7 +331,7 @@ class _Live:
             name = control.watch_key(self.worker, n) if self.node_address != self.address else key("g", n)
             if store_client.wait_key(self.node_store, name, 3600.0):
                 break
-        self._seen = max(self._seen, n)
+        self.watcher.seen = max(self.watcher.seen, n)
         nxt = control.read(self.store, n)
         membership.end_if_over(nxt)
         if self.worker not in nxt.members:
@@ -361,9 +357,8 @@ class _Live:
         if gen.number > 0 and gen.cause in (Cause.LOST, Cause.GROW):
             self.note = _describe(gen, self.multiple_of, self.prev_active) + " at step {} " + f"(generation {gen.number})"
         self.prev_active = gen.active(self.multiple_of)
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="unickpt-live-watch", daemon=True)
-            self._watcher.start()
+        if not self.watcher.started:
+            self.watcher.start()
 
     def verdict(self, error: BaseException) -> Generation | None:
         """The generation to go on in after ``error`` ended ``fn``, or None when ``error``
@@ -413,68 +408,30 @@ class _Live:
     def interruptible(self) -> "_InFn":
         return _InFn(self)
 
-    def _watch(self) -> None:
-        """Wait for the next generation (blocked in the store's ``wait``: a wake-up per
-        generation, no polling, no timeout; in the node's store, on this worker's own key,
-        where the launcher relays it); one that removes members ends ``fn`` at once."""
-        store = store_client.connect(self.address)
-        # under unickpt launch its launcher relays each generation on the node's store
-        watched = store_client.connect(self.node_address) if self.node_address != self.address else store
-        self._beater = threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True)
-        self._beater.start()
-        while not self._stop.is_set():
-            nxt = self._seen + 1
-            try:
-                if self.node_address != self.address:
-                    woke = store_client.wait_key(watched, control.watch_key(self.worker, nxt), WATCH_WAIT_S)
-                else:  # no node store (a test's own): the job's store, a second at a time
-                    woke = store_client.wait_key(watched, key("g", nxt), 1.0)
-                if not woke or self._stop.is_set():
-                    continue
-                gen = control.read(store, nxt)
-            except RuntimeError:
-                return  # the store is gone: the control plane was lost
-            self._seen = nxt
-            if gen.cause != Cause.GROW or self.worker not in gen.members:
-                with self.lock:
-                    if self.in_fn and self.gen is not None and self._unchanged(gen):
-                        self.gen = gen  # a spare was lost: the active world trains on, in its groups
-                        if self.world is not None and self.world.rank == 0 and gen.lost:
-                            say(_describe(gen, self.multiple_of, self.prev_active) + f" (generation {gen.number})")
-                        continue
-                    if self.in_fn and self.gen is not None and gen.number > self.gen.number:
-                        self.cut()  # the main thread may be blocked in a gloo collective
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
-                                                                   ctypes.py_object(Interrupted))
+    def _on_generation(self, gen: Generation) -> None:
+        """The watcher saw ``gen``: one that changes the active world ends ``fn`` at once
+        (its collectives cut, :class:`Interrupted` raised into the main thread); one that
+        only lost a spare is noted; a grow is taken at the step boundary."""
+        if gen.cause == Cause.GROW and self.worker in gen.members:
+            return
+        with self.lock:
+            if self.in_fn and self.gen is not None and self._unchanged(gen):
+                self.gen = gen  # a spare was lost: the active world trains on, in its groups
+                if self.world is not None and self.world.rank == 0 and gen.lost:
+                    say(_describe(gen, self.multiple_of, self.prev_active) + f" (generation {gen.number})")
+                return
+            if self.in_fn and self.gen is not None and gen.number > self.gen.number:
+                self.cut()  # the main thread may be blocked in a gloo collective
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main), ctypes.py_object(Interrupted))
 
     def _unchanged(self, gen: Generation) -> bool:
         """True when ``gen`` keeps this generation's active world as it is (only spares or
         pending replacements changed): nothing to re-form."""
         return gen.cause == Cause.LOST and gen.active(self.multiple_of) == self.prev_active
 
-    def _beat(self) -> None:
-        """Tell the launcher this process runs, every ALIVE_S (its own connection: the
-        watcher's is blocked in ``wait``)."""
-        try:
-            store = store_client.connect(self.node_address)
-            while not self._stop.wait(ALIVE_S):
-                store.add(key("alive", self.worker), 1)
-        except RuntimeError:
-            return  # the store is gone
-
     def stop(self) -> None:
-        """End the watcher and the beats before ``run`` returns: neither is left blocked in
-        the store when its server (node 0's launcher, or a caller's own) goes away at exit.
-        The watcher is woken by its own key, set here."""
-        self._stop.set()
-        if self._watcher is not None and self.node_address != self.address:
-            try:
-                self.node_store.set(control.watch_key(self.worker, self._seen + 1), "stop")
-            except RuntimeError:
-                pass  # the launcher is gone: the watcher's wait has failed already
-        for thread in (self._watcher, self._beater):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(2.0)
+        """End the watcher and the beats before ``run`` returns (:meth:`.Watcher.stop`)."""
+        self.watcher.stop()
 
     # -- the step boundary ------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
