@@ -28,7 +28,7 @@ from ..dist import all_true, broadcast_bytes, resolve_group
 from ..engine.restored import Restored
 from ..errors import UnickptError
 from ..logs import say
-from ..live.run import Interrupted, restored, step_boundary
+from ..live.run import Interrupted, position, restored, step_boundary
 from .async_save import AsyncSaveHandle, async_save
 from .checkpoints import Checkpoints, TierFallbackWarning, durable_options
 from .deltas.log import Replay, step_of
@@ -435,7 +435,7 @@ class CheckpointManager(Checkpoints):
             from ..snapshot.client import Snapshotter, job_id
 
             self._snap = Snapshotter(job_id(self.root), snapshot, process_group=self.process_group,
-                                     flush_dir=self.root if snapshot.flush_every else None)
+                                     flush_dir=self.root if snapshot.flush_every else None, position=position())
         if deltas is not None:
             self._deltas = StepDeltas(self.root, self._covered, deltas.dtype, self.process_group)
 

@@ -189,6 +189,15 @@ def _check_group_kept(error: BaseException | None) -> None:
                            "when fn returns (and tears it down after a failure); remove that call from fn") from error
 
 
+def position() -> tuple[int, int] | None:
+    """(node index, local rank) of this worker in the current generation under ``unickpt
+    launch`` (the snapshot tier's place, passed in by the manager); None elsewhere."""
+    live = _CURRENT.get()
+    if live is None or live.world is None:
+        return None
+    return live.world.node, live.world.local_rank
+
+
 def step_boundary(step: int) -> bool:
     """Called by ``CheckpointManager.maybe_save`` after each step: reports progress to the
     launcher (its hang detection) and says whether the job re-forms after this step (a

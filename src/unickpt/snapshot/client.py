@@ -272,6 +272,9 @@ class Snapshotter:
         process_group: The job's group (default: the default group).
         host: The address the keepers listen on (None: chosen).
         flush_dir: Where flushed snapshots go (needed with ``flush_every``).
+        position: This rank's (node index, local rank): the node whose keeper holds its
+            snapshots (None: from torchrun's environment, see :func:`node_position`;
+            ``unickpt.run``'s world passes it through the manager).
 
     Raises:
         SnapshotError: No snapshot interval, a flush without ``flush_dir``, an shm root
@@ -279,7 +282,7 @@ class Snapshotter:
     """
 
     def __init__(self, job: str, options: SnapshotOptions, *, root: str | None = None, process_group: Any = None,
-                 host: str | None = None, flush_dir: str | None = None) -> None:
+                 host: str | None = None, flush_dir: str | None = None, position: tuple[int, int] | None = None) -> None:
         if not isinstance(options, SnapshotOptions):
             raise SnapshotError(f"Snapshotter takes a SnapshotOptions, not {type(options).__name__} ({options!r})")
         if not options.every:
@@ -295,7 +298,7 @@ class Snapshotter:
         parity = (0 if replicas > 1 else 1) if options.parity is None else options.parity  # XOR by default
         self.process_group = process_group
         self.group = checkpoint_group(resolve_group(process_group), CHANNEL)
-        self.node, self.local_rank = node_position(self.group.rank)
+        self.node, self.local_rank = position if position is not None else node_position(self.group.rank)
         where = [_WHERE.unpack(b) for b in all_gather_fixed(self.group, _WHERE.pack(self.node, network_identity()))]
         self.machines = dict(where)  # node -> network identity
         self.host = keeper_host(host, len(set(self.machines.values())) > 1)
