@@ -13,6 +13,7 @@ generation, its rank and pid, and the time.
 from __future__ import annotations
 
 import argparse
+import json
 
 import lightning as L
 import torch
@@ -27,6 +28,32 @@ GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks
 SAMPLES = 96  # 8 steps an epoch
 
 
+class Given(L.pytorch.loggers.Logger):
+    """A logger built once per process (outside the generations, as a user's would be):
+    rank 0 appends each step it is given to ``path`` (tests/test_lightning.py checks that
+    no step is given twice or lost across the re-formings)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    @property
+    def name(self) -> str:
+        return "given"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if dist.get_rank() == 0 and "loss" in metrics:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(metrics["loss"])}) + "\n")
+
+
 class Logged(Regression):
     """Regression whose every rank logs each step with where it ran."""
 
@@ -36,7 +63,9 @@ class Logged(Regression):
 
     def training_step(self, batch, batch_idx):
         self._xsum = batch[0].sum().detach().clone()
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         total = torch.stack([self._loss, self._xsum])
@@ -58,6 +87,8 @@ def main() -> None:
     p.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
     args = p.parse_args()
 
+    given = Given(args.log + ".given")
+
     def fit(world) -> None:
         L.seed_everything(0, verbose=False)
         if args.strategy == "fsdp2":
@@ -69,7 +100,8 @@ def main() -> None:
         else:
             model, strategy = Logged(args.log, world, args.sleep), "ddp"
         trainer = L.Trainer(accelerator="cpu", devices=world.local_size, num_nodes=world.nodes, strategy=strategy,
-                            max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            max_steps=args.steps, logger=given, log_every_n_steps=1, enable_checkpointing=False,
+                            enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
                             callbacks=[UnickptCallback(args.ckpt_dir, snapshot_every=1, per_rank_data=False)])
         trainer.fit(model, train_dataloaders=Batches(world.rank, world.size, GLOBAL_BATCH, SAMPLES))

@@ -192,6 +192,76 @@ def test_stop_and_resume_in_one_process_bitwise(tmp_path, accumulate):
     assert a == b and set(range(1, 15)) <= set(b)
 
 
+class _Recorded(L.pytorch.loggers.Logger):
+    """A real Lightning logger that keeps every ``log_metrics`` call it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorded"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if "loss" in metrics:
+            self.calls.append((step, float(metrics["loss"])))
+
+
+class _Logging(Regression):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+class _FailAt(L.pytorch.Callback):
+    """Raises at the end of step ``step``'s batch, before Lightning hands its metrics to the loggers."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"failure at step {self.step}")
+
+
+def _logged_fit(tmp_path, steps: int, logger, callbacks: list) -> None:
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=logger,
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(_Logging(0.0, str(tmp_path / "loss.jsonl"), 0.0), train_dataloaders=Batches(0, 1))
+
+
+def test_a_logger_gets_each_step_once_when_the_fit_resumes_in_the_same_process(tmp_path):
+    """As after a re-forming under unickpt.run: a fit fails at step 8 (durable checkpoints
+    every 3), and a new Trainer in the same process, with the same logger, resumes from
+    step 6 and re-does steps 7 and 8. The logger is given every step once, 1 to 10, with
+    the values of an unbroken fit (the re-done step 7 is not given again; without the
+    callback's filter it would be, twice)."""
+    unbroken = _Recorded()
+    (tmp_path / "a").mkdir()
+    _logged_fit(tmp_path / "a", 10, unbroken, [])
+    logger = _Recorded()
+    with pytest.raises(RuntimeError, match="failure at step 8"):
+        _logged_fit(tmp_path, 10, logger, [UnickptCallback(str(tmp_path / "ck"), save_every=3), _FailAt(8)])
+    before = [s for s, _ in logger.calls]
+    callback = UnickptCallback(str(tmp_path / "ck"), save_every=3)
+    _logged_fit(tmp_path, 10, logger, [callback])
+    # Lightning logs global step k as step k - 1: steps 1..7 were given, 8 failed before its turn
+    assert callback.restored_step == 6 and before == list(range(7)), before
+    assert [s for s, _ in logger.calls] == [s for s, _ in unbroken.calls] and len(unbroken.calls) == 10
+    assert logger.calls == unbroken.calls
+
+
 def test_fit_loop_state_round_trip(tmp_path):
     """FitLoopState saved through unickpt and loaded into a fresh Trainer's fit loop gives
     Lightning the same progress; the loaders' state is per rank unless told otherwise."""
@@ -342,3 +412,9 @@ def test_live_recovery_in_the_same_processes(tmp_path, shm_roots, strategy):
     rows, job = live_job(tmp_path, LIVE, 3, steps, ["--strategy", strategy], sleep=0.3, kill_after=4)
     took = check_live_run(rows, job, 3, steps, want, f"Lightning {strategy}")
     assert took < 10, took  # the target is 2 s; a loaded shared machine may stretch it
+    # the logger built once per process: no step given twice across the re-formings (Lightning's
+    # step k - 1 for step k). Not yet every step: the step whose snapshot was taken (in
+    # on_train_batch_end) when the kill came, before Lightning handed its metrics to the
+    # loggers, is never given (docs/INTEGRATIONS.md says so)
+    given = [json.loads(x)["step"] for x in open(tmp_path / "log.jsonl.given")]
+    assert given == sorted(set(given)) and len(set(range(steps)) - set(given)) <= 1, given

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..api.manager import CheckpointManager
+from ..dist import all_gather_fixed, resolve_group
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import UnickptError
@@ -50,6 +52,11 @@ from ..live.run import run as _live_run
 log = logging.getLogger("unickpt")
 
 __all__ = ["UnickptCallback", "FitLoopState", "run"]
+
+# per checkpoint root: the newest step this process's loggers were given. After a
+# re-forming (live recovery, same process) the fit resumes from the newest snapshot and
+# re-does the steps after it, which the loggers had already been given.
+_LOGGED: dict[str, int] = {}
 
 
 def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
@@ -187,7 +194,28 @@ class UnickptCallback(pl.Callback):
             if trainer.global_step != self.restored_step:
                 raise UnickptError(f"the fit loop restored from step {self.restored_step} says global step "
                                    f"{trainer.global_step}: the checkpoint's progress does not match its step")
+        self._log_each_step_once(trainer)
         self._last_step = trainer.global_step
+
+    def _log_each_step_once(self, trainer: pl.Trainer) -> None:
+        """The trainer's loggers get each step once: after a restore, the steps a logger of
+        this process was given before (the steps re-done after the snapshot resumed from,
+        when the job re-formed in the same processes) are not given again; their first
+        values stand. The newest step given is agreed on by every rank (the new rank 0 may
+        be a process that logged nothing: Lightning's loggers write on rank 0 only)."""
+        if not trainer.loggers:
+            return
+        root = os.path.abspath(self.manager.root)
+        given = _LOGGED.get(root, -1) if self.restored_step else -1
+        if dist.is_initialized():
+            group = resolve_group()
+            given = max(struct.unpack("<q", b)[0] for b in all_gather_fixed(group, struct.pack("<q", given)))
+        for logger in trainer.loggers:
+            current = logger.log_metrics
+            if isinstance(current, _OncePerStep):
+                current.floor = given
+            else:
+                logger.log_metrics = _OncePerStep(current, root, given)  # type: ignore[method-assign]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a restore mid-epoch: Lightning made the loaders' iterators (and fast-forwarded
@@ -250,6 +278,21 @@ class UnickptCallback(pl.Callback):
         stops the keepers; collective)."""
         if stage == "fit" and self.state is not None:
             self.manager.close()
+
+
+class _OncePerStep:
+    """A logger's ``log_metrics`` that passes on no step up to ``floor`` (given before a
+    re-forming) and records the newest step it passes on for ``root``."""
+
+    def __init__(self, log_metrics: Callable[..., Any], root: str, floor: int) -> None:
+        self.log_metrics, self.root, self.floor = log_metrics, root, floor
+
+    def __call__(self, metrics: dict[str, Any], step: int | None = None) -> Any:
+        if step is not None:
+            if step <= self.floor:
+                return None
+            _LOGGED[self.root] = max(_LOGGED.get(self.root, -1), step)
+        return self.log_metrics(metrics, step)
 
 
 def _check_ranks(trainer: pl.Trainer) -> None:
