@@ -13,7 +13,6 @@ generation, its rank and pid, and the time.
 from __future__ import annotations
 
 import argparse
-import json
 
 import lightning as L
 import torch
@@ -21,37 +20,11 @@ import torch.distributed as dist
 
 from unickpt.integrations.lightning import UnickptCallback, run
 
-from lightning_train import Batches, Regression, ShardedRegression
+from lightning_train import Batches, Recorded, Regression, ShardedRegression
 from live_helpers import log_step
 
 GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks
 SAMPLES = 96  # 8 steps an epoch
-
-
-class Given(L.pytorch.loggers.Logger):
-    """A logger built once per process (outside the generations, as a user's would be):
-    rank 0 appends each step it is given to ``path`` (tests/test_lightning.py checks that
-    no step is given twice or lost across the re-formings)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    @property
-    def name(self) -> str:
-        return "given"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        if dist.get_rank() == 0 and "loss" in metrics:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": float(metrics["loss"])}) + "\n")
 
 
 class Logged(Regression):
@@ -87,7 +60,7 @@ def main() -> None:
     p.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
     args = p.parse_args()
 
-    given = Given(args.log + ".given")
+    given = Recorded(args.log + ".given")  # built once per process, as a user's logger should be
 
     def fit(world) -> None:
         L.seed_everything(0, verbose=False)

@@ -54,6 +54,35 @@ class Batches:
         self.epoch, self.position = int(sd["epoch"]), int(sd["position"])
 
 
+class Recorded(L.pytorch.loggers.Logger):
+    """A real Lightning logger that keeps each (step, loss) it is given; with ``path``, rank
+    0 also appends each to it as a JSON line (a live job's logger, built once per process)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        super().__init__()
+        self.path = path
+        self.calls: list[tuple[int, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorded"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if "loss" not in metrics:
+            return
+        self.calls.append((step, float(metrics["loss"])))
+        if self.path and (not dist.is_initialized() or dist.get_rank() == 0):
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(metrics["loss"])}) + "\n")
+
+
 class Regression(L.LightningModule):
     def __init__(self, dropout: float, loss_log: str, sleep: float) -> None:
         super().__init__()

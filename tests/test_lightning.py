@@ -26,7 +26,7 @@ import unickpt  # noqa: E402
 from unickpt.integrations.lightning import FitLoopState, UnickptCallback  # noqa: E402
 from unickpt.testing import descendants  # noqa: E402
 
-from lightning_train import Batches, Regression  # noqa: E402
+from lightning_train import Batches, Recorded, Regression  # noqa: E402
 from live_helpers import check_live_run, live_job  # noqa: E402
 from snapshot_helpers import launch_nodes, losses, resumed_lines, steps_whole, wait_all  # noqa: E402
 
@@ -192,29 +192,6 @@ def test_stop_and_resume_in_one_process_bitwise(tmp_path, accumulate):
     assert a == b and set(range(1, 15)) <= set(b)
 
 
-class _Recorded(L.pytorch.loggers.Logger):
-    """A real Lightning logger that keeps every ``log_metrics`` call it is given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[int, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorded"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        if "loss" in metrics:
-            self.calls.append((step, float(metrics["loss"])))
-
-
 class _Logging(Regression):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -247,10 +224,10 @@ def test_a_logger_gets_each_step_once_when_the_fit_resumes_in_the_same_process(t
     step 6 and re-does steps 7 and 8. The logger is given every step once, 1 to 10, with
     the values of an unbroken fit (the re-done step 7 is not given again; without the
     callback's filter it would be, twice)."""
-    unbroken = _Recorded()
+    unbroken = Recorded()
     (tmp_path / "a").mkdir()
     _logged_fit(tmp_path / "a", 10, unbroken, [])
-    logger = _Recorded()
+    logger = Recorded()
     with pytest.raises(RuntimeError, match="failure at step 8"):
         _logged_fit(tmp_path, 10, logger, [UnickptCallback(str(tmp_path / "ck"), save_every=3), _FailAt(8)])
     before = [s for s, _ in logger.calls]
