@@ -205,7 +205,7 @@ class UnickptCallback(pl.Callback):
         be a process that logged nothing: Lightning's loggers write on rank 0 only)."""
         if not trainer.loggers:
             return
-        root = os.path.abspath(self.manager.root)
+        root = str(self.manager.root)
         given = _LOGGED.get(root, -1) if self.restored_step else -1
         if dist.is_initialized():
             group = resolve_group()

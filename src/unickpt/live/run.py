@@ -143,7 +143,7 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
     try:
         return live.loop(fn, backend)
     finally:
-        live.stop()
+        live.watcher.stop()  # neither thread left blocked in a store whose server goes away at exit
         join_aborts()  # an NCCL communicator half aborted at the interpreter's exit can hang it
         _CURRENT.reset(token)
         gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
@@ -437,10 +437,6 @@ class _Live:
         """True when ``gen`` keeps this generation's active world as it is (only spares or
         pending replacements changed): nothing to re-form."""
         return gen.cause == Cause.LOST and gen.active(self.multiple_of) == self.prev_active
-
-    def stop(self) -> None:
-        """End the watcher and the beats before ``run`` returns (:meth:`.Watcher.stop`)."""
-        self.watcher.stop()
 
     # -- the step boundary ------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
