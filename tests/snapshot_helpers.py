@@ -1,19 +1,29 @@
 """Launching the example trainer as simulated nodes (one torchrun agent per node on
-localhost, each with its own shm root) and injecting failures, for the snapshot tests."""
+localhost, each with its own shm root) and injecting failures, for the snapshot tests.
+
+Each agent is torchrun's own (``torch.distributed.run.main``) forked from a preloaded
+launcher (tests/node_fork.py) and forks its workers (torchrun's ``--run-path
+--start-method fork``): a node starts without importing torch in every process.
+(tests/test_restarts.py, test_resume.py and test_cli.py start ``torchrun`` as a program,
+as a user does.)"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from unickpt.testing import free_port, kill_session
 
-TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+HERE = os.path.dirname(os.path.abspath(__file__))
+# what a forked node's workers import beyond tests/node_fork.py's BASE, by the script they run
+PRELOAD = {"lightning_train.py": ("lightning",), "hf_trainer_job.py": ("transformers", "transformers.trainer")}
 TINY = ["--steps", "10", "--seed", "3", "--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--dataset-size", "240"]
 
 
@@ -22,24 +32,109 @@ def env_for(root: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=root)
 
 
+class _Launcher:
+    """The client of one tests/node_fork.py process (one per preload list, started at first use)."""
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "node_fork.py"), *preload],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.lock = threading.Lock()
+
+    def ask(self, request: dict) -> dict:
+        with self.lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the nodes' launcher (tests/node_fork.py) ended ({self.proc.wait()}); its errors "
+                                 "are on this test's stderr")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(30)
+
+
+_LAUNCHERS: dict[tuple[str, ...], _Launcher] = {}
+
+
+@atexit.register
+def _close_launchers() -> None:
+    for launcher in _LAUNCHERS.values():
+        launcher.close()
+
+
+class ForkedNode:
+    """A node's torchrun agent forked by tests/node_fork.py, seen as a ``subprocess.Popen``
+    (pid, poll, wait, returncode): the agent is not this process's child."""
+
+    def __init__(self, launcher: _Launcher, pid: int, pids: str) -> None:
+        self.launcher, self.pid, self.pids = launcher, pid, pids
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.launcher.ask({"poll": self.pid})["code"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"node agent {self.pid}", timeout or 0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def worker_pids(node: ForkedNode) -> dict[int, int]:
+    """Global rank -> pid of a node's live workers, as they recorded themselves (a worker
+    torchrun restarted replaces the one before it)."""
+    out = {}
+    for name in os.listdir(node.pids) if os.path.isdir(node.pids) else []:
+        if not name.startswith("rank") or not name[4:].isdigit():
+            continue  # a record being written
+        try:
+            pid = int(open(os.path.join(node.pids, name)).read())
+            if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == node.pid:  # still the agent's
+                out[int(name[4:])] = pid
+        except (OSError, ValueError, IndexError):
+            continue  # ended
+    return out
+
+
 def launch_nodes(cwd, roots: list[str], flags: list[str], nproc: int = 1, script: str | None = None,
-                 agent: list[str] = ()) -> list[subprocess.Popen]:
+                 agent: list[str] = ()) -> list[ForkedNode]:
     """One torchrun agent per shm root, all meeting at one c10d rendezvous on localhost;
     each agent in its own session (so a node's processes can be killed together). The
     example trainer runs, or ``script`` (a path) when given; ``agent``: more torchrun flags."""
     port = free_port()
-    procs = []
+    preload = PRELOAD.get(os.path.basename(script or ""), ())
+    launcher = _LAUNCHERS.get(preload) or _LAUNCHERS.setdefault(preload, _Launcher(preload))
     what = [script] if script else ["-m", "unickpt.examples.train"]
+    procs = []
     for i, root in enumerate(roots):
-        cmd = [TORCHRUN, f"--nnodes={len(roots)}", f"--node-rank={i}", f"--nproc-per-node={nproc}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", *agent, *what, *flags]
-        out = open(os.path.join(cwd, f"node{i}.log"), "w")
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env_for(root), stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        pids = os.path.join(os.path.abspath(cwd), f"node{i}.pids")
+        shutil.rmtree(pids, ignore_errors=True)
+        argv = [f"--nnodes={len(roots)}", f"--node-rank={i}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}", *agent, "--start-method=fork", "--run-path",
+                os.path.join(HERE, "node_rank.py"), *what, *flags]
+        pid = launcher.ask({"start": argv, "cwd": os.path.abspath(cwd), "env": dict(env_for(root), NODE_PIDS=pids),
+                            "log": os.path.abspath(os.path.join(cwd, f"node{i}.log"))})["pid"]
+        procs.append(ForkedNode(launcher, pid, pids))
     return procs
 
 
-def wait_all(procs: list[subprocess.Popen], cwd, timeout: float = 240, check: bool = True) -> list[str]:
+def wait_all(procs: list, cwd, timeout: float = 240, check: bool = True) -> list[str]:
     """Wait for the agents; return each node's output (raise with it when one failed)."""
     deadline = time.monotonic() + timeout
     for p in procs:

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from unickpt.testing import descendants
 
-from snapshot_helpers import kill_keeper, launch_nodes, losses, resumed_lines, steps_whole, wait_all
+
+from snapshot_helpers import kill_keeper, launch_nodes, losses, resumed_lines, steps_whole, wait_all, worker_pids
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -48,7 +48,7 @@ def _kill_one_rank(cwd, shm: str, flags: list[str], at: int, ready=lambda: True)
             assert procs[0].poll() is None, open(os.path.join(cwd, "node0.log")).read()[-3000:]
             assert time.monotonic() < deadline, f"timed out waiting for step {at}"
             time.sleep(0.05)
-        ranks = sorted(pid for pid in descendants(procs[0].pid) if _is_rank(pid))
+        ranks = [pid for _, pid in sorted(worker_pids(procs[0]).items())]
         assert len(ranks) == 2, ranks
         os.kill(ranks[-1], signal.SIGKILL)
         last = _last(log)
@@ -56,14 +56,6 @@ def _kill_one_rank(cwd, shm: str, flags: list[str], at: int, ready=lambda: True)
         wait_all(procs, cwd, check=False)
     assert procs[0].returncode != 0 and last < STEPS
     return last
-
-
-def _is_rank(pid: int) -> bool:
-    try:
-        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:
-        return False
-    return b"hf_trainer_job.py" in cmd and b"torchrun" not in cmd and b"torch.distributed.run" not in cmd
 
 
 def _reference(tmp_path, name: str, extra: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor], dict]:

@@ -24,11 +24,11 @@ import lightning as L  # noqa: E402
 
 import unickpt  # noqa: E402
 from unickpt.integrations.lightning import FitLoopState, UnickptCallback  # noqa: E402
-from unickpt.testing import descendants  # noqa: E402
+
 
 from lightning_train import Batches, Recorded, Regression  # noqa: E402
 from live_helpers import check_live_run, live_job  # noqa: E402
-from snapshot_helpers import launch_nodes, losses, resumed_lines, steps_whole, wait_all  # noqa: E402
+from snapshot_helpers import launch_nodes, losses, resumed_lines, steps_whole, wait_all, worker_pids  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_train.py")
 STEPS = 14
@@ -56,20 +56,12 @@ def _killed_run(tmp_path, shm: str, flags: list[str], at: int) -> int:
             assert procs[0].poll() is None, "the run ended before the kill"
             assert time.monotonic() < deadline, f"step {at} never came"
             time.sleep(0.05)
-        trainers = sorted(pid for pid in descendants(procs[0].pid) if _is_trainer(pid))
+        trainers = [pid for _, pid in sorted(worker_pids(procs[0]).items())]
         assert len(trainers) == 2, trainers
         os.kill(trainers[-1], signal.SIGKILL)
         return max(losses(log))
     finally:
         wait_all(procs, tmp_path, check=False)
-
-
-def _is_trainer(pid: int) -> bool:
-    try:
-        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:
-        return False
-    return b"lightning_train.py" in cmd and b"torchrun" not in cmd and b"torch.distributed.run" not in cmd
 
 
 def _final(path: str) -> tuple[dict[str, torch.Tensor], dict]:

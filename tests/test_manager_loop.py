@@ -9,15 +9,16 @@ import json
 import os
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
 
 import unickpt
-from unickpt.testing import descendants, kill_session
+from unickpt.testing import kill_session
 
-from snapshot_helpers import kill_keeper, launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all, wait_for
+from snapshot_helpers import (
+    kill_keeper, launch_nodes, lose_node, losses, resumed_lines, steps_whole, wait_all, wait_for, worker_pids,
+)
 
 LOOP = os.path.join(os.path.dirname(__file__), "user_loop.py")
 
@@ -31,17 +32,9 @@ def _wait(cond, procs, what, timeout=120):
     wait_for(cond, timeout, what, procs)
 
 
-def _trainers(agent: subprocess.Popen) -> list[int]:
-    out = []
-    for pid in descendants(agent.pid):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        args = cmd.split(b"\0")
-        if len(args) > 2 and args[2].endswith(b"user_loop.py"):  # python -u user_loop.py ... (not the agent)
-            out.append(pid)
-    return sorted(out)
+def _trainers(agent) -> list[int]:
+    """The pids of a node's live workers, by rank."""
+    return [pid for _, pid in sorted(worker_pids(agent).items())]
 
 
 def _last(log: str) -> int:

@@ -23,7 +23,7 @@ from unickpt.testing import run_ranks
 
 from snapshot_helpers import (
     TINY, env_for, flip_bit, keeper_pid, kill_keeper, launch_nodes, lose_node, losses, resumed_lines,
-    step_dir, steps_whole, wait_all, wait_for,
+    step_dir, steps_whole, wait_all, wait_for, worker_pids,
 )
 from train_cases import train
 
@@ -33,20 +33,6 @@ _wait_for = wait_for
 
 def _last_step(log: str) -> int:
     return max(losses(log), default=0) if os.path.exists(log) else 0
-
-
-def _trainer_pid(root: str, rank: int) -> int:
-    """The pid of the example trainer of ``rank`` on the node of shm root ``root``."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"unickpt.examples.train" in cmd and b"torchrun" not in cmd and f"UNICKPT_SHM_ROOT={root}".encode() in env \
-                and f"RANK={rank}".encode() in env:
-            return int(pid)
-    raise AssertionError(f"no trainer of rank {rank} on {root}")
 
 
 def _committed(root: str) -> list[int]:
@@ -90,7 +76,7 @@ def test_killed_rank_resumes_from_memory_bitwise(tmp_path, keepers_down):
     try:
         _wait_for(lambda: _last_step(log) >= 5 and steps_whole(root), what="step 5", procs=procs)
         keeper = keeper_pid(root)
-        os.kill(_trainer_pid(root, 1), signal.SIGKILL)
+        os.kill(worker_pids(procs[0])[1], signal.SIGKILL)
     finally:
         wait_all(procs, tmp_path, timeout=60, check=False)
     assert procs[0].returncode != 0

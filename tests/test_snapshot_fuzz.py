@@ -28,7 +28,7 @@ import pytest
 from unickpt.testing import run_ranks
 
 from shm_fuzz_cases import CORRUPTIONS, corrupt, relaunch_cases
-from snapshot_helpers import TINY, keeper_pid, kill_keeper, launch_nodes, losses, resumed_lines, steps_whole, wait_all
+from snapshot_helpers import TINY, keeper_pid, kill_keeper, launch_nodes, losses, resumed_lines, steps_whole, wait_all, worker_pids
 
 JOB = "fuzz"
 FLAGS = [*TINY, "--snapshot-every", "1", "--parity", "1", "--save-every", "4", "--stop-after", "9"]
@@ -173,9 +173,7 @@ def test_every_file_of_a_killed_jobs_shm_root_damaged_resumes_from_disk(tmp_path
     procs = launch_nodes(tmp_path, [root], [*flags, "--loss-log", log, "--compute-sleep", "0.3"], nproc=2)
     try:
         _wait_for(lambda: max(losses(log), default=0) >= 6 if os.path.exists(log) else False, 120, "step 6")
-        from test_snapshot import _trainer_pid
-
-        os.kill(_trainer_pid(root, 1), signal.SIGKILL)
+        os.kill(worker_pids(procs[0])[1], signal.SIGKILL)
     finally:
         wait_all(procs, tmp_path, timeout=60, check=False)
     keeper = keeper_pid(root)

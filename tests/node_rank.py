@@ -1,0 +1,36 @@
+"""A worker of a simulated node (tests/node_fork.py): torchrun's ``--run-path`` runs this
+file in each forked worker. It records the rank's pid (``$NODE_PIDS/rank<RANK>``, for the
+tests that kill a rank) and runs the training script, or ``-m MODULE``, as ``__main__``,
+as ``python script ...`` / ``python -m module ...`` would."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main() -> None:
+    pids = os.environ.get("NODE_PIDS")
+    if pids:
+        os.makedirs(pids, exist_ok=True)
+        path = os.path.join(pids, f"rank{os.environ['RANK']}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+    argv = sys.argv[1:]
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:  # torchrun's fork workers must return to report success; an error code stays one
+        if e.code not in (None, 0):
+            raise
+
+
+if __name__ == "__main__":
+    main()
