@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from unickpt.live.launch import parse
+from unickpt.live.launch_cli import parse
 from unickpt.live.output import parse_std
 
 HERE = Path(__file__).parent
