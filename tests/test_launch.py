@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from unickpt.live.launch import parse
+from unickpt.live.launch_cli import parse
 from unickpt.live.output import parse_std
 
 HERE = Path(__file__).parent
@@ -71,6 +71,71 @@ def test_refused_flags_say_why(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
         parse(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_script_s_arguments_are_passed_through_untouched():
+    """Everything after the script's path is the script's, even launcher flags, -h, -m and
+    `--` (click's allow_interspersed_args=False): the launcher's own values stay the defaults."""
+    tail = ["--nnodes", "3", "--lr", "1", "-m", "--nproc-per-node", "9", "-h", "--", "--role", "x"]
+    a = parse(["--nproc_per_node", "2", "train.py", *tail])
+    assert a.script == "train.py" and a.script_args == tail
+    assert (a.nnodes, a.nproc_per_node, a.module) == (1, 2, False)
+    a = parse(["-m", "pkg.train", "--help"])
+    assert (a.module, a.script, a.script_args) == (True, "pkg.train", ["--help"])
+    assert parse(["train.py", "--", "a"]).script_args == ["--", "a"]  # untouched: the `--` is the script's
+
+
+def test_a_double_dash_before_the_script_ends_the_launcher_s_flags():
+    a = parse(["--standalone", "--nproc-per-node", "2", "--", "train.py", "--x", "1"])
+    assert (a.script, a.script_args, a.standalone, a.nproc_per_node) == ("train.py", ["--x", "1"], True, 2)
+    assert parse(["--", "-odd.py"]).script == "-odd.py"  # after `--` a script may even look like a flag
+
+
+def test_both_spellings_of_torchrun_s_flags():
+    pairs = [("--node-rank", "--node_rank", "1", "node_rank", 1), ("--master-addr", "--master_addr", "h", "master_addr", "h"),
+             ("--master-port", "--master_port", "7", "master_port", 7), ("--rdzv-id", "--rdzv_id", "j", "rdzv_id", "j"),
+             ("--rdzv-endpoint", "--rdzv_endpoint", "h:8", "master_port", 8),
+             ("--rdzv-conf", "--rdzv_conf", "join_timeout=5", "join_timeout", 5.0),
+             ("--nproc-per-node", "--nproc_per_node", "3", "nproc_per_node", 3),
+             ("--max-restarts", "--max_restarts", "2", "max_restarts", 2), ("--log-dir", "--log_dir", "/l", "log_dir", "/l"),
+             ("--local-ranks-filter", "--local_ranks_filter", "1", "local_filter", {1}),
+             ("--shutdown-timeout", "--shutdown_timeout", "4", "shutdown_timeout", 4.0),
+             ("-t", "--tee", "1", "tee_spec", {"stdout"}), ("-r", "--redirects", "2", "redirects_spec", {"stderr"})]
+    nodes = ["--nnodes", "2"]
+    for first, second, value, attr, want in pairs:
+        for flag in (first, second):
+            assert getattr(parse([*nodes, "--node-rank", "1", flag, value, "x.py"]), attr) == want, flag
+    for first, second in (("--no-python", "--no_python"), ("-m", "--module")):
+        assert parse([first, "x"]) == parse([second, "x"])
+    for flag, value in (("--monitor-interval", "1"), ("--monitor_interval", "1"), ("--start-method", "spawn"),
+                        ("--start_method", "spawn"), ("--rdzv-backend", "c10d"), ("--rdzv_backend", "c10d")):
+        assert parse([flag, value, "x.py"]) == parse(["x.py"]), flag  # accepted with torchrun's values
+
+
+def test_an_unknown_launcher_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["--nnode", "2", "x.py"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "No such option: --nnode" in err and "Usage: unickpt launch" in err
+    for argv, says in ((["--master-port", "high", "x.py"], "--master-port"), ([], "Missing argument 'SCRIPT'"),
+                       (["--run-path", "x.py"], "--run-path is not supported"),
+                       (["--local_addr", "h", "x.py"], "--local-addr is not supported")):
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+
+
+def test_unickpt_launch_is_the_same_command():
+    """`unickpt launch` (the CLI app) runs live/launch_cli.py's command: its help, its usage errors."""
+    from typer.testing import CliRunner
+
+    from unickpt.cli import app
+
+    out = CliRunner().invoke(app, ["launch", "--help"])
+    assert out.exit_code == 0 and "--nproc-per-node, --nproc_per_node" in out.output and "passed through untouched" in out.output
+    out = CliRunner().invoke(app, ["launch", "--role", "r", "x.py"])
+    assert out.exit_code == 2 and "--role is not supported" in out.output
+    assert "launch" in CliRunner().invoke(app, ["--help"]).output
 
 
 def test_help_documents_every_flag(capsys):

@@ -30,6 +30,7 @@ from rich.text import Text
 
 from .version import __version__
 from .errors import UnickptError
+from .live import launch_cli
 from .units import human_bytes
 
 if TYPE_CHECKING:
@@ -677,15 +678,9 @@ def export_cmd(
 # ---------------------------------------------------------------- launch
 
 
-@app.command("launch", short_help="Start a node's workers (torchrun's flags); survivors of a failure go on, same processes.",
-             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def launch_cmd(ctx: typer.Context) -> None:
-    """Live recovery's launcher: ``unickpt launch --standalone --nproc-per-node 4 train.py``
-    (see ``unickpt launch --help``). main() hands every ``launch`` command line to it
-    before the other commands are parsed; this entry lists it in ``unickpt --help``."""
-    from .live.launch import main as launch
-
-    raise typer.Exit(launch(list(ctx.args)))
+# torchrun's flags and live recovery's: the one Typer command of live/launch_cli.py (the
+# script's arguments after its path are passed through untouched)
+app.command(**launch_cli.COMMAND)(launch_cli.launch)
 
 
 @app.command("store", short_help="Host a live-recovery job's store and coordinator off the training nodes.")
@@ -829,10 +824,6 @@ def _is_remote(location: str) -> bool:
 
 def main() -> None:
     """Entry point of the ``unickpt`` script and ``python -m unickpt``."""
-    if sys.argv[1:2] == ["launch"]:  # torchrun's flags, passed through untouched (the script's too)
-        from .live.launch import main as launch
-
-        sys.exit(launch(sys.argv[2:]))
     for stream in (sys.stdout, sys.stderr):
         # a name that the terminal's encoding cannot show is escaped, never a crash mid-output
         if hasattr(stream, "reconfigure"):

@@ -34,6 +34,19 @@ class GroupAbandoned(RuntimeError):
     """A collective asked of a group whose generation live recovery tore down."""
 
 
+class PeerLost(dist.DistNetworkError):
+    """A connection of the generation's process group was lost while ``fn`` ran: a peer
+    died, cut its connections, or a collective with it timed out (gloo then closes the
+    pair). The error ``fn`` ended with is its ``__cause__``.
+
+    Why a type of unickpt's: torch 2.13's gloo raises a plain ``RuntimeError`` for such a
+    failure, whatever the collective (``all_reduce``, ``all_gather``, ``broadcast``, DDP's
+    gradient all-reduce in ``backward``: "Connection closed by peer", "Read error ...
+    Connection reset by peer", "Timed out waiting ... for recv operation"), which only its
+    message tells from a user's ``RuntimeError``. :func:`links_lost` reads the evidence off
+    the group's connections instead (tests/peer_loss_probe.py shows each case)."""
+
+
 @dataclass
 class Group:
     """A process group (or none) with this process's rank and the group's size. ``stop``,
@@ -259,6 +272,54 @@ def open_sockets() -> dict[int, str]:
 def opened_since(before: dict[int, str]) -> dict[int, str]:
     """The sockets open now that were not open in ``before``."""
     return {fd: inode for fd, inode in open_sockets().items() if before.get(fd) != inode}
+
+
+def links(sockets: dict[int, str]) -> dict[int, str]:
+    """The connections among ``sockets`` (of a group just made: :func:`opened_since`) that
+    lead to its peers: not a listening socket, not a connection to a store or a keeper
+    another thread opened meanwhile (:mod:`unickpt.kept_connections`)."""
+    out = {}
+    for fd, inode in sockets.items():
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and not is_kept(dup):
+                out[fd] = inode
+        except OSError:
+            pass
+        finally:
+            dup.close()
+    return out
+
+
+_TCP_ESTABLISHED = 1  # tcp_info's first byte, tcpi_state (linux/tcp_states.h)
+
+
+def links_lost(connections: dict[int, str]) -> bool:
+    """True when one of ``connections`` (:func:`links` of a group) is no longer the
+    connection it was: closed (gloo closes a pair whose peer closed it, reset it, or
+    timed out: torch 2.13, measured by tests/peer_loss_probe.py) or no longer established
+    (the peer's FIN read before gloo closed it; or this process cut it). A process that
+    destroys none of these (live recovery's default group: only the tear-down does) sees
+    them all established until a peer is lost. False off Linux (no ``/proc/self/fd``)."""
+    now = open_sockets()
+    for fd, inode in connections.items():
+        if now.get(fd) != inode:
+            return True
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return True  # closed since open_sockets() read it
+        try:
+            if dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED:
+                return True
+        except OSError:
+            pass  # not TCP (a unix socket): nothing to read
+        finally:
+            dup.close()
+    return False
 
 
 def shut_down(sockets: dict[int, str]) -> int:

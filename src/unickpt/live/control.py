@@ -17,9 +17,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..store_client import LIVE_NODE_STORE_ENV, LIVE_STORE_ENV, LIVE_WORKER_ENV, wait_key
+
+if TYPE_CHECKING:
+    from .launch_args import LaunchArgs
 
 PREFIX = "unickpt/live/"
 
@@ -113,7 +116,7 @@ def multiple_of(store: Any) -> int:
 CONFIG_KEY = PREFIX + "config"  # a store host's job: its shape and policy, set by the first launcher
 
 
-def join_config(store: Any, args: Any) -> None:
+def join_config(store: Any, args: LaunchArgs) -> None:
     """A launcher under ``--store``: record the job's shape for the store host's coordinator
     (the first launcher's wins: ``unickpt store``), and refuse a launcher whose shape differs."""
     mine = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "min_ranks": args.min_ranks,

@@ -19,7 +19,6 @@ while its peers still trained, below --min-ranks, or when a node did not join wi
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import select
@@ -36,7 +35,8 @@ from .. import store_client
 from ..store_client import LIVE_DEBUG_ENV, LIVE_PG_TIMEOUT_ENV, torchrun_env
 from . import control
 from .control import Cause, Exited, Generation, Raised, Ready, Stopped, Suspect, key
-from .output import Output, parse_filter, parse_std
+from .launch_args import LaunchArgs
+from .output import Output
 
 NODE_TIMEOUT_S = 3.0  # a node whose launcher is silent this long is lost
 STILL_S = 2.0  # a worker whose watcher thread is silent this long is stopped or holds the GIL
@@ -47,180 +47,8 @@ PROBE_S = 0.5  # a launcher that does not answer a probe within this is lost (a 
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
 DEFAULT_PG_TIMEOUT_S = 60.0
-SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's: after the forwarded SIGINT/SIGTERM, SIGKILL
-JOIN_TIMEOUT_S = 600.0  # torchrun's c10d rendezvous join_timeout
 WAIT_NOTE_S = 5.0  # how often node 0's launcher says which nodes it still waits for
-RDZV_PORT = 29400  # torchrun's port when --rdzv-endpoint names none
 CONNECT_TRY_S = 2.0  # one attempt to reach node 0's store (a signal is seen between attempts)
-
-# torchrun flags unickpt launch does not take: why, and what to do instead (one line each)
-REFUSED = {
-    "--role": "unickpt launch runs one role (torchrun's default, 'default'): drop --role",
-    "--local-addr": "the workers reach the job's store at --master-addr/--rdzv-endpoint: drop --local-addr",
-    "--logs-specs": "use --log-dir, --tee and --redirects (torchrun's default logs spec)",
-    "--run-path": "give the script's path (or -m MODULE) instead of --run-path",
-    "--local-ranks-filter-regex": "use --local-ranks-filter 0,1",
-    "--numa-binding": "bind the workers yourself (numactl in --no-python mode)",
-    "--event-log-handler": "unickpt launch prints its events on stderr: drop the flag",
-    "--virtual-local-rank": "every worker sees its own LOCAL_RANK: drop the flag",
-}
-RDZV_CONF_TAKEN = {"join_timeout", "read_timeout", "is_host"}
-
-EPILOG = """\
-multi-node: on every node
-  unickpt launch --nnodes 2 --node-rank N --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py
-  (HOST:PORT: node 0's address, where its launcher hosts the job's store; torchrun's
-  --master-addr/--master-port spelling works too). Generation 0 starts once every node
-  joined; a node missing after --join-timeout ends the job (exit 1, named).
-
-output: every worker line comes whole, as "[rankN]: ..." (torchrun's --tee prefix).
-
-Ctrl-C / SIGTERM: forwarded once to every worker (each in its own process group), SIGKILL
-after --shutdown-timeout; exit 130 / 143. The snapshots a node's keeper holds stay in
-memory: the same command resumes from them; `unickpt snapshots --free` frees them.
-"""
-
-
-def _nnodes(text: str) -> int:
-    lo, sep, hi = text.partition(":")
-    if not lo.strip().isdigit() or (sep and hi.strip() != lo.strip()):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: unickpt launch starts on exactly N nodes (--nnodes N); an elastic MIN:MAX range is live "
-            "recovery here: the job goes on without a lost node (down to --min-ranks ranks) and a node started "
-            "again joins it")
-    return int(lo)
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    """torchrun's flags (torchrun's names, both spellings), and live recovery's."""
-    p = argparse.ArgumentParser(prog="unickpt launch", description=__doc__.split("\n\n")[0], epilog=EPILOG, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--standalone", action="store_true", help="one node, the store on a free local port")
-    p.add_argument("--nnodes", type=_nnodes, default=1, help="the job's nodes: N (or torchrun's N:N)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=None,
-                   help="this node's index, 0 .. nnodes-1 (node 0 hosts the job's store; needed with --nnodes > 1)")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="node 0's address (default 127.0.0.1)")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500, help="the job's store port on node 0")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", default="static",
-                   help="c10d (or static): the job's store on node 0 at --rdzv-endpoint")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
-                   help=f"HOST[:PORT] of node 0 (port {RDZV_PORT} when left out): same as --master-addr/--master-port")
-    p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="the job's id (TORCHELASTIC_RUN_ID; names --log-dir's folder)")
-    p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
-                   help="KEY=VALUE,...: join_timeout (as --join-timeout), read_timeout and is_host are taken; others refused")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
-                   help="workers on this node: N, gpu (one per GPU), cpu (one per CPU) or auto (gpu when there are GPUs, "
-                        "else cpu)")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="a script under unickpt.run: replacement workers this node may start over the job (they join "
-                        "the survivors); a plain script: times the whole group is restarted after a failure (torchrun's)")
-    p.add_argument("--hang-timeout", type=float, default=0.0,
-                   help="kill a worker that shows no progress for this many seconds (0: never)")
-    p.add_argument("--min-ranks", type=int, default=1, help="end the job below this many ranks")
-    p.add_argument("--store", default=None, metavar="HOST:PORT",
-                   help="the job's store, hosted by `unickpt store --port PORT` on HOST (which also coordinates the "
-                   "job): no node hosts it, so the loss of node 0 is a node loss like any other")
-    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S,
-                   help=f"seconds generation 0 waits for every node to join (default {JOIN_TIMEOUT_S:g}, torchrun's)")
-    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
-                   help=f"after Ctrl-C/SIGTERM, seconds before the workers are killed (default {SHUTDOWN_TIMEOUT_S:g})")
-    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None,
-                   help="accepted for torchrun's command lines; not needed: exits are seen at once (SIGCHLD)")
-    p.add_argument("--start-method", "--start_method", default="spawn",
-                   help="spawn (the only one: every worker is a fresh process)")
-    p.add_argument("-t", "--tee", default="0",
-                   help="also write these streams to per-rank files under --log-dir: 0 none, 1 stdout, 2 stderr, "
-                        "3 both, or LOCAL:VALUE,... per local rank")
-    p.add_argument("-r", "--redirects", default="0",
-                   help="write these streams to the per-rank files only, not the console (values as --tee)")
-    p.add_argument("--log-dir", "--log_dir", default=None,
-                   help="where per-rank files go: LOG_DIR/RDZV_ID/attempt_N/LOCAL_RANK/{stdout,stderr}.log "
-                        "(default: a new temporary folder, named on stderr)")
-    p.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None,
-                   help="show only these local ranks' lines on the console (0,1); the files keep all")
-    p.add_argument("--no-python", "--no_python", action="store_true",
-                   help="run the script as a program, not with python (its interpreter is the user's)")
-    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
-    for flag in REFUSED:
-        p.add_argument(*sorted({flag, "--" + flag[2:].replace("-", "_")}), dest="refused_" + flag[2:].replace("-", "_"),
-                       nargs="?", const="", default=None, help=argparse.SUPPRESS)
-    p.add_argument("script", help="the training script (a path; with -m a module; with --no-python a program)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments, passed through untouched")
-    args = p.parse_args(argv)
-    for flag in REFUSED:
-        if getattr(args, "refused_" + flag[2:].replace("-", "_")) is not None:
-            p.error(f"{flag} is not supported: {REFUSED[flag]}")
-    if args.start_method != "spawn":
-        p.error(f"--start-method {args.start_method} is not supported: every worker starts as a fresh process "
-                "(spawn, torchrun's default)")
-    if args.no_python and args.module:
-        p.error("--no-python and -m exclude each other (torchrun's rule)")
-    _rendezvous(p, args)
-    try:
-        args.tee_spec = parse_std(args.tee, "--tee")
-        args.redirects_spec = parse_std(args.redirects, "--redirects")
-        args.local_filter = parse_filter(args.local_ranks_filter)
-    except ValueError as e:
-        p.error(str(e))
-    args.nproc_per_node = _nproc(p, args.nproc_per_node)
-    if args.min_ranks < 1 or args.max_restarts < 0 or args.join_timeout <= 0 or args.shutdown_timeout < 0:
-        p.error("need --min-ranks >= 1, --max-restarts >= 0, --join-timeout > 0 and --shutdown-timeout >= 0")
-    return args
-
-
-def _rendezvous(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """torchrun's rendezvous flags onto the static ones: the job's store on node 0."""
-    if args.rdzv_backend not in ("static", "c10d"):
-        p.error(f"--rdzv-backend {args.rdzv_backend} is not supported: unickpt launch's rendezvous is node 0's c10d "
-                "store; use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (node 0's address)")
-    if args.rdzv_endpoint:
-        host, sep, port = args.rdzv_endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            host, port = args.rdzv_endpoint, str(RDZV_PORT)
-        args.master_addr, args.master_port = host or "127.0.0.1", int(port)
-    for item in filter(None, (x.strip() for x in args.rdzv_conf.split(","))):
-        name, _, value = item.partition("=")
-        if name not in RDZV_CONF_TAKEN:
-            p.error(f"--rdzv-conf {name} is not supported: unickpt launch waits for exactly --nnodes nodes "
-                    f"(--join-timeout); it takes {', '.join(sorted(RDZV_CONF_TAKEN))}")
-        if name == "join_timeout":
-            try:
-                args.join_timeout = float(value)
-            except ValueError:
-                p.error(f"--rdzv-conf join_timeout={value!r}: expected seconds")
-    if args.store is not None:  # the store (and coordinator) on a host of its own: `unickpt store`
-        host, sep, port = args.store.rpartition(":")
-        if not host or not sep or not port.isdigit():
-            p.error(f"--store {args.store}: expected HOST:PORT (where `unickpt store --port PORT` runs)")
-        if args.standalone:
-            p.error("--store and --standalone: --standalone hosts the store in this launcher; give one of them")
-        args.master_addr, args.master_port = host, int(port)
-    if args.standalone:
-        args.nnodes, args.node_rank, args.master_addr, args.master_port = 1, 0, "127.0.0.1", 0
-    if args.node_rank is None:
-        if args.nnodes > 1:
-            p.error(f"--nnodes {args.nnodes} needs --node-rank N on every node (0 on the node at "
-                    f"{args.master_addr}, which hosts the job's store)")
-        args.node_rank = 0
-    if not 0 <= args.node_rank < args.nnodes:
-        p.error(f"need 0 <= --node-rank < --nnodes, not --node-rank {args.node_rank} with --nnodes {args.nnodes}")
-
-
-def _nproc(p: argparse.ArgumentParser, text: str) -> int:
-    """torchrun's --nproc-per-node: N, gpu, cpu or auto."""
-    if text.isdigit() and int(text) >= 1:
-        return int(text)
-    if text in ("gpu", "auto"):
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-        if text == "gpu":
-            p.error("--nproc-per-node gpu: this node has no CUDA GPU (use a number, cpu or auto)")
-    if text in ("cpu", "auto"):
-        return os.cpu_count() or 1
-    p.error(f"--nproc-per-node {text!r}: expected a number >= 1, gpu, cpu or auto")
-    raise AssertionError  # p.error exits
 
 
 class Signals:
@@ -248,9 +76,8 @@ class Signals:
         return signal.Signals(self.signum).name if self.signum else ""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the node's launcher; returns its exit status."""
-    args = parse(sys.argv[1:] if argv is None else argv)
+def run_node(args: LaunchArgs) -> int:
+    """Run this node's launcher; returns its exit status."""
     signals = Signals()
     signals.install()  # Ctrl-C while the store is reached or nodes are awaited ends this launcher cleanly
     output = Output(args.tee_spec, args.redirects_spec, args.log_dir, args.local_filter, args.rdzv_id)
@@ -309,7 +136,7 @@ class Worker:
 class Launcher:
     """One node's launcher (node 0's is also the job's coordinator)."""
 
-    def __init__(self, args: argparse.Namespace, store: Any, address: str, node_store: Any = None,
+    def __init__(self, args: LaunchArgs, store: Any, address: str, node_store: Any = None,
                  signals: Signals | None = None, output: Output | None = None) -> None:
         self.args, self.store, self.address = args, store, address
         self.node_store = node_store if node_store is not None else store
@@ -652,7 +479,7 @@ class Coordinator:
     """Node 0's launcher's second role: it opens the job's generations, and ends the job
     with its verdict (the exit status every node's launcher returns, and their last line)."""
 
-    def __init__(self, store: Any, args: argparse.Namespace, output: Output | None = None) -> None:
+    def __init__(self, store: Any, args: LaunchArgs, output: Output | None = None) -> None:
         self.store, self.args = store, args
         self.output = output or Output()
         self.gen: Generation | None = None
@@ -673,7 +500,7 @@ class Coordinator:
         self.probes = 0  # probes sent
         self.multiple: int | None = None  # the job's multiple_of, once a worker has said it
         self.probe: tuple[int, float, list[int]] | None = None  # the one in flight: number, sent at, nodes asked
-        self.me = args.node_rank if getattr(args, "store", None) is None else -1  # the node hosting this coordinator
+        self.me = args.node_rank if args.store is None else -1  # the node hosting this coordinator
 
     def start(self) -> None:
         """Wait for every node to join (:meth:`step` opens generation 0 once they have), or,
@@ -942,7 +769,3 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,9 +16,11 @@ from typing import IO, Any
 STREAMS = ("stdout", "stderr")
 # torchrun's Std values: 0 none, 1 stdout, 2 stderr, 3 both
 _STD = {"0": frozenset(), "1": frozenset({"stdout"}), "2": frozenset({"stderr"}), "3": frozenset(STREAMS)}
+# a --tee/--redirects value: the streams of every local rank, or per local rank
+Std = dict[int, frozenset[str]] | frozenset[str]
 
 
-def parse_std(text: str, flag: str) -> dict[int, frozenset[str]] | frozenset[str]:
+def parse_std(text: str, flag: str) -> Std:
     """torchrun's ``--tee``/``--redirects`` value: ``0``-``3`` for every local rank, or
     ``LOCAL:VALUE,...`` per local rank (the others: none). ValueError names the flag."""
     text = text.strip()
@@ -44,7 +46,7 @@ def parse_filter(text: str | None) -> frozenset[int] | None:
         raise ValueError(f"--local-ranks-filter {text!r}: expected local ranks separated by commas, like 0,1") from None
 
 
-def _for(spec: dict[int, frozenset[str]] | frozenset[str], local: int) -> frozenset[str]:
+def _for(spec: Std, local: int) -> frozenset[str]:
     return spec.get(local, frozenset()) if isinstance(spec, dict) else spec
 
 
@@ -52,7 +54,7 @@ class Output:
     """Relays every worker's output: ``[rankN]: `` + the line, written whole under one
     lock (the launcher's own lines take it too)."""
 
-    def __init__(self, tee: Any = frozenset(), redirects: Any = frozenset(), log_dir: str | None = None,
+    def __init__(self, tee: Std = frozenset(), redirects: Std = frozenset(), log_dir: str | None = None,
                  local_filter: frozenset[int] | None = None, run_id: str = "none") -> None:
         self.tee, self.redirects, self.filter = tee, redirects, local_filter
         self.log_dir, self.run_id = log_dir, run_id

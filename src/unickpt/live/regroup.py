@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import release_groups, run_teardown_hooks, shut_group_sockets
+from ..dist import links, open_sockets, opened_since, release_groups, run_teardown_hooks, shut_group_sockets
 from ..store_client import LIVE_PG_TIMEOUT_ENV
 from .control import key
 from .nccl_abort import abort_in_background
@@ -44,13 +44,17 @@ __all__ = ["cut", "forget_meshes", "form", "teardown"]
 DEFAULT_PG_TIMEOUT_S = 600.0  # a generation's collectives, where $UNICKPT_LIVE_PG_TIMEOUT is not set
 
 
-def form(store: Any, number: int, rank: int, size: int, backend: str | None = None) -> None:
+def form(store: Any, number: int, rank: int, size: int, backend: str | None = None) -> dict[int, str]:
     """Initialise generation ``number``'s default group on the job's ``store``, under the
     generation's own prefix (``g<N>/pg/``, never reused: no key of an earlier generation
-    can mislead it); its collectives wait up to $UNICKPT_LIVE_PG_TIMEOUT seconds."""
+    can mislead it); its collectives wait up to $UNICKPT_LIVE_PG_TIMEOUT seconds. Returns
+    the group's connections to its peers (gloo's; none with NCCL), whose loss
+    :func:`unickpt.dist.links_lost` tells."""
     prefixed = dist.PrefixStore(key("g", number, "pg") + "/", store)
     timeout = timedelta(seconds=float(os.environ.get(LIVE_PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S)))
+    before = open_sockets()
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=timeout)
+    return links(opened_since(before))
 
 
 def cut() -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dist import release_groups, track_group_sockets
+from ..dist import GroupAbandoned, PeerLost, links_lost, release_groups, track_group_sockets
 from ..errors import UnickptError
 from ..logs import log, say
 from ..store_client import (LIVE_DEBUG_ENV, LIVE_NODE_STORE_ENV, LIVE_STORE_ENV, LIVE_TIMINGS_ENV,
@@ -51,6 +51,7 @@ from .watcher import Watcher
 __all__ = ["run", "World", "Interrupted"]
 
 NETWORK_ERROR_WAIT_S = 15.0  # after a failed collective, how long to wait for the coordinator's verdict
+LINK_GRACE_S = 1.0  # an untyped error of fn while every connection is up: how long to watch them for a loss (_typed)
 
 
 class Interrupted(BaseException):
@@ -245,6 +246,7 @@ class _Live:
         self.times: dict[str, float] = {}
         self.watcher = Watcher(worker, address, self.node_address, self.node_store, self._on_generation)
         self.prev_active: list[str] = []  # the active members of the generation before (the lines rank 0 prints)
+        self.links: dict[int, str] = {}  # the default group's connections to its peers (see _typed)
 
     # -- the generations ------------------------------------------------------------------
     def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
@@ -268,8 +270,9 @@ class _Live:
             try:
                 with self.interruptible():
                     result = fn(self.world)
-            except BaseException as e:  # noqa: BLE001 — sorted below: a membership change or a real error
+            except BaseException as raised:  # noqa: BLE001 — sorted below: a membership change or a real error
                 self.mark("interrupted")
+                e = _typed(raised, self.links)  # before the cut below, which ends every link
                 # this generation is over here: cut every group now, so that a peer blocked in
                 # any collective fails at once instead of waiting on this process
                 self.cut()
@@ -281,11 +284,11 @@ class _Live:
                 self.mark("verdict")
                 if nxt is None:
                     _report_raised(self, e)
-                    _check_group_kept(e)
+                    _check_group_kept(raised)
                     self.teardown()
-                    raise
-                _forget_exception(e)  # its frames (and its chain's) hold the model, the mesh, the groups
-                del e
+                    raise e  # the error of fn as it was, or the PeerLost it is the cause of
+                _forget_exception(e)  # its frames (and its chain's: raised) hold the model, the mesh, the groups
+                del e, raised
                 self.teardown()
                 gen = nxt
                 continue
@@ -356,7 +359,7 @@ class _Live:
         # a framework fn builds (Lightning, accelerate) reads its place from torchrun's variables
         os.environ.update(torchrun_env(place["rank"], place["size"], place["local_rank"], place["local_size"],
                                        place["node"], place["nodes"], gen.number))
-        regroup.form(self.store, gen.number, place["rank"], place["size"], backend)
+        self.links = regroup.form(self.store, gen.number, place["rank"], place["size"], backend)
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -558,10 +561,38 @@ def _describe(gen: Generation, multiple_of: int = 1, before: list[str] | None = 
 
 
 def _network_error(error: BaseException) -> bool:
-    """True for an error a dead or departed peer causes (a failed collective or store call)."""
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(w in text for w in ("gloo", "connection", "nccl", "socket", "peer"))
+    """True for an error a dead or departed peer causes, by its type (never its message: a
+    user's ``RuntimeError("bad connection string")`` is fn's own error). What torch 2.13
+    raises in a survivor (tests/peer_loss_probe.py, gloo on CPU): a TCPStore call
+    (``get``, ``add``, ``set``, ``check``, ``wait``, ``compare_set``, ``multi_get``) whose
+    host is gone, ``DistNetworkError``; a store wait that timed out and ``new_group`` with
+    a dead member, ``DistStoreError``: each a ``DistError``, as NCCL's are (its process
+    group throws ``DistBackendError`` on a timeout or a communicator's error: read in
+    torch's source, not measured here). gloo's collectives raise a plain ``RuntimeError``
+    instead (a peer killed, its connections cut, a timeout; DDP's backward too):
+    :func:`_typed` makes it a ``PeerLost`` (a ``DistNetworkError``) from the state of the
+    group's connections. A collective through a group of a torn-down generation:
+    unickpt's ``GroupAbandoned``."""
+    return isinstance(error, (dist.DistError, GroupAbandoned))
 
 
+def _typed(error: BaseException, links: dict[int, str], grace_s: float = LINK_GRACE_S) -> BaseException:
+    """``error``, or a :class:`~unickpt.dist.PeerLost` whose cause it is when ``fn`` ended
+    with an error of no network type while a connection of this generation's default group
+    (``links``, made by :func:`.regroup.form`) is lost, or is lost within ``grace_s``: the
+    evidence that a peer died, cut its connections or timed out, read off the connections,
+    not off the message (gloo's collectives raise a plain ``RuntimeError``). The grace: the
+    error may come from another group's connection (a DeviceMesh's) a moment before the
+    peer's end reaches the default group's, the dying process closing its sockets one by
+    one (a race seen under load in tests/test_live.py's TP layout). A user's error, raised
+    while every connection stays up, is kept as it is (``grace_s`` later)."""
+    if not isinstance(error, Exception) or _network_error(error) or not links:
+        return error
+    deadline = time.monotonic() + grace_s
+    while not links_lost(links):
+        if time.monotonic() >= deadline:
+            return error
+        time.sleep(0.01)
+    lost = PeerLost(f"a connection to a peer of this generation was lost while fn ran ({type(error).__name__}: {error})")
+    lost.__cause__ = error
+    return lost

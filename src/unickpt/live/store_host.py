@@ -9,7 +9,6 @@ loss the survivors recover from. One job per store process: it exits when the jo
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from datetime import timedelta
@@ -17,6 +16,7 @@ from datetime import timedelta
 from ..logs import say
 from .control import CONFIG_KEY, Cause
 from .launch import Coordinator
+from .launch_args import LaunchArgs
 
 TURN_S = 0.01  # how often the coordinator looks at the launchers' reports
 
@@ -31,10 +31,11 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
     say(f"unickpt store: serving on {host}:{store.port}; the launchers join with --store <this host>:{store.port}")
     store.wait([CONFIG_KEY])  # the first launcher's (no timeout logged: the store's own, a year)
     cfg = json.loads(store.get(CONFIG_KEY))
-    args = argparse.Namespace(nnodes=int(cfg["nnodes"]), nproc_per_node=int(cfg["nproc_per_node"]),
-                              min_ranks=int(cfg["min_ranks"]), max_restarts=int(cfg["max_restarts"]),
-                              join_timeout=float(cfg["join_timeout"]), node_rank=-1, standalone=False,
-                              master_addr=host, store=f"{host}:{store.port}")
+    # the coordinator's part of a launch (the job's shape, from the first launcher's command line)
+    args = LaunchArgs(nnodes=int(cfg["nnodes"]), nproc_per_node=int(cfg["nproc_per_node"]),
+                      min_ranks=int(cfg["min_ranks"]), max_restarts=int(cfg["max_restarts"]),
+                      join_timeout=float(cfg["join_timeout"]), node_rank=-1, master_addr=host,
+                      store=f"{host}:{store.port}")
     coordinator = Coordinator(store, args)
     coordinator.start()
     while True:

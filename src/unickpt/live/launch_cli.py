@@ -1,0 +1,284 @@
+"""``unickpt launch``'s command line: torchrun's flags (torchrun's names, both spellings)
+and live recovery's, one Typer command, resolved into a typed
+:class:`~.launch_args.LaunchArgs` for :func:`~.launch.run_node`.
+
+:mod:`unickpt.cli` registers :func:`launch` as its ``launch`` command; :func:`parse` reads
+a command line through the same command without starting anything. Everything after the
+script's path is the script's, untouched, even tokens that look like launcher flags
+(``allow_interspersed_args=False``); a ``--`` before the script ends the launcher's flags
+(torchrun's). Errors are usage errors: exit 2 and one line on stderr saying why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from .launch_args import JOIN_TIMEOUT_S, MASTER_PORT, RDZV_PORT, SHUTDOWN_TIMEOUT_S, LaunchArgs
+
+PROG = "unickpt launch"
+
+# torchrun flags unickpt launch does not take: why, and what to do instead (one line each)
+REFUSED = {
+    "--role": "unickpt launch runs one role (torchrun's default, 'default'): drop --role",
+    "--local-addr": "the workers reach the job's store at --master-addr/--rdzv-endpoint: drop --local-addr",
+    "--logs-specs": "use --log-dir, --tee and --redirects (torchrun's default logs spec)",
+    "--run-path": "give the script's path (or -m MODULE) instead of --run-path",
+    "--local-ranks-filter-regex": "use --local-ranks-filter 0,1",
+    "--numa-binding": "bind the workers yourself (numactl in --no-python mode)",
+    "--event-log-handler": "unickpt launch prints its events on stderr: drop the flag",
+    "--virtual-local-rank": "every worker sees its own LOCAL_RANK: drop the flag",
+}
+RDZV_CONF_TAKEN = {"join_timeout", "read_timeout", "is_host"}
+
+# \b: a paragraph the help prints as written (not re-wrapped)
+EPILOG = """\
+\b
+multi-node: on every node
+  unickpt launch --nnodes 2 --node-rank N --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py
+  (HOST:PORT: node 0's address, where its launcher hosts the job's store; torchrun's
+  --master-addr/--master-port spelling works too). Generation 0 starts once every node
+  joined; a node missing after --join-timeout ends the job (exit 1, named).
+
+\b
+output: every worker line comes whole, as "[rankN]: ..." (torchrun's --tee prefix).
+
+\b
+Ctrl-C / SIGTERM: forwarded once to every worker (each in its own process group), SIGKILL
+after --shutdown-timeout; exit 130 / 143. The snapshots a node's keeper holds stay in
+memory: the same command resumes from them; `unickpt snapshots --free` frees them.
+"""
+
+SETTINGS: dict[str, Any] = {
+    "allow_interspersed_args": False,  # the first positional is the script: the rest is its own
+    "help_option_names": ["-h", "--help"],
+}
+# what `unickpt launch` is, for unickpt.cli's registration and this module's own command
+COMMAND: dict[str, Any] = {
+    "name": "launch",
+    "short_help": "Start a node's workers (torchrun's flags); survivors of a failure go on, same processes.",
+    "epilog": EPILOG,
+    "context_settings": SETTINGS,
+}
+
+
+def _nnodes(text: Any) -> int:
+    """torchrun's ``--nnodes``: N, or N:N (an elastic MIN:MAX range is refused, saying why)."""
+    text = str(text)
+    lo, sep, hi = text.partition(":")
+    if not lo.strip().isdigit() or (sep and hi.strip() != lo.strip()):
+        raise typer.BadParameter(
+            f"{text!r}: unickpt launch starts on exactly N nodes (--nnodes N); an elastic MIN:MAX range is live "
+            "recovery here: the job goes on without a lost node (down to --min-ranks ranks) and a node started "
+            "again joins it")
+    return int(lo)
+
+
+def _refuse(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+    """A torchrun flag unickpt launch does not take: a usage error saying why (eager: before
+    any other error of the command line)."""
+    if value not in (None, False):
+        flag = next(o for o in param.opts if o in REFUSED)
+        ctx.fail(f"{flag} is not supported: {REFUSED[flag]}")
+    return value
+
+
+def _refused(flag: str) -> Any:
+    """The hidden option of a REFUSED flag, torchrun's spellings (a value, or none where the
+    parameter is a bool: torchrun's flags)."""
+    names = sorted({flag, "--" + flag[2:].replace("-", "_")})
+    return typer.Option(*names, hidden=True, is_eager=True, callback=_refuse, show_default=False)
+
+
+def launch(
+    ctx: typer.Context,
+    script: Annotated[str, typer.Argument(metavar="SCRIPT", show_default=False,
+                                          help="the training script (a path; with -m a module; with --no-python a program)")],
+    script_args: Annotated[list[str] | None, typer.Argument(metavar="SCRIPT_ARGS", show_default=False,
+                                                            help="the script's arguments, passed through untouched")] = None,
+    standalone: Annotated[bool, typer.Option("--standalone", help="one node, the store on a free local port")] = False,
+    nnodes: Annotated[int, typer.Option("--nnodes", parser=_nnodes, metavar="N", help="the job's nodes: N (or torchrun's N:N)")] = 1,
+    node_rank: Annotated[int | None, typer.Option(
+        "--node-rank", "--node_rank", metavar="N", show_default=False,
+        help="this node's index, 0 .. nnodes-1 (node 0 hosts the job's store; needed with --nnodes > 1)")] = None,
+    master_addr: Annotated[str, typer.Option("--master-addr", "--master_addr", metavar="HOST", help="node 0's address")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option("--master-port", "--master_port", metavar="PORT", help="the job's store port on node 0")] = MASTER_PORT,
+    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", "--rdzv_backend", metavar="BACKEND",
+                                              help="c10d (or static): the job's store on node 0 at --rdzv-endpoint")] = "static",
+    rdzv_endpoint: Annotated[str, typer.Option(
+        "--rdzv-endpoint", "--rdzv_endpoint", show_default=False, metavar="HOST[:PORT]",
+        help=f"node 0's address (port {RDZV_PORT} when left out): same as --master-addr/--master-port")] = "",
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", "--rdzv_id", metavar="ID",
+                                         help="the job's id (TORCHELASTIC_RUN_ID; names --log-dir's folder)")] = "none",
+    rdzv_conf: Annotated[str, typer.Option(
+        "--rdzv-conf", "--rdzv_conf", show_default=False, metavar="KEY=VALUE,...",
+        help="join_timeout (as --join-timeout), read_timeout and is_host are taken; others refused")] = "",
+    nproc_per_node: Annotated[str, typer.Option(
+        "--nproc-per-node", "--nproc_per_node", metavar="N",
+        help="workers on this node: N, gpu (one per GPU), cpu (one per CPU) or auto (gpu when there are GPUs, else cpu)")] = "1",
+    max_restarts: Annotated[int, typer.Option(
+        "--max-restarts", "--max_restarts", metavar="N",
+        help="a script under unickpt.run: replacement workers this node may start over the job (they join the "
+             "survivors); a plain script: times the whole group is restarted after a failure (torchrun's)")] = 0,
+    hang_timeout: Annotated[float, typer.Option(
+        "--hang-timeout", metavar="SECONDS", help="kill a worker that shows no progress for this many seconds (0: never)")] = 0.0,
+    min_ranks: Annotated[int, typer.Option("--min-ranks", metavar="N", help="end the job below this many ranks")] = 1,
+    store: Annotated[str | None, typer.Option(
+        "--store", metavar="HOST:PORT", show_default=False,
+        help="the job's store, hosted by `unickpt store --port PORT` on HOST (which also coordinates the job): no "
+             "node hosts it, so the loss of node 0 is a node loss like any other")] = None,
+    join_timeout: Annotated[float, typer.Option(
+        "--join-timeout", metavar="SECONDS", help="seconds generation 0 waits for every node to join (torchrun's default)")] = JOIN_TIMEOUT_S,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", "--shutdown_timeout", metavar="SECONDS",
+        help="after Ctrl-C/SIGTERM, seconds before the workers are killed")] = SHUTDOWN_TIMEOUT_S,
+    monitor_interval: Annotated[float | None, typer.Option(
+        "--monitor-interval", "--monitor_interval", metavar="SECONDS", show_default=False,
+        help="accepted for torchrun's command lines; not needed: exits are seen at once (SIGCHLD)")] = None,
+    start_method: Annotated[str, typer.Option(
+        "--start-method", "--start_method", metavar="METHOD", help="spawn (the only one: every worker is a fresh process)")] = "spawn",
+    tee: Annotated[str, typer.Option(
+        "-t", "--tee", metavar="STREAMS", help="also write these streams to per-rank files under --log-dir: 0 none, 1 stdout, 2 stderr, "
+                            "3 both, or LOCAL:VALUE,... per local rank")] = "0",
+    redirects: Annotated[str, typer.Option(
+        "-r", "--redirects", metavar="STREAMS", help="write these streams to the per-rank files only, not the console (values as --tee)")] = "0",
+    log_dir: Annotated[str | None, typer.Option(
+        "--log-dir", "--log_dir", metavar="DIR", show_default=False,
+        help="where per-rank files go: LOG_DIR/RDZV_ID/attempt_N/LOCAL_RANK/{stdout,stderr}.log (default: a new "
+             "temporary folder, named on stderr)")] = None,
+    local_ranks_filter: Annotated[str | None, typer.Option(
+        "--local-ranks-filter", "--local_ranks_filter", metavar="RANKS", show_default=False,
+        help="show only these local ranks' lines on the console (0,1); the files keep all")] = None,
+    no_python: Annotated[bool, typer.Option(
+        "--no-python", "--no_python", help="run the script as a program, not with python (its interpreter is the user's)")] = False,
+    module: Annotated[bool, typer.Option("-m", "--module", help="run the script as a module (python -m)")] = False,
+    role: Annotated[str | None, _refused("--role")] = None,
+    local_addr: Annotated[str | None, _refused("--local-addr")] = None,
+    logs_specs: Annotated[str | None, _refused("--logs-specs")] = None,
+    run_path: Annotated[bool, _refused("--run-path")] = False,
+    local_ranks_filter_regex: Annotated[str | None, _refused("--local-ranks-filter-regex")] = None,
+    numa_binding: Annotated[str | None, _refused("--numa-binding")] = None,
+    event_log_handler: Annotated[str | None, _refused("--event-log-handler")] = None,
+    virtual_local_rank: Annotated[bool, _refused("--virtual-local-rank")] = False,
+) -> None:
+    """torchrun's static launch, where a failure costs the survivors nothing: one launcher a
+    node starts the node's workers with torchrun's environment (a plain torch script runs
+    unchanged); under unickpt.run the survivors of a lost worker or node go on, the same
+    processes. Example: unickpt launch --standalone --nproc-per-node 4 train.py --lr 1e-3"""
+    from .output import parse_filter, parse_std  # here: every unickpt command imports this module
+
+    if start_method != "spawn":
+        ctx.fail(f"--start-method {start_method} is not supported: every worker starts as a fresh process "
+                 "(spawn, torchrun's default)")
+    if no_python and module:
+        ctx.fail("--no-python and -m exclude each other (torchrun's rule)")
+    if min_ranks < 1 or max_restarts < 0 or join_timeout <= 0 or shutdown_timeout < 0:
+        ctx.fail("need --min-ranks >= 1, --max-restarts >= 0, --join-timeout > 0 and --shutdown-timeout >= 0")
+    try:
+        tee_spec, redirects_spec = parse_std(tee, "--tee"), parse_std(redirects, "--redirects")
+        local_filter = parse_filter(local_ranks_filter)
+    except ValueError as e:
+        ctx.fail(str(e))
+    where = _rendezvous(ctx, nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_conf, store,
+                        standalone, join_timeout)
+    args = LaunchArgs(script=script, script_args=list(script_args or ()), module=module, no_python=no_python,
+                      standalone=standalone, store=store, rdzv_id=rdzv_id, nproc_per_node=_nproc(ctx, nproc_per_node),
+                      max_restarts=max_restarts, hang_timeout=hang_timeout, min_ranks=min_ranks,
+                      shutdown_timeout=shutdown_timeout, log_dir=log_dir, tee_spec=tee_spec,
+                      redirects_spec=redirects_spec, local_filter=local_filter, **where)
+    if callable(ctx.obj):  # parse(): the resolved arguments, nothing started
+        raise typer.Exit(ctx.obj(args) or 0)
+    from .launch import run_node
+
+    raise typer.Exit(run_node(args))
+
+
+def _rendezvous(ctx: typer.Context, nnodes: int, node_rank: int | None, master_addr: str, master_port: int,
+                rdzv_backend: str, rdzv_endpoint: str, rdzv_conf: str, store: str | None, standalone: bool,
+                join_timeout: float) -> dict[str, Any]:
+    """torchrun's rendezvous flags onto the static ones: the job's store on node 0 (or at
+    ``--store``). Returns LaunchArgs' nnodes, node_rank, master_addr, master_port and
+    join_timeout."""
+    if rdzv_backend not in ("static", "c10d"):
+        ctx.fail(f"--rdzv-backend {rdzv_backend} is not supported: unickpt launch's rendezvous is node 0's c10d "
+                 "store; use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (node 0's address)")
+    if rdzv_endpoint:
+        host, sep, port = rdzv_endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            host, port = rdzv_endpoint, str(RDZV_PORT)
+        master_addr, master_port = host or "127.0.0.1", int(port)
+    for item in filter(None, (x.strip() for x in rdzv_conf.split(","))):
+        name, _, value = item.partition("=")
+        if name not in RDZV_CONF_TAKEN:
+            ctx.fail(f"--rdzv-conf {name} is not supported: unickpt launch waits for exactly --nnodes nodes "
+                     f"(--join-timeout); it takes {', '.join(sorted(RDZV_CONF_TAKEN))}")
+        if name == "join_timeout":
+            try:
+                join_timeout = float(value)
+            except ValueError:
+                ctx.fail(f"--rdzv-conf join_timeout={value!r}: expected seconds")
+    if store is not None:  # the store (and coordinator) on a host of its own: `unickpt store`
+        host, sep, port = store.rpartition(":")
+        if not host or not sep or not port.isdigit():
+            ctx.fail(f"--store {store}: expected HOST:PORT (where `unickpt store --port PORT` runs)")
+        if standalone:
+            ctx.fail("--store and --standalone: --standalone hosts the store in this launcher; give one of them")
+        master_addr, master_port = host, int(port)
+    if standalone:
+        nnodes, node_rank, master_addr, master_port = 1, 0, "127.0.0.1", 0
+    if node_rank is None:
+        if nnodes > 1:
+            ctx.fail(f"--nnodes {nnodes} needs --node-rank N on every node (0 on the node at {master_addr}, which "
+                     "hosts the job's store)")
+        node_rank = 0
+    if not 0 <= node_rank < nnodes:
+        ctx.fail(f"need 0 <= --node-rank < --nnodes, not --node-rank {node_rank} with --nnodes {nnodes}")
+    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port,
+            "join_timeout": join_timeout}
+
+
+def _nproc(ctx: typer.Context, text: str) -> int:
+    """torchrun's --nproc-per-node: N, gpu, cpu or auto."""
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    if text in ("gpu", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if text == "gpu":
+            ctx.fail("--nproc-per-node gpu: this node has no CUDA GPU (use a number, cpu or auto)")
+    if text in ("cpu", "auto"):
+        return os.cpu_count() or 1
+    ctx.fail(f"--nproc-per-node {text!r}: expected a number >= 1, gpu, cpu or auto")
+
+
+_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+_app.command(**COMMAND)(launch)
+
+
+def parse(argv: list[str]) -> LaunchArgs:
+    """``argv`` (what follows ``unickpt launch``) read by the command, nothing started: the
+    resolved arguments. A usage error, or ``--help``, exits as the command does (SystemExit:
+    2 with the reason on stderr; 0 with the help on stdout)."""
+    got: list[LaunchArgs] = []
+    try:
+        main(argv, run=got.append)
+    except SystemExit:
+        if not got:
+            raise
+    return got[0]
+
+
+def main(argv: list[str] | None = None, run: Callable[[LaunchArgs], Any] | None = None) -> NoReturn:
+    """``unickpt launch`` on its own (``python -m unickpt.live.launch_cli ARGS``): exits with
+    the launcher's status. ``run`` replaces :func:`~.launch.run_node` (the tests' parse)."""
+    typer.main.get_command(_app).main(args=argv, prog_name=PROG, obj=run)
+    raise AssertionError  # main exits (standalone mode)
+
+
+if __name__ == "__main__":
+    main()

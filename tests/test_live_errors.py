@@ -1,0 +1,130 @@
+"""Which errors ``unickpt.run`` takes for a lost peer (issue 47): by their type, never their
+message. torch's DistError family is one; a user's ``RuntimeError("bad connection
+string")`` is not, whatever it says; gloo's plain ``RuntimeError`` of a collective whose
+peer died becomes a ``PeerLost`` from the state of the group's connections (unit tests
+on real TCP connections here; real ranks in tests/peer_loss_probe.py, two of its cases
+run below)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from unickpt.dist import GroupAbandoned, PeerLost, links, links_lost, open_sockets
+from unickpt.live.run import Interrupted, _network_error, _typed
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("error", [dist.DistError("x"), dist.DistBackendError("NCCL error"), dist.DistNetworkError("Broken pipe"),
+                                   dist.DistStoreError("wait timeout"), PeerLost("lost"), GroupAbandoned("torn down")],
+                         ids=lambda e: type(e).__name__)
+def test_typed_distributed_errors_are_network_errors(error):
+    assert _network_error(error)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("connection string bad"), RuntimeError("gloo socket peer nccl"),
+                                   ValueError("connection refused"), KeyboardInterrupt(), Interrupted()],
+                         ids=lambda e: f"{type(e).__name__}({e})")
+def test_an_error_is_not_a_network_error_by_its_message(error):
+    """The words the old substring test looked for ("connection", "gloo", "socket",
+    "peer", "nccl") make no error a network error: a user's stays fn's own (the job ends,
+    naming it) instead of dropping the rank as a failure of the process."""
+    assert not _network_error(error)
+
+
+def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    """A listening socket, a client connected to it and the accepted end."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    return server, client, accepted
+
+
+def test_links_lost_reads_the_connections_not_the_error():
+    before = open_sockets()
+    server, client, accepted = _pair()
+    try:
+        mine = links({fd: inode for fd, inode in open_sockets().items() if before.get(fd) != inode})
+        assert client.fileno() in mine and server.fileno() not in mine  # the listener is not a link
+        assert not links_lost(mine)
+        user = RuntimeError("connection string bad")
+        assert _typed(user, mine) is user  # every connection up: fn's own error, as it is
+        accepted.close()  # the peer goes away: a FIN
+        deadline = time.monotonic() + 5
+        while not links_lost(mine):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+        typed = _typed(gloo, mine)
+        assert isinstance(typed, PeerLost) and isinstance(typed, dist.DistNetworkError) and typed.__cause__ is gloo
+        assert _network_error(typed)
+        for kept in (dist.DistStoreError("timeout"), KeyboardInterrupt(), Interrupted()):
+            assert _typed(kept, mine) is kept  # typed already, or not an error of fn to type
+        client.close()
+        assert links_lost(mine)  # closed here: no longer the connection it was
+    finally:
+        for s in (server, client, accepted):
+            s.close()
+
+
+def test_a_loss_that_reaches_the_links_a_moment_after_the_error_still_counts():
+    """The error may come from another group's connection a moment before the peer's end
+    reaches the default group's (a dying process closes its sockets one by one): _typed
+    watches the links for its grace before it keeps the error as fn's own."""
+    import threading
+
+    before = open_sockets()
+    server, client, accepted = _pair()
+    try:
+        mine = links({fd: inode for fd, inode in open_sockets().items() if before.get(fd) != inode})
+        threading.Timer(0.2, accepted.close).start()
+        error = RuntimeError("Read error: Connection reset by peer")
+        t0 = time.monotonic()
+        typed = _typed(error, mine, grace_s=5.0)
+        assert isinstance(typed, PeerLost) and typed.__cause__ is error and time.monotonic() - t0 < 4
+        user = RuntimeError("connection string bad")
+        _, other, _ = pair = _pair()
+        try:
+            theirs = links({other.fileno(): f"socket:[{os.stat(other.fileno()).st_ino}]"})
+            t0 = time.monotonic()
+            assert _typed(user, theirs, grace_s=0.3) is user and time.monotonic() - t0 >= 0.3  # watched, then kept
+        finally:
+            for s in pair:
+                s.close()
+    finally:
+        for s in (server, client, accepted):
+            s.close()
+
+
+def test_no_links_no_peer_lost():
+    """A generation of one rank (or NCCL's, whose connections are not gloo's) has no links:
+    an untyped error stays fn's own."""
+    error = RuntimeError("x")
+    assert _typed(error, {}) is error
+
+
+@pytest.mark.multiprocess
+def test_what_a_survivor_gets_from_gloo_is_classified_by_the_connections():
+    """Real ranks (tests/peer_loss_probe.py): torch 2.13's gloo raises a plain RuntimeError
+    in the survivors of a peer killed in an all_reduce, which unickpt.run types as
+    PeerLost; a user's RuntimeError while every peer is alive stays a RuntimeError, not a
+    network error. Fails when a torch changes what gloo raises or leaves open."""
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, str(HERE / "peer_loss_probe.py"), "kill_in_all_reduce", "user_error"],
+                         capture_output=True, text=True, timeout=300, env=env, check=True)
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    killed = [r for r in rows if r["case"] == "kill_in_all_reduce"]
+    assert sorted(r["rank"] for r in killed) == [0, 1], out.stdout + out.stderr[-3000:]
+    for r in killed:
+        assert isinstance(r["mro"], list) and r["typed"] == "PeerLost" and r["network_error"], r
+    user = [r for r in rows if r["case"] == "user_error"]
+    assert [(r["rank"], r["mro"][0], r["typed"], r["network_error"]) for r in user] == [(0, "RuntimeError", "RuntimeError", False)]
