@@ -49,10 +49,8 @@ def wait_key(store: Any, name: str, timeout_s: float) -> bool:
     try:
         store.wait([name], timedelta(seconds=max(timeout_s, 0.001)))
         return True
-    except DistStoreError as e:
-        if "timeout" in str(e).lower():
-            return False
-        raise
+    except DistStoreError:  # torch 2.13's TCPStore: a wait that timed out (a lost host: DistNetworkError)
+        return False
 
 
 def torchrun_env(rank: int, size: int, local_rank: int, local_size: int, node: int, nodes: int,

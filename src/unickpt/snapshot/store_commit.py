@@ -120,13 +120,13 @@ class StoreCommit:
         not a step number, skipped with a reason in the log, or a long wait, after which the
         waiter goes on from the newest entry: a keeper stopped a while may have missed some,
         and their window may be gone)."""
+        from torch.distributed import DistStoreError  # torch is loaded: the client is a TCPStore
+
         name = self._k(f"w{self.next}")
         try:
             self.ops["wait"] += 1
             self.waiter.wait([name], timedelta(seconds=WAIT_S))
-        except RuntimeError as e:
-            if "timeout" not in str(e).lower():
-                raise
+        except DistStoreError:  # the wait timed out (a lost store host is a DistNetworkError: raised)
             self.ops["add"] += 1
             self.next = max(self.next, int(self.waiter.add(self._k("nwhole"), 0)))
             return None
@@ -198,11 +198,12 @@ class StoreFlush:
     def reports(self, timeout_s: float) -> dict[int, dict[str, Any]]:
         """The coordinator: every report sent (node -> report) once ``done`` is set, or those
         sent by ``timeout_s``; a malformed line is a report with an error."""
+        from torch.distributed import DistStoreError  # torch is loaded: the client is a TCPStore
+
         try:
             self._op("wait", [f"{self.base}/done"], timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            if "timeout" not in str(e).lower():
-                raise
+        except DistStoreError:  # timed out: the reports sent by then
+            pass
         if not self._op("check", [f"{self.base}/reports"]):
             return {}
         out: dict[int, dict[str, Any]] = {}
