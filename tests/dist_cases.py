@@ -226,3 +226,13 @@ def start_manager(rank: int, world: int, out: str) -> None:
     _KEPT.append(manager.Queue())  # referenced from a global, so never shut down by collection
     with open(f"{out}/rank{rank}.pid", "w") as f:
         f.write(str(manager._process.pid))
+
+
+def loaded_before_fn(rank: int, world: int, names: list[str], out: str) -> None:
+    """Rank 0 writes which of ``names`` were imported before fn ran (by the fork server)."""
+    import json
+    import sys
+
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({n: n in sys.modules for n in names}, f)

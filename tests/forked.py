@@ -9,8 +9,8 @@ from typing import Any
 
 from unickpt.testing import run_ranks
 
-# what every rank imports, once, in the fork server (the first caller's list starts the
-# server of the pytest process; later lists add nothing, the ranks import the rest)
+# what every rank imports, once, in the fork server (unickpt.testing keeps one server with
+# every module any run_ranks(preload=...) of the pytest process asked for)
 PRELOAD = [
     "torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel", "unickpt", "unickpt.testing",

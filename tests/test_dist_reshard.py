@@ -82,3 +82,15 @@ def test_run_ranks_leaves_no_process_behind(tmp_path):
         except FileNotFoundError:
             continue
         assert state == "Z", f"rank {r}'s Manager server (pid {pid}) outlived the rank"
+
+
+def test_the_fork_server_imports_every_module_asked_for(tmp_path):
+    """run_ranks(preload=...) with a module the running fork server did not import starts
+    one that imports it (and keeps the earlier ones): a rank finds both loaded."""
+    from dist_cases import loaded_before_fn
+
+    out = str(tmp_path / "loaded.json")
+    run_ranks(loaded_before_fn, 2, ["colorsys"], out, preload=["torch", "colorsys"])
+    assert json.load(open(out)) == {"colorsys": True}
+    run_ranks(loaded_before_fn, 2, ["colorsys", "wave"], out, preload=["torch", "wave"])
+    assert json.load(open(out)) == {"colorsys": True, "wave": True}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -95,7 +96,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     (a stopped rank is continued first, so that it can tell).
     """
     if preload:
-        multiprocessing.set_forkserver_preload(preload)
+        _serve(preload)
     with tempfile.TemporaryDirectory() as errdir:
         ctx = mp.start_processes(
             _entry, args=(world, os.path.join(errdir, "store"), fn, args, errdir), nprocs=world, join=False,
@@ -115,6 +116,24 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                     if os.path.exists(p) and os.path.getsize(p):
                         reports.append(f"--- rank {r}: {what} ---\n{open(p).read()}")
             raise RankFailure("\n".join(reports)) from None
+
+
+_SERVED: list[str] = []  # every module run_ranks(preload=...) was asked for in this process
+
+
+def _serve(preload: list[str]) -> None:
+    """Have the fork server import ``preload``. The process has one fork server, which
+    imports the modules named when it starts: one started for other modules is stopped,
+    and the next imports every module asked for so far (otherwise each rank forked from it
+    imports what the server lacks, seconds of CPU a rank for torch._dynamo or a framework)."""
+    missing = [m for m in preload if m not in _SERVED]
+    if not missing:
+        return
+    stop = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_stop", None)  # CPython's own, for its tests
+    if stop is not None:
+        stop()
+    _SERVED.extend(missing)
+    multiprocessing.set_forkserver_preload(list(_SERVED))
 
 
 def _kill_hung(processes: list[Any]) -> None:
