@@ -18,6 +18,7 @@ import pytest
 
 from unickpt.live.launch_cli import parse
 from unickpt.live.output import parse_std
+from unickpt.live.run import NETWORK_ERROR_WAIT_S
 
 HERE = Path(__file__).parent
 PY = sys.executable
@@ -35,6 +36,38 @@ def _env(tmp: Path) -> dict[str, str]:
 def _launch(tmp: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "unickpt", "launch", *argv], env=_env(tmp), capture_output=True, text=True,
                           timeout=timeout, cwd=tmp)
+
+
+def _launch_together(tmp: Path, *argvs: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Independent launches (each in a folder and shm root of its own) run at once, each a
+    whole job as ``_launch`` runs it: their output, in order."""
+    procs = []
+    for i, argv in enumerate(argvs):
+        (tmp / f"job{i}").mkdir()
+        out, err = open(tmp / f"job{i}" / "stdout", "w+"), open(tmp / f"job{i}" / "stderr", "w+")
+        procs.append((subprocess.Popen([PY, "-m", "unickpt", "launch", *argv], env=_env(tmp / f"job{i}"), stdout=out,
+                                       stderr=err, text=True, cwd=tmp / f"job{i}"), out, err))
+    t0, took = time.monotonic(), [None] * len(procs)
+    try:
+        while None in took:
+            for i, (proc, _, _) in enumerate(procs):
+                if took[i] is None and proc.poll() is not None:
+                    took[i] = time.monotonic() - t0
+            assert time.monotonic() - t0 < timeout, "a launch did not end"
+            time.sleep(0.02)
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+    done = []
+    for (proc, out, err), seconds in zip(procs, took):
+        out.seek(0)
+        err.seek(0)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
+        done[-1].took = seconds  # seconds from the start to the launcher's exit
+        out.close()
+        err.close()
+    return done
 
 
 def _last(text: str) -> str:
@@ -159,22 +192,24 @@ def test_exit_codes(tmp_path):
     """A bug in fn ends the job 1 naming the rank and the error (traceback on [rank1]:); with
     recover= the job goes on without the rank and ends 0; a rank that returns early while its
     peer trains ends the job 1; every launcher's last line is the job's summary."""
-    bug = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "bug")
+    bug, rec, early = _launch_together(tmp_path, *(["--standalone", "--nproc-per-node", "2", CASES, mode]
+                                                   for mode in ("bug", "recover", "early")))
     assert bug.returncode == 1, bug.stderr[-3000:]
     last = _last(bug.stderr)
     assert "rank 1 (worker 0.1) raised RuntimeError: user bug" in last and "launch_cases.py:" in last, last
     assert "[rank1]: Traceback" in bug.stderr or "[rank1]: [rank1]: Traceback" in bug.stderr
     assert "2 ranks ran, 0 lost and recovered, final world size 2 (exit 1)" in last
 
-    rec = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "recover")
     assert rec.returncode == 0, rec.stderr[-3000:]
     assert "[rank0]: done rank 0 size 1 generation 1" in rec.stdout
     assert _last(rec.stderr).endswith("the job finished: 2 ranks ran, 1 lost and recovered (rank 1: exit 1), "
                                       "final world size 1 (exit 0)"), rec.stderr[-2000:]
 
-    early = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "early")
     assert early.returncode == 1, early.stderr[-3000:]
     assert "rank 1 (worker 0.1) ended with exit 0 in generation 0 while its peers still trained" in _last(early.stderr)
+    # said as soon as rank 0's collective fails on the departed rank: not after rank 0 waited
+    # out its wait for a verdict (NETWORK_ERROR_WAIT_S, 15 s; the job took 19 s then, ~4 s now)
+    assert early.took < NETWORK_ERROR_WAIT_S, early.took
 
 
 @multiprocess
@@ -194,16 +229,17 @@ def test_output_lines_whole_prefixed_and_filed(tmp_path):
     """Every worker line reaches the console whole with its [rankN]: prefix, though both
     ranks write 3000-character lines at once; --tee 3 --log-dir files them per local rank,
     --local-ranks-filter 0 keeps rank 1 off the console."""
-    out = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", CASES, "ok")
+    logs = tmp_path / "logs"
+    out, filed = _launch_together(tmp_path, ["--standalone", "--nproc-per-node", "2", CASES, "ok"],
+                                  ["--standalone", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs),
+                                   "--rdzv-id", "j", "--local-ranks-filter", "0", CASES, "ok"])
     assert out.returncode == 0, out.stderr[-3000:]
     long = [x for x in out.stdout.splitlines() if len(x) > 100]
     assert len(long) == 80
     assert all(re.fullmatch(r"\[rank(\d)\]: (\1){3000}", x) for x in long), [x[:20] + x[-20:] for x in long][:4]
     assert all(x.startswith("[rank") for x in out.stdout.splitlines())
 
-    logs = tmp_path / "logs"
-    out = _launch(tmp_path, "--standalone", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs), "--rdzv-id",
-                  "j", "--local-ranks-filter", "0", CASES, "ok")
+    out = filed
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[rank1]" not in out.stdout and out.stdout.count("[rank0]: " + "0" * 3000) == 40
     for local in (0, 1):

@@ -486,6 +486,7 @@ class Coordinator:
         self.events = 0
         self.pending: list[str] = []  # replacements ready to join
         self.finished: set[str] = set()  # workers that exited 0
+        self.suspects: set[str] = set()  # members of this generation whose collective failed (Suspect)
         self.beats: dict[int, tuple[int, float]] = {}
         self.next_look = 0.0  # when _lost_nodes reads the launchers' beats again
         self.ever: set[str] = set()  # every worker that was a member of a generation
@@ -534,6 +535,7 @@ class Coordinator:
     def _publish(self, gen: Generation) -> None:
         """Open ``gen``, and tell every node's launcher (one message a node, in its mailbox)."""
         self.gen = gen
+        self.suspects.clear()  # a collective that failed in the generation before
         self.ever.update(gen.members)
         if gen.members:
             self.size = len(gen.active(self._multiple()))
@@ -574,6 +576,8 @@ class Coordinator:
                 if os.environ.get(LIVE_DEBUG_ENV):
                     self.output.say(f"unickpt launch: event {ev}")
                 if isinstance(ev, Suspect):  # a worker's collective failed: is a node gone?
+                    if ev.worker in self.gen.members:
+                        self.suspects.add(ev.worker)
                     self._send_probe()
                 elif isinstance(ev, Stopped):
                     stop = stop or ev
@@ -611,7 +615,10 @@ class Coordinator:
             return self._end(128 + stop.signal, f"{signal.Signals(stop.signal).name} on node {stop.node}", stopped=True)
         lost += self._lost_nodes()
         early = [m for m in self.gen.members if m in self.finished and self.store.check([key("run", m)])]
-        if lost and early:  # a rank that left fn while its peers trained: they cannot go on without it
+        # a rank that left fn while its peers trained: they cannot go on without it. Said when a
+        # peer's collective fails on it (at once: the peer would wait out NETWORK_ERROR_WAIT_S
+        # for a verdict) or a peer is lost; a peer still finishing fn is neither
+        if (lost or self.suspects) and early:
             m = early[0]
             return self._end(1, f"rank {self.gen.members.index(m)} (worker {m}) ended with exit 0 in generation "
                                 f"{self.gen.number} while its peers still trained (fn returned or called sys.exit early)")
