@@ -344,6 +344,11 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
     flags = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1"]
     outs = [open(tmp_path / f"node{n}.txt", "w") for n in range(2)]
     procs = []
+    (tmp_path / "alone").mkdir()
+    t0 = time.monotonic()  # the job whose node 1 never starts runs meanwhile (its own port and folder)
+    alone = subprocess.Popen([PY, "-m", "unickpt", "launch", "--nnodes", "2", "--node-rank", "0", "--master-port",
+                              str(free_port()), "--join-timeout", "4", CASES, "ok"], env=_env(tmp_path / "alone"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path / "alone")
     try:
         for n in range(2):
             env = _env(tmp_path)
@@ -354,10 +359,14 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
             if n == 0:
                 time.sleep(7)
         codes = [p.wait(120) for p in procs]
+        alone_out, alone_err = alone.communicate(timeout=60)
+        alone_took = time.monotonic() - t0
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+        if alone.poll() is None:
+            alone.kill()
         for o in outs:
             o.close()
     text = [(tmp_path / f"node{n}.txt").read_text() for n in range(2)]
@@ -367,10 +376,7 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
     assert "lost" not in text[0].replace("0 lost and recovered", "")
     assert "the job finished: 2 ranks ran, 0 lost and recovered, final world size 2 (exit 0)" in _last(text[1])
 
-    t0 = time.monotonic()
-    alone = _launch(tmp_path, "--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port()), "--join-timeout",
-                    "4", CASES, "ok")
-    assert alone.returncode == 1, alone.stderr[-2000:]
-    assert "node(s) 1 of 2 did not join within --join-timeout 4 s" in _last(alone.stderr)
-    assert "[rank" not in alone.stdout  # generation 0 never started
-    assert time.monotonic() - t0 < 60
+    assert alone.returncode == 1, alone_err[-2000:]
+    assert "node(s) 1 of 2 did not join within --join-timeout 4 s" in _last(alone_err)
+    assert "[rank" not in alone_out  # generation 0 never started
+    assert alone_took < 60
