@@ -47,9 +47,9 @@ def shm_roots():
 # not listed runs after these, in its usual order; a wrong place costs balance, never
 # correctness.
 LONGEST_FIRST: list[str] = [
-    "test_snapshot.py", "test_manager_loop.py", "test_live.py", "test_lightning.py", "test_launch.py",
-    "test_hf_trainer.py", "test_snapshot_fuzz.py", "test_resume.py", "test_demo_fault.py", "test_cli.py",
-    "test_deepspeed.py", "test_torchtitan.py", "test_restarts.py", "test_objstore.py", "test_clean_exit.py",
+    "test_live.py", "test_snapshot.py", "test_snapshot_fuzz.py", "test_launch.py", "test_lightning.py",
+    "test_resume.py", "test_cli.py", "test_manager_loop.py", "test_demo_fault.py", "test_torchtitan.py",
+    "test_deepspeed.py", "test_hf_trainer.py", "test_restarts.py", "test_objstore.py", "test_clean_exit.py",
     "test_dist_torch_parallel.py", "test_bench_gpu.py", "test_dcp_plugin.py", "test_deltas.py", "test_megatron.py",
     "test_dist_reshard.py", "test_dcp.py", "test_deepspeed_layouts.py", "test_rules_megatron.py",
     "test_optimizer_restart.py", "test_async_save.py", "test_rules_convert.py", "test_megatron_moe.py",
@@ -84,12 +84,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """After --durations: each worker's total (the longest bounds the wall) and the 12
+    """After --durations: each worker's total (the longest bounds the wall) and the 24
     longest files (what LONGEST_FIRST should list, longest first)."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not _SECONDS["file"]:
         return
     workers = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(_SECONDS["worker"].items()))
     terminalreporter.write_sep("=", "seconds of tests per worker and per file")
     terminalreporter.write_line(f"workers: {workers}")
-    for path, s in sorted(_SECONDS["file"].items(), key=lambda kv: -kv[1])[:12]:
+    for path, s in sorted(_SECONDS["file"].items(), key=lambda kv: -kv[1])[:24]:
         terminalreporter.write_line(f"{s:8.1f} s  {path}")

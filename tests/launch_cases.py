@@ -28,6 +28,8 @@ def steps(world, last: int = 3) -> None:
         if MODE in ("bug", "recover") and world.rank == 1 and step == 2 and world.generation == 0:
             raise RuntimeError("user bug")
         if MODE == "early" and world.rank == 1 and step == 2:
+            with open("early_returned", "w") as f:  # when fn returned (the test's clock)
+                f.write(repr(time.time()))
             return
         t = torch.ones(1)
         dist.all_reduce(t)
