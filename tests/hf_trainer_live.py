@@ -27,7 +27,7 @@ GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks; Tokens() has 48 sa
 
 
 class Counting(UnickptTrainer):
-    """Counts the token ids of the batches this rank trains on since the last log."""
+    """Counts the token ids of the batches this rank trains on in the current optimizer step."""
 
     ids_seen = 0
 
@@ -37,10 +37,14 @@ class Counting(UnickptTrainer):
 
 
 class StepLog(TrainerCallback):
-    """Each rank logs each optimizer step (``on_log``: after the Trainer's own logging)."""
+    """Each rank logs each optimizer step as a reporter does (``on_log``: after the
+    Trainer's own logging; a step re-done after a re-forming is reported once)."""
 
     def __init__(self, path: str, world: unickpt.World, sleep: float) -> None:
         self.path, self.world, self.sleep = path, world, sleep
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        Counting.ids_seen = 0  # the samples of this optimizer step only
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:
@@ -48,7 +52,6 @@ class StepLog(TrainerCallback):
         seen = torch.tensor([float(Counting.ids_seen)], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(seen)
-        Counting.ids_seen = 0
         log_step(self.path, self.world, state.global_step, logs["loss"], float(seen), self.sleep)
 
 

@@ -178,6 +178,50 @@ def test_in_process_checks(tmp_path):
         UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4), manager="ck")
 
 
+def test_a_reporter_gets_each_step_once_when_training_resumes_in_the_same_process(tmp_path):
+    """As after a re-forming under unickpt.integrations.hf.run: a train() fails after step 5
+    was reported (durable checkpoints every 2), and a new trainer in the same process, with
+    the same reporter, resumes from step 4 and re-does step 5. The reporter (a callback's
+    on_log, as report_to's are) gets every step once, 1 to 8, with an unbroken run's
+    values; log_history still holds every step. Without the filter step 5 comes twice."""
+    import unickpt
+    from transformers import TrainerCallback
+    from unickpt.integrations.hf import UnickptTrainer
+
+    from hf_trainer_job import Tokens, tiny_llama, training_args
+
+    class Reporter(TrainerCallback):
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, float]] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.calls.append((state.global_step, logs["loss"]))
+
+    class FailAfter(TrainerCallback):  # the failure comes after step 6's update, before its log
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 6:
+                raise RuntimeError("failure at step 6")
+
+    def train(root: str, reporter: Reporter, *extra: TrainerCallback) -> UnickptTrainer:
+        t = UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 8, 4),
+                           manager=unickpt.CheckpointManager(root, save_every=2), train_dataset=Tokens(),
+                           callbacks=[reporter, *extra])
+        t.train()
+        return t
+
+    unbroken = Reporter()
+    train(str(tmp_path / "a"), unbroken)
+    reporter = Reporter()
+    with pytest.raises(RuntimeError, match="failure at step 6"):
+        train(str(tmp_path / "ck"), reporter, FailAfter())
+    assert [s for s, _ in reporter.calls] == [1, 2, 3, 4, 5]
+    resumed = train(str(tmp_path / "ck"), reporter)
+    assert resumed.manager.restored_line.startswith("resumed step 4 from disk")
+    assert reporter.calls == unbroken.calls and [s for s, _ in unbroken.calls] == list(range(1, 9))
+    assert [r["step"] for r in resumed.state.log_history if "loss" in r] == list(range(1, 9))
+
+
 def _live_reference(tmp_path, steps: int) -> dict[int, dict]:
     """The unbroken run in this process (one rank, the same global batches): each step's
     loss and the sum of its batch's token ids."""
@@ -209,3 +253,8 @@ def test_live_recovery_in_the_same_processes(tmp_path, shm):
                          sleep=0.3, kill_after=3)
     took = check_live_run(rows, job, 3, steps, want, "HF Trainer")
     assert took < 10, took  # the target is 2 s; a loaded shared machine may stretch it
+    # the steps re-done after a re-forming are not reported again: the survivors (ranks 0 and
+    # 1 throughout) report each step once; no rank reports a step twice
+    for rank in (0, 1):
+        assert sorted(r["step"] for r in rows if r["rank"] == rank) == list(range(1, steps + 1)), rank
+    assert len({(r["rank"], r["step"]) for r in rows}) == len(rows)

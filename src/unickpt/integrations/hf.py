@@ -55,6 +55,7 @@ from ..engine.state import PerRank
 from ..errors import UnickptError
 from ..live.run import World
 from ..live.run import run as _live_run
+from .logged_steps import agreed_floor, passes
 
 log = logging.getLogger("unickpt")
 
@@ -272,7 +273,26 @@ class UnickptTrainerMixin:
         if step:
             self._unickpt_resumed = step
             self._unickpt_rng = state["rng"].state_dict()
+        self._report_each_step_once(bool(step))
         return out
+
+    def _report_each_step_once(self, restored: bool) -> None:
+        """The callbacks' ``on_log`` (the reporters ``report_to`` builds: TensorBoard, W&B,
+        ...) gets each step once: after a restore in a process whose trainer of the same
+        root already reported steps (a re-forming of live recovery), the steps re-done up
+        to the newest one any rank reported are not reported again; their first values
+        stand. ``state.log_history`` still gets every step, as saved with the state."""
+        root = str(self.manager.root)
+        floor = agreed_floor(root, restored)  # collective: every rank restored just before
+        handler = self.callback_handler
+        on_log = handler.on_log
+
+        def once(args: Any, state: Any, control: Any, logs: Any, **kwargs: Any) -> Any:
+            if not passes(root, floor, state.global_step):
+                return control
+            return on_log(args, state, control, logs, **kwargs)
+
+        handler.on_log = once  # type: ignore[method-assign]
 
     def _run_epoch(self, **kwargs: Any) -> Any:
         """The Trainer's epoch, told after a restore which epochs and batches are done

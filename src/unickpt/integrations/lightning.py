@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -41,23 +40,17 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..api.manager import CheckpointManager
-from ..dist import all_gather_fixed, resolve_group
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import UnickptError
 from ..live.control import under_launch
 from ..live.run import Interrupted, World
 from ..live.run import run as _live_run
+from .logged_steps import agreed_floor, passes
 
 log = logging.getLogger("unickpt")
 
 __all__ = ["UnickptCallback", "FitLoopState", "run"]
-
-# per checkpoint root: the newest step this process's loggers were given. After a
-# re-forming (live recovery, same process) the fit resumes from the newest snapshot and
-# re-does the steps after it, which the loggers had already been given.
-_LOGGED: dict[str, int] = {}
-
 
 def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     """``unickpt.run`` for a Lightning job: under ``unickpt launch`` ``fn(world)`` is
@@ -206,10 +199,7 @@ class UnickptCallback(pl.Callback):
         if not trainer.loggers:
             return
         root = str(self.manager.root)
-        given = _LOGGED.get(root, -1) if self.restored_step else -1
-        if dist.is_initialized():
-            group = resolve_group()
-            given = max(struct.unpack("<q", b)[0] for b in all_gather_fixed(group, struct.pack("<q", given)))
+        given = agreed_floor(root, bool(self.restored_step))
         for logger in trainer.loggers:
             current = logger.log_metrics
             if isinstance(current, _OncePerStep):
@@ -288,10 +278,8 @@ class _OncePerStep:
         self.log_metrics, self.root, self.floor = log_metrics, root, floor
 
     def __call__(self, metrics: dict[str, Any], step: int | None = None) -> Any:
-        if step is not None:
-            if step <= self.floor:
-                return None
-            _LOGGED[self.root] = max(_LOGGED.get(self.root, -1), step)
+        if not passes(self.root, self.floor, step):
+            return None
         return self.log_metrics(metrics, step)
 
 
