@@ -128,3 +128,23 @@ def test_what_a_survivor_gets_from_gloo_is_classified_by_the_connections():
         assert isinstance(r["mro"], list) and r["typed"] == "PeerLost" and r["network_error"], r
     user = [r for r in rows if r["case"] == "user_error"]
     assert [(r["rank"], r["mro"][0], r["typed"], r["network_error"]) for r in user] == [(0, "RuntimeError", "RuntimeError", False)]
+
+
+def test_fn_that_initialises_the_group_is_told_by_the_frame_not_the_message():
+    """unickpt.run's refusal of a fn that calls init_process_group: torch's ValueError raised
+    there is refused with the remedy; a user's ValueError that says the same words is
+    fn's own error (no refusal)."""
+    from unickpt.errors import UnickptError
+    from unickpt.live.run import _check_group_kept
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        try:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        except ValueError as e:
+            torch_error = e
+        with pytest.raises(UnickptError, match="fn called init_process_group"):
+            _check_group_kept(torch_error)
+        _check_group_kept(ValueError("trying to initialize the default process group twice!"))  # the user's own
+    finally:
+        dist.destroy_process_group()

@@ -180,14 +180,22 @@ def _run_once(fn: Callable[[World], Any], backend: str | None, multiple_of: int 
 
 
 def _check_group_kept(error: BaseException | None) -> None:
-    """A clear error when ``fn`` initialised or destroyed the default group itself."""
-    text = str(error or "")
-    if "twice" in text and "process group" in text:
+    """A clear error when ``fn`` initialised or destroyed the default group itself: fn's
+    error raised by ``init_process_group`` (its frame, not its message: torch's refusal of
+    a second default group is a plain ValueError), or no default group once fn ended."""
+    if isinstance(error, ValueError) and _raised_in(error, dist.init_process_group):
         raise UnickptError("fn called init_process_group: unickpt.run(fn) initialises the default process group "
                            "itself (and forms it again after a failure); remove that call from fn") from error
     if not dist.is_initialized():
         raise UnickptError("fn called destroy_process_group: unickpt.run(fn) destroys the default process group "
                            "when fn returns (and tears it down after a failure); remove that call from fn") from error
+
+
+def _raised_in(error: BaseException, function: Callable[..., Any]) -> bool:
+    """Whether ``error`` was raised in the body of ``function`` (torch's, unwrapped)."""
+    code = getattr(getattr(function, "__wrapped__", function), "__code__", None)
+    frames = traceback.extract_tb(error.__traceback__)
+    return code is not None and any(f.filename == code.co_filename and f.name == code.co_name for f in frames)
 
 
 def position() -> tuple[int, int] | None:
