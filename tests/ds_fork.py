@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import signal
 import sys
 import tempfile
 import time
-import traceback
+
+from forked_child import exit_after, run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,35 +56,15 @@ def _preload() -> None:
 def _rank(rank: int, nproc: int, port: int, argv: list[str], log: str) -> None:
     """The forked rank: torchrun's environment, its output to ``log``, ``argv`` run as
     ``__main__``; never returns."""
-    code = 1
-    try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+
+    def body() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                           GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        run_main(argv)
+
+    exit_after(log, body)
 
 
 def _job(nproc: int, argv: list[str], timeout: float, logdir: str) -> dict:

@@ -26,7 +26,8 @@ import importlib
 import json
 import os
 import sys
-import traceback
+
+from forked_child import exit_after
 
 # torchrun's agent, its rendezvous and its workers' code paths: imported before any fork
 # (not a module a worker runs as __main__: runpy would run it a second time)
@@ -40,14 +41,9 @@ BASE = [
 
 def _agent(argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
     """The forked child: a torchrun agent in its own session, its output to ``log``; never returns."""
-    code = 1
-    try:
+
+    def body() -> None:
         os.setsid()
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
@@ -55,17 +51,8 @@ def _agent(argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
         from torch.distributed.run import main
 
         main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # torchrun's console script prints what ended it, and exits 1
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+
+    exit_after(log, body)
 
 
 def main() -> None:

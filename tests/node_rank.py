@@ -6,8 +6,9 @@ as ``python script ...`` / ``python -m module ...`` would."""
 from __future__ import annotations
 
 import os
-import runpy
 import sys
+
+from forked_child import run_main
 
 
 def main() -> None:
@@ -18,19 +19,11 @@ def main() -> None:
         with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(path + ".tmp", path)
-    argv = sys.argv[1:]
     try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = argv
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
+        run_main(sys.argv[1:])
     except SystemExit as e:  # torchrun's fork workers must return to report success; an error code stays one
         if e.code not in (None, 0):
             raise
-
 
 if __name__ == "__main__":
     main()
