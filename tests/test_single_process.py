@@ -175,8 +175,9 @@ def test_missing_key_strict_and_relaxed(ckpt):
 
 def test_existing_checkpoint_is_not_overwritten_by_default(ckpt):
     path, sd = ckpt
-    with pytest.raises(unickpt.SaveError, match="already holds"):
+    with pytest.raises(unickpt.CheckpointExistsError, match="already holds") as e:  # a SaveError, by its type
         unickpt.save({"x": torch.ones(1)}, str(path))
+    assert isinstance(e.value, unickpt.SaveError) and e.value.location == str(path)
     unickpt.save({"x": torch.ones(1)}, str(path), overwrite=True)
     assert list(unickpt.read_manifest(str(path)).tensors) == ["x"]
 

@@ -1,6 +1,7 @@
 """unickpt: universal, fast, fault-tolerant checkpointing for distributed PyTorch."""
 
 from .errors import (
+    CheckpointExistsError,
     CorruptionError,
     FormatVersionError,
     InconsistentStateError,
@@ -54,6 +55,6 @@ __all__ = [
     "convert", "CheckpointManager", "Checkpoints", "TierFallbackWarning",
     "SaveOptions", "SaveSchedule", "SnapshotOptions", "DurableOptions", "DeltaLogOptions", "PerRank", "Sharded", "RNGState",
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError",
-    "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "SnapshotError", "StorageError", "UnsafePickleError",
+    "LayoutError", "MismatchError", "InconsistentStateError", "SaveError", "CheckpointExistsError", "SnapshotError", "StorageError", "UnsafePickleError",
     "run", "World",
 ]

@@ -83,7 +83,7 @@ from .engine.save_options import SaveOptions
 from .engine.staging import StagingPool, copy_batch, plan_batches, record_streams
 from .engine.tensor_reads import TensorReads
 from .engine.writer import DataFileWriter, as_bytes
-from .errors import SaveError, UnickptError
+from .errors import CheckpointExistsError, SaveError, UnickptError
 from .format.dtypes import dtype_from_name, dtype_name
 from .format.manifest import DEFAULT_BLOCK_BYTES, TensorEntry
 from .format.values import decode_value, encode_value
@@ -426,9 +426,7 @@ def _refusal(path: str) -> Iterator[None]:
     words too ("Checkpoint already exists"), which code written for DCP looks for."""
     try:
         yield
-    except SaveError as e:
-        if "already holds a committed checkpoint" not in str(e):
-            raise
+    except CheckpointExistsError as e:
         raise SaveError(f"Checkpoint already exists: {e}") from None
 
 

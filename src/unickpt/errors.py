@@ -6,7 +6,8 @@ from collections.abc import Mapping
 
 __all__ = [
     "UnickptError", "NotACheckpointError", "FormatVersionError", "ManifestError", "CorruptionError", "LayoutError",
-    "MismatchError", "InconsistentStateError", "SaveError", "UnsafePickleError", "SnapshotError", "StorageError",
+    "MismatchError", "InconsistentStateError", "SaveError", "CheckpointExistsError", "UnsafePickleError", "SnapshotError",
+    "StorageError",
 ]
 
 
@@ -67,6 +68,26 @@ class SaveError(UnickptError):
 
     def __reduce__(self):  # pickled across processes (multiprocessing, DCP) with its map
         return type(self), (str(self), self.failures)
+
+
+class CheckpointExistsError(SaveError):
+    """The save's location already holds a committed checkpoint and ``overwrite`` was not
+    given: nothing was written. Raised where the location is checked (a collective save's
+    other ranks get a :class:`SaveError` with the same message).
+
+    Args:
+        location: The directory or URL of the save.
+
+    Attributes:
+        location: The directory or URL, as a string.
+    """
+
+    def __init__(self, location: object) -> None:
+        super().__init__(f"{location} already holds a committed checkpoint; pass overwrite=True to replace it")
+        self.location = str(location)
+
+    def __reduce__(self):
+        return type(self), (self.location,)
 
 
 class UnsafePickleError(UnickptError):

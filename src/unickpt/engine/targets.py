@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..dist import Group, broadcast_bytes, gather_bytes, scatter_bytes
-from ..errors import SaveError, UnickptError
+from ..errors import CheckpointExistsError, SaveError, UnickptError
 from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import Storage
@@ -56,7 +56,7 @@ def check_not_committed(path: str, overwrite: bool, storage_options: dict[str, A
     """SaveError when ``path`` (a directory or URL) already holds a committed checkpoint
     and not ``overwrite``; StorageError for a URL no backend knows."""
     if not overwrite and open_storage(path, storage_options).exists(MANIFEST_NAME):
-        raise SaveError(f"{path} already holds a committed checkpoint; pass overwrite=True to replace it")
+        raise CheckpointExistsError(path)
 
 
 def rank_storage(path: str, where: str, storage_options: dict[str, Any] | None = None) -> Storage:

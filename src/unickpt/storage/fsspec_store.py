@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import CorruptionError, NotACheckpointError, SaveError, StorageError, UnickptError
+from ..errors import CheckpointExistsError, CorruptionError, NotACheckpointError, SaveError, StorageError, UnickptError
 from .base import READ_RATE
 
 PART_BYTES = 16 << 20
@@ -408,7 +408,7 @@ class PrefixWrite:
         try:
             if storage.exists(manifest_name):
                 if not overwrite:
-                    raise SaveError(f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it")
+                    raise CheckpointExistsError(storage.url)
                 storage.remove(manifest_name)
             write = cls(storage, owned)
             write.clear()

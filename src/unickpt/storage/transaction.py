@@ -42,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import SaveError
+from ..errors import CheckpointExistsError, SaveError
 from .local import fsync_path, libc_function
 
 LOCK_NAME = ".unickpt.lock"
@@ -154,7 +154,7 @@ class DirectoryWrite:
             write._inside = in_place or os.path.ismount(root)
             write._make_staging()  # first: it puts back what a crashed commit left aside
             if (root / manifest_name).exists() and not overwrite:
-                raise SaveError(f"{root} already holds a committed checkpoint; pass overwrite=True to replace it")
+                raise CheckpointExistsError(root)
             if not write._inside:  # after the exchange this file is the directory's lock: hold it too
                 staging_lock = _try_lock(write.staging / LOCK_NAME)
                 if staging_lock is not None:
