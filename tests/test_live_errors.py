@@ -31,6 +31,13 @@ def test_typed_distributed_errors_are_network_errors(error):
     assert _network_error(error)
 
 
+def test_peer_lost_is_a_unickpt_error_and_torch_s_network_error():
+    """What a job that cannot go on ends with: caught as unickpt's errors are, and as torch's."""
+    from unickpt.errors import UnickptError
+
+    assert isinstance(PeerLost("lost"), UnickptError) and isinstance(PeerLost("lost"), dist.DistNetworkError)
+
+
 @pytest.mark.parametrize("error", [RuntimeError("connection string bad"), RuntimeError("gloo socket peer nccl"),
                                    ValueError("connection refused"), KeyboardInterrupt(), Interrupted()],
                          ids=lambda e: f"{type(e).__name__}({e})")

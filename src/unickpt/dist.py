@@ -7,18 +7,20 @@ With no process group (a single process) every function degrades to the local ca
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .errors import UnickptError
 from .kept_connections import is_kept
 
 
@@ -34,7 +36,7 @@ class GroupAbandoned(RuntimeError):
     """A collective asked of a group whose generation live recovery tore down."""
 
 
-class PeerLost(dist.DistNetworkError):
+class PeerLost(UnickptError, dist.DistNetworkError):
     """A connection of the generation's process group was lost while ``fn`` ran: a peer
     died, cut its connections, or a collective with it timed out (gloo then closes the
     pair). The error ``fn`` ended with is its ``__cause__``.
@@ -44,7 +46,8 @@ class PeerLost(dist.DistNetworkError):
     gradient all-reduce in ``backward``: "Connection closed by peer", "Read error ...
     Connection reset by peer", "Timed out waiting ... for recv operation"), which only its
     message tells from a user's ``RuntimeError``. :func:`links_lost` reads the evidence off
-    the group's connections instead (tests/peer_loss_probe.py shows each case)."""
+    the group's connections instead (tests/peer_loss_probe.py shows each case). A
+    ``UnickptError`` too: a job that cannot go on ends with it."""
 
 
 @dataclass
@@ -274,23 +277,40 @@ def opened_since(before: dict[int, str]) -> dict[int, str]:
     return {fd: inode for fd, inode in open_sockets().items() if before.get(fd) != inode}
 
 
+@contextlib.contextmanager
+def _duplicate(fd: int) -> Iterator[socket.socket | None]:
+    """A socket object on a duplicate of ``fd`` (None when ``fd`` is closed meanwhile),
+    closed on leaving: ``fd`` itself stays the owner's (gloo's, a store's)."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        yield None
+        return
+    try:
+        yield dup
+    finally:
+        dup.close()
+
+
+def _to_peer(sock: socket.socket) -> bool:
+    """Whether ``sock`` is a group's connection to a peer: not a listening socket (gloo's
+    listener thread aborts the process when its accept fails), not a connection to a store
+    or a keeper another thread opened while the group was made (see
+    :mod:`unickpt.kept_connections`)."""
+    try:
+        return not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and not is_kept(sock)
+    except OSError:
+        return False
+
+
 def links(sockets: dict[int, str]) -> dict[int, str]:
     """The connections among ``sockets`` (of a group just made: :func:`opened_since`) that
-    lead to its peers: not a listening socket, not a connection to a store or a keeper
-    another thread opened meanwhile (:mod:`unickpt.kept_connections`)."""
+    lead to its peers (:func:`_to_peer`)."""
     out = {}
     for fd, inode in sockets.items():
-        try:
-            dup = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and not is_kept(dup):
+        with _duplicate(fd) as dup:
+            if dup is not None and _to_peer(dup):
                 out[fd] = inode
-        except OSError:
-            pass
-        finally:
-            dup.close()
     return out
 
 
@@ -308,44 +328,34 @@ def links_lost(connections: dict[int, str]) -> bool:
     for fd, inode in connections.items():
         if now.get(fd) != inode:
             return True
-        try:
-            dup = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            return True  # closed since open_sockets() read it
-        try:
-            if dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED:
-                return True
-        except OSError:
-            pass  # not TCP (a unix socket): nothing to read
-        finally:
-            dup.close()
+        with _duplicate(fd) as dup:
+            if dup is None:
+                return True  # closed since open_sockets() read it
+            try:
+                if dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED:
+                    return True
+            except OSError:
+                pass  # not TCP (a unix socket): nothing to read
     return False
 
 
 def shut_down(sockets: dict[int, str]) -> int:
-    """``shutdown(SHUT_RDWR)`` every connected socket of ``sockets`` still open under the
-    same inode (an fd reused since is left alone, a listening socket: gloo's listener
-    thread aborts the process when its accept fails, and a connection to a store or a
-    keeper, see :mod:`unickpt.kept_connections`); returns how many were shut down."""
-    done = 0
+    """``shutdown(SHUT_RDWR)`` every connection to a peer (:func:`_to_peer`) among
+    ``sockets`` still open under the same inode (an fd reused since is left alone);
+    returns how many were shut down."""
     now = open_sockets()
+    done = 0
     for fd, inode in sockets.items():
         if now.get(fd) != inode:
             continue
-        try:
-            dup = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if is_kept(dup):  # a store's or a keeper's, opened by another thread while a group was made
+        with _duplicate(fd) as dup:
+            if dup is None or not _to_peer(dup):
                 continue
-            if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # gloo's listener aborts on it
+            try:
                 dup.shutdown(socket.SHUT_RDWR)
                 done += 1
-        except OSError:
-            pass
-        finally:
-            dup.close()
+            except OSError:
+                pass
     return done
 
 
