@@ -37,6 +37,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..api.manager import CheckpointManager
@@ -46,7 +47,7 @@ from ..errors import UnickptError
 from ..live.control import under_launch
 from ..live.run import Interrupted, World
 from ..live.run import run as _live_run
-from .logged_steps import agreed_floor, passes
+from .logged_steps import agreed_floor, hold, passes, take
 
 log = logging.getLogger("unickpt")
 
@@ -187,17 +188,20 @@ class UnickptCallback(pl.Callback):
             if trainer.global_step != self.restored_step:
                 raise UnickptError(f"the fit loop restored from step {self.restored_step} says global step "
                                    f"{trainer.global_step}: the checkpoint's progress does not match its step")
-        self._log_each_step_once(trainer)
+        floor = self._log_each_step_once(trainer)
+        if self.restored_step:
+            self._give_the_restored_step(trainer, floor)
         self._last_step = trainer.global_step
 
-    def _log_each_step_once(self, trainer: pl.Trainer) -> None:
+    def _log_each_step_once(self, trainer: pl.Trainer) -> int:
         """The trainer's loggers get each step once: after a restore, the steps a logger of
         this process was given before (the steps re-done after the snapshot resumed from,
         when the job re-formed in the same processes) are not given again; their first
         values stand. The newest step given is agreed on by every rank (the new rank 0 may
-        be a process that logged nothing: Lightning's loggers write on rank 0 only)."""
+        be a process that logged nothing: Lightning's loggers write on rank 0 only).
+        Returns that step (-1: none)."""
         if not trainer.loggers:
-            return
+            return -1
         root = str(self.manager.root)
         given = agreed_floor(root, bool(self.restored_step))
         for logger in trainer.loggers:
@@ -206,6 +210,20 @@ class UnickptCallback(pl.Callback):
                 current.floor = given
             else:
                 logger.log_metrics = _OncePerStep(current, root, given)  # type: ignore[method-assign]
+        return given
+
+    def _give_the_restored_step(self, trainer: pl.Trainer, floor: int) -> None:
+        """The restored step's log entry, held by this process when it snapshotted the step,
+        to the loggers if none of any rank was given it: the snapshot is taken in
+        ``on_train_batch_end``, before Lightning logs the step, and a re-forming in between
+        goes on at the next step, so nothing else would give it."""
+        entry = take(str(self.manager.root), self.restored_step)
+        if entry is None or entry[1] <= floor:
+            return
+        metrics, step = entry
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics=dict(metrics), step=step)
+            logger.save()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a restore mid-epoch: Lightning made the loaders' iterators (and fast-forwarded
@@ -239,6 +257,7 @@ class UnickptCallback(pl.Callback):
         if self.state is None or step == self._last_step:
             return
         self._last_step = step
+        hold(str(self.manager.root), step, _log_entry(trainer))
         self.manager.maybe_save(self.state, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -281,6 +300,23 @@ class _OncePerStep:
         if not passes(self.root, self.floor, step):
             return None
         return self.log_metrics(metrics, step)
+
+
+def _log_entry(trainer: pl.Trainer) -> tuple[dict[str, Any], int] | None:
+    """What Lightning gives its loggers for this step once ``on_train_batch_end`` is done
+    (``update_train_step_metrics``): the step's logged values as scalars and its logger step
+    (``_batches_that_stepped``, or a logged ``step``); None when it logs nothing for it."""
+    connector = trainer._logger_connector
+    if not trainer.loggers or not (connector.should_update_logs or trainer.fast_dev_run):
+        return None
+    metrics = convert_tensors_to_scalars(connector.metrics["log"])
+    if not metrics:
+        return None
+    step = metrics.pop("step", None)
+    if step is not None:
+        return metrics, int(step)
+    metrics.setdefault("epoch", trainer.current_epoch)
+    return metrics, trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def _check_ranks(trainer: pl.Trainer) -> None:

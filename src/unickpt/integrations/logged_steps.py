@@ -7,11 +7,17 @@ same folder or run) was already given. Per checkpoint root, this module records 
 step this process's loggers were given; after a restore the integrations pass on no step up
 to the newest one any rank recorded (the new rank 0 may be a process that logged nothing),
 so the first values of a re-done step stand.
+
+A trainer that snapshots a step before its loggers get it (Lightning saves in
+``on_train_batch_end``, then logs) holds the step's log entry here until the next step
+replaces it: after a re-forming that restores that very step, an entry no rank's logger
+was given is given then (the step is not re-done, so nothing else would give it).
 """
 
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import torch.distributed as dist
 
@@ -19,6 +25,8 @@ from ..dist import all_gather_fixed, resolve_group
 
 # per checkpoint root: the newest step this process's loggers were given
 _LOGGED: dict[str, int] = {}
+# per checkpoint root: (training step, its log entry) of the newest step snapshotted before it was logged
+_HELD: dict[str, tuple[int, Any]] = {}
 
 
 def agreed_floor(root: str, restored: bool) -> int:
@@ -40,3 +48,19 @@ def passes(root: str, floor: int, step: int | None) -> bool:
         return False
     _LOGGED[root] = max(_LOGGED.get(root, -1), step)
     return True
+
+
+def hold(root: str, step: int, entry: Any) -> None:
+    """Keep ``entry`` (what the loggers are to be given for training step ``step``; None:
+    nothing) for ``root``, replacing the previous step's, before ``step`` is snapshotted."""
+    _HELD[root] = (step, entry)
+
+
+def take(root: str, step: int) -> Any:
+    """The entry held for ``root`` if it is training step ``step``'s (then no longer held),
+    else None."""
+    held = _HELD.get(root)
+    if held is None or held[0] != step:
+        return None
+    del _HELD[root]
+    return held[1]
