@@ -145,6 +145,24 @@ def test_both_spellings_of_torchrun_s_flags():
         assert parse([flag, value, "x.py"]) == parse(["x.py"]), flag  # accepted with torchrun's values
 
 
+def test_signals_to_handle_and_duplicate_filters_parse(capsys):
+    """torchrun's --signals-to-handle (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT) and
+    --duplicate-stdout/stderr-filters (',,' is a comma) in both spellings; a name that is no
+    signal, or one that cannot be handled, is a usage error naming it."""
+    assert parse(["x.py"]).signals == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    assert parse(["x.py"]).duplicate == {}
+    for flag in ("--signals-to-handle", "--signals_to_handle"):
+        assert parse([flag, "SIGTERM, SIGUSR1", "x.py"]).signals == (signal.SIGTERM, signal.SIGUSR1)
+    for out, err in (("--duplicate-stdout-filters", "--duplicate-stderr-filters"),
+                     ("--duplicate_stdout_filters", "--duplicate_stderr_filters")):
+        a = parse([out, "loss,,step,nan", err, "Traceback", "x.py"])
+        assert a.duplicate == {"stdout": ("loss,step", "nan"), "stderr": ("Traceback",)}
+    for bad, says in (("SIGNOPE", "SIGNOPE is no signal name"), ("SIGTERM,SIGKILL", "SIGKILL cannot be handled")):
+        with pytest.raises(SystemExit) as e:
+            parse(["--signals-to-handle", bad, "x.py"])
+        assert e.value.code == 2 and says in capsys.readouterr().err, bad
+
+
 def test_an_unknown_launcher_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         parse(["--nnode", "2", "x.py"])
@@ -177,7 +195,8 @@ def test_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--nproc-per-node", "--tee",
                  "--redirects", "--log-dir", "--local-ranks-filter", "--no-python", "--shutdown-timeout",
-                 "--join-timeout", "--max-restarts", "--hang-timeout", "--min-ranks", "the training script",
+                 "--join-timeout", "--max-restarts", "--hang-timeout", "--min-ranks", "--signals-to-handle",
+                 "--duplicate-stdout-filters", "--duplicate-stderr-filters", "the training script",
                  "passed through untouched"):
         assert flag in text, flag
 
@@ -230,11 +249,14 @@ def test_plain_script_group_restart_and_no_python(tmp_path):
 def test_output_lines_whole_prefixed_and_filed(tmp_path):
     """Every worker line reaches the console whole with its [rankN]: prefix, though both
     ranks write 3000-character lines at once; --tee 3 --log-dir files them per local rank,
-    --local-ranks-filter 0 keeps rank 1 off the console."""
+    --local-ranks-filter 0 keeps rank 1 off the console, --duplicate-stdout-filters copies
+    the lines holding one of its texts, every rank's, into the attempt's filtered_stdout.log."""
     logs = tmp_path / "logs"
     out, filed = _launch_together(tmp_path, ["--standalone", "--nproc-per-node", "2", CASES, "ok"],
                                   ["--standalone", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs),
-                                   "--rdzv-id", "j", "--local-ranks-filter", "0", CASES, "ok"])
+                                   "--rdzv-id", "j", "--local-ranks-filter", "0",
+                                   "--duplicate-stdout-filters", "no,,such line,done rank",
+                                   "--duplicate-stderr-filters", "no such line", CASES, "ok"])
     assert out.returncode == 0, out.stderr[-3000:]
     long = [x for x in out.stdout.splitlines() if len(x) > 100]
     assert len(long) == 80
@@ -247,6 +269,9 @@ def test_output_lines_whole_prefixed_and_filed(tmp_path):
     for local in (0, 1):
         text = (logs / "j" / "attempt_0" / str(local) / "stdout.log").read_text()
         assert text.count(str(local) * 3000 + "\n") == 40 and f"done rank {local} size 2" in text
+    filtered = (logs / "j" / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    assert sorted(filtered) == [f"[rank{r}]: done rank {r} size 2 generation 0" for r in (0, 1)], filtered
+    assert (logs / "j" / "attempt_0" / "filtered_stderr.log").read_text() == ""
 
 
 # -- signals -----------------------------------------------------------------------------------
@@ -269,30 +294,44 @@ def test_ctrl_c_ends_a_deadlocked_job(tmp_path):
     """Two ranks deadlocked in dist.recv (C++), Ctrl-C to the launcher's process group (as a
     terminal does): each worker gets one SIGINT (its own process group), is killed after
     --shutdown-timeout 3, and the launcher exits 130 within the grace period + a few
-    seconds, its last line saying it was stopped (not 'the job failed')."""
-    log = tmp_path / "out.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2",
-                                 "--shutdown-timeout", "3", CASES, "deadlock"], env=_env(tmp_path), stdout=out,
-                                stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    seconds, its last line saying it was stopped (not 'the job failed'). Beside it, a job
+    told --signals-to-handle SIGTERM,SIGUSR1 (as on SLURM) gets SIGUSR1: forwarded to its
+    workers, which it ends at once (Python's default action), exit 138 with no wait for
+    its --shutdown-timeout 30 (unhandled, SIGUSR1 would have killed the launcher)."""
+    jobs = []
+    for name, flags in (("int", ["--shutdown-timeout", "3"]),
+                        ("usr1", ["--shutdown-timeout", "30", "--signals-to-handle", "SIGTERM,SIGUSR1"])):
+        (tmp_path / name).mkdir()
+        log = tmp_path / name / "out.txt"
+        with open(log, "w") as out:
+            jobs.append((log, subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2",
+                                                *flags, CASES, "deadlock"], env=_env(tmp_path / name), stdout=out,
+                                               stderr=subprocess.STDOUT, cwd=tmp_path / name, start_new_session=True)))
     try:
-        _wait_for(log, "blocked rank 1", proc)
-        _wait_for(log, "blocked rank 0", proc)
-        workers = _pids_of(proc.pid)
-        assert len(workers) == 2 and all(os.getpgid(w) == w for w in workers)  # each its own group
+        workers, took, codes = [], [], []
+        for log, proc in jobs:
+            _wait_for(log, "blocked rank 1", proc)
+            _wait_for(log, "blocked rank 0", proc)
+            workers.append(_pids_of(proc.pid))
+            assert len(workers[-1]) == 2 and all(os.getpgid(w) == w for w in workers[-1])  # each its own group
         t0 = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(60)
-        took = time.monotonic() - t0
+        os.killpg(jobs[0][1].pid, signal.SIGINT)
+        os.killpg(jobs[1][1].pid, signal.SIGUSR1)
+        for _, proc in jobs:
+            codes.append(proc.wait(60))
+            took.append(time.monotonic() - t0)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert code == 130, text[-3000:]
-    assert took < 3 + 8, took
+        for _, proc in jobs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text, usr1 = (log.read_text() for log, _ in jobs)
+    assert codes == [130, 138], (codes, text[-3000:], usr1[-3000:])
+    assert took[0] < 3 + 8 and took[1] < 8, took
     assert "did not stop within 3 s of SIGINT: SIGKILL" in text
     assert "the job was stopped: SIGINT on node 0" in _last(text) and "failed" not in _last(text)
-    assert not any(os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z" for w in workers)
+    assert "the job was stopped: SIGUSR1 on node 0" in _last(usr1) and "did not stop" not in usr1, usr1[-3000:]
+    assert not any(os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"
+                   for w in workers[0] + workers[1])
 
 
 @multiprocess

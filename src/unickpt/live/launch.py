@@ -14,7 +14,8 @@ recovered from (a signal, a hang, a lost node); a plain script's failed rank's c
 (after --max-restarts restarts of the group); 1 when fn raised (unless
 ``unickpt.run(fn, recover=...)`` says to go on without the rank), when a rank ended 0
 while its peers still trained, below --min-ranks, or when a node did not join within
---join-timeout; 130 on SIGINT, 143 on SIGTERM.
+--join-timeout; 128 + the signal on one of --signals-to-handle (130 on SIGINT, 143 on
+SIGTERM).
 """
 
 from __future__ import annotations
@@ -52,15 +53,17 @@ CONNECT_TRY_S = 2.0  # one attempt to reach node 0's store (a signal is seen bet
 
 
 class Signals:
-    """SIGINT and SIGTERM as the launcher sees them: the first one starts the shutdown, a
-    second one kills the workers at once."""
+    """The signals that stop the job (``--signals-to-handle``: torchrun's SIGTERM, SIGINT,
+    SIGHUP and SIGQUIT by default) as the launcher sees them: the first one starts the
+    shutdown, a second one kills the workers at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, handled: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self.handled = handled
         self.signum: int | None = None
         self.count = 0
 
     def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in self.handled:
             signal.signal(sig, self._on)
 
     def _on(self, signum: int, _frame: Any) -> None:
@@ -78,9 +81,9 @@ class Signals:
 
 def run_node(args: LaunchArgs) -> int:
     """Run this node's launcher; returns its exit status."""
-    signals = Signals()
+    signals = Signals(args.signals)
     signals.install()  # Ctrl-C while the store is reached or nodes are awaited ends this launcher cleanly
-    output = Output(args.tee_spec, args.redirects_spec, args.log_dir, args.local_filter, args.rdzv_id)
+    output = Output(args.tee_spec, args.redirects_spec, args.log_dir, args.local_filter, args.rdzv_id, args.duplicate)
     from torch.distributed import TCPStore
 
     if args.node_rank == 0 and args.store is None:
@@ -412,9 +415,10 @@ class Launcher:
         return code
 
     def _shutdown(self) -> int:
-        """SIGINT/SIGTERM: tell the job (its coordinator ends it on every node), forward the
-        signal once to every worker's process group, SIGKILL those left after
-        --shutdown-timeout; no replacement is started meanwhile. Exit 128 + the signal."""
+        """A handled signal (SIGINT, SIGTERM, ...): tell the job (its coordinator ends it on
+        every node), forward the signal once to every worker's process group, SIGKILL those
+        left after --shutdown-timeout; no replacement is started meanwhile. Exit 128 + the
+        signal."""
         name, grace = self.signals.name(), self.args.shutdown_timeout
         try:
             if control.newest(self.store) < 0:  # generation 0 not open yet: this node no longer joins it
@@ -544,7 +548,8 @@ class Coordinator:
             control.mail(self.store, n, gen=gen.number)
 
     def stop(self, signum: int, node: int) -> None:
-        """A launcher was sent SIGINT/SIGTERM: the job ends on every node (128 + signum)."""
+        """A launcher was sent a handled signal (SIGINT, SIGTERM, ...): the job ends on every
+        node (128 + signum)."""
         self.step()  # what happened before the signal is counted first
         if self.gen is None:
             self.gen = Generation(-1, [])

@@ -5,6 +5,7 @@ command line (imported by every ``unickpt`` command) does not import the launche
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's: after the forwarded SIGINT/SIGTERM, SIG
 JOIN_TIMEOUT_S = 600.0  # torchrun's c10d rendezvous join_timeout
 RDZV_PORT = 29400  # torchrun's port when --rdzv-endpoint names none
 MASTER_PORT = 29500  # torchrun's --master-port
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,8 @@ class LaunchArgs:
     """One node's launch, resolved from ``unickpt launch``'s command line
     (:mod:`.launch_cli`): torchrun's rendezvous flags are already mapped onto the job's
     store (``master_addr:master_port``), ``--nproc-per-node`` onto a number, ``--tee``,
-    ``--redirects`` and ``--local-ranks-filter`` onto their values. ``unickpt store``
+    ``--redirects``, ``--local-ranks-filter``, ``--signals-to-handle`` and the
+    ``--duplicate-*-filters`` onto their values. ``unickpt store``
     builds one too (the coordinator's fields; the others keep their defaults)."""
 
     script: str = ""  # a path; with ``module`` a module; with ``no_python`` a program
@@ -46,3 +49,5 @@ class LaunchArgs:
     tee_spec: Std = frozenset()
     redirects_spec: Std = frozenset()
     local_filter: frozenset[int] | None = None  # the local ranks shown on the console (None: all)
+    signals: tuple[int, ...] = tuple(signal.Signals[n] for n in SIGNALS_TO_HANDLE.split(","))  # stop the job
+    duplicate: dict[str, tuple[str, ...]] = field(default_factory=dict)  # stream: needles (--duplicate-*-filters)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from .launch_args import JOIN_TIMEOUT_S, MASTER_PORT, RDZV_PORT, SHUTDOWN_TIMEOUT_S, LaunchArgs
+from .launch_args import JOIN_TIMEOUT_S, MASTER_PORT, RDZV_PORT, SHUTDOWN_TIMEOUT_S, SIGNALS_TO_HANDLE, LaunchArgs
 
 PROG = "unickpt launch"
 
@@ -47,8 +47,9 @@ multi-node: on every node
 output: every worker line comes whole, as "[rankN]: ..." (torchrun's --tee prefix).
 
 \b
-Ctrl-C / SIGTERM: forwarded once to every worker (each in its own process group), SIGKILL
-after --shutdown-timeout; exit 130 / 143. The snapshots a node's keeper holds stay in
+Ctrl-C / SIGTERM (and SIGHUP, SIGQUIT: --signals-to-handle): forwarded once to every worker
+(each in its own process group), SIGKILL after --shutdown-timeout; exit 128 + the
+signal (130 / 143). The snapshots a node's keeper holds stay in
 memory: the same command resumes from them; `unickpt snapshots --free` frees them.
 """
 
@@ -134,7 +135,7 @@ def launch(
         "--join-timeout", metavar="SECONDS", help="seconds generation 0 waits for every node to join (torchrun's default)")] = JOIN_TIMEOUT_S,
     shutdown_timeout: Annotated[float, typer.Option(
         "--shutdown-timeout", "--shutdown_timeout", metavar="SECONDS",
-        help="after Ctrl-C/SIGTERM, seconds before the workers are killed")] = SHUTDOWN_TIMEOUT_S,
+        help="after a handled signal (Ctrl-C, SIGTERM), seconds before the workers are killed")] = SHUTDOWN_TIMEOUT_S,
     monitor_interval: Annotated[float | None, typer.Option(
         "--monitor-interval", "--monitor_interval", metavar="SECONDS", show_default=False,
         help="accepted for torchrun's command lines; not needed: exits are seen at once (SIGCHLD)")] = None,
@@ -152,6 +153,17 @@ def launch(
     local_ranks_filter: Annotated[str | None, typer.Option(
         "--local-ranks-filter", "--local_ranks_filter", metavar="RANKS", show_default=False,
         help="show only these local ranks' lines on the console (0,1); the files keep all")] = None,
+    signals_to_handle: Annotated[str, typer.Option(
+        "--signals-to-handle", "--signals_to_handle", metavar="SIGNALS",
+        help="the signals that stop the job (forwarded once to every worker; exit 128 + the signal), e.g. "
+             "add SIGUSR1 for SLURM")] = SIGNALS_TO_HANDLE,
+    duplicate_stdout_filters: Annotated[str, typer.Option(
+        "--duplicate-stdout-filters", "--duplicate_stdout_filters", metavar="TEXT,...", show_default=False,
+        help="also write the workers' stdout lines holding one of these texts (',,' for a comma) to "
+             "<log-dir>/<rdzv-id>/attempt_<n>/filtered_stdout.log")] = "",
+    duplicate_stderr_filters: Annotated[str, typer.Option(
+        "--duplicate-stderr-filters", "--duplicate_stderr_filters", metavar="TEXT,...", show_default=False,
+        help="the same for stderr lines: filtered_stderr.log")] = "",
     no_python: Annotated[bool, typer.Option(
         "--no-python", "--no_python", help="run the script as a program, not with python (its interpreter is the user's)")] = False,
     module: Annotated[bool, typer.Option("-m", "--module", help="run the script as a module (python -m)")] = False,
@@ -168,7 +180,7 @@ def launch(
     node starts the node's workers with torchrun's environment (a plain torch script runs
     unchanged); under unickpt.run the survivors of a lost worker or node go on, the same
     processes. Example: unickpt launch --standalone --nproc-per-node 4 train.py --lr 1e-3"""
-    from .output import parse_filter, parse_std  # here: every unickpt command imports this module
+    from .output import parse_filter, parse_needles, parse_std  # here: every unickpt command imports this module
 
     if start_method != "spawn":
         ctx.fail(f"--start-method {start_method} is not supported: every worker starts as a fresh process "
@@ -180,15 +192,18 @@ def launch(
     try:
         tee_spec, redirects_spec = parse_std(tee, "--tee"), parse_std(redirects, "--redirects")
         local_filter = parse_filter(local_ranks_filter)
+        signals = _signals(signals_to_handle)
     except ValueError as e:
         ctx.fail(str(e))
+    duplicate = {"stdout": parse_needles(duplicate_stdout_filters), "stderr": parse_needles(duplicate_stderr_filters)}
     where = _rendezvous(ctx, nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_conf, store,
                         standalone, join_timeout)
     args = LaunchArgs(script=script, script_args=list(script_args or ()), module=module, no_python=no_python,
                       standalone=standalone, store=store, rdzv_id=rdzv_id, nproc_per_node=_nproc(ctx, nproc_per_node),
                       max_restarts=max_restarts, hang_timeout=hang_timeout, min_ranks=min_ranks,
                       shutdown_timeout=shutdown_timeout, log_dir=log_dir, tee_spec=tee_spec,
-                      redirects_spec=redirects_spec, local_filter=local_filter, **where)
+                      redirects_spec=redirects_spec, local_filter=local_filter, signals=signals,
+                      duplicate={k: v for k, v in duplicate.items() if v}, **where)
     if callable(ctx.obj):  # parse(): the resolved arguments, nothing started
         raise typer.Exit(ctx.obj(args) or 0)
     from .launch import run_node
@@ -238,6 +253,22 @@ def _rendezvous(ctx: typer.Context, nnodes: int, node_rank: int | None, master_a
         ctx.fail(f"need 0 <= --node-rank < --nnodes, not --node-rank {node_rank} with --nnodes {nnodes}")
     return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port,
             "join_timeout": join_timeout}
+
+
+def _signals(text: str) -> tuple[int, ...]:
+    """torchrun's ``--signals-to-handle``: signal names separated by commas (``SIGTERM``);
+    ValueError for a name that is no signal, or one a process cannot handle (SIGKILL,
+    SIGSTOP) or that the launcher needs for itself (SIGCHLD)."""
+    import signal
+
+    out = []
+    for name in filter(None, (x.strip() for x in text.split(","))):
+        sig = signal.Signals.__members__.get(name.upper())
+        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            why = "is no signal name" if sig is None else "cannot be handled here"
+            raise ValueError(f"--signals-to-handle {text!r}: {name} {why}; give names like SIGTERM,SIGINT,SIGUSR1")
+        out.append(int(sig))
+    return tuple(dict.fromkeys(out))
 
 
 def _nproc(ctx: typer.Context, text: str) -> int:

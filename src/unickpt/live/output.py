@@ -2,7 +2,10 @@
 through a pipe, are read line by line and written whole, with torchrun's ``--tee``
 prefix (``[rank3]: ...``), so that no line is ever cut by another rank's; torchrun's
 ``--tee``, ``--redirects``, ``--log-dir`` and ``--local-ranks-filter`` choose what also
-goes to per-rank files, what goes only there, and whose lines reach the console.
+goes to per-rank files, what goes only there, and whose lines reach the console;
+``--duplicate-stdout-filters`` / ``--duplicate-stderr-filters`` copy the lines that hold
+one of their texts, every rank's, into ``filtered_stdout.log`` / ``filtered_stderr.log``
+of the attempt's folder (torchrun's files).
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ def parse_filter(text: str | None) -> frozenset[int] | None:
         raise ValueError(f"--local-ranks-filter {text!r}: expected local ranks separated by commas, like 0,1") from None
 
 
+def parse_needles(text: str) -> tuple[str, ...]:
+    """torchrun's ``--duplicate-stdout-filters`` value: texts separated by commas, ``,,`` for
+    a comma in one; empty ones dropped (no text: no line duplicated)."""
+    parts = text.replace(",,", "\0").split(",")
+    return tuple(p.replace("\0", ",") for p in parts if p)
+
+
 def _for(spec: Std, local: int) -> frozenset[str]:
     return spec.get(local, frozenset()) if isinstance(spec, dict) else spec
 
@@ -55,17 +65,21 @@ class Output:
     lock (the launcher's own lines take it too)."""
 
     def __init__(self, tee: Std = frozenset(), redirects: Std = frozenset(), log_dir: str | None = None,
-                 local_filter: frozenset[int] | None = None, run_id: str = "none") -> None:
+                 local_filter: frozenset[int] | None = None, run_id: str = "none",
+                 duplicate: dict[str, tuple[str, ...]] | None = None) -> None:
         self.tee, self.redirects, self.filter = tee, redirects, local_filter
         self.log_dir, self.run_id = log_dir, run_id
+        self.duplicate = {name: needles for name, needles in (duplicate or {}).items() if needles}
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
+        self._filtered: dict[str, IO[bytes]] = {}  # "attempt/stream": the open filtered_<stream>.log
 
     def files_dir(self) -> str:
         """Where per-rank files go (a temporary directory, said once, when --log-dir is not given)."""
         if self.log_dir is None:
             self.log_dir = tempfile.mkdtemp(prefix="unickpt_launch_")
-            self.say(f"unickpt launch: the workers' log files (--tee/--redirects) are under {self.log_dir}")
+            self.say(f"unickpt launch: the workers' log files (--tee/--redirects/--duplicate-*-filters) are under "
+                     f"{self.log_dir}")
         return self.log_dir
 
     def attach(self, proc: Any, rank: int, local: int, attempt: int) -> None:
@@ -78,12 +92,26 @@ class Output:
                 folder = os.path.join(self.files_dir(), self.run_id, f"attempt_{attempt}", str(local))
                 os.makedirs(folder, exist_ok=True)
                 path = os.path.join(folder, f"{name}.log")
-            t = threading.Thread(target=self._pump, args=(pipe, f"[rank{rank}]: ".encode(), console if shown else None, path),
+            dup = None
+            if name in self.duplicate:
+                dup = (self._filtered_file(name, attempt), tuple(n.encode() for n in self.duplicate[name]))
+            t = threading.Thread(target=self._pump, args=(pipe, f"[rank{rank}]: ".encode(), console if shown else None, path, dup),
                                  name=f"unickpt-launch-{name}-{rank}", daemon=True)
             t.start()
             self.threads.append(t)
 
-    def _pump(self, pipe: IO[bytes], prefix: bytes, console: Any, path: str | None) -> None:
+    def _filtered_file(self, name: str, attempt: int) -> IO[bytes]:
+        """The attempt's ``filtered_<name>.log``, one file for every rank of this node
+        (opened by the launcher's thread, which attaches every worker; written under the lock)."""
+        where = f"{attempt}/{name}"
+        if where not in self._filtered:
+            folder = os.path.join(self.files_dir(), self.run_id, f"attempt_{attempt}")
+            os.makedirs(folder, exist_ok=True)
+            self._filtered[where] = open(os.path.join(folder, f"filtered_{name}.log"), "ab")  # noqa: SIM115
+        return self._filtered[where]
+
+    def _pump(self, pipe: IO[bytes], prefix: bytes, console: Any, path: str | None,
+              dup: tuple[IO[bytes], tuple[bytes, ...]] | None = None) -> None:
         out = getattr(console, "buffer", None) if console is not None else None
         f = open(path, "ab") if path else None
         try:
@@ -93,6 +121,10 @@ class Output:
                 if f is not None:
                     f.write(line)
                     f.flush()
+                if dup is not None and any(n in line for n in dup[1]):
+                    with self.lock:
+                        dup[0].write(prefix + line)
+                        dup[0].flush()
                 if out is not None:
                     with self.lock:
                         out.write(prefix + line)
