@@ -1,5 +1,5 @@
 """Live recovery of a framework's job under ``unickpt launch``, for the integrations'
-tests (tests/test_lightning.py, tests/test_hf_trainer.py): one launch with a rank
+tests (tests/test_lightning.py, tests/test_hf_trainer.py, tests/test_torchtitan.py): one launch with a rank
 SIGKILLed, and what every framework's run must then show."""
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ import time
 import unickpt
 
 SHORT_SLEEP = 1.0  # s a step at least, while the job runs short a rank (see pace)
+GROWN_SLEEP = 0.02  # s a step at most, once the replacement joined (see pace)
 
 
 def pace(generation: int, sleep: float) -> None:
     """The pause after each step of the live scripts (tests/hf_trainer_live.py,
-    tests/lightning_live.py): ``sleep``, and at least SHORT_SLEEP while the job runs short a
-    rank (generation 1: after the kill, before the replacement joined). The replacement is a
-    fresh process that imports torch and the framework (5 s and more on a loaded 2-core
-    machine) and must join before the run ends: the bound it is given is the steps left after
-    the kill x SHORT_SLEEP (about 20 s); once it joined, the steps are fast again."""
-    time.sleep(max(sleep, SHORT_SLEEP) if generation == 1 else sleep)
+    tests/lightning_live.py, tests/titan_live.py): ``sleep`` before the kill (generation 0:
+    the kill lands mid-run), at least SHORT_SLEEP while the job runs short a rank
+    (generation 1: after the kill, before the replacement joined), at most GROWN_SLEEP
+    once it joined (nothing is left to wait for: the run's last steps go at their own
+    speed). The replacement is a fresh process that imports torch and the framework (5 s and
+    more on a loaded 2-core machine) and must join before the run ends: the bound it is
+    given is the steps left after the kill x SHORT_SLEEP (about 20 s)."""
+    time.sleep(sleep if generation == 0 else max(sleep, SHORT_SLEEP) if generation == 1 else min(sleep, GROWN_SLEEP))
 
 
 def log_step(path: str, world: unickpt.World, step: int, loss: float, xsum: float, sleep: float) -> None:

@@ -2,7 +2,9 @@
 (tests/titan_cases.py: torchtitan's Llama 3, FSDP2, OptimizersContainer, LR schedulers,
 ParallelAwareDataloader, train state) on 2 real processes, SIGKILLed and resumed from
 memory and from disk plus the delta log, bitwise equal to a run with checkpointing off;
-the final checkpoint resumed on 1 rank; a torchtitan DCP checkpoint as the initial state."""
+the final checkpoint resumed on 1 rank; a torchtitan DCP checkpoint as the initial state;
+live recovery under ``unickpt launch`` (tests/titan_live.py): a rank SIGKILLed, the
+survivors go on in their own processes on the unbroken run's curve."""
 
 from __future__ import annotations
 
@@ -124,3 +126,28 @@ def test_refusals(tmp_path):
     """Options unickpt cannot honour, and a delta log that could not replay exactly,
     are clear errors."""
     _run(1, "refusals", str(tmp_path))
+
+
+# -- live recovery: unickpt launch, a rank SIGKILLed, the survivors go on in their processes
+def test_live_recovery_in_the_same_processes(tmp_path, shm_roots):
+    """torchtitan's loop (tests/titan_live.py: its Llama 3 under FSDP2, its optimizer and
+    scheduler containers and data loader, the integration's checkpointer with
+    ``snapshot_every=1``) on 3 ranks under ``unickpt launch --max-restarts 1`` through
+    ``unickpt.run``, everything built per generation; the last rank SIGKILLed: the two
+    survivors go on in their own processes from memory, resharded onto FSDP2 over 2 ranks,
+    on the unbroken run's curve with the same global batches; the replacement joins, the job
+    ends 0 (live_helpers.check_live_run)."""
+    import titan_live
+
+    import unickpt
+    from live_helpers import check_live_run, live_job
+
+    steps = 30
+    (tmp_path / "ref").mkdir()
+    ref = str(tmp_path / "ref" / "log.jsonl")
+    titan_live.train(unickpt.World(0, 1, 0, 0), steps, None, ref, 0.0)  # the unbroken run, in this process
+    want = {r["step"]: r for r in map(json.loads, open(ref))}
+    shm_roots.append(str(tmp_path / "shm"))
+    rows, job = live_job(tmp_path, titan_live.__file__, 3, steps, [], sleep=0.3, kill_after=4)
+    took = check_live_run(rows, job, 3, steps, want, "torchtitan")
+    assert took < 10, took  # the target is 2 s; a loaded shared machine may stretch it
