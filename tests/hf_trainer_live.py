@@ -11,7 +11,6 @@ and the time.
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ import unickpt
 from unickpt.integrations.hf import UnickptTrainer, run
 
 from hf_trainer_job import Tokens, tiny_llama, training_args
-from live_helpers import log_step
+from live_helpers import live_args, log_step
 
 GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks; Tokens() has 48 samples: 4 steps an epoch
 
@@ -56,12 +55,7 @@ class StepLog(TrainerCallback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--ckpt-dir", required=True)
-    p.add_argument("--log", required=True)
-    p.add_argument("--sleep", type=float, default=0.0)
-    args = p.parse_args()
+    args = live_args()
     torch.set_num_threads(1)
 
     def train(world: unickpt.World) -> None:

@@ -12,7 +12,6 @@ generation, its rank and pid, and the time.
 
 from __future__ import annotations
 
-import argparse
 
 import lightning as L
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from unickpt.integrations.lightning import UnickptCallback, run
 
 from lightning_train import Batches, Recorded, Regression, ShardedRegression
-from live_helpers import log_step
+from live_helpers import live_args, log_step
 
 GLOBAL_BATCH = 12  # an equal slice on 1, 2, 3, 4 or 6 ranks
 SAMPLES = 96  # 8 steps an epoch
@@ -52,13 +51,7 @@ class ShardedLogged(Logged):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--ckpt-dir", required=True)
-    p.add_argument("--log", required=True)
-    p.add_argument("--sleep", type=float, default=0.0)
-    p.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
-    args = p.parse_args()
+    args = live_args(lambda p: p.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp"))
 
     given = Recorded(args.log + ".given")  # built once per process, as a user's logger should be
 

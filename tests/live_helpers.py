@@ -4,6 +4,7 @@ SIGKILLed, and what every framework's run must then show."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -11,6 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+
+from collections.abc import Callable
+from typing import Any
 
 import unickpt
 
@@ -28,6 +32,19 @@ def pace(generation: int, sleep: float) -> None:
     more on a loaded 2-core machine) and must join before the run ends: the bound it is
     given is the steps left after the kill x SHORT_SLEEP (about 20 s)."""
     time.sleep(sleep if generation == 0 else max(sleep, SHORT_SLEEP) if generation == 1 else min(sleep, GROWN_SLEEP))
+
+
+def live_args(extra: Callable[[argparse.ArgumentParser], Any] | None = None) -> argparse.Namespace:
+    """The live scripts' command line, as :func:`live_job` gives it: ``--steps``,
+    ``--ckpt-dir``, ``--log``, ``--sleep``, and the script's own flags (``extra`` adds them)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("--sleep", type=float, default=0.0)
+    if extra is not None:
+        extra(p)
+    return p.parse_args()
 
 
 def log_step(path: str, world: unickpt.World, step: int, loss: float, xsum: float, sleep: float) -> None:

@@ -28,3 +28,18 @@ def failing_ranks(rank: int, world: int, path: str, mode: str) -> None:
         assert str(e).startswith("save failed, nothing was committed:\nrank 1: ") and "\nrank 2: " in str(e), str(e)
     else:
         raise AssertionError("the save did not fail")
+
+
+def claim_of_a_committed_location(rank: int, world: int, path: str) -> None:
+    """Rank 0's claim finds a committed checkpoint at ``path`` (the ranks skip the early
+    check each save makes, as when a checkpoint is committed between it and the claim):
+    every rank raises CheckpointExistsError for ``path``, not only rank 0."""
+    from unickpt.dist import resolve_group
+    from unickpt.engine.commit import prepare_collective
+
+    try:
+        prepare_collective(resolve_group(), path, overwrite=False)
+    except unickpt.CheckpointExistsError as e:
+        assert e.location == path and "already holds a committed checkpoint" in str(e), (e.location, str(e))
+    else:
+        raise AssertionError("the claim did not fail")

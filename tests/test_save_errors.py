@@ -8,12 +8,14 @@ import os
 import pickle
 
 import pytest
+import torch
 
 import unickpt
+from unickpt.engine.outcome import Outcome
 from unickpt.engine.restored import Restored
 from unickpt.testing import run_ranks
 
-from save_error_cases import failing_ranks
+from save_error_cases import claim_of_a_committed_location, failing_ranks
 
 
 @pytest.mark.multiprocess
@@ -21,6 +23,41 @@ from save_error_cases import failing_ranks
 def test_a_failed_save_names_every_failed_rank_and_why_on_every_rank(tmp_path, mode):
     run_ranks(failing_ranks, 3, str(tmp_path / "ck"), mode, preload=["torch", "torch.distributed", "unickpt"])
     assert not os.path.exists(tmp_path / "ck" / "manifest.json")
+
+
+@pytest.mark.multiprocess
+def test_a_location_already_committed_is_the_same_error_on_every_rank(tmp_path):
+    """Rank 0's claim of a location that holds a committed checkpoint raises
+    CheckpointExistsError, with its location, on both ranks (the other rank used to get a
+    plain SaveError with the message only)."""
+    path = str(tmp_path / "ck")
+    unickpt.save({"w": torch.ones(2)}, path)
+    run_ranks(claim_of_a_committed_location, 2, path, preload=["torch", "torch.distributed", "unickpt"])
+
+
+def test_an_outcome_carries_its_error_as_itself():
+    """What rank 0 broadcasts at a claim or a commit: every rank raises the error's own
+    class with what it carries; a class unickpt does not have, or unreadable bytes, is a
+    SaveError saying so."""
+    def raised(outcome: Outcome) -> Exception:
+        with pytest.raises(unickpt.UnickptError) as e:
+            Outcome.decode(outcome.encode()).raise_error()
+        return e.value
+
+    e = raised(Outcome.of(unickpt.CheckpointExistsError("/ck/step_4")))
+    assert type(e) is unickpt.CheckpointExistsError and e.location == "/ck/step_4"
+    e = raised(Outcome.of(unickpt.SaveError("save failed", {1: "disk full"})))
+    assert type(e) is unickpt.SaveError and e.failures == {1: "disk full"} and str(e) == "save failed"
+    e = raised(Outcome.of(unickpt.StorageError("no backend for nosuch://")))
+    assert type(e) is unickpt.StorageError and str(e) == "no backend for nosuch://"
+    e = raised(Outcome.of(OSError(28, "No space left on device")))
+    assert type(e) is unickpt.SaveError and e.failures == {0: "OSError: [Errno 28] No space left on device"}
+    e = raised(Outcome(error="NoSuchError", message="m"))
+    assert type(e) is unickpt.SaveError and str(e) == "m"
+    with pytest.raises(unickpt.SaveError, match="rank 0's outcome is unreadable"):
+        Outcome.decode(b"error\n{not json").raise_error()
+    assert Outcome.decode(Outcome(payload=b"where").encode()).payload == b"where"
+    Outcome.decode(Outcome().encode()).raise_error()
 
 
 def test_save_error_keeps_its_map_across_processes():

@@ -119,6 +119,24 @@ def dump(path: str, model, optimizers, lr_schedulers, train: TrainState) -> None
                        "lr": [s.get_last_lr() for s in lr_schedulers]}, f)
 
 
+def train_step(model, batches, optimizers, lr_schedulers, checkpointer, state: TrainState, steps: int):
+    """One step as torchtitan's ``Trainer.train`` runs it, with its checkpointer's calls
+    (``maybe_wait_for_staging()`` right before ``optimizers.step()``, then ``save``).
+    Returns the loss and the inputs."""
+    state.step += 1
+    inputs, labels = next(batches)
+    loss = F.cross_entropy(model(inputs["input"]).flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    checkpointer.maybe_wait_for_staging()
+    optimizers.step()
+    lr_schedulers.step()
+    optimizers.zero_grad()
+    state.ntokens_seen += labels.numel()
+    checkpointer.save(state.step, last_step=state.step == steps)
+    return loss, inputs
+
+
 def train(rank: int, world: int, o: dict) -> None:
     """One rank of the loop (under ``unickpt.testing.run_ranks``). ``o``: ``steps``,
     ``folder``, ``disabled`` (checkpointing off), ``interval``, ``async_mode``,
@@ -159,17 +177,7 @@ def train(rank: int, world: int, o: dict) -> None:
             f.write(checkpointer.manager.restored_line + "\n")
     batches = iter(dataloader)
     while state.step < steps:
-        state.step += 1
-        inputs, labels = next(batches)
-        loss = F.cross_entropy(model(inputs["input"]).flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        checkpointer.maybe_wait_for_staging()
-        optimizers.step()
-        lr_schedulers.step()
-        optimizers.zero_grad()
-        state.ntokens_seen += labels.numel()
-        checkpointer.save(state.step, last_step=state.step == steps)
+        loss, _ = train_step(model, batches, optimizers, lr_schedulers, checkpointer, state, steps)
         total = loss.detach().clone()
         dist.all_reduce(total)
         if rank == 0:

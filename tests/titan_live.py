@@ -16,12 +16,10 @@ Every rank appends one line per step to ``--log`` (tests/live_helpers.log_step).
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
@@ -29,8 +27,8 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 import unickpt
 from unickpt.integrations.torchtitan import UnickptCheckpointManager
 
-from live_helpers import log_step
-from titan_cases import SEQ, VOCAB, TrainState, tiny_llama
+from live_helpers import live_args, log_step
+from titan_cases import SEQ, VOCAB, TrainState, tiny_llama, train_step
 
 GLOBAL_BATCH = 6  # an equal slice on 1, 2, 3 or 6 ranks
 
@@ -94,17 +92,7 @@ def train(world: unickpt.World, steps: int, folder: str | None, log: str, sleep:
     data.step = state.step  # the global stream goes on at the restored step, on any number of ranks
     batches = iter(dataloader)
     while state.step < steps:
-        state.step += 1
-        inputs, labels = next(batches)
-        loss = F.cross_entropy(model(inputs["input"]).flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        checkpointer.maybe_wait_for_staging()
-        optimizers.step()
-        lr_schedulers.step()
-        optimizers.zero_grad()
-        state.ntokens_seen += labels.numel()
-        checkpointer.save(state.step, last_step=state.step == steps)
+        loss, inputs = train_step(model, batches, optimizers, lr_schedulers, checkpointer, state, steps)
         total = torch.stack([loss.detach(), inputs["input"].sum().float()])
         if world.size > 1:
             dist.all_reduce(total)
@@ -113,12 +101,7 @@ def train(world: unickpt.World, steps: int, folder: str | None, log: str, sleep:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--ckpt-dir", required=True)
-    p.add_argument("--log", required=True)
-    p.add_argument("--sleep", type=float, default=0.0)
-    args = p.parse_args()
+    args = live_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     unickpt.run(lambda world: train(world, args.steps, args.ckpt_dir, args.log, args.sleep))
 

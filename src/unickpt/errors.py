@@ -72,8 +72,8 @@ class SaveError(UnickptError):
 
 class CheckpointExistsError(SaveError):
     """The save's location already holds a committed checkpoint and ``overwrite`` was not
-    given: nothing was written. Raised where the location is checked (a collective save's
-    other ranks get a :class:`SaveError` with the same message).
+    given: nothing was written. Raised on every rank of a collective save (rank 0's claim
+    of the location sends it to the others as itself, with its location).
 
     Args:
         location: The directory or URL of the save.

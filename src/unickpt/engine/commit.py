@@ -34,12 +34,11 @@ import hashlib
 import json
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .. import errors
 from ..dist import Group, broadcast_bytes, gather_bytes
-from ..errors import SaveError, UnickptError
+from ..errors import UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment, fragment_to_json
 from ..format.rank_message import FragmentRecord
@@ -47,6 +46,7 @@ from ..storage.base import Storage
 from .assemble import manifest_document
 from .collect import LocalState
 from .items import TensorItem
+from .outcome import Outcome
 from .rank_report import RankReport, rank_message, read_message
 from .targets import CommitTarget, SharedDirectory, check_not_committed, checkpoint_file, claim, data_file_name, rank_storage
 from .unchanged import BaseIndex, holders_json
@@ -168,59 +168,6 @@ def prepare_collective(group: Group, path: str, overwrite: bool, target: CommitT
 # ---------------------------------------------------------------- the commit
 
 
-# the errors a commit's outcome may carry to every rank: unickpt's own, by name
-_ERRORS: dict[str, type[UnickptError]] = {
-    name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, UnickptError)
-}
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What rank 0 tells every rank at the end of a commit: the manifest committed (sent
-    only when the ranks keep copies of it), or the error every rank raises (its class
-    among unickpt's errors, its message, and for a :class:`~unickpt.SaveError` the map of
-    failed ranks)."""
-
-    manifest: bytes | None = None
-    error: str | None = None  # the name of a class of unickpt.errors
-    message: str = ""
-    failures: dict[int, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, e: Exception) -> Outcome:
-        """The outcome of a commit that failed on rank 0 with ``e``."""
-        if isinstance(e, UnickptError):
-            return cls(error=type(e).__name__, message=str(e), failures=getattr(e, "failures", {}))
-        return cls(error="SaveError", message=f"{type(e).__name__}: {e}", failures={0: f"{type(e).__name__}: {e}"})
-
-    def encode(self) -> bytes:
-        """The bytes rank 0 broadcasts."""
-        if self.error is None:
-            return b"ok" if self.manifest is None else b"ok\n" + self.manifest
-        failures = {str(r): text for r, text in self.failures.items()}
-        return b"error\n" + json.dumps({"error": self.error, "message": self.message, "failures": failures}).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> Outcome:
-        """The outcome rank 0 broadcast."""
-        if data == b"ok":
-            return cls()
-        kind, _, rest = data.partition(b"\n")
-        if kind == b"ok":
-            return cls(manifest=rest)
-        doc = json.loads(rest)
-        return cls(None, doc["error"], doc["message"], {int(r): t for r, t in doc["failures"].items()})
-
-    def raise_error(self) -> None:
-        """Raise the error this outcome carries, if any."""
-        if self.error is None:
-            return
-        cls = _ERRORS.get(self.error, SaveError)
-        if issubclass(cls, SaveError):
-            raise cls(self.message, self.failures)
-        raise cls(self.message)
-
-
 def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dict[str, Any]) -> None:
     """Collective: gather every rank's report to rank 0, which checks them and publishes
     the manifest through ``target`` (the target's own way: swapping a staging directory
@@ -232,10 +179,10 @@ def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dic
     if gathered is not None:
         try:
             docs = manifest_document(gathered, group.size, metadata, target.indexed)
-            outcome = Outcome(manifest=target.publish(docs))
+            outcome = Outcome(payload=target.publish(docs))
         except Exception as e:
             outcome = Outcome.of(e)
             target.abort()
     outcome = Outcome.decode(broadcast_bytes(group, outcome.encode(), 0))
     outcome.raise_error()
-    target.finish(group, outcome.manifest)
+    target.finish(group, outcome.payload)

@@ -32,6 +32,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.base import Storage
 from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import DirectoryWrite
+from .outcome import Outcome
 
 __all__ = [
     "CommitTarget", "IndexParts", "NodeCopies", "SharedDirectory", "check_not_committed", "checkpoint_file", "claim",
@@ -124,32 +125,32 @@ class SharedDirectory(CommitTarget):
             self._prepare_remote(group, path, overwrite, storage_options)
             return
         path = local_path(path)
-        status = b""
+        outcome = Outcome()
         if group.rank == 0:
             try:
                 self.write = DirectoryWrite.begin(path, MANIFEST_NAME, overwrite, checkpoint_file)
-                status = b"ok\n" + os.fsencode(self.write.staging_from_target)
+                outcome = Outcome(payload=os.fsencode(self.write.staging_from_target))
             except UnickptError as e:
-                status = str(e).encode()
-        status = broadcast_bytes(group, status, 0)
-        kind, _, where = status.partition(b"\n")
-        if kind != b"ok" or not where:
-            raise SaveError(status.decode(errors="replace"))
-        self.storage = rank_storage(path, os.fsdecode(where))
+                outcome = Outcome.of(e)
+        outcome = Outcome.decode(broadcast_bytes(group, outcome.encode(), 0))
+        outcome.raise_error()
+        if not outcome.payload:
+            raise SaveError(f"rank 0 named no staging directory in {path}")
+        self.storage = rank_storage(path, os.fsdecode(outcome.payload))
 
     def _prepare_remote(self, group: Group, path: str, overwrite: bool, storage_options: dict[str, Any] | None) -> None:
         from ..storage.fsspec_store import PrefixWrite
 
-        storage, status = None, b"ok"
+        storage, outcome, mine = None, Outcome(), None
         try:
             storage = open_storage(path, storage_options)
             if group.rank == 0:
                 self.write = PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file)
         except UnickptError as e:
-            status = str(e).encode()
-        status = broadcast_bytes(group, status if group.rank == 0 else b"", 0)
-        if status != b"ok" or storage is None:
-            raise SaveError(status.decode(errors="replace") if status != b"ok" else f"cannot open {path}")
+            outcome = mine = Outcome.of(e)
+        Outcome.decode(broadcast_bytes(group, outcome.encode() if group.rank == 0 else b"", 0)).raise_error()
+        if mine is not None:  # rank 0 could open it, this rank could not
+            raise SaveError(f"cannot open {path}: {mine.message}")
         self.storage = storage
 
     def publish(self, documents: dict[str, bytes]) -> bytes | None:
