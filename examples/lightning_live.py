@@ -1,6 +1,6 @@
 """A Lightning fit that keeps training through the loss of a rank, in the same processes.
 
-    unickpt launch --standalone --nproc-per-node 3 --max-restarts 1 examples/lightning_live.py
+    unickpt launch --standalone --nproc-per-node 3 --max-restarts 1 examples/lightning_live.py [--steps 2000]
 
 Kill one of the three workers (``kill -9 <pid>``): the two others print
 ``rank 2 lost (exit -9); continuing on 2 ranks at step S (generation 1)`` and go on from
@@ -10,6 +10,8 @@ of ranks, so the loss follows the unbroken run's curve.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import lightning as L
 import torch
@@ -65,14 +67,17 @@ class Model(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def fit(world) -> None:
+def fit(world, steps: int) -> None:
     """One generation: the Trainer, a fresh module and the callback for this world."""
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=world.local_size, num_nodes=world.nodes, strategy="ddp",
-                        max_steps=2000, logger=False, enable_checkpointing=False, use_distributed_sampler=False,
+                        max_steps=steps, logger=False, enable_checkpointing=False, use_distributed_sampler=False,
                         callbacks=[UnickptCallback("ckpt", snapshot_every=1, per_rank_data=False)])
     trainer.fit(Model(), train_dataloaders=GlobalStream(world.rank, world.size))
 
 
 if __name__ == "__main__":
-    run(fit)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=2000)
+    steps = parser.parse_args().steps
+    run(lambda world: fit(world, steps))

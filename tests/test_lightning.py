@@ -13,6 +13,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -405,3 +407,19 @@ def test_live_recovery_in_the_same_processes(tmp_path, shm_roots, strategy):
     # the kill came, before Lightning handed its metrics to the loggers
     given = [json.loads(x)["step"] for x in open(tmp_path / "log.jsonl.given")]
     assert given == list(range(steps)), given
+
+
+@pytest.mark.multiprocess
+def test_the_live_example_trains_under_unickpt_launch(tmp_path, shm_roots):
+    """examples/lightning_live.py, as its docstring runs it (2 ranks, a few steps): the job
+    ends 0 and the last step's durable checkpoint is committed in its folder."""
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lightning_live.py")
+    shm_roots.append(str(tmp_path / "shm"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=str(tmp_path / "shm"),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(unickpt.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2", example,
+                          "--steps", "4"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "the job finished: 2 ranks ran" in out.stderr.splitlines()[-1], out.stderr[-2000:]
+    assert unickpt.read_manifest(str(tmp_path / "ckpt" / "step_00000004")) is not None
