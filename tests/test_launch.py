@@ -163,6 +163,26 @@ def test_signals_to_handle_and_duplicate_filters_parse(capsys):
         assert e.value.code == 2 and says in capsys.readouterr().err, bad
 
 
+def test_torchrun_s_pet_environment_variables_configure_the_launch(monkeypatch, capsys):
+    """torchrun reads each flag from PET_<FLAG> when the command line lacks it (Kubeflow's
+    PyTorchJob configures it so): unickpt launch too, the command line still first; a
+    refused flag given that way is refused, naming the variable."""
+    for name, value in (("NNODES", "2"), ("NODE_RANK", "1"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "23456"),
+                        ("NPROC_PER_NODE", "4"), ("MAX_RESTARTS", "3"), ("SIGNALS_TO_HANDLE", "SIGTERM"),
+                        ("RDZV_ID", "job7"), ("TEE", "3")):
+        monkeypatch.setenv(f"PET_{name}", value)
+    a = parse(["x.py"])
+    assert (a.nnodes, a.node_rank, a.master_addr, a.master_port, a.nproc_per_node, a.max_restarts, a.signals, a.rdzv_id,
+            a.tee_spec) == (2, 1, "node0", 23456, 4, 3, (signal.SIGTERM,), "job7", {"stdout", "stderr"})
+    assert parse(["--nproc-per-node", "2", "--node_rank", "0", "x.py"]).nproc_per_node == 2  # the command line first
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    assert parse(["x.py"]).standalone
+    monkeypatch.setenv("PET_LOCAL_ADDR", "10.0.0.2")
+    with pytest.raises(SystemExit) as e:
+        parse(["x.py"])
+    assert e.value.code == 2 and "--local-addr is not supported (given by $PET_LOCAL_ADDR)" in capsys.readouterr().err
+
+
 def test_an_unknown_launcher_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         parse(["--nnode", "2", "x.py"])

@@ -42,6 +42,8 @@ multi-node: on every node
   (HOST:PORT: node 0's address, where its launcher hosts the job's store; torchrun's
   --master-addr/--master-port spelling works too). Generation 0 starts once every node
   joined; a node missing after --join-timeout ends the job (exit 1, named).
+  torchrun's flags are read from PET_<FLAG> too when not given (PET_NNODES,
+  PET_NODE_RANK, PET_MASTER_ADDR, ...: as Kubeflow's PyTorchJob sets them).
 
 \b
 output: every worker line comes whole, as "[rankN]: ..." (torchrun's --tee prefix).
@@ -66,6 +68,15 @@ COMMAND: dict[str, Any] = {
 }
 
 
+def _pet(*names: str, **kwargs: Any) -> Any:
+    """One of torchrun's options, which torchrun also reads from ``PET_<NAME>`` (its
+    ``--nproc-per-node`` from ``PET_NPROC_PER_NODE``, as Kubeflow's PyTorchJob sets them)
+    when the command line does not give it: the same here, so that a platform that
+    configures torchrun through the environment configures unickpt launch the same way."""
+    long = next(n for n in names if n.startswith("--"))
+    return typer.Option(*names, envvar="PET_" + long[2:].replace("-", "_").upper(), show_envvar=False, **kwargs)
+
+
 def _nnodes(text: Any) -> int:
     """torchrun's ``--nnodes``: N, or N:N (an elastic MIN:MAX range is refused, saying why)."""
     text = str(text)
@@ -83,7 +94,9 @@ def _refuse(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
     any other error of the command line)."""
     if value not in (None, False):
         flag = next(o for o in param.opts if o in REFUSED)
-        ctx.fail(f"{flag} is not supported: {REFUSED[flag]}")
+        source = ctx.get_parameter_source(param.name or "")
+        given = f" (given by ${param.envvar})" if source is not None and source.name == "ENVIRONMENT" else ""
+        ctx.fail(f"{flag} is not supported{given}: {REFUSED[flag]}")
     return value
 
 
@@ -91,7 +104,7 @@ def _refused(flag: str) -> Any:
     """The hidden option of a REFUSED flag, torchrun's spellings (a value, or none where the
     parameter is a bool: torchrun's flags)."""
     names = sorted({flag, "--" + flag[2:].replace("-", "_")})
-    return typer.Option(*names, hidden=True, is_eager=True, callback=_refuse, show_default=False)
+    return _pet(*names, hidden=True, is_eager=True, callback=_refuse, show_default=False)
 
 
 def launch(
@@ -100,27 +113,27 @@ def launch(
                                           help="the training script (a path; with -m a module; with --no-python a program)")],
     script_args: Annotated[list[str] | None, typer.Argument(metavar="SCRIPT_ARGS", show_default=False,
                                                             help="the script's arguments, passed through untouched")] = None,
-    standalone: Annotated[bool, typer.Option("--standalone", help="one node, the store on a free local port")] = False,
-    nnodes: Annotated[int, typer.Option("--nnodes", parser=_nnodes, metavar="N", help="the job's nodes: N (or torchrun's N:N)")] = 1,
-    node_rank: Annotated[int | None, typer.Option(
+    standalone: Annotated[bool, _pet("--standalone", help="one node, the store on a free local port")] = False,
+    nnodes: Annotated[int, _pet("--nnodes", parser=_nnodes, metavar="N", help="the job's nodes: N (or torchrun's N:N)")] = 1,
+    node_rank: Annotated[int | None, _pet(
         "--node-rank", "--node_rank", metavar="N", show_default=False,
         help="this node's index, 0 .. nnodes-1 (node 0 hosts the job's store; needed with --nnodes > 1)")] = None,
-    master_addr: Annotated[str, typer.Option("--master-addr", "--master_addr", metavar="HOST", help="node 0's address")] = "127.0.0.1",
-    master_port: Annotated[int, typer.Option("--master-port", "--master_port", metavar="PORT", help="the job's store port on node 0")] = MASTER_PORT,
-    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", "--rdzv_backend", metavar="BACKEND",
+    master_addr: Annotated[str, _pet("--master-addr", "--master_addr", metavar="HOST", help="node 0's address")] = "127.0.0.1",
+    master_port: Annotated[int, _pet("--master-port", "--master_port", metavar="PORT", help="the job's store port on node 0")] = MASTER_PORT,
+    rdzv_backend: Annotated[str, _pet("--rdzv-backend", "--rdzv_backend", metavar="BACKEND",
                                               help="c10d (or static): the job's store on node 0 at --rdzv-endpoint")] = "static",
-    rdzv_endpoint: Annotated[str, typer.Option(
+    rdzv_endpoint: Annotated[str, _pet(
         "--rdzv-endpoint", "--rdzv_endpoint", show_default=False, metavar="HOST[:PORT]",
         help=f"node 0's address (port {RDZV_PORT} when left out): same as --master-addr/--master-port")] = "",
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", "--rdzv_id", metavar="ID",
+    rdzv_id: Annotated[str, _pet("--rdzv-id", "--rdzv_id", metavar="ID",
                                          help="the job's id (TORCHELASTIC_RUN_ID; names --log-dir's folder)")] = "none",
-    rdzv_conf: Annotated[str, typer.Option(
+    rdzv_conf: Annotated[str, _pet(
         "--rdzv-conf", "--rdzv_conf", show_default=False, metavar="KEY=VALUE,...",
         help="join_timeout (as --join-timeout), read_timeout and is_host are taken; others refused")] = "",
-    nproc_per_node: Annotated[str, typer.Option(
+    nproc_per_node: Annotated[str, _pet(
         "--nproc-per-node", "--nproc_per_node", metavar="N",
         help="workers on this node: N, gpu (one per GPU), cpu (one per CPU) or auto (gpu when there are GPUs, else cpu)")] = "1",
-    max_restarts: Annotated[int, typer.Option(
+    max_restarts: Annotated[int, _pet(
         "--max-restarts", "--max_restarts", metavar="N",
         help="a script under unickpt.run: replacement workers this node may start over the job (they join the "
              "survivors); a plain script: times the whole group is restarted after a failure (torchrun's)")] = 0,
@@ -133,40 +146,40 @@ def launch(
              "node hosts it, so the loss of node 0 is a node loss like any other")] = None,
     join_timeout: Annotated[float, typer.Option(
         "--join-timeout", metavar="SECONDS", help="seconds generation 0 waits for every node to join (torchrun's default)")] = JOIN_TIMEOUT_S,
-    shutdown_timeout: Annotated[float, typer.Option(
+    shutdown_timeout: Annotated[float, _pet(
         "--shutdown-timeout", "--shutdown_timeout", metavar="SECONDS",
         help="after a handled signal (Ctrl-C, SIGTERM), seconds before the workers are killed")] = SHUTDOWN_TIMEOUT_S,
-    monitor_interval: Annotated[float | None, typer.Option(
+    monitor_interval: Annotated[float | None, _pet(
         "--monitor-interval", "--monitor_interval", metavar="SECONDS", show_default=False,
         help="accepted for torchrun's command lines; not needed: exits are seen at once (SIGCHLD)")] = None,
-    start_method: Annotated[str, typer.Option(
+    start_method: Annotated[str, _pet(
         "--start-method", "--start_method", metavar="METHOD", help="spawn (the only one: every worker is a fresh process)")] = "spawn",
-    tee: Annotated[str, typer.Option(
+    tee: Annotated[str, _pet(
         "-t", "--tee", metavar="STREAMS", help="also write these streams to per-rank files under --log-dir: 0 none, 1 stdout, 2 stderr, "
                             "3 both, or LOCAL:VALUE,... per local rank")] = "0",
-    redirects: Annotated[str, typer.Option(
+    redirects: Annotated[str, _pet(
         "-r", "--redirects", metavar="STREAMS", help="write these streams to the per-rank files only, not the console (values as --tee)")] = "0",
-    log_dir: Annotated[str | None, typer.Option(
+    log_dir: Annotated[str | None, _pet(
         "--log-dir", "--log_dir", metavar="DIR", show_default=False,
         help="where per-rank files go: LOG_DIR/RDZV_ID/attempt_N/LOCAL_RANK/{stdout,stderr}.log (default: a new "
              "temporary folder, named on stderr)")] = None,
-    local_ranks_filter: Annotated[str | None, typer.Option(
+    local_ranks_filter: Annotated[str | None, _pet(
         "--local-ranks-filter", "--local_ranks_filter", metavar="RANKS", show_default=False,
         help="show only these local ranks' lines on the console (0,1); the files keep all")] = None,
-    signals_to_handle: Annotated[str, typer.Option(
+    signals_to_handle: Annotated[str, _pet(
         "--signals-to-handle", "--signals_to_handle", metavar="SIGNALS",
         help="the signals that stop the job (forwarded once to every worker; exit 128 + the signal), e.g. "
              "add SIGUSR1 for SLURM")] = SIGNALS_TO_HANDLE,
-    duplicate_stdout_filters: Annotated[str, typer.Option(
+    duplicate_stdout_filters: Annotated[str, _pet(
         "--duplicate-stdout-filters", "--duplicate_stdout_filters", metavar="TEXT,...", show_default=False,
         help="also write the workers' stdout lines holding one of these texts (',,' for a comma) to "
              "<log-dir>/<rdzv-id>/attempt_<n>/filtered_stdout.log")] = "",
-    duplicate_stderr_filters: Annotated[str, typer.Option(
+    duplicate_stderr_filters: Annotated[str, _pet(
         "--duplicate-stderr-filters", "--duplicate_stderr_filters", metavar="TEXT,...", show_default=False,
         help="the same for stderr lines: filtered_stderr.log")] = "",
-    no_python: Annotated[bool, typer.Option(
+    no_python: Annotated[bool, _pet(
         "--no-python", "--no_python", help="run the script as a program, not with python (its interpreter is the user's)")] = False,
-    module: Annotated[bool, typer.Option("-m", "--module", help="run the script as a module (python -m)")] = False,
+    module: Annotated[bool, _pet("-m", "--module", help="run the script as a module (python -m)")] = False,
     role: Annotated[str | None, _refused("--role")] = None,
     local_addr: Annotated[str | None, _refused("--local-addr")] = None,
     logs_specs: Annotated[str | None, _refused("--logs-specs")] = None,
