@@ -270,7 +270,8 @@ def test_fit_loop_state_round_trip(tmp_path):
 def test_refusals(tmp_path):
     """log_deltas with Lightning's gradient clipping (it runs after the hook that captures
     the gradients) is one clear error; a restored run given ckpt_path too is one clear
-    error; so are a callback without a root and extra_state using the callback's keys."""
+    error; so are a callback without a root, extra_state using the callback's keys and
+    Lightning's FSDPStrategy (FSDP1)."""
     with pytest.raises(unickpt.UnickptError, match="gradient clipping"):
         _fit(tmp_path, 2, UnickptCallback(str(tmp_path / "d"), save_every=2, log_deltas=True), gradient_clip_val=1.0)
     model = _fit(tmp_path, 2, UnickptCallback(str(tmp_path / "f"), save_every=2))
@@ -281,6 +282,14 @@ def test_refusals(tmp_path):
         UnickptCallback()
     with pytest.raises(unickpt.UnickptError, match="own keys"):
         _fit(tmp_path, 2, UnickptCallback(str(tmp_path / "e"), extra_state={"rng": 1}))
+    # Lightning's FSDPStrategy needs a GPU to fit; the callback's check refuses the strategy itself
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from unickpt.integrations.lightning import _check_strategy
+
+    with pytest.raises(unickpt.UnickptError, match="FSDPStrategy .*use ModelParallelStrategy"):
+        _check_strategy(FSDPStrategy())
+    _check_strategy(DDPStrategy())
 
 
 def test_the_end_of_fit_is_saved_durably_and_a_rerun_trains_nothing(tmp_path):

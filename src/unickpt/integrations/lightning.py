@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.strategies import FSDPStrategy
 
 from ..api.manager import CheckpointManager
 from ..engine.rng import RNGState
@@ -175,6 +176,7 @@ class UnickptCallback(pl.Callback):
     # -- Lightning's hooks ---------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the state and restore the newest one (collective, on every rank)."""
+        _check_strategy(trainer.strategy)
         _check_ranks(trainer)
         if self.manager.options.deltas is not None:
             _check_replayable(trainer, pl_module)
@@ -317,6 +319,17 @@ def _log_entry(trainer: pl.Trainer) -> tuple[dict[str, Any], int] | None:
         return metrics, int(step)
     metrics.setdefault("epoch", trainer.current_epoch)
     return metrics, trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def _check_strategy(strategy: Any) -> None:
+    """Lightning's ``FSDPStrategy`` (FSDP1) is refused: its module holds FSDP1 flat
+    parameters, each rank a 1-D slice of several, and its optimizer state is keyed by them,
+    which no checkpoint of named tensors reshards; FSDP2 (``ModelParallelStrategy``) is the
+    route."""
+    if isinstance(strategy, FSDPStrategy):
+        raise UnickptError("UnickptCallback does not support Lightning's FSDPStrategy (FSDP1: its parameters are "
+                           "flat slices of several tensors): use ModelParallelStrategy with fully_shard (FSDP2) in "
+                           "configure_model")
 
 
 def _check_ranks(trainer: pl.Trainer) -> None:
