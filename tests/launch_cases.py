@@ -55,6 +55,17 @@ if MODE in ("deadlock", "flaky"):
     dist.barrier()
     print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} rank {dist.get_rank()} done", flush=True)
     dist.destroy_process_group()
+elif MODE == "record":  # a plain script whose main torchrun's @record wraps: rank 1 raises
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main() -> None:
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise RuntimeError("a plain script's bug")
+        time.sleep(120)  # rank 0: stopped by the launcher once rank 1 ended the job
+
+    main()
 else:
     import unickpt
 

@@ -6,6 +6,7 @@ comes), torchrun's flags and whole, prefixed output lines (tests/launch_cases.py
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -183,6 +184,27 @@ def test_torchrun_s_pet_environment_variables_configure_the_launch(monkeypatch, 
     assert e.value.code == 2 and "--local-addr is not supported (given by $PET_LOCAL_ADDR)" in capsys.readouterr().err
 
 
+def test_a_recorded_error_is_read_as_untrusted_input(tmp_path):
+    """What a worker's @record wrote to its TORCHELASTIC_ERROR_FILE: the message's first
+    line (capped); nothing, never an exception, for a file that is missing, a directory,
+    not JSON, cut short or of another shape."""
+    from unickpt.live.launch import recorded_error
+
+    def wrote(content: bytes | str) -> str:
+        path = tmp_path / "error.json"
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return recorded_error(str(path))
+
+    doc = {"message": {"message": "RuntimeError: boom\nsecond line", "extraInfo": {"py_callstack": "x" * 100_000}}}
+    assert wrote(json.dumps(doc)) == "RuntimeError: boom"
+    assert wrote(json.dumps({"message": "Signal 11 (SIGSEGV) received by PID 7"})) == "Signal 11 (SIGSEGV) received by PID 7"
+    assert len(wrote(json.dumps({"message": "E" * 1000}))) == 300
+    for bad in (b"", b"\xff\xfe garbage", json.dumps(doc)[:50], "[1, 2]", '{"message": 7}', '{"message": {}}',
+                '{"other": 1}', '{"message": "   "}'):
+        assert wrote(bad) == "", bad
+    assert recorded_error(str(tmp_path / "missing.json")) == "" and recorded_error(str(tmp_path)) == ""
+
+
 def test_an_unknown_launcher_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         parse(["--nnode", "2", "x.py"])
@@ -230,9 +252,10 @@ multiprocess = pytest.mark.multiprocess
 def test_exit_codes(tmp_path):
     """A bug in fn ends the job 1 naming the rank and the error (traceback on [rank1]:); with
     recover= the job goes on without the rank and ends 0; a rank that returns early while its
-    peer trains ends the job 1; every launcher's last line is the job's summary."""
-    bug, rec, early = _launch_together(tmp_path, *(["--standalone", "--nproc-per-node", "2", CASES, mode]
-                                                   for mode in ("bug", "recover", "early")))
+    peer trains ends the job 1; a plain script's error that torchrun's @record wrote to the
+    worker's TORCHELASTIC_ERROR_FILE is named; every launcher's last line is the job's summary."""
+    bug, rec, early, recorded = _launch_together(tmp_path, *(["--standalone", "--nproc-per-node", "2", CASES, mode]
+                                                             for mode in ("bug", "recover", "early", "record")))
     assert bug.returncode == 1, bug.stderr[-3000:]
     last = _last(bug.stderr)
     assert "rank 1 (worker 0.1) raised RuntimeError: user bug" in last and "launch_cases.py:" in last, last
@@ -251,6 +274,10 @@ def test_exit_codes(tmp_path):
     # exit took 16 s before, 1.3 s now on this machine; half the wait leaves room for a loaded one
     after = early.ended - float((tmp_path / "job2" / "early_returned").read_text())
     assert after < NETWORK_ERROR_WAIT_S / 2, after
+
+    assert recorded.returncode == 1, recorded.stderr[-3000:]
+    assert ("the job failed: worker 0.1 (rank 1) exited with 1 outside unickpt.run (it recorded RuntimeError: a "
+            "plain script's bug): nothing to recover") in _last(recorded.stderr), recorded.stderr[-2000:]
 
 
 @multiprocess

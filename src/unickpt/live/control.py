@@ -178,12 +178,14 @@ def read(store: Any, number: int) -> Generation:
 @dataclass(frozen=True)
 class Exited:
     """A launcher reaped one of its workers: its exit ``code`` (negative: the signal) and
-    ``why`` in words, at ``at`` (wall clock)."""
+    ``why`` in words, at ``at`` (wall clock); ``error``: what it recorded in its
+    ``TORCHELASTIC_ERROR_FILE`` (torchrun's ``@record``: ``RuntimeError: ...``), or ''."""
 
     worker: str
     code: int
     at: float
     why: str
+    error: str = ""
 
 
 @dataclass(frozen=True)

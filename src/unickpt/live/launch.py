@@ -21,11 +21,14 @@ SIGTERM).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -120,6 +123,24 @@ def _reach(address: str, timeout_s: float, signals: Signals, output: Output) -> 
     return None
 
 
+def recorded_error(path: str, limit: int = 1 << 20) -> str:
+    """The error a worker recorded in its TORCHELASTIC_ERROR_FILE (torchrun's ``@record``
+    writes ``{"message": {"message": "RuntimeError: ...", "extraInfo": ...}}``): its first
+    line, at most 300 characters; '' when there is none or it is not such a file (what a
+    worker wrote is untrusted: read at most ``limit`` bytes, never raised on)."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(limit))
+        message = doc["message"]
+        if isinstance(message, dict):
+            message = message["message"]
+        if not isinstance(message, str) or not message.strip():
+            return ""
+        first = message.strip().splitlines()[0]
+        return first if len(first) <= 300 else first[:299] + "…"
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return ""
+
 
 @dataclass
 class Worker:
@@ -156,6 +177,7 @@ class Launcher:
         self.attempt_port: str | None = None
         self.done = False
         self.last_line = ""  # the job's summary, said last
+        self.errors_dir: str | None = None  # the workers' TORCHELASTIC_ERROR_FILEs (made at the first spawn)
         self.coordinator = Coordinator(store, args, self.output) if self.node == 0 and args.store is None else None
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -190,6 +212,8 @@ class Launcher:
             self.last_line = f"unickpt launch: the job failed: its control plane (node 0) was lost (exit 1){self._kept()}"
             return 1
         finally:
+            if self.errors_dir is not None:
+                shutil.rmtree(self.errors_dir, ignore_errors=True)
             if mailbox is not None:
                 try:
                     control.mail(self.store, self.node, stop=1)  # wakes the mailbox thread: it ends
@@ -289,6 +313,10 @@ class Launcher:
                    MASTER_PORT=self.attempt_port or self.address.rpartition(":")[2], TORCHELASTIC_USE_AGENT_STORE="True",
                    TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
                    TORCHELASTIC_RUN_ID=a.rdzv_id, **control.worker_env(self.address, name, self.node_address))
+        error_file = self._error_file(name)
+        if os.path.lexists(error_file):
+            os.unlink(error_file)
+        env["TORCHELASTIC_ERROR_FILE"] = error_file  # torchrun's, one per worker: @record writes its error there
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicators, never the process
         # a survivor blocked in a collective whose peers cannot free the old group gives up then
         env.setdefault(LIVE_PG_TIMEOUT_ENV, str(max(10.0, 2 * a.hang_timeout) if a.hang_timeout else DEFAULT_PG_TIMEOUT_S))
@@ -322,11 +350,19 @@ class Launcher:
                 continue
             del self.workers[pid]
             self.codes[w.name] = code
-            control.post_event(self.store, Exited(w.name, code, time.time(), self._why(w, code)))
+            error = recorded_error(self._error_file(w.name)) if code != 0 else ""
+            control.post_event(self.store, Exited(w.name, code, time.time(), self._why(w, code), error))
             if code != 0 and self.signals.signum is None:  # no replacement once a shutdown began
                 if self.restarts < self.args.max_restarts and self.store.check([key("run", w.name)]):
                     self.restarts += 1
                     self._spawn(self._new_name(), w.local)
+
+    def _error_file(self, name: str) -> str:
+        """Worker ``name``'s TORCHELASTIC_ERROR_FILE, where torchrun's ``@record`` writes the
+        exception that ended it (this launcher's own folder, made at the first call)."""
+        if self.errors_dir is None:
+            self.errors_dir = tempfile.mkdtemp(prefix="unickpt_launch_errors_")
+        return os.path.join(self.errors_dir, f"{name}.json")
 
     def _why(self, w: Worker, code: int) -> str:
         if w.hung:
@@ -601,7 +637,8 @@ class Coordinator:
                     if not self.store.check([key("run", worker)]) and (end is None or (end[0] < 0 < ev.code)):
                         # of the failures reaped together, the first that chose its exit code: a peer
                         # aborted by its vanished gloo connection (a signal) is an effect, not the cause
-                        end = (ev.code, f"worker {worker} (rank {rank}) exited with {ev.code} outside unickpt.run: "
+                        said = f" (it recorded {ev.error})" if ev.error else ""
+                        end = (ev.code, f"worker {worker} (rank {rank}) exited with {ev.code} outside unickpt.run{said}: "
                                         "nothing to recover")
                     elif raised is not None and not raised.recoverable and bug is None:
                         bug = (ev.code if ev.code > 0 else 1,
