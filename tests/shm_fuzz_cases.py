@@ -48,12 +48,12 @@ def corrupt(path: str, how: str) -> None:
 
 
 def relaunch_cases(rank: int, world: int, tmp: str, job: str, flags: list[str],
-                   cases: list[tuple[str, list[tuple[int, str, str]]]], out: str) -> None:
-    """Rank ``rank`` as node ``rank`` (its own shm root). For each case ``(name, damage)``:
+                   cases: list[tuple[str, list[tuple[int, str, str]], int]], out: str) -> None:
+    """Rank ``rank`` as node ``rank`` (its own shm root). For each case ``(name, damage, stop)``:
     the node's shm root is a fresh copy of ``<tmp>/frozen<rank>``, the durable tier one of
     ``<tmp>/ck``, and the files ``(node, path under the root, corruption)`` of ``damage``
     on this node are damaged; then the example trainer runs as a relaunch would (its
-    recovery at start, then training to ``--stop-after``) and the keepers it started are
+    recovery at start, then training to step ``stop``) and the keepers it started are
     killed. Rank 0 writes, per case, the recovery line and the losses of the steps trained."""
     import torch.distributed as dist
 
@@ -62,7 +62,7 @@ def relaunch_cases(rank: int, world: int, tmp: str, job: str, flags: list[str],
 
     os.environ.update(UNICKPT_JOB_ID=job, GROUP_RANK=str(rank), LOCAL_RANK="0")
     results = {}
-    for name, damage in cases:
+    for name, damage, stop in cases:
         work = os.path.join(tmp, "case")
         root = os.path.join(work, f"shm{rank}")
         shutil.rmtree(root, ignore_errors=True)
@@ -77,7 +77,7 @@ def relaunch_cases(rank: int, world: int, tmp: str, job: str, flags: list[str],
         os.environ["UNICKPT_SHM_ROOT"] = root
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            records = run([*flags, "--ckpt-dir", os.path.join(work, "ck")])
+            records = run([*flags, "--ckpt-dir", os.path.join(work, "ck"), "--stop-after", str(stop)])
         for p in list(keepers._CHILDREN):  # the keeper this relaunch started on this node
             p.kill()
             p.wait()

@@ -10,8 +10,9 @@ once step 5 is whole on both nodes, so steps 6 and 7 are committed without parit
 step 8's snapshot is skipped (two steps still in progress); the job stops after step 9,
 the keepers are killed, and the durable tier keeps step 4. Each fuzz case relaunches the
 example trainer on fresh copies of both shm roots, one of them damaged: its recovery
-picks the step the damage leaves (memory, else disk) and the losses it then trains are
-bitwise those of the unbroken job. Two real torchrun relaunches replay the issue's exact
+picks the step the damage leaves (memory, else disk) and the losses of the two steps it
+then trains (the weights restored, then the optimizer's state) are bitwise those of the
+unbroken job. Two real torchrun relaunches replay the issue's exact
 scenario: a 2-rank job SIGKILLed, every file under its node's shm root damaged."""
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def _kinds():
 
 
 INDEX1 = [(1, f"{_step(7)}/fragments_0000{j}.jsonl") for j in (0, 1)]
+TRAINED = 2  # steps each relaunch trains after the one it resumes
 CASES = [(f"{kind}: {how}", [(n, p, how) for n, p in files] + (NODE0_LOST if "node 0's data lost" in kind else []), want[how])
          for kind, files, want in _kinds() for how in want]
 
@@ -139,15 +141,17 @@ def test_every_damaged_file_kind_resumes_from_the_next_valid_source(frozen):
     tmp, want = frozen
     out = str(tmp / "cases.json")
     t0 = time.monotonic()
-    run_ranks(relaunch_cases, 2, str(tmp), JOB, FLAGS, [(name, damage) for name, damage, _ in CASES], out,
-              preload=["unickpt.examples.train"])
+    # each relaunch trains the two steps after the one it resumes (the first checks the
+    # weights it restored, the second also the optimizer's state)
+    run_ranks(relaunch_cases, 2, str(tmp), JOB, FLAGS, [(name, damage, step + TRAINED) for name, damage, (_, step, _) in CASES],
+              out, preload=["unickpt.examples.train"])
     took = time.monotonic() - t0
     got = json.load(open(out))
     wrong = []
     for name, _, (source, step, reason) in CASES:
         lines, trained = got[name]["lines"], {int(s): v for s, v in got[name]["losses"].items()}
         line = lines[0] if len(lines) == 1 else repr(lines)
-        exact = trained == {s: want[s] for s in range(step + 1, 10)}
+        exact = trained == {s: want[s] for s in range(step + 1, step + TRAINED + 1)}
         ok = re.match(rf"resumed step {step} from {source} \(", line) is not None and exact
         if reason:
             ok = ok and reason in line
