@@ -119,6 +119,28 @@ def dump(path: str, model, optimizers, lr_schedulers, train: TrainState) -> None
                        "lr": [s.get_last_lr() for s in lr_schedulers]}, f)
 
 
+def sharded_parts(world: int, steps: int, total_steps: int):
+    """The model (seeded; FSDP2 over the ``world`` ranks as torchtitan applies it: each
+    block, then the root), its ``OptimizersContainer`` (AdamW) and ``LRSchedulersContainer``
+    (3 warmup steps, linear decay over ``total_steps``) for a run of ``steps``."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                                       optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8,
+                                                         "weight_decay": 0.1})],
+        implementation="foreach").build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=3, total_steps=total_steps).build(
+        optimizers=optimizers, training_steps=steps)
+    return model, optimizers, lr_schedulers
+
+
 def train_step(model, batches, optimizers, lr_schedulers, checkpointer, state: TrainState, steps: int):
     """One step as torchtitan's ``Trainer.train`` runs it, with its checkpointer's calls
     (``maybe_wait_for_staging()`` right before ``optimizers.step()``, then ``save``).
@@ -146,22 +168,8 @@ def train(rank: int, world: int, o: dict) -> None:
     ``dump_at``, ``loss_log``, ``final``."""
     # one node, as torchrun would describe it (run_ranks sets no launcher variables)
     os.environ.update(UNICKPT_SHM_ROOT=o["shm_root"], GROUP_RANK="0", LOCAL_RANK=str(rank))
-    torch.manual_seed(0)
     steps = o.get("steps", 8)
-    model = tiny_llama()
-    if world > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.layers.values():
-            fully_shard(block)
-        fully_shard(model)
-    optimizers = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
-                                       optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8,
-                                                         "weight_decay": 0.1})],
-        implementation="foreach").build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=3, total_steps=20).build(
-        optimizers=optimizers, training_steps=steps)
+    model, optimizers, lr_schedulers = sharded_parts(world, steps, total_steps=20)
     dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=2)
     state = TrainState()
     checkpointer = UnickptCheckpointManager.Config(

@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
 import unickpt
 from unickpt.integrations.torchtitan import UnickptCheckpointManager
 
 from live_helpers import live_args, log_step
-from titan_cases import SEQ, VOCAB, TrainState, tiny_llama, train_step
+from titan_cases import SEQ, VOCAB, TrainState, sharded_parts, train_step
 
 GLOBAL_BATCH = 6  # an equal slice on 1, 2, 3 or 6 ranks
 
@@ -59,20 +58,7 @@ class GlobalTokens(IterableDataset):
 def build(world: unickpt.World, steps: int, folder: str | None):
     """torchtitan's components for ``world`` (FSDP2 over its ranks) and the checkpointer
     (off when ``folder`` is None), as torchtitan's ``Trainer`` builds them."""
-    torch.manual_seed(0)
-    model = tiny_llama()
-    if world.size > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.layers.values():
-            fully_shard(block)
-        fully_shard(model)
-    optimizers = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
-                                       optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1})],
-        implementation="foreach").build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=3, total_steps=steps).build(
-        optimizers=optimizers, training_steps=steps)
+    model, optimizers, lr_schedulers = sharded_parts(world.size, steps, total_steps=steps)
     data = GlobalTokens(world.rank, world.size)
     dataloader = ParallelAwareDataloader(data, dp_rank=world.rank, dp_world_size=world.size,
                                          batch_size=GLOBAL_BATCH // world.size)

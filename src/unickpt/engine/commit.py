@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..dist import Group, broadcast_bytes, gather_bytes
+from ..dist import Group, gather_bytes
 from ..errors import UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment, fragment_to_json
@@ -183,6 +183,5 @@ def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dic
         except Exception as e:
             outcome = Outcome.of(e)
             target.abort()
-    outcome = Outcome.decode(broadcast_bytes(group, outcome.encode(), 0))
-    outcome.raise_error()
+    outcome = outcome.shared(group)
     target.finish(group, outcome.payload)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from .. import errors
+from ..dist import Group, broadcast_bytes
 from ..errors import CheckpointExistsError, SaveError, UnickptError
 
 __all__ = ["Outcome"]
@@ -67,6 +68,13 @@ class Outcome:
                        doc.get("location"))
         except (ValueError, KeyError, TypeError, AttributeError):
             return cls(error="SaveError", message=f"rank 0's outcome is unreadable: {data[:200]!r}")
+
+    def shared(self, group: Group) -> Outcome:
+        """Collective: rank 0's outcome (this one on rank 0; the others' is not sent) as
+        every rank receives it; its error raised on every rank, if it carries one."""
+        outcome = Outcome.decode(broadcast_bytes(group, self.encode() if group.rank == 0 else b"", 0))
+        outcome.raise_error()
+        return outcome
 
     def raise_error(self) -> None:
         """Raise the error this outcome carries, if any."""

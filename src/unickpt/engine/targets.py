@@ -132,8 +132,7 @@ class SharedDirectory(CommitTarget):
                 outcome = Outcome(payload=os.fsencode(self.write.staging_from_target))
             except UnickptError as e:
                 outcome = Outcome.of(e)
-        outcome = Outcome.decode(broadcast_bytes(group, outcome.encode(), 0))
-        outcome.raise_error()
+        outcome = outcome.shared(group)
         if not outcome.payload:
             raise SaveError(f"rank 0 named no staging directory in {path}")
         self.storage = rank_storage(path, os.fsdecode(outcome.payload))
@@ -148,7 +147,7 @@ class SharedDirectory(CommitTarget):
                 self.write = PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file)
         except UnickptError as e:
             outcome = mine = Outcome.of(e)
-        Outcome.decode(broadcast_bytes(group, outcome.encode() if group.rank == 0 else b"", 0)).raise_error()
+        outcome.shared(group)
         if mine is not None:  # rank 0 could open it, this rank could not
             raise SaveError(f"cannot open {path}: {mine.message}")
         self.storage = storage

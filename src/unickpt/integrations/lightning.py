@@ -223,9 +223,7 @@ class UnickptCallback(pl.Callback):
         if entry is None or entry[1] <= floor:
             return
         metrics, step = entry
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics=dict(metrics), step=step)
-            logger.save()
+        trainer._logger_connector.log_metrics(dict(metrics), step=step)  # Lightning's own: every logger, then save
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a restore mid-epoch: Lightning made the loaders' iterators (and fast-forwarded

@@ -60,7 +60,7 @@ class Signals:
     SIGHUP and SIGQUIT by default) as the launcher sees them: the first one starts the
     shutdown, a second one kills the workers at once."""
 
-    def __init__(self, handled: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    def __init__(self, handled: tuple[int, ...]) -> None:
         self.handled = handled
         self.signum: int | None = None
         self.count = 0
@@ -165,7 +165,7 @@ class Launcher:
         self.args, self.store, self.address = args, store, address
         self.node_store = node_store if node_store is not None else store
         self.node_address = f"127.0.0.1:{node_store.port}" if node_store is not None else None
-        self.signals = signals or Signals()
+        self.signals = signals or Signals(args.signals)
         self.output = output or Output()
         self.relayed = -1  # the newest generation relayed to this node's workers
         self.relay_lock = threading.Lock()

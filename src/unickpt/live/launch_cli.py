@@ -208,7 +208,8 @@ def launch(
         signals = _signals(signals_to_handle)
     except ValueError as e:
         ctx.fail(str(e))
-    duplicate = {"stdout": parse_needles(duplicate_stdout_filters), "stderr": parse_needles(duplicate_stderr_filters)}
+    duplicate = {name: needles for name, text in (("stdout", duplicate_stdout_filters), ("stderr", duplicate_stderr_filters))
+                 if (needles := parse_needles(text))}
     where = _rendezvous(ctx, nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_conf, store,
                         standalone, join_timeout)
     args = LaunchArgs(script=script, script_args=list(script_args or ()), module=module, no_python=no_python,
@@ -216,7 +217,7 @@ def launch(
                       max_restarts=max_restarts, hang_timeout=hang_timeout, min_ranks=min_ranks,
                       shutdown_timeout=shutdown_timeout, log_dir=log_dir, tee_spec=tee_spec,
                       redirects_spec=redirects_spec, local_filter=local_filter, signals=signals,
-                      duplicate={k: v for k, v in duplicate.items() if v}, **where)
+                      duplicate=duplicate, **where)
     if callable(ctx.obj):  # parse(): the resolved arguments, nothing started
         raise typer.Exit(ctx.obj(args) or 0)
     from .launch import run_node

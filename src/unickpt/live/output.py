@@ -69,7 +69,7 @@ class Output:
                  duplicate: dict[str, tuple[str, ...]] | None = None) -> None:
         self.tee, self.redirects, self.filter = tee, redirects, local_filter
         self.log_dir, self.run_id = log_dir, run_id
-        self.duplicate = {name: needles for name, needles in (duplicate or {}).items() if needles}
+        self.duplicate = duplicate or {}  # stream: its texts (none given: the stream is not there)
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self._filtered: dict[str, IO[bytes]] = {}  # "attempt/stream": the open filtered_<stream>.log
