@@ -212,21 +212,30 @@ def _logged_fit(tmp_path, steps: int, logger, callbacks: list) -> None:
     trainer.fit(_Logging(0.0, str(tmp_path / "loss.jsonl"), 0.0), train_dataloaders=Batches(0, 1))
 
 
-def test_a_logger_gets_each_step_once_when_the_fit_resumes_in_the_same_process(tmp_path):
-    """As after a re-forming under unickpt.run: a fit fails at step 8 (durable checkpoints
-    every 3), and a new Trainer in the same process, with the same logger, resumes from
-    step 6 and re-does steps 7 and 8. The logger is given every step once, 1 to 10, with
-    the values of an unbroken fit (the re-done step 7 is not given again; without the
-    callback's filter it would be, twice)."""
+def _fail_then_resume(tmp_path, fail_at: int) -> tuple[Recorded, Recorded, list[int], UnickptCallback]:
+    """An unbroken 10-step fit's logger; then, with one logger kept across both, a fit with
+    durable checkpoints every 3 that fails at the end of step ``fail_at``'s batch and a new
+    Trainer in the same process that resumes (as after a re-forming under unickpt.run).
+    Returns the unbroken logger, the kept one, the steps it had before the resume and the
+    resuming callback."""
     unbroken = Recorded()
     (tmp_path / "a").mkdir()
     _logged_fit(tmp_path / "a", 10, unbroken, [])
     logger = Recorded()
-    with pytest.raises(RuntimeError, match="failure at step 8"):
-        _logged_fit(tmp_path, 10, logger, [UnickptCallback(str(tmp_path / "ck"), save_every=3), _FailAt(8)])
+    with pytest.raises(RuntimeError, match=f"failure at step {fail_at}"):
+        _logged_fit(tmp_path, 10, logger, [UnickptCallback(str(tmp_path / "ck"), save_every=3), _FailAt(fail_at)])
     before = [s for s, _ in logger.calls]
     callback = UnickptCallback(str(tmp_path / "ck"), save_every=3)
     _logged_fit(tmp_path, 10, logger, [callback])
+    return unbroken, logger, before, callback
+
+
+def test_a_logger_gets_each_step_once_when_the_fit_resumes_in_the_same_process(tmp_path):
+    """A fit fails at step 8, and the new Trainer resumes from step 6 and re-does steps 7
+    and 8. The logger is given every step once, 1 to 10, with the values of an unbroken fit
+    (the re-done step 7 is not given again; without the callback's filter it would be,
+    twice)."""
+    unbroken, logger, before, callback = _fail_then_resume(tmp_path, 8)
     # Lightning logs global step k as step k - 1: steps 1..7 were given, 8 failed before its turn
     assert callback.restored_step == 6 and before == list(range(7)), before
     assert [s for s, _ in logger.calls] == [s for s, _ in unbroken.calls] and len(unbroken.calls) == 10
@@ -236,18 +245,11 @@ def test_a_logger_gets_each_step_once_when_the_fit_resumes_in_the_same_process(t
 def test_a_step_snapshotted_before_its_log_is_given_after_the_restore(tmp_path):
     """The callback saves step 6 in on_train_batch_end, before Lightning gives the step's
     metrics to its loggers; the fit fails right after that save (as when a peer is lost
-    there). A new Trainer in the same process restores step 6 and goes on at 7, so only the
-    callback can give step 6: the logger gets every step once, 1 to 10, with the unbroken
-    values (without the held entry it never gets step 6)."""
-    unbroken = Recorded()
-    (tmp_path / "a").mkdir()
-    _logged_fit(tmp_path / "a", 10, unbroken, [])
-    logger = Recorded()
-    with pytest.raises(RuntimeError, match="failure at step 6"):
-        _logged_fit(tmp_path, 10, logger, [UnickptCallback(str(tmp_path / "ck"), save_every=3), _FailAt(6)])
-    assert [s for s, _ in logger.calls] == list(range(5))  # Lightning logs global step k as step k - 1
-    callback = UnickptCallback(str(tmp_path / "ck"), save_every=3)
-    _logged_fit(tmp_path, 10, logger, [callback])
+    there). The new Trainer restores step 6 and goes on at 7, so only the callback can give
+    step 6: the logger gets every step once, 1 to 10, with the unbroken values (without the
+    held entry it never gets step 6)."""
+    unbroken, logger, before, callback = _fail_then_resume(tmp_path, 6)
+    assert before == list(range(5))  # Lightning logs global step k as step k - 1
     assert callback.restored_step == 6
     assert logger.calls == unbroken.calls and len(unbroken.calls) == 10
 
