@@ -15,24 +15,27 @@ from unickpt.engine.outcome import Outcome
 from unickpt.engine.restored import Restored
 from unickpt.testing import run_ranks
 
-from save_error_cases import claim_of_a_committed_location, failing_ranks
+from save_error_cases import committed_locations, failing_ranks
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["save", "async"])
 def test_a_failed_save_names_every_failed_rank_and_why_on_every_rank(tmp_path, mode):
-    run_ranks(failing_ranks, 3, str(tmp_path / "ck"), mode, preload=["torch", "torch.distributed", "unickpt"])
+    run_ranks(failing_ranks, 3, str(tmp_path / "ck"), mode, preload=["torch", "torch.distributed", "unickpt"],
+              timeout=60)
     assert not os.path.exists(tmp_path / "ck" / "manifest.json")
 
 
 @pytest.mark.multiprocess
 def test_a_location_already_committed_is_the_same_error_on_every_rank(tmp_path):
-    """Rank 0's claim of a location that holds a committed checkpoint raises
-    CheckpointExistsError, with its location, on both ranks (the other rank used to get a
-    plain SaveError with the message only)."""
+    """A location that holds a committed checkpoint raises CheckpointExistsError, with its
+    location, on both ranks: found by rank 0's claim (the other rank used to get a plain
+    SaveError with the message only) or by rank 1 alone (rank 0 used to wait for it in the
+    save's collectives until the group's timeout: 60 s here fails the test)."""
     path = str(tmp_path / "ck")
     unickpt.save({"w": torch.ones(2)}, path)
-    run_ranks(claim_of_a_committed_location, 2, path, preload=["torch", "torch.distributed", "unickpt"])
+    unickpt.save({"w": torch.ones(2)}, str(tmp_path / "seen_by_rank_1"))
+    run_ranks(committed_locations, 2, path, str(tmp_path), preload=["torch", "torch.distributed", "unickpt"], timeout=60)
 
 
 def test_an_outcome_carries_its_error_as_itself():

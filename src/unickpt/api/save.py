@@ -33,7 +33,7 @@ def stage(state_dict: dict[str, Any], staged: StagedSave) -> StagedSave:
     After it returns, the caller may change the state freely. A failure on this rank is
     recorded and reported to every rank by :func:`write_and_commit`.
     """
-    check_not_committed(staged.path, staged.overwrite, staged.storage_options)
+    check_not_committed(staged.path, staged.overwrite, staged.storage_options, staged.group)
     try:
         staged.local, staged.error = collect(state_dict, staged.group), None
     except Exception as e:  # reported to rank 0, which fails the whole save

@@ -496,7 +496,7 @@ def start_save(
     group = replace(checkpoint_group(resolve_group(process_group), channel), stop=threading.Event())
     staged = StagedSave(group, str(path), options, overwrite, dict(metadata or {}), storage_options, base)
     group = staged.group
-    check_not_committed(staged.path, overwrite, storage_options)
+    check_not_committed(staged.path, overwrite, storage_options, group)
     index, refs, undecided = None, [], set()
     try:
         with gc_paused():

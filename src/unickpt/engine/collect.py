@@ -52,9 +52,12 @@ def _stage(t: torch.Tensor) -> torch.Tensor:
 
 
 
-def holders_of(names: list[str], group: Group) -> Holders:
-    """Find the ranks holding the same state names as this one (one 8-byte hash per rank)."""
-    digest = hashlib.blake2b("\n".join(sorted(names)).encode(), digest_size=8).digest()
+def holders_of(names: list[str] | None, group: Group) -> Holders:
+    """Find the ranks holding the same state names as this one (one 8-byte hash per rank).
+    ``names`` None: this rank failed to list its state and only joins the exchange (its
+    hash matches no rank's), so that the ranks' collectives stay in step."""
+    text = "\0failed" if names is None else "\n".join(sorted(names))
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     hashes = all_gather_fixed(group, digest)
     return Holders(group, [r for r, h in enumerate(hashes) if h == digest])
 
@@ -109,7 +112,11 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
             groups.add(f"{name}.param_groups")
         return obj.state_dict()
 
-    leaves = flatten(state_dict, on_stateful)
+    try:
+        leaves = flatten(state_dict, on_stateful)
+    except Exception:  # a Stateful's state_dict() that fails: still join the others' exchange, then fail
+        holders_of(None, group)
+        raise
     holders = holders_of([leaf.name for leaf in leaves if not isinstance(leaf.value, PerRank)], group)
     out.leader = holders.members[0] == group.rank
     lines: dict[tuple, list[TensorItem]] = {}

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..dist import Group, broadcast_bytes, gather_bytes, scatter_bytes
+from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, scatter_bytes
 from ..errors import CheckpointExistsError, SaveError, UnickptError
 from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
 from ..format.manifest import MANIFEST_NAME
@@ -53,10 +53,33 @@ def checkpoint_file(name: str) -> bool:
     return name in (MANIFEST_NAME, INDEX_NAME) or _DATA_FILE.fullmatch(name) is not None
 
 
-def check_not_committed(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None) -> None:
-    """SaveError when ``path`` (a directory or URL) already holds a committed checkpoint
-    and not ``overwrite``; StorageError for a URL no backend knows."""
-    if not overwrite and open_storage(path, storage_options).exists(MANIFEST_NAME):
+def check_not_committed(path: str, overwrite: bool, storage_options: dict[str, Any] | None = None,
+                        group: Group | None = None) -> None:
+    """CheckpointExistsError when ``path`` (a directory or URL) already holds a committed
+    checkpoint and not ``overwrite``; StorageError for a URL no backend knows.
+
+    Collective over ``group`` when it has other ranks (one all-gather of two bytes): every
+    rank raises CheckpointExistsError when any rank finds one (the same path on node-local
+    disks can hold one on a single node; a save can commit between two ranks' checks), so
+    that no rank leaves the save while the others wait in its collectives. A rank that
+    cannot check raises its own error, the others a SaveError naming it."""
+    if overwrite:
+        return
+    error: Exception | None = None
+    try:
+        found = open_storage(path, storage_options).exists(MANIFEST_NAME)
+    except Exception as e:  # raised below, once the other ranks know
+        found, error = False, e
+    if group is not None and group.active:
+        flags = all_gather_fixed(group, bytes([found, error is not None]))
+        failed = {r: "could not check whether the location holds a committed checkpoint"
+                  for r, f in enumerate(flags) if f[1]}
+        if failed and error is None:
+            raise SaveError(f"cannot save to {path}:\n" + "\n".join(f"rank {r}: {why}" for r, why in failed.items()), failed)
+        found = any(f[0] for f in flags)
+    if error is not None:
+        raise error
+    if found:
         raise CheckpointExistsError(path)
 
 
@@ -209,8 +232,9 @@ class NodeCopies(CommitTarget):
         self.payloads: list[bytes] | None = None  # rank 0: what each rank receives
 
     def prepare(self, group: Group, path: str, overwrite: bool, storage_options: dict[str, Any] | None) -> None:
-        storage, problem = open_storage(path, storage_options), b""
+        storage, problem = None, b""
         try:
+            storage = open_storage(path, storage_options)
             storage.prepare()
         except (OSError, UnickptError) as e:
             problem = f"rank {group.rank}: cannot prepare {path}: {e}".encode()
