@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
+from ..engine.outcome import decided_by_rank0
 from ..engine.load import LoadRecord
 from ..errors import CorruptionError, UnickptError
 from ..logs import log
@@ -203,8 +204,7 @@ class Checkpoints:
 
     def shared_base(self, step: int, group: Any) -> str | None:
         """Collective: the base of an incremental save of ``step``, chosen by rank 0."""
-        chosen = self.base_for(step) if group.rank == 0 else None
-        return broadcast_bytes(group, (chosen or "").encode(), 0).decode() or None
+        return decided_by_rank0(group, lambda: (self.base_for(step) or "").encode()).decode() or None
 
     def committed(self, step: int) -> None:
         """Rank 0, once the checkpoint of ``step`` is committed in the fast tier: start its
@@ -313,8 +313,8 @@ class Checkpoints:
         """Collective: :meth:`_candidates` as rank 0 lists them (a node-local fast tier may
         list otherwise on other ranks; every rank must try the same steps)."""
         tiers = [self.fast] + ([self.durable] if self.durable is not None else [])
-        mine = [[step, [tiers.index(t) for t, _ in copies]] for step, copies in self._candidates()] if group.rank == 0 else None
-        doc = broadcast_bytes(group, json.dumps(mine).encode() if mine is not None else None, 0)
+        doc = decided_by_rank0(group, lambda: json.dumps(
+            [[step, [tiers.index(t) for t, _ in copies]] for step, copies in self._candidates()]).encode())
         return [(step, [(tiers[i], tiers[i].path_for(step)) for i in which]) for step, which in json.loads(doc)]
 
     def _load_step(self, state_dict: dict[str, Any], step: int, copies: list[tuple[Tier, str]], kwargs: dict[str, Any],
@@ -329,7 +329,7 @@ class Checkpoints:
         reasons: list[str] = []
         for k, (tier, path) in enumerate(copies):
             last = k == len(copies) - 1
-            whole = broadcast_bytes(group, bytes([tier.is_valid(path)]) if group.rank == 0 else None, 0) == b"\x01"
+            whole = decided_by_rank0(group, lambda: bytes([tier.is_valid(path)])) == b"\x01"
             if not whole:
                 why = f"{path} is missing or incomplete"
                 reasons.append(why)
@@ -339,10 +339,10 @@ class Checkpoints:
                 continue
             if why is not None:
                 fallback(f"step {step}: {why}; loading the durable copy {path}")
-            error: UnickptError | None = None
+            error: Exception | None = None
             try:
                 self.last_load = load_into(state_dict, path, storage_options=tier.storage_options, **kwargs)
-            except UnickptError as e:
+            except Exception as e:  # agreed on below: no rank leaves while the others wait for it
                 error = e
             if all_true(group, error is None):
                 return path

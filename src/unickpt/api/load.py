@@ -15,7 +15,7 @@ import torch
 
 from ..adapters.checkpoint import open_checkpoint
 from ..dist import resolve_group
-from ..engine.load import LoadOptions, LoadRecord, load_state, missing, rank_value
+from ..engine.load import LoadOptions, LoadRecord, join_failed_load, load_state, missing, rank_value
 from ..engine.tensor_reads import mapped_entry, read_entry
 from ..errors import ManifestError, MismatchError
 from ..format.manifest import Manifest
@@ -159,8 +159,12 @@ def load_into(
     not parsed again. ``options``: the fields of :class:`~unickpt.engine.load.LoadOptions`
     (``strict``, ``threads``, ``verify``, ``broadcast_replicated``, ``per_rank``, ``cast``)."""
     opts = LoadOptions(**options)
+    group = resolve_group(process_group)
     if manifest is None:
-        ckpt = open_checkpoint(path, storage_options)
+        try:
+            ckpt = open_checkpoint(path, storage_options)
+        except Exception as e:  # this rank's copy only (a node-local tier): the others may be in a collective load
+            join_failed_load(state_dict, storage, group, opts, e)
         manifest = ckpt.manifest
         if storage is not None:
             ckpt.close()
@@ -168,7 +172,7 @@ def load_into(
             storage = ckpt.storage
     elif storage is None:
         storage = open_storage(path, storage_options)
-    return load_state(state_dict, path, storage, manifest, resolve_group(process_group), opts)
+    return load_state(state_dict, path, storage, manifest, group, opts)
 
 
 def load_rank_values(path: str, name: str, *, threads: int = 4, verify: bool = True,

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..dist import all_true, broadcast_bytes, resolve_group
+from ..dist import all_true, resolve_group
+from ..engine.outcome import decided_by_rank0
 from ..engine.restored import Restored
 from ..errors import UnickptError
 from ..logs import say
@@ -238,7 +239,7 @@ class CheckpointManager(Checkpoints):
         group = resolve_group(self.process_group)
         kept: list[str] = []
         plan = self._deltas.plan() if self._deltas is not None else None
-        latest = broadcast_bytes(group, (self.latest() or "").encode() if group.rank == 0 else None, 0).decode() or None
+        latest = decided_by_rank0(group, lambda: (self.latest() or "").encode()).decode() or None
         disk_step = plan.step if plan is not None and plan.usable else (step_of(latest) if latest else None)
         if self._snap is None:
             got = self._durable(state, plan, latest, kept)

@@ -226,7 +226,12 @@ class _Saver:
             job.on_copied = progress.staged.set
         pin = torch.cuda.is_available() and any(s.is_cuda for s in job.sources)
         limit = job.staged.options.max_staging_bytes
-        buf = self.pool.buffer(job.capacity, pin, limit) if job.staged.local is not None and job.ring is None else None
+        buf = None
+        if job.staged.local is not None and job.ring is None:
+            try:
+                buf = self.pool.buffer(job.capacity, pin, limit)
+            except Exception as e:  # no host memory for it on this rank: reported by the commit, on every rank
+                job.staged.error = describe(e)
         crcs: dict[int, int] = {}
         here = not job.lazy and len(job.batches) == 1 and job.staged.error is None
         if here:

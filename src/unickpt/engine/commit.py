@@ -42,6 +42,7 @@ from ..errors import UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment, fragment_to_json
 from ..format.rank_message import FragmentRecord
+from ..logs import log
 from ..storage.base import Storage
 from .assemble import manifest_document
 from .collect import LocalState
@@ -182,6 +183,9 @@ def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dic
             outcome = Outcome(payload=target.publish(docs))
         except Exception as e:
             outcome = Outcome.of(e)
-            target.abort()
+            try:
+                target.abort()
+            except Exception as gone:  # what the save wrote stays behind; the ranks still hear the outcome
+                log.warning(f"unickpt: the failed save could not remove what it wrote: {type(gone).__name__}: {gone}")
     outcome = outcome.shared(group)
     target.finish(group, outcome.payload)

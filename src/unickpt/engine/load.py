@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -149,10 +149,11 @@ def load_state(state_dict: dict[str, Any], path: str, storage: Storage, manifest
             fill.leaf(leaf)
     except BaseException as e:
         error = e
+    error = fill.read(error)
     try:
-        error = fill.read(error)
-    finally:
         storage.close()
+    except Exception as e:  # a remote file system's close, a peer keeper's connection: after the collectives
+        error = error or e
     fill.finish(error is not None)
     if error is not None:
         if isinstance(error, CorruptionError) and str(path) not in str(error):
@@ -162,6 +163,18 @@ def load_state(state_dict: dict[str, Any], path: str, storage: Storage, manifest
         obj.load_state_dict(sd)
     fill.record.bytes_read, fill.record.files_read = fill.reader.bytes_read, sorted(fill.reader.files_read)
     return fill.record
+
+
+def join_failed_load(state_dict: dict[str, Any], storage: Storage | None, group: Group, options: LoadOptions,
+                     error: Exception) -> NoReturn:
+    """A rank that cannot open the checkpoint (its copy of the manifest missing or
+    corrupt: a node-local tier) joins, as failed, the collectives the other ranks' load
+    makes (the replicated state shared), so that none of them waits for it; then raises
+    ``error``. The others raise too (:meth:`_Fill.finish`)."""
+    fill = _Fill(state_dict, storage, None, group, options)
+    fill.read(error)
+    fill.finish(True)
+    raise error
 
 
 class _Fill:
@@ -261,11 +274,19 @@ class _Fill:
         return error
 
     def finish(self, failed: bool) -> None:
-        """Broadcast the replicated state each rank read (collective)."""
-        if self.shared is not None:
-            self.shared.finish(failed)
-        if self.replicas is not None:
-            self.replicas.finish(failed)
+        """Broadcast the replicated state each rank read (collective). Every rank makes
+        both parts' collectives, failed or not: a part that finds another rank failed
+        raises only once the other part is done."""
+        error: Exception | None = None
+        for part in (self.shared, self.replicas):
+            if part is None:
+                continue
+            try:
+                part.finish(failed or error is not None)
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def _value_subtree(manifest: Manifest, name: str) -> dict[str, Any] | None:

@@ -9,13 +9,14 @@ location), so that every rank can catch the same type.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import errors
 from ..dist import Group, broadcast_bytes
 from ..errors import CheckpointExistsError, SaveError, UnickptError
 
-__all__ = ["Outcome"]
+__all__ = ["Outcome", "decided_by_rank0"]
 
 # the errors an outcome may carry to every rank: unickpt's own, by name
 _ERRORS: dict[str, type[UnickptError]] = {
@@ -37,13 +38,14 @@ class Outcome:
     location: str | None = None
 
     @classmethod
-    def of(cls, e: Exception) -> Outcome:
+    def of(cls, e: Exception, wrap: type[UnickptError] = SaveError) -> Outcome:
         """The outcome of a step that failed on rank 0 with ``e`` (anything not unickpt's
-        own: a SaveError naming it)."""
+        own: a ``wrap`` naming it, a SaveError by default)."""
         if isinstance(e, UnickptError):
             return cls(error=type(e).__name__, message=str(e), failures=getattr(e, "failures", {}),
                        location=getattr(e, "location", None))
-        return cls(error="SaveError", message=f"{type(e).__name__}: {e}", failures={0: f"{type(e).__name__}: {e}"})
+        text = f"{type(e).__name__}: {e}"
+        return cls(error=wrap.__name__, message=text, failures={0: text} if issubclass(wrap, SaveError) else {})
 
     def encode(self) -> bytes:
         """The bytes rank 0 broadcasts."""
@@ -88,3 +90,17 @@ class Outcome:
         if issubclass(cls, SaveError):
             raise cls(self.message, self.failures)
         raise cls(self.message)
+
+
+def decided_by_rank0(group: Group, decide: Callable[[], bytes], wrap: type[UnickptError] = UnickptError) -> bytes:
+    """Collective: what ``decide()`` returns on rank 0, on every rank. Its error is raised
+    on every rank as itself (anything not unickpt's own: a ``wrap`` naming it), so that no
+    rank is left waiting for the answer (a listing of an object store, a directory rank 0
+    may not read)."""
+    outcome = Outcome()
+    if group.rank == 0:
+        try:
+            outcome = Outcome(payload=decide())
+        except Exception as e:
+            outcome = Outcome.of(e, wrap)
+    return outcome.shared(group).payload or b""

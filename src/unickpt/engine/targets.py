@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, scatter_bytes
-from ..errors import CheckpointExistsError, SaveError, UnickptError
+from ..errors import CheckpointExistsError, SaveError
 from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import Storage
@@ -153,7 +153,7 @@ class SharedDirectory(CommitTarget):
             try:
                 self.write = DirectoryWrite.begin(path, MANIFEST_NAME, overwrite, checkpoint_file)
                 outcome = Outcome(payload=os.fsencode(self.write.staging_from_target))
-            except UnickptError as e:
+            except Exception as e:  # sent to every rank (a SaveError naming anything not unickpt's own)
                 outcome = Outcome.of(e)
         outcome = outcome.shared(group)
         if not outcome.payload:
@@ -168,7 +168,7 @@ class SharedDirectory(CommitTarget):
             storage = open_storage(path, storage_options)
             if group.rank == 0:
                 self.write = PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file)
-        except UnickptError as e:
+        except Exception as e:  # fsspec's own errors too: every rank must reach the broadcast
             outcome = mine = Outcome.of(e)
         outcome.shared(group)
         if mine is not None:  # rank 0 could open it, this rank could not
@@ -236,7 +236,7 @@ class NodeCopies(CommitTarget):
         try:
             storage = open_storage(path, storage_options)
             storage.prepare()
-        except (OSError, UnickptError) as e:
+        except Exception as e:  # told to every rank below
             problem = f"rank {group.rank}: cannot prepare {path}: {e}".encode()
         problems = gather_bytes(group, problem, 0)
         status = broadcast_bytes(group, b"\n".join(p for p in problems if p) if problems is not None else b"", 0)

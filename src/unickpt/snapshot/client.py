@@ -55,7 +55,7 @@ WRITES = SaveOptions()  # how each rank's snapshot file is written: the writers'
 # node, is keeper's rank, port, pid, in-progress steps, used, rank, cap bytes, IPv4, the
 # job secret the node proposes (1: stored on the node already, 0: freshly drawn), and
 # whether the rank's ring has a slot for the next snapshot
-_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}si")  # a RankInfo
+_INFO = struct.Struct(f"<iiiiiqqq4si{paths.SECRET_BYTES}sii")  # a RankInfo
 # the slots of a rank's ring: the newest whole step, one step whose parity still runs, and
 # the step being written (a snapshot is skipped while the keepers encode two)
 RING_SLOTS = 3
@@ -79,6 +79,7 @@ class RankInfo(NamedTuple):
     secret_stored: int  # 1 when ``secret`` is the job's stored secret, 0 when newly drawn
     secret: bytes
     ring_free: int = 1  # 1 when the rank's ring has a slot for the next snapshot
+    failed: int = 0  # 1 when this rank could not make its part (raised on every rank once told)
 
 
 _WHERE = struct.Struct("<i16s")  # node, network identity
@@ -303,21 +304,15 @@ class Snapshotter:
         self.machines = dict(where)  # node -> network identity
         self.host = keeper_host(host, len(set(self.machines.values())) > 1)
         self.keeper: dict[str, Any] | None = None
-        if self.local_rank == 0:
-            try:
-                if os.path.exists(self.root) and not os.path.isdir(self.root):
-                    raise NotADirectoryError(0, "not a directory")
-                if not os.path.exists(self.root):  # ours: a clean close() removes it again when empty
-                    os.makedirs(self.root, exist_ok=True)
-                    open(os.path.join(self.root, paths.MADE_MARK), "w").close()
-                paths.make_private(self.root)
-            except OSError as e:
-                raise SnapshotError(f"the shm root {self.root} (${paths.SHM_ROOT_ENV}) cannot hold snapshots: "
-                                    f"{e.strerror or e}") from None
-            self.keeper = ensure_keeper(self.root, job, self.host)
         self._default_cap: int | None = None  # without max_bytes: fixed at the first look (_cap)
         self.secret: bytes | None = None
-        self.table = self._exchange(0)[0]  # also agrees on the job's secret (self.secret)
+        setup: Exception | None = None
+        if self.local_rank == 0:
+            try:
+                self._set_up_node()
+            except Exception as e:  # raised in the exchange, on every rank (a node's shm root, its keeper)
+                setup = e
+        self.table = self._exchange(None, setup)[0]  # also agrees on the job's secret (self.secret)
         why = unreachable_keepers([t["host"] for t in self.table], [self.machines[n] for n in range(len(self.table))])
         if why:  # every keeper listens on self.host for the Snapshotter's life: checked once
             raise SnapshotError(why)
@@ -361,23 +356,57 @@ class Snapshotter:
         flush_every = self.options.flush_every
         return bool(flush_every) and step % (self.options.every * flush_every) == 0
 
-    def _exchange(self, rank_bytes: int) -> tuple[list[dict[str, Any]], list[RankInfo]]:
-        """Collective: every rank's node, keeper and memory figures; the keeper table by node.
-        The first time, also the job's secret: the one stored on the lowest node that holds
-        one (a relaunch keeps it, whichever nodes survived), else one the first node drew."""
+    def _set_up_node(self) -> None:
+        """A node's local rank 0: make the shm root ready and start the node's keeper."""
+        try:
+            if os.path.exists(self.root) and not os.path.isdir(self.root):
+                raise NotADirectoryError(0, "not a directory")
+            if not os.path.exists(self.root):  # ours: a clean close() removes it again when empty
+                os.makedirs(self.root, exist_ok=True)
+                open(os.path.join(self.root, paths.MADE_MARK), "w").close()
+            paths.make_private(self.root)
+        except OSError as e:
+            raise SnapshotError(f"the shm root {self.root} (${paths.SHM_ROOT_ENV}) cannot hold snapshots: "
+                                f"{e.strerror or e}") from None
+        self.keeper = ensure_keeper(self.root, self.job, self.host)
+
+    def _exchange(self, state: dict[str, Any] | None,
+                  failed_before: Exception | None = None) -> tuple[list[dict[str, Any]], list[RankInfo]]:
+        """Collective: every rank's node, keeper and memory figures (the bytes of ``state``
+        this rank holds); the keeper table by node. The first time, also the job's secret:
+        the one stored on the lowest node that holds one (a relaunch keeps it, whichever
+        nodes survived), else one the first node drew. What fails on one rank (a Stateful's
+        ``state_dict()``, restarting the node's keeper, ``failed_before``: the node's set-up)
+        is told to the others in the exchange itself and raised on every rank as a
+        SnapshotError: no rank is left waiting in the exchange, and each goes on alike."""
         ring = getattr(self, "ring", None)
         free = int(ring is None or ring.available())
-        mine = RankInfo(self.node, 0, 0, 0, 0, 0, rank_bytes, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES, free)
-        if self.local_rank == 0:
-            self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
-            used = paths.dir_bytes(self.jdir)
-            cap = self._cap(used)
-            pending = in_progress(self.jdir, getattr(self, "table", []))
-            stored = self.secret or paths.read_secret(self.root, self.job)
-            proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
-            mine = RankInfo(self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, rank_bytes,
-                            cap, socket.inet_aton(self.keeper["host"]), *proposal, free)
+        mine = RankInfo(self.node, 0, 0, 0, 0, 0, 0, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES, free)
+        error = failed_before
+        try:
+            if error is not None:
+                raise error
+            mine = mine._replace(rank_bytes=state_bytes(state) if state is not None else 0)
+            if self.local_rank == 0:
+                self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
+                used = paths.dir_bytes(self.jdir)
+                cap = self._cap(used)
+                pending = in_progress(self.jdir, getattr(self, "table", []))
+                stored = self.secret or paths.read_secret(self.root, self.job)
+                proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
+                mine = RankInfo(self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used,
+                                mine.rank_bytes, cap, socket.inet_aton(self.keeper["host"]), *proposal, free)
+        except Exception as e:
+            error, mine = e, mine._replace(failed=1)
         rows = [RankInfo._make(_INFO.unpack(b)) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
+        failed = [r for r, row in enumerate(rows) if row.failed]
+        if isinstance(error, SnapshotError):
+            raise error
+        if error is not None:
+            raise SnapshotError(f"{type(error).__name__}: {error}") from error
+        if failed:
+            raise SnapshotError(f"rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))} failed (see "
+                                f"{'their' if len(failed) > 1 else 'its'} own output for why)")
         keepers = {r.node: r for r in rows if r.has_keeper}
         if sorted(keepers) != list(range(len(keepers))) or {r.node for r in rows} != set(keepers):
             raise SnapshotError(f"every node needs one local rank 0; got nodes {sorted({r.node for r in rows})}")
@@ -402,7 +431,7 @@ class Snapshotter:
 
     def _snapshot(self, state: dict[str, Any], step: int, flush: bool) -> AsyncSaveHandle | None:
         self.settle()
-        self.table, rows = self._exchange(state_bytes(state))
+        self.table, rows = self._exchange(state)
         if any(r.pending >= 2 for r in rows if r.has_keeper):
             self.skipped += 1  # the keepers still encode two snapshots
             return None
@@ -454,7 +483,10 @@ class Snapshotter:
                     + (f"; {human_bytes(extra)} written beside full rings" if extra else "") + "), above the cap of "
                     f"{human_bytes(cap)}; raise max_bytes or snapshot less state")
         if self.local_rank == 0:
-            paths.write_memory(self.jdir, self.node, self.memory)
+            try:
+                paths.write_memory(self.jdir, self.node, self.memory)
+            except OSError as e:  # only `unickpt snapshots` reads it: the snapshot goes on, on every rank alike
+                log.warning(f"unickpt: cannot record the node's snapshot memory in {self.jdir}: {e}")
 
     def _sweep_ring(self, rows: list[RankInfo]) -> None:
         """Delete the ring slots of ranks no longer on this node that no step holds (a

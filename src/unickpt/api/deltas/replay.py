@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from ...dist import all_true, broadcast_bytes, gather_bytes, resolve_group
+from ...dist import all_true, gather_bytes, resolve_group
 from ...engine.items import is_dtensor
 from ...engine.optim_state import named_parameters
+from ...engine.outcome import decided_by_rank0
 from ...engine.state import PerRank, Sharded, find_modules, flatten, optimizers_of, without_optimizers, write_back
 from ...errors import UnickptError
 from ...format.dtypes import dtype_from_name
@@ -216,13 +217,14 @@ class StepDeltas:
     def plan(self) -> Replay:
         """The recovery plan, made on rank 0 and shared with every rank (collective)."""
         group = resolve_group(self.process_group)
-        doc = b""
-        if group.rank == 0:
+
+        def made_on_rank0() -> bytes:
             # structure only (commit marker, sizes, step): each rank's load checks the
             # checksums of the bytes it reads, so no entry is read twice, nor all on rank 0
             p = replayable(self.ckpt_root, self.log.root, verify_entries=False)
-            doc = json.dumps([p.base, p.base_step, p.entries, p.notes]).encode()
-        base, base_step, entries, notes = json.loads(broadcast_bytes(group, doc, 0))
+            return json.dumps([p.base, p.base_step, p.entries, p.notes]).encode()
+
+        base, base_step, entries, notes = json.loads(decided_by_rank0(group, made_on_rank0))
         return Replay(base, base_step, entries, notes)
 
     def replay(self, state: dict[str, Any], plan: Replay, load_base: Callable[[str], None]) -> int:
@@ -239,8 +241,8 @@ class StepDeltas:
         for k, path in enumerate(plan.entries):
             try:
                 part, problem = self._read_step(path, opts, modules), ""
-            except UnickptError as e:
-                part, problem = {}, str(e).splitlines()[0]
+            except Exception as e:  # agreed on below: no rank leaves the replay alone
+                part, problem = {}, (str(e).splitlines() or [type(e).__name__])[0]
             if not all_true(group, not problem):
                 reasons = gather_bytes(group, problem.encode(), 0)
                 why = next((r.decode() for r in reasons or [] if r), "on another rank")
