@@ -97,10 +97,15 @@ def decided_by_rank0(group: Group, decide: Callable[[], bytes], wrap: type[Unick
     on every rank as itself (anything not unickpt's own: a ``wrap`` naming it), so that no
     rank is left waiting for the answer (a listing of an object store, a directory rank 0
     may not read)."""
-    outcome = Outcome()
+    outcome, cause = Outcome(), None
     if group.rank == 0:
         try:
             outcome = Outcome(payload=decide())
         except Exception as e:
-            outcome = Outcome.of(e, wrap)
-    return outcome.shared(group).payload or b""
+            outcome, cause = Outcome.of(e, wrap), e
+    try:
+        return outcome.shared(group).payload or b""
+    except UnickptError as raised:
+        if cause is None or raised is cause:
+            raise
+        raise raised from cause  # rank 0 keeps the traceback of what failed
