@@ -54,7 +54,7 @@ def collective_calls(rank: int, world: int, root: str) -> None:
     ckpts = unickpt.Checkpoints(shared)
     ckpts.save({"w": torch.ones(4), "loader": Loader()}, 1)
     _fails(rank, "load", lambda: ckpts.load({"w": torch.zeros(4), "loader": Loader(failing=rank == 1)}),
-           {0: (unickpt.UnickptError, "could not be loaded on another rank"),
+           {0: (unickpt.UnickptError, "could not be loaded on rank 1 (RuntimeError: the saved worker state"),
             1: (RuntimeError, "does not fit this rank's workers")})
 
     # 2. an async save whose staging buffer rank 1 cannot allocate (a tensor of 2**50 bytes,

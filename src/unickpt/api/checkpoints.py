@@ -347,15 +347,13 @@ class Checkpoints:
             if all_true(group, error is None):
                 return path
             corrupt = all_true(group, error is None or isinstance(error, CorruptionError))
+            where = _first_failure(group, error, path)  # (the same on every rank)
             if not corrupt:  # another kind of error is the same in every copy
-                raise error or UnickptError(f"{path} could not be loaded on another rank")
+                raise error or UnickptError(f"{path} could not be loaded{where}")
             if last and not quiet_missing:
-                raise error or CorruptionError(f"{path} failed its checks on another rank")
+                raise error or CorruptionError(f"{path} failed its checks{where}")
             self._failed.add(path)
-            said = gather_bytes(group, _reason(error, path).encode() if error is not None else b"", 0)
-            where = [(r, m.decode(errors="replace")) for r, m in enumerate(said or []) if m]
-            why = f"{path} failed its checks" + (f" on rank {where[0][0]} ({where[0][1]})" if where else "")
-            why = broadcast_bytes(group, why.encode() if group.rank == 0 else None, 0).decode()  # the same everywhere
+            why = f"{path} failed its checks{where}"
             reasons.append(why)
         self.passed_over.append("; ".join(reasons))
         return None
@@ -387,9 +385,20 @@ def durable_options(durable: str | os.PathLike | DurableOptions | None, every: i
 
 
 def _reason(error: BaseException, path: str) -> str:
-    """The first line of ``error`` without the location it starts with."""
-    text = (str(error).splitlines() or [type(error).__name__])[0]
-    return text[len(path) + 2:] if text.startswith(f"{path}: ") else text
+    """The first line of ``error`` without the location it starts with (the class of an
+    error not unickpt's own before it)."""
+    text = (str(error).splitlines() or [""])[0]
+    text = text[len(path) + 2:] if text.startswith(f"{path}: ") else text
+    return text if isinstance(error, UnickptError) else f"{type(error).__name__}: {text}"
+
+
+def _first_failure(group: Any, error: BaseException | None, path: str) -> str:
+    """Collective: `` on rank R (why)`` of the lowest rank whose load of ``path`` failed,
+    the same text on every rank."""
+    said = gather_bytes(group, _reason(error, path).encode() if error is not None else b"", 0)
+    where = next(((r, m.decode(errors="replace")) for r, m in enumerate(said or []) if m), None)
+    text = f" on rank {where[0]} ({where[1]})" if where else ""
+    return broadcast_bytes(group, text.encode() if group.rank == 0 else None, 0).decode()
 
 
 def _under(path: str, tier: Tier) -> bool:
