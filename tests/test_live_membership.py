@@ -93,3 +93,42 @@ def test_a_generation_cause_is_one_of_the_causes():
         Generation(1, [], cause="vanished")
     with pytest.raises(ValueError):
         Generation.from_json(gen.to_json().replace('"cause": "lost"', '"cause": "vanished"').encode())
+
+
+def test_replacements_taken_in_at_the_last_step_end_with_the_job():
+    """The coordinator's side, on an in-memory store: rank 2 is lost, a replacement gets
+    ready and rank 0 fixes the step it joins at, which is the training's last; the
+    survivors finish fn instead of re-forming. The job ends 0 at once (the replacement
+    used to wait for them until the launcher was killed), counting neither the
+    replacement as a rank that ran nor it in the final world size."""
+    from unickpt.live.control import Cause, Exited, Ready, key, post_event
+    from unickpt.live.launch import Coordinator
+    from unickpt.live.launch_args import LaunchArgs
+    from unickpt.live.output import Output
+
+    store = dist.HashStore()
+    coordinator = Coordinator(store, LaunchArgs(nproc_per_node=3, max_restarts=1), Output())
+    coordinator.start()
+    coordinator.step()  # generation 0: the three ranks
+    for w in ("0.0", "0.1", "0.2"):
+        store.set(key("run", w), "1")  # inside unickpt.run: their loss is recovered
+    post_event(store, Exited("0.2", -9, 1.0, "SIGKILL"))
+    coordinator.step()
+    assert control.read(store, control.newest(store)).cause == Cause.LOST
+    post_event(store, Ready("0.r1.2", 0))
+    coordinator.step()
+    store.set(key("g", 1, "grow_at"), "31")  # rank 0, at step 30's boundary
+    coordinator.step()
+    grown = control.read(store, control.newest(store))
+    assert grown.cause == Cause.GROW and grown.joined == ["0.r1.2"]
+    membership.say_arrived(store, grown)  # the replacement gathers; the survivors never come
+    for w in ("0.0", "0.1"):
+        post_event(store, Exited(w, 0, 2.0, "exit 0"))
+    coordinator.step()
+    end = control.read(store, control.newest(store))
+    assert end.cause == Cause.END and end.code == 0, end
+    assert "3 ranks ran, 1 lost and recovered (rank 2: SIGKILL), final world size 2 (exit 0)" in end.reason, end.reason
+    assert not membership.all_arrived(store, grown)  # the replacement goes on to the end: it exits 0
+    with pytest.raises(SystemExit) as ended:
+        membership.newer(store, "0.r1.2")
+    assert ended.value.code == 0
