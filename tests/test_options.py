@@ -60,9 +60,12 @@ def test_the_signature_reads_grouped():
                                                  r"set SnapshotOptions\.every too$"),
     (lambda: SaveSchedule(mode="background"), r"^SaveSchedule\.mode must be 'sync' or 'async', not 'background'$"),
     (lambda: SaveSchedule(mode="async"), r"^SaveSchedule\.mode='async' writes .* set SaveSchedule\.every too"),
-    (lambda: SaveSchedule(full_every=0), r"^SaveSchedule\.full_every must be at least 1, not 0$"),
+    (lambda: SaveSchedule(full_every=0), r"^SaveSchedule\.full_every must be a whole number >= 1 or None, not 0$"),
+    (lambda: SaveSchedule(incremental="yes"), r"^SaveSchedule\.incremental must be True or False, not 'yes'$"),
+    (lambda: DeltaLogOptions(enabled=1), r"^DeltaLogOptions\.enabled must be True or False, not 1$"),
+    (lambda: DurableOptions("d", keep=2.5), r"^DurableOptions\.keep must be a whole number >= 1 or None, not 2\.5$"),
     (lambda: DeltaLogOptions(dtype="fp8"), r"^DeltaLogOptions\.dtype must be 'exact' or 'bf16', not 'fp8'$"),
-    (lambda: DurableOptions("d", every=0), r"^DurableOptions\.every must be at least 1, not 0$"),
+    (lambda: DurableOptions("d", every=0), r"^DurableOptions\.every must be a whole number >= 1, not 0$"),
     (lambda: SaveOptions(block_bytes=12), r"^SaveOptions\.block_bytes must be a positive multiple of 8, not 12$"),
     (lambda: SaveOptions(threads=0), r"^SaveOptions\.threads must be a whole number >= 1, not 0$"),
 ])
@@ -72,8 +75,14 @@ def test_a_group_checks_itself_and_names_its_field(make, says):
 
 
 @pytest.mark.parametrize("kwargs, says", [
-    ({"durable_every": 0, "durable": "d"}, r"^durable_every must be at least 1, not 0$"),
-    ({"full_every": 0}, r"^full_every must be at least 1, not 0$"),
+    ({"durable_every": 0, "durable": "d"}, r"^durable_every must be a whole number >= 1, not 0$"),
+    ({"full_every": 0}, r"^full_every must be a whole number >= 1 or None, not 0$"),
+    ({"keep": "3"}, r"^keep must be a whole number >= 1 or None \(keep all\), not '3'$"),
+    ({"keep": True}, r"^keep must be a whole number >= 1 or None \(keep all\), not True$"),
+    ({"save_every": 2, "async_save": "yes"}, r"^async_save must be True or False, not 'yes'$"),
+    ({"save_every": 2, "log_deltas": "no"}, r"^log_deltas must be True or False, not 'no'$"),
+    ({"root": None}, r"^the checkpoints' root must be a directory or a URL \(a str or a path\), not None$"),
+    ({"root": 5}, r"^the checkpoints' root must be a directory or a URL \(a str or a path\), not 5$"),
     ({"snapshot_every": 1, "snapshot_max_bytes": 0}, r"^snapshot_max_bytes must be positive, not 0$"),
     ({"snapshot_every": 2, "snapshot": SnapshotOptions()}, r"^snapshot_every and a SnapshotOptions were both given"),
     ({"save_every": 3, "saves": SaveSchedule(every=3)}, r"^save_every and a SaveSchedule were both given"),
@@ -97,6 +106,36 @@ def test_the_manager_names_the_keyword_the_user_wrote(tmp_path, kwargs, says):
     root = kwargs.pop("root", str(tmp_path / "ck"))
     with pytest.raises(unickpt.UnickptError, match=says):
         unickpt.CheckpointManager(root, **kwargs)
+
+
+def test_a_root_that_is_a_file_and_a_step_that_is_not_a_number_are_named(tmp_path):
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(unickpt.UnickptError, match=r"root .*/f is a file, not a directory$"):
+        unickpt.CheckpointManager(str(tmp_path / "f"))
+    manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=1)
+    with pytest.raises(unickpt.UnickptError, match=r"step must be a whole number >= 0, not '1'$"):
+        manager.maybe_save({"w": torch.ones(2)}, "1")
+
+
+def test_a_run_that_forgot_restore_cannot_save_behind_the_root_s_newest(tmp_path):
+    """A relaunch that forgot ``restore()`` used to save steps 2, 4, ... beside the broken
+    run's 8 and 10, which ``keep=2`` then kept instead of them (and a resume would pick):
+    its first maybe_save now says so. Going back on purpose (``load`` of step 8) saves."""
+    state = {"w": torch.ones(2)}
+    first = unickpt.CheckpointManager(str(tmp_path / "ck"), keep=2, save_every=2)
+    first.restore(state)
+    for step in range(1, 11):
+        first.maybe_save(state, step)
+    first.close()
+    forgot = unickpt.CheckpointManager(str(tmp_path / "ck"), keep=2, save_every=2)
+    with pytest.raises(unickpt.UnickptError, match=r"already holds the checkpoint of step 10, and this run saves step 2 "
+                                                    r"without having called restore\(\).* keep=2 would delete them"):
+        forgot.maybe_save(state, 2)
+    assert forgot.steps() == [8, 10]
+    back = unickpt.CheckpointManager(str(tmp_path / "ck"), keep=2, save_every=2)
+    back.load(state, back.path_for(8))
+    back.maybe_save(state, 9)
+    back.close()
 
 
 def test_the_snapshot_tier_takes_its_group_whole(tmp_path):

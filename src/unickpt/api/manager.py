@@ -162,6 +162,8 @@ class CheckpointManager(Checkpoints):
         durable_keep: int | None = None,
         durable_storage_options: dict[str, Any] | None = None,
     ) -> None:
+        if not isinstance(async_save, bool):
+            raise UnickptError(f"async_save must be True or False, not {async_save!r}")
         given = SaveSchedule.merged(saves, {"every": save_every, "mode": "async" if async_save else "sync",
                                             "incremental": incremental, "full_every": full_every})
         snap = SnapshotOptions.merged(snapshot, {"every": snapshot_every, "parity": parity, "replicas": snapshot_replicas,
@@ -305,11 +307,15 @@ class CheckpointManager(Checkpoints):
                 raised at the first call into the manager after that step: ``before_update``,
                 ``maybe_save`` or ``close``).
         """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise UnickptError(f"maybe_save(state, step): step must be a whole number >= 0, not {step!r}")
         if step != self._reform_after:
             self._reform_if_due()
         t0 = time.perf_counter()
         self._state = state
         if not self._started:  # restore() was not called (the state was loaded otherwise)
+            if self.last_load is None:  # nor load(): nothing says this run chose where it starts
+                self._check_not_behind(step)
             self._start()
             if self._deltas is not None:
                 self._deltas.started(step - 1)
@@ -425,6 +431,21 @@ class CheckpointManager(Checkpoints):
             nbytes, cuda = estimated_file_bytes(state, 0)
             if cuda:  # pinning is what costs; pageable memory is allocated by the first save as before
                 prepare_staging(nbytes, True)
+
+    def _check_not_behind(self, step: int) -> None:
+        """Collective, at the first ``maybe_save`` of a run that called neither
+        :meth:`restore` nor :meth:`load`: a UnickptError on every rank when the root already
+        holds a checkpoint of ``step`` or later. This run's checkpoints would be older than
+        it: a resume would pick it over them, and ``keep`` would delete them first (a
+        relaunch that forgot ``restore()``)."""
+        newest = int(decided_by_rank0(resolve_group(self.process_group),
+                                      lambda: str(max(self.steps(), default=-1)).encode()))
+        if newest >= step:
+            raise UnickptError(f"{self.root} already holds the checkpoint of step {newest}, and this run saves step "
+                               f"{step} without having called restore(): a resume would pick step {newest} over this "
+                               f"run's checkpoints{' and keep=' + str(self.keep) + ' would delete them' if self.keep else ''}"
+                               f". Call manager.restore(state) first to continue from it (manager.load(state, path) to go back to "
+                               "an earlier one on purpose), or use another root")
 
     def _start(self) -> None:
         """Collective, once: the snapshot tier (the node's keeper) and the delta log."""

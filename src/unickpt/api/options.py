@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from ..engine.save_options import Checked, Given, SaveOptions, Spelling, whole
+from ..engine.save_options import Checked, Given, SaveOptions, Spelling, at_least_one, flag, whole
 from ..snapshot.options import SnapshotOptions
 from ..storage.open import is_remote
 
@@ -68,8 +68,8 @@ class SaveSchedule(Checked):
         whole(v, said, "every")
         if v.mode not in ("sync", "async"):
             said.fail(f"{said.name('mode')} must be 'sync' or 'async', not {v.mode!r}")
-        if v.full_every is not None and (not isinstance(v.full_every, int) or v.full_every < 1):
-            said.fail(f"{said.name('full_every')} must be at least 1, not {v.full_every}")
+        flag(v, said, "incremental")
+        at_least_one(v, said, "full_every", optional=True)
         if v.mode == "async" and not v.every:
             said.fail(f"{said.said('mode', v.mode)} writes the checkpoints of {said.name('every')} in the background: "
                       f"set {said.name('every')} too (maybe_save(..., force=True) then saves in the background as well)")
@@ -101,10 +101,8 @@ class DurableOptions(Checked):
 
     @classmethod
     def check(cls, v: Any, said: Spelling) -> None:
-        if not isinstance(v.every, int) or v.every < 1:
-            said.fail(f"{said.name('every')} must be at least 1, not {v.every}")
-        if v.keep is not None and v.keep < 1:
-            said.fail(f"{said.name('keep')} must be at least 1, not {v.keep}")
+        at_least_one(v, said, "every")
+        at_least_one(v, said, "keep", optional=True)
 
 
 @dataclass(frozen=True)
@@ -128,6 +126,7 @@ class DeltaLogOptions(Checked):
 
     @classmethod
     def check(cls, v: Any, said: Spelling) -> None:
+        flag(v, said, "enabled")
         if v.dtype not in ("exact", "bf16"):
             said.fail(f"{said.name('dtype')} must be 'exact' or 'bf16', not {v.dtype!r}")
         if v.dtype != "exact" and not v.enabled:

@@ -32,10 +32,14 @@ class Tier:
     ``keep`` (all when None)."""
 
     def __init__(self, root: str | os.PathLike, keep: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
-        if keep is not None and keep < 1:
-            raise UnickptError(f"keep must be at least 1, not {keep}")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise UnickptError(f"keep must be a whole number >= 1 or None (keep all), not {keep!r}")
+        if not isinstance(root, (str, os.PathLike)) or not str(root):
+            raise UnickptError(f"the checkpoints' root must be a directory or a URL (a str or a path), not {root!r}")
         self.remote = is_remote(root)
         self.root = str(root).rstrip("/") if self.remote else local_path(root)
+        if not self.remote and os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise UnickptError(f"the checkpoints' root {self.root} is a file, not a directory")
         self.keep = keep
         self.storage_options = storage_options
 

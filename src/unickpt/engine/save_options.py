@@ -131,6 +131,22 @@ class Checked:
         return Given(given, Spelling(cls, flat=False))
 
 
+def at_least_one(v: Any, said: Spelling, field: str, optional: bool = False) -> None:
+    """Fail unless ``v``'s ``field`` is a whole number >= 1 (or None, when ``optional``)."""
+    value = getattr(v, field)
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        said.fail(f"{said.name(field)} must be a whole number >= 1{' or None' if optional else ''}, not {value!r}")
+
+
+def flag(v: Any, said: Spelling, field: str) -> None:
+    """Fail unless ``v``'s ``field`` is True or False."""
+    value = getattr(v, field)
+    if not isinstance(value, bool):
+        said.fail(f"{said.name(field)} must be True or False, not {value!r}")
+
+
 def whole(v: Any, said: Spelling, field: str) -> None:
     """Fail unless ``v``'s ``field`` is a whole number >= 0 (an interval, 0: never)."""
     value = getattr(v, field)
