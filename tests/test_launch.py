@@ -100,6 +100,8 @@ def test_torchrun_flags_parse():
     (["--start-method", "fork", "x.py"], "--start-method fork is not supported"),
     (["--nproc-per-node", "many", "x.py"], "expected a number"),
     (["--tee", "7", "x.py"], "--tee '7'"),
+    (["--nproc-per-node", "2", "--min-ranks", "5", "x.py"], "--min-ranks 5 is more than the job's 2 rank(s)"),
+    (["--hang-timeout", "-5", "x.py"], "--hang-timeout >= 0"),
 ])
 def test_refused_flags_say_why(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

@@ -155,3 +155,22 @@ def test_fn_that_initialises_the_group_is_told_by_the_frame_not_the_message():
         _check_group_kept(ValueError("trying to initialize the default process group twice!"))  # the user's own
     finally:
         dist.destroy_process_group()
+
+
+def _no_world():
+    pass
+
+
+@pytest.mark.parametrize("args, says", [
+    ((5,), r"fn must be a function taking the World, not int \(5\): pass the function itself, run\(train\), not "
+           r"run\(train\(\)\)$"),
+    ((_no_world,), r"_no_world\(\) must take one argument, the World"),
+    ((lambda world: None, "ncll"), r"backend='ncll'\): not a backend torch knows \(gloo, nccl, "),
+    ((lambda world: None, 7), r"backend=7\): not a backend torch knows"),
+])
+def test_run_names_a_wrong_fn_or_backend_before_anything_starts(args, says):
+    import unickpt
+
+    with pytest.raises(unickpt.UnickptError, match=says):
+        unickpt.run(*args)
+    assert not dist.is_initialized()

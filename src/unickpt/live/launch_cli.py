@@ -200,8 +200,9 @@ def launch(
                  "(spawn, torchrun's default)")
     if no_python and module:
         ctx.fail("--no-python and -m exclude each other (torchrun's rule)")
-    if min_ranks < 1 or max_restarts < 0 or join_timeout <= 0 or shutdown_timeout < 0:
-        ctx.fail("need --min-ranks >= 1, --max-restarts >= 0, --join-timeout > 0 and --shutdown-timeout >= 0")
+    if min_ranks < 1 or max_restarts < 0 or join_timeout <= 0 or shutdown_timeout < 0 or hang_timeout < 0:
+        ctx.fail("need --min-ranks >= 1, --max-restarts >= 0, --join-timeout > 0, --shutdown-timeout >= 0 and "
+                 "--hang-timeout >= 0 (0: never)")
     try:
         tee_spec, redirects_spec = parse_std(tee, "--tee"), parse_std(redirects, "--redirects")
         local_filter = parse_filter(local_ranks_filter)
@@ -218,6 +219,9 @@ def launch(
                       shutdown_timeout=shutdown_timeout, log_dir=log_dir, tee_spec=tee_spec,
                       redirects_spec=redirects_spec, local_filter=local_filter, signals=signals,
                       duplicate=duplicate, **where)
+    if args.min_ranks > args.nnodes * args.nproc_per_node:
+        ctx.fail(f"--min-ranks {args.min_ranks} is more than the job's {args.nnodes * args.nproc_per_node} rank(s) "
+                 f"(--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node}): it could never train")
     if callable(ctx.obj):  # parse(): the resolved arguments, nothing started
         raise typer.Exit(ctx.obj(args) or 0)
     from .launch import run_node

@@ -23,6 +23,7 @@ import ctypes
 import faulthandler
 import gc
 import json
+import inspect
 import os
 import signal
 import threading
@@ -123,9 +124,11 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
         What ``fn`` returned (in its last generation).
 
     Raises:
-        UnickptError: The default process group is already initialised; ``multiple_of``
+        UnickptError: The default process group is already initialised; ``fn`` is not a
+            function of one argument; ``backend`` is not one torch knows; ``multiple_of``
             is not a positive integer, or (under torchrun) does not divide the world.
     """
+    _check_arguments(fn, backend)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise UnickptError(f"unickpt.run(fn, multiple_of={multiple_of!r}): expected a positive integer "
                            "(the tensor x pipeline parallel degree the world must be a multiple of)")
@@ -148,6 +151,28 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
         join_aborts()  # an NCCL communicator half aborted at the interpreter's exit can hang it
         _CURRENT.reset(token)
         gc.unfreeze()  # the interpreter's last collection frees what was frozen (extensions check for leaks)
+
+
+def _check_arguments(fn: Any, backend: Any) -> None:
+    """A UnickptError naming what is wrong with ``fn`` or ``backend``, before anything
+    starts (not a TypeError inside the first generation)."""
+    if not callable(fn):
+        raise UnickptError(f"unickpt.run(fn): fn must be a function taking the World, not {type(fn).__name__} "
+                           f"({fn!r:.80}): pass the function itself, run(train), not run(train())")
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        raise UnickptError(f"unickpt.run(fn): {getattr(fn, '__name__', repr(fn))}{inspect.signature(fn)} must take "
+                           "one argument, the World (its rank, size and generation)") from None
+    except ValueError:  # no signature to read (a builtin): it is called as it is
+        pass
+    if backend is None:
+        return
+    names = [part.rpartition(":")[2].strip() for part in str(backend).split(",")] if isinstance(backend, str) else []
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    if not names or any(n.lower() not in known for n in names):
+        raise UnickptError(f"unickpt.run(fn, backend={backend!r}): not a backend torch knows "
+                           f"({', '.join(known)}, or 'cpu:gloo,cuda:nccl'; None: torch's default for the device)")
 
 
 def _run_once(fn: Callable[[World], Any], backend: str | None, multiple_of: int = 1) -> Any:
