@@ -6,6 +6,7 @@
 * ``bug``: rank 1 raises ``RuntimeError("user bug")`` at step 2.
 * ``recover``: the same, under ``unickpt.run(fn, recover=(RuntimeError,))``.
 * ``early``: rank 1 returns from fn at step 2 while rank 0 trains on.
+* ``destroy``: fn destroys the default group itself after its steps (a misuse).
 * ``deadlock``: a plain script whose two ranks both wait in ``dist.recv`` (C++).
 * ``flaky``: a plain script whose rank 1 exits 3 in the group's first attempt only.
 """
@@ -43,6 +44,8 @@ def fn(world) -> None:
         for _ in range(40):
             sys.stdout.write(str(world.rank) * LINE + "\n")  # no flush: large writes, cut by the pipe
     steps(world, 30 if MODE == "early" else 3)
+    if MODE == "destroy":
+        dist.destroy_process_group()
 
 
 if MODE in ("deadlock", "flaky"):

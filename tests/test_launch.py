@@ -255,9 +255,11 @@ def test_exit_codes(tmp_path):
     """A bug in fn ends the job 1 naming the rank and the error (traceback on [rank1]:); with
     recover= the job goes on without the rank and ends 0; a rank that returns early while its
     peer trains ends the job 1; a plain script's error that torchrun's @record wrote to the
-    worker's TORCHELASTIC_ERROR_FILE is named; every launcher's last line is the job's summary."""
-    bug, rec, early, recorded = _launch_together(tmp_path, *(["--standalone", "--nproc-per-node", "2", CASES, mode]
-                                                             for mode in ("bug", "recover", "early", "record")))
+    worker's TORCHELASTIC_ERROR_FILE is named; fn that destroys the group itself is an error of
+    fn, not a lost rank; every launcher's last line is the job's summary."""
+    bug, rec, early, recorded, destroy = _launch_together(
+        tmp_path, *(["--standalone", "--nproc-per-node", "2", CASES, mode]
+                    for mode in ("bug", "recover", "early", "record", "destroy")))
     assert bug.returncode == 1, bug.stderr[-3000:]
     last = _last(bug.stderr)
     assert "rank 1 (worker 0.1) raised RuntimeError: user bug" in last and "launch_cases.py:" in last, last
@@ -280,6 +282,10 @@ def test_exit_codes(tmp_path):
     assert recorded.returncode == 1, recorded.stderr[-3000:]
     assert ("the job failed: worker 0.1 (rank 1) exited with 1 outside unickpt.run (it recorded RuntimeError: a "
             "plain script's bug): nothing to recover") in _last(recorded.stderr), recorded.stderr[-2000:]
+
+    assert destroy.returncode == 1, destroy.stderr[-3000:]
+    last = _last(destroy.stderr)  # was: "1 lost and recovered ... 0 rank(s) left, fewer than the multiple_of=1"
+    assert "raised UnickptError: fn called destroy_process_group" in last and "0 lost and recovered" in last, last
 
 
 @multiprocess

@@ -316,8 +316,11 @@ class _Live:
                 nxt = self.verdict(e)
                 self.mark("verdict")
                 if nxt is None:
+                    try:
+                        _check_group_kept(raised)
+                    except UnickptError as misuse:  # fn's own init_process_group: reported as what it is
+                        e = misuse
                     _report_raised(self, e)
-                    _check_group_kept(raised)
                     self.teardown()
                     raise e  # the error of fn as it was, or the PeerLost it is the cause of
                 _forget_exception(e)  # its frames (and its chain's: raised) hold the model, the mesh, the groups
@@ -328,7 +331,11 @@ class _Live:
             # fn returned: no step follows, so the launcher's hang check must not read the
             # time this process takes to tear down and exit as a hang
             self.node_store.set(key("beat", self.worker), "done")
-            _check_group_kept(None)
+            try:
+                _check_group_kept(None)
+            except UnickptError as misuse:  # an error of fn (it destroyed the group), not a lost rank
+                _report_raised(self, misuse)
+                raise
             self.teardown(collect=True)
             return result
 
