@@ -298,6 +298,7 @@ def test_plain_script_group_restart_and_no_python(tmp_path):
     assert "restarting the group (1 of --max-restarts 1)" in out.stderr
     assert "[rank0]: attempt 1 rank 0 done" in out.stdout and "[rank1]: attempt 1 rank 1 done" in out.stdout
     assert "attempt 0 rank 0 done" not in out.stdout
+    assert "4 ranks ran, 0 lost and recovered, the group restarted 1 time, final world size 2 (exit 0)" in out.stderr
 
 
 @multiprocess

@@ -733,7 +733,8 @@ class Coordinator:
             head, reason = "the job finished", ""
         ranks = len(self.ever)
         lost = f"{len(self.recovered)} lost and recovered" + (f" ({'; '.join(self.recovered)})" if self.recovered else "")
-        summary = f"{ranks} rank{'s' if ranks != 1 else ''} ran, {lost}, final world size {self.size}"
+        restarts = f", the group restarted {self.attempt} time{'s' if self.attempt != 1 else ''}" if self.attempt else ""
+        summary = f"{ranks} rank{'s' if ranks != 1 else ''} ran, {lost}{restarts}, final world size {self.size}"
         line = f"{head}{reason}{'; ' if reason else ': '}{summary} (exit {code})"
         self._publish(Generation(self.gen.number + 1, [], Cause.END, code=code, reason=line))
 
