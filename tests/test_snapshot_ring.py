@@ -142,5 +142,5 @@ def test_killed_mid_snapshot_restores_the_newest_whole_step_bitwise(killed, tmp_
     mem = got["memory"]
     state_bytes = sum(v.numel() * v.element_size() for v in state_of(0).values())
     assert mem["state"] == state_bytes and mem["ring"] == 3 * state_bytes and mem["parity"] == 0
-    assert f"node 0 holds at most {human_bytes(mem['total'])}: ring 3 x " in got["cli"], got["cli"]
+    assert f"node 0 holds at most {human_bytes(mem['total'])} of tensors: ring 3 x " in got["cli"], got["cli"]
     assert not os.path.exists(os.path.join(shm, "unickpt"))

@@ -744,9 +744,10 @@ def snapshots_cmd(
                   f"{human_bytes(j['bytes'])}", soft_wrap=True)
         m = j.get("memory")
         if m:
-            out.print(f"    node {m['node']} holds at most {human_bytes(m['total'])}: ring {m['ring_slots']} x "
-                      f"{human_bytes(m['state'])} = {human_bytes(m['ring'])}, parity {human_bytes(m['parity'])}; "
-                      f"cap {human_bytes(m['cap'])}", soft_wrap=True)
+            # of tensors: the files' headers and the manifests come besides (what dominates a tiny state)
+            out.print(f"    node {m['node']} holds at most {human_bytes(m['total'])} of tensors: ring {m['ring_slots']} x "
+                      f"{human_bytes(m['state'])} = {human_bytes(m['ring'])}, parity {human_bytes(m['parity'])} (files' "
+                      f"headers and manifests besides); cap {human_bytes(m['cap'])}", soft_wrap=True)
     if free:
         out.print(f"freed: {human_bytes(total)}" + (f", keeper {keeper['pid']} stopped" if keeper else ""), soft_wrap=True)
     elif keeper or held["jobs"]:
