@@ -161,6 +161,15 @@ def wait_for(cond, timeout: float = 120, what: str = "condition", procs=()) -> N
         time.sleep(0.05)
 
 
+def commit_manifest(sdir: str, doc: dict) -> None:
+    """Write a hand-made snapshot step's manifest as a snapshot commits it: whole, by a
+    rename (a keeper that read it half-written would rightly leave the step alone)."""
+    tmp = os.path.join(sdir, "manifest.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, os.path.join(sdir, "manifest.json"))
+
+
 def keeper_pid(root: str) -> int | None:
     """The pid in ``<root>/keeper.pid``, if any."""
     try:

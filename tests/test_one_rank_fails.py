@@ -25,7 +25,7 @@ def test_a_rank_that_fails_alone_fails_every_rank_at_once(tmp_path):
         unickpt.save({"w": torch.arange(8.0)}, str(tmp_path / f"node{r}" / "step_00000001"))
     manifest = tmp_path / "node1" / "step_00000001" / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:100])
-    (tmp_path / "listing0").write_bytes(b"")  # a file where rank 0's checkpoints should be
+    (tmp_path / "listing0").symlink_to("listing0")  # rank 0's root: a link to itself, which no listing can follow
     run_ranks(collective_calls, 2, str(tmp_path), preload=PRELOAD, timeout=60)
     assert not os.path.exists(tmp_path / "shared" / "a" / "manifest.json")
     assert os.path.exists(tmp_path / "shared" / "b" / "manifest.json")

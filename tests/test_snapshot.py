@@ -22,7 +22,7 @@ from unickpt.errors import SnapshotError
 from unickpt.testing import run_ranks
 
 from snapshot_helpers import (
-    TINY, env_for, flip_bit, keeper_pid, kill_keeper, launch_nodes, lose_node, losses, resumed_lines,
+    TINY, commit_manifest, env_for, flip_bit, keeper_pid, kill_keeper, launch_nodes, lose_node, losses, resumed_lines,
     step_dir, steps_whole, wait_all, wait_for, worker_pids,
 )
 from train_cases import train
@@ -351,7 +351,6 @@ def test_flush_with_a_dead_keeper_commits_nothing(tmp_path, keepers_down):
     """Two real keepers; the step's manifest names both and a flush target, node 1's keeper
     is SIGKILLed before node 0's step is committed: node 0's flush cannot reach it, and
     nothing is left in the checkpoint directory (no committed step, no staging directory)."""
-    import json
 
     from unickpt.snapshot import ensure_keeper
 
@@ -366,7 +365,7 @@ def test_flush_with_a_dead_keeper_commits_nothing(tmp_path, keepers_down):
     nodes = [{"host": d["host"], "port": d["port"], "pid": d["pid"]} for d in docs]
     doc = {"files": {"rank_00000.safetensors": 1000, "rank_00001.safetensors": 1000},
            "metadata": {"snapshot": {"step": 2, "job": "fl", "parity": 0, "nodes": nodes, "flush": str(target)}}}
-    open(os.path.join(sdir, "manifest.json"), "w").write(json.dumps(doc))
+    commit_manifest(sdir, doc)
     log = os.path.join(roots[0], "unickpt", "keeper.log")
     _wait_for(lambda: "flush to" in open(log).read(), 30, "the flush to end")
     assert "failed, nothing committed" in open(log).read()
@@ -479,7 +478,6 @@ def test_a_step_is_held_in_memory_until_its_flush_ends(tmp_path, keepers_down):
     meanwhile, and retention (which deletes what is older than the newest whole step)
     keeps step 2 because its flush has not ended; once the pipe is opened and closed the
     flush commits step 2 to disk and only then is it deleted from memory."""
-    import json
 
     from unickpt.snapshot import ensure_keeper
 
@@ -499,8 +497,7 @@ def test_a_step_is_held_in_memory_until_its_flush_ends(tmp_path, keepers_down):
         else:
             open(rank_file, "wb").close()
         snap = {"step": step, "job": "pin", "parity": 0, "nodes": nodes, **({"flush": flush} if flush else {})}
-        open(os.path.join(sdir, "manifest.json"), "w").write(
-            json.dumps({"files": {"rank_00000.safetensors": 0}, "metadata": {"snapshot": snap}}))
+        commit_manifest(sdir, {"files": {"rank_00000.safetensors": 0}, "metadata": {"snapshot": snap}})
         _wait_for(lambda: f"step {step} whole" in open(log).read(), 30, f"step {step} whole")
     assert os.path.isdir(os.path.join(jdir, "step_00000002")), "a step being flushed was deleted from memory"
     assert not os.path.exists(target / "manifest.json")

@@ -14,7 +14,7 @@ import pytest
 from unickpt.snapshot import paths
 from unickpt.snapshot.store_commit import check_control, control_doc
 
-from snapshot_helpers import wait_for
+from snapshot_helpers import commit_manifest, wait_for
 
 JOB = "sc"
 NODES = 3
@@ -69,8 +69,7 @@ def test_real_keepers_commit_on_the_store_as_the_simulation_counts(tmp_path, shm
                 f.write(os.urandom(3000 + 100 * i))
             meta = {"step": step, "job": JOB, "parity": 1, "k": NODES - 1, "nodes": nodes, "control": control,
                     **({"flush": target} if step == 2 else {})}
-            with open(os.path.join(sdir, "manifest.json"), "w") as f:
-                json.dump({"files": files, "metadata": {"snapshot": meta}}, f)
+            commit_manifest(sdir, {"files": files, "metadata": {"snapshot": meta}})
         for r in roots:
             wait_for(lambda r=r, s=step: os.path.exists(os.path.join(paths.step_dir(r, JOB, s), paths.WHOLE)), 60,
                      f"step {step} whole on {r}")
