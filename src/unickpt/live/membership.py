@@ -51,7 +51,9 @@ def end_if_over(gen: Generation) -> None:
     if gen.cause == Cause.END:
         from ..logs import log
 
-        log.warning(f"unickpt: the job ended: {gen.reason}")
+        # information: every launcher prints the job's verdict as its last line (a warning
+        # here said it a second time on the console, from each worker still waiting)
+        log.info(f"unickpt: the job ended: {gen.reason}")
         raise SystemExit(gen.code if gen.code >= 0 else 1)
 
 
