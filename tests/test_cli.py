@@ -331,6 +331,25 @@ def test_inspect_missing_path_says_no_such_directory(tmp_path: Path) -> None:
     assert r.exit_code == 2 and r.stderr.strip() == f"error: {tmp_path / 'file'}: not a directory", r.output
 
 
+def test_inspect_names_a_data_file_missing_or_cut_short(tmp_path: Path) -> None:
+    """inspect reads no tensor byte, but stats each file the manifest lists: one cut short
+    or gone is named and the exit is 1 (it said nothing and exited 0)."""
+    for damage in ("cut", "missing"):
+        path = tmp_path / damage
+        unickpt.save({"w": torch.arange(64.0)}, str(path))
+        data = path / "rank_00000.safetensors"
+        size = data.stat().st_size
+        if damage == "cut":
+            data.write_bytes(data.read_bytes()[:-20])
+        else:
+            data.unlink()
+        r = invoke("inspect", str(path))
+        says = f"holds {size - 20} bytes, the manifest says {size}" if damage == "cut" else "missing"
+        assert r.exit_code == 1 and f"file rank_00000.safetensors: {says}" in r.output, r.output
+        r = invoke("inspect", "--json", str(path))
+        assert r.exit_code == 1 and json.loads(r.stdout)["file_problems"] == {"rank_00000.safetensors": says}
+
+
 def test_verify_counts_tensors_as_inspect_does(tmp_path: Path) -> None:
     path = _saved_with_rank_tensor(tmp_path)
     doc = json.loads(invoke("inspect", str(path), "--json").stdout)

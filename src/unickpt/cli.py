@@ -147,6 +147,7 @@ def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
     with open_checkpoint(path, bases=False) as ckpt:  # an incremental checkpoint is shown even when a base is gone
         m = ckpt.manifest
         ledger = source_ledger(ckpt)
+        file_problems = _file_problems(ckpt.storage, m.files)
     tensors = []
     for t in m.tensors.values():
         stored = sum(prod(f.shape) for f in t.fragments) * itemsize(t.dtype)
@@ -201,8 +202,28 @@ def _summary(path: str) -> tuple[dict[str, Any], Ledger]:
             "fragments": n_frag,
         },
         "ledger": ledger.to_json(),
+        "file_problems": file_problems,
         **_incremental_summary(path, m),
     }, ledger
+
+
+def _file_problems(storage: Any, files: dict[str, int]) -> dict[str, str]:
+    """The checkpoint's own files (not its bases') that are missing or not of the size its
+    manifest gives: one stat each, no byte read (``verify`` reads them)."""
+    from .format.refs import split_key
+
+    problems: dict[str, str] = {}
+    for key, size in files.items():
+        if split_key(key)[0] is not None:
+            continue
+        try:
+            got = storage.size(key)
+        except Exception:  # missing, or unreadable: said, never a traceback
+            problems[key] = "missing"
+            continue
+        if got != size:
+            problems[key] = f"holds {got} bytes, the manifest says {size}"
+    return problems
 
 
 def _incremental_summary(path: str, m: Any) -> dict[str, Any]:
@@ -326,7 +347,8 @@ def inspect_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
     """Show tensors, values, per-rank state, totals, provenance and the ledger (what the
-    reader reads, skips and why); exit 1 if bytes of the source are neither read nor reported.
+    reader reads, skips and why); exit 1 if bytes of the source are neither read nor reported,
+    or a file the manifest lists is missing or not of its size (no tensor byte is read).
     On a CheckpointManager's root: its step_* checkpoints, committed or not, whole or not."""
     from .errors import NotACheckpointError
     from .format.values import decode_value
@@ -339,7 +361,7 @@ def inspect_cmd(
         return
     if as_json:
         typer.echo(json.dumps(s, indent=2))
-        if not ledger.accounted:
+        if not ledger.accounted or s["file_problems"]:
             raise typer.Exit(EXIT_FAILED)
         return
     out = _out()
@@ -392,7 +414,9 @@ def inspect_cmd(
     if "incremental" in s:
         _print_incremental(s["incremental"])
     _print_ledger(ledger)
-    if not ledger.accounted:
+    for name, why in s["file_problems"].items():
+        out.print(Text(f"file {name}: {why} (`unickpt verify` reads every byte)", style="bold red"), soft_wrap=True)
+    if not ledger.accounted or s["file_problems"]:
         raise typer.Exit(EXIT_FAILED)
 
 
