@@ -538,3 +538,15 @@ def test_readme_commands_run_from_the_venv_and_save_what_they_use() -> None:
         saved |= {s for s in range(start + 1, last + 1) if every and s % every == 0}
     used = {int(s) for c in commands for s in re.findall(r"ckpt/step_(\d{8})", c)}
     assert used and used <= saved, (used, saved)
+
+
+def test_snapshots_of_a_root_that_is_gone_holds_nothing(tmp_path: Path) -> None:
+    """A job that closed cleanly removes the shm root it made: `unickpt snapshots` there
+    says nothing is held and exits 0, as on the default root (it was a usage error)."""
+    r = invoke("snapshots", str(tmp_path / "gone"))
+    assert r.exit_code == 0 and "no such directory, so no keeper and no snapshots" in r.output, r.output
+    r = invoke("snapshots", "--json", str(tmp_path / "gone"))
+    assert r.exit_code == 0 and json.loads(r.stdout)["jobs"] == []
+    (tmp_path / "file").write_text("x")
+    r = invoke("snapshots", str(tmp_path / "file"))
+    assert r.exit_code == 2 and "not a directory" in r.stderr, r.output

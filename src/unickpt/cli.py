@@ -745,8 +745,15 @@ def snapshots_cmd(
     from .snapshot.paths import shm_root as default_root
 
     root = shm_root or default_root()
+    if not os.path.exists(root):  # a job that closed cleanly removes the root it made: nothing is held
+        if as_json:
+            typer.echo(json.dumps({"keeper": None, "jobs": [], "freed": free, "root_exists": False}, indent=2))
+        else:
+            _out().print(f"{root}: no such directory, so no keeper and no snapshots (the node's shm root: give it, or "
+                         "set $UNICKPT_SHM_ROOT)", soft_wrap=True)
+        return
     if not os.path.isdir(root):
-        raise _fail(f"{root}: no such directory (the node's shm root: give it, or set $UNICKPT_SHM_ROOT)")
+        raise _fail(f"{root}: not a directory (the node's shm root: give it, or set $UNICKPT_SHM_ROOT)")
     if free and not force:
         running = running_jobs(root)
         if running:
