@@ -550,3 +550,16 @@ def test_snapshots_of_a_root_that_is_gone_holds_nothing(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     r = invoke("snapshots", str(tmp_path / "file"))
     assert r.exit_code == 2 and "not a directory" in r.stderr, r.output
+
+
+def test_a_manager_root_given_for_a_checkpoint_names_its_newest(tmp_path: Path) -> None:
+    manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=1)
+    state = {"w": torch.ones(2)}
+    manager.restore(state)
+    for step in (1, 2):
+        manager.maybe_save(state, step)
+    manager.close()
+    for command in ("verify", "export"):
+        r = invoke(command, str(tmp_path / "ck"), *([str(tmp_path / "out")] if command == "export" else []))
+        assert r.exit_code == 2 and "not a checkpoint but a CheckpointManager's root" in r.stderr, r.output
+        assert f"the newest committed, {tmp_path / 'ck' / 'step_00000002'}" in r.stderr, r.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from typing import Any
 
 from ..errors import CorruptionError, ManifestError, NotACheckpointError
@@ -55,11 +56,27 @@ def checkpoint_format(path: str, storage: Storage | None = None, storage_options
     for name, module, detector, _ in FORMATS:
         if getattr(importlib.import_module(module), detector)(str(storage.root)):
             return name
+    newest = _newest_step(str(storage.root))
+    if newest is not None:
+        raise NotACheckpointError(f"{path}: not a checkpoint but a CheckpointManager's root (`unickpt inspect {path}` "
+                                  f"lists its checkpoints): give one of them, e.g. the newest committed, "
+                                  f"{os.path.join(path, newest)}")
     raise NotACheckpointError(
         f"{path}: not a checkpoint (no manifest.json of unickpt, no metadata.json of Megatron-Core, "
         "no latest_checkpointed_iteration.txt or mp_rank_*/model_optim_rng.pt of Megatron-LM, "
         "no .metadata of PyTorch DCP, no DeepSpeed model/optimizer states, no Hugging Face *.safetensors)"
     )
+
+
+def _newest_step(root: str) -> str | None:
+    """The newest ``step_N`` directory under ``root`` holding a committed manifest (a
+    manager's root), or None."""
+    try:
+        names = [e.name for e in os.scandir(root) if e.is_dir() and re.fullmatch(r"step_\d+", e.name)]
+    except OSError:
+        return None
+    done = [n for n in names if os.path.isfile(os.path.join(root, n, MANIFEST_NAME))]
+    return max(done, key=lambda n: int(n[5:]), default=None)
 
 
 def _no_remote_manifest(path: str) -> str:
