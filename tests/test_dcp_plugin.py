@@ -134,3 +134,28 @@ def test_a_committed_checkpoint_is_not_replaced_without_overwrite(root, tmp_path
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging directory left
     with pytest.raises(SaveError, match="use_collectives=True"):
         StorageWriter(str(tmp_path / "x")).set_up_storage_writer(True, rank=0, use_collectives=False)
+
+
+def test_saved_through_the_plugin_converts_back_to_dcp_whole(tmp_path):
+    """A checkpoint dcp.save wrote through StorageWriter converts to plain DCP with what
+    it kept of DCP (metadata["dcp"]): the state's nesting and an object DCP pickled come
+    back as dcp.save wrote them, and nothing is reported left out (the map was taken for
+    the user's metadata=: NOT CONVERTED without --allow-skip, then every key flat)."""
+    import datetime
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from unickpt.cli import app
+    from typer.testing import CliRunner
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)},
+             "sched": {"lr": 0.1, "when": datetime.date(2026, 11, 29)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=StorageWriter(str(tmp_path / "plugin")), no_dist=True)
+    r = CliRunner().invoke(app, ["convert", str(tmp_path / "plugin"), str(tmp_path / "dcp"), "--to", "dcp"])
+    assert r.exit_code == 0 and r.output.startswith("OK: 2 tensors") and "warning" not in r.output, r.output
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "back.pt"))
+    back = torch.load(str(tmp_path / "back.pt"), weights_only=False)
+    assert sorted(back) == ["model", "sched"] and back["sched"] == state["sched"]
+    assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())

@@ -13,9 +13,12 @@ layout. Plain values become DCP byte items under DCP's flattened names (a list o
 such as ``optim.param_groups`` is flattened into ``optim.param_groups.0.lr`` ... exactly
 as ``dcp.save`` flattens the live state, so ``dcp.load`` finds every key). ``planner_data``
 maps each flat name to its object path: ``(name,)`` for a tensor (unickpt's names do not
-say which dots were dict levels), ``(name, 0, "lr")`` for items of a flattened value.
-Per-rank state (``unickpt.PerRank``) and the user's ``metadata=`` have no DCP equivalent:
-they are left out, with a warning in the report.
+say which dots were dict levels), ``(name, 0, "lr")`` for items of a flattened value;
+a checkpoint ``dcp.save`` wrote through unickpt's StorageWriter keeps DCP's own map and
+the objects DCP pickled (its ``metadata["dcp"]``): both are written back as DCP wrote
+them, so the state's nesting survives the round trip. Per-rank state
+(``unickpt.PerRank``) and the user's ``metadata=`` have no DCP equivalent: they are left
+out, with a warning in the report.
 
 Memory is bounded like ``convert``'s: tensors are read whole, a batch at a time, into one
 reused arena (``max(largest tensor, buffer_bytes)``) with ``convert``'s threaded span
@@ -36,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -169,9 +172,14 @@ def _write_dcp(ckpt: OpenCheckpoint, dst: str, buffer_bytes: int, threads: int, 
 
     warnings = left_out(manifest)
     tensors = [e for e in manifest.tensors.values() if _has_data(e)]
+    paths, pickled = written_by_dcp(manifest)
     values: list[tuple[str, tuple[Any, ...], Any]] = []
     for name, encoded in manifest.values.items():
-        for p, v in dcp_leaves((name,), decode_value(encoded)):
+        value = decode_value(encoded)
+        if name in pickled and isinstance(value, bytes):  # DCP's own archive of an object: written back as it was
+            values.append((name, (name,), _Archive(value)))
+            continue
+        for p, v in dcp_leaves((name,), value):
             values.append((".".join(map(str, p)), p, v))
     names = [e.name for e in tensors] + [fqn for fqn, _, _ in values]
     if len(set(names)) != len(names):
@@ -207,8 +215,9 @@ def _write_dcp(ckpt: OpenCheckpoint, dst: str, buffer_bytes: int, threads: int, 
         writers += [out.open_writer(f, 0) for f in file_names]
         streams += [_ItemStream(w) for w in writers]
         for fqn, p, v in values:  # DCP writes a file's byte items before its tensors
-            buf = io.BytesIO()
-            torch.save(v, buf)
+            buf = io.BytesIO(v.data) if isinstance(v, _Archive) else io.BytesIO()
+            if not isinstance(v, _Archive):
+                torch.save(v, buf)
             start = streams[0].tell()
             streams[0].write(buf.getbuffer())
             state_md[fqn] = dcp_md.BytesStorageMetadata()
@@ -276,6 +285,7 @@ def _write_dcp(ckpt: OpenCheckpoint, dst: str, buffer_bytes: int, threads: int, 
             folder.abort()
 
     try:
+        planner.update({k: p for k, p in paths.items() if k in planner})  # a DCP save's own nesting, kept
         # keys in the order of the source, as dcp.save would list its state
         order = {n: i for i, n in enumerate(names)}
         md = dcp_md.Metadata(
@@ -309,14 +319,51 @@ def _has_data(e: TensorEntry) -> bool:
     return bool(e.fragments) or prod(e.shape) == 0
 
 
+class _Archive(NamedTuple):
+    """A value DCP itself had stored as an object's archive (``torch.save`` bytes): its
+    item is these bytes, as DCP wrote them."""
+
+    data: bytes
+
+
+def written_by_dcp(manifest: Manifest) -> tuple[dict[str, tuple[Any, ...]], set[str]]:
+    """What a checkpoint saved through ``dcp.save`` with unickpt's StorageWriter keeps of
+    DCP (its ``metadata["dcp"]``): the flattening map (flat name -> object path: the
+    state's nesting) and the values that are DCP's own object archives. Empty for any
+    other checkpoint; what is malformed is ignored."""
+    info = _dcp_entry(manifest)
+    if info is None:
+        return {}, set()
+    raw = info.get("planner_data")
+    paths = {k: tuple(p) for k, p in raw.items() if isinstance(k, str) and isinstance(p, (list, tuple)) and p
+             and all(type(x) in (str, int) for x in p) and ".".join(map(str, p)) == k} if isinstance(raw, dict) else {}
+    pickled = info.get("pickled")
+    return paths, {n for n in pickled if isinstance(n, str)} if isinstance(pickled, list) else set()
+
+
+def _dcp_entry(manifest: Manifest) -> dict[str, Any] | None:
+    """``metadata["dcp"]`` of a checkpoint unickpt's StorageWriter wrote (a dict holding
+    ``planner_data``), or None."""
+    if manifest.provenance.get("format", "unickpt") != "unickpt" or "dcp" not in manifest.metadata:
+        return None
+    try:
+        info = decode_value(manifest.metadata["dcp"], "metadata.dcp")
+    except UnickptError:
+        return None
+    return info if isinstance(info, dict) and "planner_data" in info else None
+
+
 def left_out(manifest: Manifest) -> list[str]:
     """What :func:`write_dcp` leaves out of ``manifest``'s checkpoint, one line per kind
-    (empty: everything is written). It can be asked before writing anything."""
+    (empty: everything is written). It can be asked before writing anything. The map a
+    ``dcp.save`` through unickpt's StorageWriter kept (``metadata["dcp"]``) is DCP's own:
+    written back, not left out."""
     out = []
     if manifest.rank_values or manifest.rank_tensors:
         keys = sorted(set(manifest.rank_values) | set(manifest.rank_tensors))
         out.append(no_equivalent("per-rank state", False, "DCP", keys))
-    if manifest.metadata:
+    own = _dcp_entry(manifest) is not None
+    if any(k != "dcp" or not own for k in manifest.metadata):
         out.append("the checkpoint's metadata= has no DCP equivalent and was left out")
     out += [f"{e.name!r} has no stored data in the source; left out" for e in manifest.tensors.values() if not _has_data(e)]
     return out
