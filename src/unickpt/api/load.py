@@ -110,7 +110,8 @@ def load(
             (modules, optimizers, schedulers, :class:`~unickpt.RNGState`), plain values,
             nested dicts and lists.
         path: The checkpoint's directory or URL.
-        strict: Every target key must be in the checkpoint.
+        strict: Every target key must be in the checkpoint (the checkpoint's entries the
+            target does not ask for are never read, and never an error).
         process_group: The group loading together (default: the default group, if any).
         threads: Parallel reads.
         verify: Check every byte read against its checksum.
