@@ -372,7 +372,7 @@ def inspect_cmd(
     head.add_row("format", f"unickpt {s['format_version']}" if s["format"] == "unickpt" else f"{s['format']} (read in place; no checksums)")
     head.add_row("world size", str(s["world_size"]))
     for k, v in s["provenance"].items():
-        if k != "world_size":
+        if k not in ("world_size", "format"):  # both said above
             head.add_row(escape(str(k)), escape(str(v)))
     for k, v in s["metadata"].items():
         v = decode_value(v)

@@ -113,8 +113,11 @@ def check_dtype(entry: TensorEntry, target: torch.Tensor, cast: str) -> None:
 
 def missing(name: str, manifest: Manifest) -> str:
     """The message for a target key ``name`` the checkpoint does not hold."""
-    return (f"{name!r} is not in the checkpoint (it holds {len(manifest.tensors)} tensors and {len(manifest.values)} values); "
-            "pass strict=False to skip missing keys")
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}{'' if n == 1 else 's'}"
+
+    return (f"{name!r} is not in the checkpoint (it holds {count(len(manifest.tensors), 'tensor')} and "
+            f"{count(len(manifest.values), 'value')}); pass strict=False to skip missing keys")
 
 
 def rank_value(storage: Storage, manifest: Manifest, name: str, rank: int, threads: int, verify: bool, into: Any = None) -> Any:
