@@ -216,7 +216,7 @@ def plan_hf_export(
                 mapping = cand
                 break
             if names != "auto":
-                raise HfError(f"{len(unknown)} tensors do not fit the {cand.name} names, e.g. {prefix}{unknown[0]!r}")
+                raise HfError(f"{len(unknown)} tensors do not fit the {cand.name} names, e.g. {prefix + unknown[0]!r}")
     args, heads, verbatim = _architecture(manifest, config)
     tensors = []
     for name, e in picked:
