@@ -671,24 +671,26 @@ class Coordinator:
                 return self._restart(end[1])
             return self._end(*end)
         active = set(self.gen.active(self._multiple()))
-        if active and (self.finished >= active or self._finished_before_forming(active)):
-            return self._end(0, "finished")  # hot spares or replacements may still wait: the job is over
+        never = self._never_to_run(active)
+        if active and (self.finished >= active or never):  # hot spares or replacements may still wait: the job is over
+            self.ever -= never  # taken in at the last step: they never ran
+            self.size -= len(never)
+            return self._end(0, "finished")
         if lost:
             return self._open(Cause.LOST, lost)
         if self.pending and self.store.check([key("g", self.gen.number, "grow_at")]):
             self._open(Cause.GROW, [])
         return None
 
-    def _finished_before_forming(self, active: set[str]) -> bool:
-        """True when this generation's members that trained before it all finished (``fn``
-        returned) before it formed: it took in replacements at the training's last step,
-        and they would wait for peers that never come. They never ran: not counted."""
-        ran = active - set(self.gen.joined)
-        if ran == active or not ran or not self.finished >= ran or self.store.check([key("g", self.gen.number, "go")]):
-            return False
-        self.ever -= active - ran
-        self.size = len(ran)
-        return True
+    def _never_to_run(self, active: set[str]) -> set[str]:
+        """The replacements this generation took in, when its members that trained before
+        it all finished (``fn`` returned) before it formed: taken in at the training's last
+        step, they would wait for peers that never come. Empty otherwise."""
+        joined = active & set(self.gen.joined)
+        ran = active - joined
+        if not joined or not ran or not self.finished >= ran or self.store.check([key("g", self.gen.number, "go")]):
+            return set()
+        return joined
 
     def _open(self, cause: Cause, lost: list[dict[str, Any]]) -> None:
         gone = {x["worker"] for x in lost}
