@@ -22,8 +22,8 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import gc
-import json
 import inspect
+import json
 import os
 import signal
 import threading
