@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
-from .gpu_parts import PARTS, ROOT
+from .gpu_parts import PARTS, ROOT, scratch_dirs
 
 # the most each part may take on the GPU machine (seconds); the budget may cut them
 LIMITS = {"env": 40, "tests": 150, "limits": 60, "async_save": 200, "snapshot": 120, "load": 100, "restart": 90}
@@ -45,7 +46,11 @@ def run_part(name: str, out: str, dry: bool, limit: float) -> dict[str, Any]:
     if os.path.exists(path):
         os.remove(path)
     cmd = [sys.executable, "-m", "bench.gpu_parts", name, "--out", out, *(["--dry-run"] if dry else [])]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GPU_TESTS_TIMEOUT=str(max(10, limit - 10)))
+    # the part's scratch folders go inside two of this process's, removed here whatever the
+    # part's end: one killed for its time cannot remove its own
+    scratch = scratch_dirs()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GPU_TESTS_TIMEOUT=str(max(10, limit - 10)),
+               UNICKPT_BENCH_SCRATCH_SHM=scratch[0], UNICKPT_BENCH_SCRATCH_DISK=scratch[1])
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          start_new_session=True)
@@ -56,6 +61,9 @@ def run_part(name: str, out: str, dry: bool, limit: float) -> dict[str, Any]:
         os.killpg(p.pid, signal.SIGKILL)
         log, _ = p.communicate()
         status = f"timed out after {limit:.0f} s"
+    finally:
+        for d in scratch:
+            shutil.rmtree(d, ignore_errors=True)
     figures = []
     if os.path.exists(path):
         with open(path) as f:

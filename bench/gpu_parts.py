@@ -26,6 +26,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_async_save.py"]
 
 
+def scratch_dirs(make: bool = True) -> tuple[str, str]:
+    """Where a part's scratch goes: in shared memory (``/dev/shm``, else the disk's) and on
+    the disk (``$UNICKPT_BENCH_DISK``, else ``.bench_tmp``). ``make``: two fresh folders
+    there (``bench.gpu`` makes them for each part, and removes them after it); else the
+    two places themselves."""
+    disk = os.environ.get("UNICKPT_BENCH_DISK") or os.path.join(ROOT, ".bench_tmp")
+    os.makedirs(disk, exist_ok=True)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else disk
+    if not make:
+        return shm, disk
+    return tempfile.mkdtemp(prefix="unickpt-gpu-part-", dir=shm), tempfile.mkdtemp(prefix="gpu_part_", dir=disk)
+
+
 class Ctx:
     """What every part needs: where figures go, the device, the sizes, scratch folders."""
 
@@ -36,11 +49,9 @@ class Ctx:
         self.cuda = torch.cuda.is_available() and not dry
         self.dev = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.path = os.path.join(out, f"part_{part}.jsonl")
-        base = os.environ.get("UNICKPT_BENCH_DISK") or os.path.join(ROOT, ".bench_tmp")
-        os.makedirs(base, exist_ok=True)
-        self.disk = tempfile.mkdtemp(prefix="gpu_", dir=base)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else base
-        self.shm = tempfile.mkdtemp(prefix="unickpt-gpu-", dir=shm)
+        shm, disk = scratch_dirs(make=False)
+        self.disk = tempfile.mkdtemp(prefix="gpu_", dir=os.environ.get("UNICKPT_BENCH_SCRATCH_DISK") or disk)
+        self.shm = tempfile.mkdtemp(prefix="unickpt-gpu-", dir=os.environ.get("UNICKPT_BENCH_SCRATCH_SHM") or shm)
 
     def sizes(self, full: list[int]) -> list[int]:
         """``full`` GiB on a GPU run; 1 and 4 MiB on a dry run."""

@@ -38,10 +38,19 @@ def test_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     assert "DRY RUN" in (tmp_path / "gpu.md").read_text()
 
 
+def _scratch() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("unickpt-gpu-")} if os.path.isdir("/dev/shm") else set()
+
+
 @pytest.mark.multiprocess
 def test_a_part_out_of_time_is_written_down_and_the_report_still_written(tmp_path):
+    """A part out of its time is written down, the report still written, and the part's
+    scratch folders removed all the same (a killed part cannot remove its own: each run of
+    this test left two in /dev/shm)."""
+    before = _scratch()
     p = _run(tmp_path, "--parts", "restart,env", "--budget", "3.5")
     assert p.returncode == 1
+    assert _scratch() <= before, _scratch() - before
     doc = json.loads((tmp_path / "gpu.json").read_text())
     assert doc["parts"]["restart"]["status"].startswith("timed out")
     assert doc["parts"]["env"]["status"].startswith("not run")
