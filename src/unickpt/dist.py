@@ -176,6 +176,19 @@ def scatter_bytes(group: Group, payloads: list[bytes] | None, src: int = 0) -> b
     return bytes(buf[: lengths[group.rank]].cpu().numpy())
 
 
+def first_said(group: Group, text: str) -> tuple[int, str] | None:
+    """Collective: the lowest group rank whose ``text`` is not empty, and that text, the
+    same on every rank (None when no rank said anything): a failure agreed on by all,
+    named once. One gather and one broadcast."""
+    said = gather_bytes(group, text.encode(), 0)
+    first = next((f"{r}\n".encode() + t for r, t in enumerate(said or []) if t), b"")
+    got = broadcast_bytes(group, first if group.rank == 0 else None, 0)
+    if not got:
+        return None
+    rank, _, rest = got.partition(b"\n")
+    return int(rank), rest.decode(errors="replace")
+
+
 def all_true(group: Group, flag: bool) -> bool:
     """True on every rank when ``flag`` is true on every rank (one small all-reduce)."""
     if not group.active:

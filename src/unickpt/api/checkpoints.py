@@ -13,7 +13,7 @@ import threading
 import warnings
 from typing import Any
 
-from ..dist import all_true, broadcast_bytes, gather_bytes, resolve_group
+from ..dist import all_true, first_said, resolve_group
 from ..engine.outcome import decided_by_rank0
 from ..engine.load import LoadRecord
 from ..errors import CorruptionError, UnickptError
@@ -395,10 +395,8 @@ def _reason(error: BaseException, path: str) -> str:
 def _first_failure(group: Any, error: BaseException | None, path: str) -> str:
     """Collective: `` on rank R (why)`` of the lowest rank whose load of ``path`` failed,
     the same text on every rank."""
-    said = gather_bytes(group, _reason(error, path).encode() if error is not None else b"", 0)
-    where = next(((r, m.decode(errors="replace")) for r, m in enumerate(said or []) if m), None)
-    text = f" on rank {where[0]} ({where[1]})" if where else ""
-    return broadcast_bytes(group, text.encode() if group.rank == 0 else None, 0).decode()
+    where = first_said(group, _reason(error, path) if error is not None else "")
+    return f" on rank {where[0]} ({where[1]})" if where else ""
 
 
 def _under(path: str, tier: Tier) -> bool:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 
-from ..dist import broadcast_bytes, gather_bytes
+from ..dist import broadcast_bytes, first_said, gather_bytes
 from ..errors import CorruptionError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..engine.restored import Restored
@@ -208,11 +208,8 @@ class SnapshotStorage:
 # -- the collective procedure ---------------------------------------------------------
 def _agree(snap: Snapshotter, error: str | None) -> str | None:
     """Collective: the first rank's error (the same on every rank), or None."""
-    gathered = gather_bytes(snap.group, (error or "").encode(), 0)
-    first = b""
-    if gathered is not None:
-        first = next((g for g in gathered if g), b"")
-    return broadcast_bytes(snap.group, first, 0).decode() or None
+    first = first_said(snap.group, error or "")
+    return first[1] if first is not None else None
 
 
 def _share(snap: Snapshotter, doc: Any) -> Any:
