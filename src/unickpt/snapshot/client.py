@@ -309,10 +309,11 @@ class Snapshotter:
         setup: Exception | None = None
         if self.local_rank == 0:
             try:
-                self._set_up_node()
-            except Exception as e:  # raised in the exchange, on every rank (a node's shm root, its keeper)
+                self._prepare_root()
+            except Exception as e:  # raised in the exchange, on every rank
                 setup = e
-        self.table = self._exchange(None, setup)[0]  # also agrees on the job's secret (self.secret)
+        # the exchange starts the node's keeper and agrees on the job's secret (self.secret)
+        self.table = self._exchange(None, setup)[0]
         why = unreachable_keepers([t["host"] for t in self.table], [self.machines[n] for n in range(len(self.table))])
         if why:  # every keeper listens on self.host for the Snapshotter's life: checked once
             raise SnapshotError(why)
@@ -356,8 +357,8 @@ class Snapshotter:
         flush_every = self.options.flush_every
         return bool(flush_every) and step % (self.options.every * flush_every) == 0
 
-    def _set_up_node(self) -> None:
-        """A node's local rank 0: make the shm root ready and start the node's keeper."""
+    def _prepare_root(self) -> None:
+        """A node's local rank 0: make the shm root ready for the node's keeper."""
         try:
             if os.path.exists(self.root) and not os.path.isdir(self.root):
                 raise NotADirectoryError(0, "not a directory")
@@ -368,7 +369,6 @@ class Snapshotter:
         except OSError as e:
             raise SnapshotError(f"the shm root {self.root} (${paths.SHM_ROOT_ENV}) cannot hold snapshots: "
                                 f"{e.strerror or e}") from None
-        self.keeper = ensure_keeper(self.root, self.job, self.host)
 
     def _exchange(self, state: dict[str, Any] | None,
                   failed_before: Exception | None = None) -> tuple[list[dict[str, Any]], list[RankInfo]]:
@@ -376,28 +376,20 @@ class Snapshotter:
         this rank holds); the keeper table by node. The first time, also the job's secret:
         the one stored on the lowest node that holds one (a relaunch keeps it, whichever
         nodes survived), else one the first node drew. What fails on one rank (a Stateful's
-        ``state_dict()``, restarting the node's keeper, ``failed_before``: the node's set-up)
-        is told to the others in the exchange itself and raised on every rank as a
-        SnapshotError: no rank is left waiting in the exchange, and each goes on alike."""
+        ``state_dict()``, starting the node's keeper, ``failed_before``: its shm root) is told
+        to the others in the exchange itself and raised on every rank as a SnapshotError: no
+        rank is left waiting in the exchange, and each goes on alike."""
         ring = getattr(self, "ring", None)
         free = int(ring is None or ring.available())
         mine = RankInfo(self.node, 0, 0, 0, 0, 0, 0, 0, b"\0" * 4, 0, b"\0" * paths.SECRET_BYTES, free)
         error = failed_before
-        try:
-            if error is not None:
-                raise error
-            mine = mine._replace(rank_bytes=state_bytes(state) if state is not None else 0)
-            if self.local_rank == 0:
-                self.keeper = ensure_keeper(self.root, self.job, self.host)  # a killed keeper is recreated here
-                used = paths.dir_bytes(self.jdir)
-                cap = self._cap(used)
-                pending = in_progress(self.jdir, getattr(self, "table", []))
-                stored = self.secret or paths.read_secret(self.root, self.job)
-                proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
-                mine = RankInfo(self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used,
-                                mine.rank_bytes, cap, socket.inet_aton(self.keeper["host"]), *proposal, free)
-        except Exception as e:
-            error, mine = e, mine._replace(failed=1)
+        if error is None:
+            try:
+                mine = self._my_row(mine, state)
+            except Exception as e:
+                error = e
+        if error is not None:
+            mine = mine._replace(failed=1)
         rows = [RankInfo._make(_INFO.unpack(b)) for b in all_gather_fixed(self.group, _INFO.pack(*mine))]
         failed = [r for r, row in enumerate(rows) if row.failed]
         if isinstance(error, SnapshotError):
@@ -452,6 +444,21 @@ class Snapshotter:
                                   ring=self.ring if rows[self.group.rank].ring_free else None)
         self.taken += 1
         return self.handle
+
+    def _my_row(self, mine: RankInfo, state: dict[str, Any] | None) -> RankInfo:
+        """This rank's row of the exchange: the bytes of its state; on a node's local rank
+        0 also the node's keeper (started, or started again when it was killed), memory and
+        proposed secret."""
+        mine = mine._replace(rank_bytes=state_bytes(state) if state is not None else 0)
+        if self.local_rank != 0:
+            return mine
+        self.keeper = ensure_keeper(self.root, self.job, self.host)
+        used = paths.dir_bytes(self.jdir)
+        pending = in_progress(self.jdir, getattr(self, "table", []))
+        stored = self.secret or paths.read_secret(self.root, self.job)
+        proposal = (1, stored) if stored else (0, secrets.token_bytes(paths.SECRET_BYTES))
+        return RankInfo(self.node, 1, int(self.keeper["port"]), int(self.keeper["pid"]), pending, used, mine.rank_bytes,
+                        self._cap(used), socket.inet_aton(self.keeper["host"]), *proposal, mine.ring_free)
 
     def _cap(self, used: int) -> int:
         """The node's cap on snapshot memory: ``max_bytes``, else the default fixed at the
