@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -26,6 +27,23 @@ def _worker_ports() -> None:
 
 
 _worker_ports()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_basetemp(tmp_path_factory: pytest.TempPathFactory):
+    """The temporary files of every process the tests start go under this run's pytest
+    basetemp (pytest keeps the newest three runs), not into /tmp for good: a torchrun agent
+    makes a torchelastic_* log folder per run when given no --log-dir (about 150 a suite
+    run), and a SIGKILLed agent or launcher cannot remove its own."""
+    tmp = str(tmp_path_factory.mktemp("tmp"))
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = tmp, None  # tempfile reads $TMPDIR again
+    yield
+    if saved is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved
+    tempfile.tempdir = None
 
 
 @pytest.fixture

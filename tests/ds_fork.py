@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -108,12 +109,15 @@ def main() -> None:
     logroot = tempfile.mkdtemp(prefix="ds_fork_")
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what an import prints goes to stderr, never into the answers
-    for n, line in enumerate(sys.stdin):
-        req = json.loads(line)
-        logdir = os.path.join(logroot, str(n))
-        os.makedirs(logdir)
-        out.write(json.dumps(_job(int(req["nproc"]), list(req["argv"]), float(req.get("timeout", 300)), logdir)) + "\n")
-        out.flush()
+    try:
+        for n, line in enumerate(sys.stdin):
+            req = json.loads(line)
+            logdir = os.path.join(logroot, str(n))
+            os.makedirs(logdir)
+            out.write(json.dumps(_job(int(req["nproc"]), list(req["argv"]), float(req.get("timeout", 300)), logdir)) + "\n")
+            out.flush()
+    finally:  # the client read every answer's logs before it closed our stdin
+        shutil.rmtree(logroot, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def _fails(rank: int, what: str, call, expect: dict[int, tuple[type, str]]) -> N
 
 
 def collective_calls(rank: int, world: int, root: str) -> None:
-    """Four calls, each failing on one rank for its own reason."""
+    """Five calls, each failing on one rank for its own reason."""
     shared = os.path.join(root, "shared")
     # 1. a load (the newest checkpoint) where rank 1's Stateful refuses its state: a plain
     #    RuntimeError there, which the search for a whole checkpoint used to let out alone
@@ -76,6 +76,14 @@ def collective_calls(rank: int, world: int, root: str) -> None:
     listing = unickpt.Checkpoints(os.path.join(root, f"listing{rank}"))
     _fails(rank, "load (rank 0 cannot list)", lambda: listing.load({"w": torch.zeros(4)}),
            {r: (unickpt.UnickptError, "OSError: [Errno 40]") for r in (0, 1)})
+
+    # 5. a restore where rank 1's state holds what no save can store (a generator, as a
+    #    data iterator on that rank only): refused there before the first collective
+    manager = unickpt.CheckpointManager(os.path.join(shared, "managed"))
+    extra = {"batches": (b for b in range(3))} if rank == 1 else {}
+    _fails(rank, "restore (rank 1's state unsaveable)", lambda: manager.restore({"w": torch.zeros(4), **extra}),
+           {0: (unickpt.UnickptError, "rank 1: "), 1: (unickpt.UnickptError, "batches")})
+    manager.close()
 
 
 def snapshot_state_fails(rank: int, world: int, root: str) -> None:

@@ -66,7 +66,8 @@ def _launch(root: str, shm: list[str], flags: list[str]) -> list[subprocess.Pope
     procs = []
     for i, r in enumerate(shm):
         cmd = [torchrun, f"--nnodes={len(shm)}", f"--node-rank={i}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "unickpt.examples.train", *flags]
+               f"--rdzv-endpoint=127.0.0.1:{port}", f"--log-dir={os.path.join(root, f'node{i}-torchrun')}",
+               "-m", "unickpt.examples.train", *flags]  # --log-dir: torchrun's own folder, else a torchelastic_* left in /tmp
         env = dict(os.environ, UNICKPT_SHM_ROOT=r, UNICKPT_JOB_ID="demo", OMP_NUM_THREADS="1")
         out = open(os.path.join(root, f"node{i}.log"), "w")
         procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..dist import all_true, resolve_group
+from ..dist import all_true, first_said, resolve_group
 from ..engine.outcome import decided_by_rank0
 from ..engine.restored import Restored
 from ..errors import UnickptError
@@ -215,7 +215,7 @@ class CheckpointManager(Checkpoints):
         (:class:`unickpt.RNGState`) keep their values, as the line says. An entry of
         ``state`` that no save could store (not a tensor, a Stateful object or plain data,
         e.g. a plain ``DataLoader``) is a :class:`~unickpt.UnickptError` naming it, before
-        anything is loaded.
+        anything is loaded, on every rank (the others name the rank that holds it).
 
         Args:
             state: The training state, filled in place (as for :func:`unickpt.load`).
@@ -231,14 +231,9 @@ class CheckpointManager(Checkpoints):
         """
         t0 = time.perf_counter()
         self._state = state
-        check_saveable(state)
-        if self.options.deltas is not None:
-            why = replay_refusal(state)
-            if why:
-                raise UnickptError(f"log_deltas=True cannot replay this state's steps exactly: {why}; "
-                                   "turn log_deltas off (snapshots and checkpoints still protect the run)")
-        self._start()
         group = resolve_group(self.process_group)
+        self._check_restorable(state, group)
+        self._start()
         kept: list[str] = []
         plan = self._deltas.plan() if self._deltas is not None else None
         latest = decided_by_rank0(group, lambda: (self.latest() or "").encode()).decode() or None
@@ -264,6 +259,23 @@ class CheckpointManager(Checkpoints):
             say(line)
         restored(step)  # under `unickpt launch`, after a re-forming: its line
         return step
+
+    def _check_restorable(self, state: dict[str, Any], group: Any) -> None:
+        """Refuse a state with an entry no save can store, or whose steps the delta log
+        cannot replay, on every rank: a refusal on one rank only (its state holds what the
+        others' do not) would leave the others waiting in the restore's collectives."""
+        why = ""
+        try:
+            check_saveable(state)
+            if self.options.deltas is not None and (refusal := replay_refusal(state)):
+                raise UnickptError(f"log_deltas=True cannot replay this state's steps exactly: {refusal}; "
+                                   "turn log_deltas off (snapshots and checkpoints still protect the run)")
+        except UnickptError as e:
+            why = str(e)
+        first = first_said(group, why)
+        if first is not None:
+            rank, text = first
+            raise UnickptError(text if rank == group.rank else f"rank {rank}: {text}")
 
     def before_update(self, state: dict[str, Any] | None = None) -> None:
         """Right before ``optimizer.step()``: wait until a lazy snapshot has copied the
