@@ -254,6 +254,65 @@ def test_cli_turns_an_unexpected_exception_into_one_line(ckpt: Path, monkeypatch
 # ------------------------------------------------------------------ item 6: the manifest's digest
 
 
+def test_pieces_that_overlap_and_leave_a_gap_are_corrupt_on_every_path(ckpt: Path, tmp_path: Path) -> None:
+    """Rows 0-2 of 'b' listed twice and rows 3-5 never: as many elements as the tensor, so a
+    count of them cannot see it. Each reader refuses it (it used to load the gap's old
+    values, and verify said OK)."""
+    doc = manifest_doc(ckpt)
+    frags = doc["tensors"]["b"]["fragments"]
+    frags[1]["pieces"] = frags[0]["pieces"]  # rank 1's half claims rank 0's rows
+    write_sealed(ckpt, doc)
+    overlap = r"pieces \[0:3, 0:8\] and \[0:3, 0:8\] overlap"
+    with pytest.raises(CorruptionError, match=overlap):
+        unickpt.load({"b": torch.zeros(6, 8, dtype=torch.int64)}, str(ckpt))
+    with pytest.raises(CorruptionError, match=overlap):
+        unickpt.load_tensor(str(ckpt), "b")
+    with pytest.raises(CorruptionError, match=overlap):
+        unickpt.convert(str(ckpt), str(tmp_path / "out"))
+    report = unickpt.verify(str(ckpt))
+    assert [(p.kind, p.tensor) for p in report.problems] == [("coverage", "b")], report.problems
+    assert re.search(overlap, report.problems[0].message), report.problems
+
+
+def test_dcp_chunks_that_overlap_or_a_shape_they_do_not_fill_are_corrupt(tmp_path: Path) -> None:
+    """A real DCP checkpoint (no checksums, no digest) whose metadata is edited: two chunks
+    of 't' overlapping (row 5 then held by none), or a size of 2**62 x 2**62 for its 48
+    elements (it used to reach the allocator: torch's RuntimeError, a TypeError in convert)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    def edited(name: str, edit) -> str:
+        path = tmp_path / name
+        t = torch.arange(48.0).view(6, 8)
+        dcp.save({"t": t, "rows_0_3": t[0:3].clone(), "rows_2_5": t[2:5].clone()}, checkpoint_id=str(path))
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+        edit(md)
+        (path / ".metadata").write_bytes(pickle.dumps(md))  # as a buggy writer would
+        return str(path)
+
+    def overlap(md) -> None:  # 't' as two chunks, the stored rows 0-2 and rows 2-4
+        md.state_dict_metadata["t"].chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 8])),
+                                              ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([3, 8]))]
+        at = {k.fqn: k for k in md.storage_data}
+        del md.storage_data[at["t"]]  # the key of its one chunk, at [0, 0]
+        md.storage_data[MetadataIndex("t", torch.Size([0, 0]), 0)] = md.storage_data[at["rows_0_3"]]
+        md.storage_data[MetadataIndex("t", torch.Size([2, 0]), 1)] = md.storage_data[at["rows_2_5"]]
+
+    def huge(md) -> None:
+        md.state_dict_metadata["t"].size = torch.Size([1 << 62, 1 << 62])
+
+    path = edited("overlap", overlap)
+    with pytest.raises(CorruptionError, match=r"pieces \[0:3, 0:8\] and \[2:5, 0:8\] overlap"):
+        unickpt.load({"t": torch.full((6, 8), -1.0)}, path, strict=False)
+    assert "coverage" in [p.kind for p in unickpt.verify(path).problems]
+    path = edited("huge", huge)
+    for read in (lambda: unickpt.load_tensor(path, "t"), lambda: unickpt.convert(path, str(tmp_path / "out"))):
+        with pytest.raises(CorruptionError, match="its pieces hold 48 of its 21267647932558653966460912964485513216 elements"):
+            read()
+
+
 def test_world_size_2_to_1_is_detected(ckpt: Path) -> None:
     assert unickpt.load_rank_values(str(ckpt), "loader") == [{"pos": 0}, {"pos": 1}]
     text = (ckpt / "manifest.json").read_text()

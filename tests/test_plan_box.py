@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unickpt.plan.box import Box, flat_range_to_boxes, intersect, row_major_strides
+from unickpt.plan.box import Box, first_overlap, flat_range_to_boxes, intersect, row_major_strides, tiling_problem
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -201,3 +201,29 @@ def test_box_helpers():
     assert b.shift((1, -2)) == Box((2, 0), (3, 4))
     assert b.relative_to((1, 1)) == Box((0, 1), (3, 4))
     assert Box((0, 0), (3, 0)).is_empty() and Box((0, 0), (3, 0)).volume == 0
+
+
+@SETTINGS
+@given(st.integers(1, 3).flatmap(lambda n: st.lists(boxes(ndim=n), min_size=0, max_size=8)))
+def test_first_overlap_matches_brute_force(bs):
+    """Two boxes sharing an element when, and only when, some pair of them does."""
+    pairs = [(a, b) for a, b in itertools.combinations(bs, 2) if intersect(a, b) is not None]
+    got = first_overlap(bs)
+    assert (got is None) == (not pairs), (bs, got)
+    if got is not None:
+        assert intersect(*got) is not None
+
+
+def test_tiling_problem_names_what_is_wrong():
+    rows = [Box((0, 0), (3, 8)), Box((3, 0), (3, 8))]
+    assert tiling_problem((6, 8), rows) is None
+    assert tiling_problem((6, 8), rows[:1]) == "its pieces hold 24 of its 48 elements"
+    assert tiling_problem((6, 8), [rows[0], rows[0]]) == (
+        "its pieces [0:3, 0:8] and [0:3, 0:8] overlap, so as many elements are held by none")
+    assert tiling_problem((6, 8), [rows[0], Box((3, 0), (3, 9))]) == "its piece [3:6, 0:9] lies outside its shape (6, 8)"
+    assert tiling_problem((), [Box((), ())]) is None and tiling_problem((0, 4), []) is None
+    assert tiling_problem((), [Box((), ()), Box((), ())]) == "its pieces hold 2 of its 1 elements"  # a scalar stored twice
+    # ZeRO's flat partitions of a 5 x 7 tensor in 4 parts tile it: rows cut part-way meet no other part
+    cuts = [0, 9, 18, 27, 35]
+    flat = [b for lo, hi in zip(cuts, cuts[1:]) for b in flat_range_to_boxes(Box.whole((5, 7)), lo, hi)]
+    assert tiling_problem((5, 7), flat) is None

@@ -111,6 +111,43 @@ def test_damaged_archives_are_clear_errors(tmp_path: Path) -> None:
         loads_restricted(b"not a pickle", "x")
 
 
+def test_every_flipped_byte_of_an_archive_is_a_clear_error_or_a_good_read(tmp_path: Path) -> None:
+    """One byte flipped anywhere in an archive's records (each in turn): zipfile fails in
+    many ways (UnicodeDecodeError, struct.error, EOFError, NotImplementedError, 'encrypted'),
+    each a CorruptionError naming the file, never one of those."""
+    blob, _, _ = _archive({"w": torch.arange(4.0), "step": 3})
+    storage = LocalStorage(tmp_path)
+    kinds = set()
+    for i in range(len(blob)):
+        (tmp_path / "f.pt").write_bytes(blob[:i] + bytes([blob[i] ^ 0x80]) + blob[i + 1:])
+        try:
+            read_archive(storage, "f.pt")
+        except CorruptionError as e:
+            assert str(e).startswith("f.pt"), e
+            kinds.add(str(e).split("(", 1)[-1].split(":", 1)[0])
+    assert {"UnicodeDecodeError", "error", "EOFError"} & kinds, kinds  # zipfile's own failures were among them
+
+
+def test_a_pickle_that_refers_to_its_parts_over_and_over_is_refused_at_once(tmp_path: Path) -> None:
+    """A list holding the one before it twice, 40 deep: 1.5 KB of pickle, 2**40 nodes for
+    any walk of it as a tree. Refused when read (it used to hang every reader), while the
+    ordinary sharing of a structure (a tensor or a dict named twice) still reads."""
+    x: list = [1]
+    for _ in range(40):
+        x = [x, x]
+    blob, _, _ = _archive(x)
+    (tmp_path / "bomb.pt").write_bytes(blob)
+    with pytest.raises(CorruptionError, match="refers to its own parts over and over"):
+        read_archive(LocalStorage(tmp_path), "bomb.pt")
+    with pytest.raises(CorruptionError, match="refers to its own parts over and over"):
+        loads_restricted(pickle.dumps(x), "p")
+    t, d = torch.arange(3.0), {"lr": 0.1}
+    blob, _, _ = _archive({"a": t, "b": t, "groups": [d, d], "loop": None})
+    (tmp_path / "shared.pt").write_bytes(blob)
+    got = read_archive(LocalStorage(tmp_path), "shared.pt")
+    assert got["groups"] == [{"lr": 0.1}] * 2 and len(stored_tensors(got)) == 2
+
+
 def test_foreign_manifests_stay_inside_the_checkpoint() -> None:
     for bad in ("../etc/passwd", "/etc/passwd", "zero/../../x", "", "a\\b"):
         with pytest.raises(ManifestError):

@@ -49,6 +49,7 @@ from ..format.ledger import no_equivalent
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..format.values import decode_value
 from ..engine.reads import Scratch
+from ..engine.byte_reads import check_whole
 from ..engine.tensor_reads import aligned, batches, read_tensors
 from ..storage.local import FileWriter
 from ..storage.open import open_storage
@@ -186,6 +187,8 @@ def _write_dcp(ckpt: OpenCheckpoint, dst: str, buffer_bytes: int, threads: int, 
         dup = sorted({n for n in names if names.count(n) > 1})
         raise SaveError(f"write_dcp: several entries flatten to the same DCP key: {dup[:5]}")
 
+    for e in tensors:
+        check_whole(e)  # before anything is sized by it
     # several files only for large checkpoints: one writer thread per file
     data_bytes = sum(e.nbytes for e in tensors)
     n_files = max(1, min(threads, len(tensors), -(-data_bytes // FILE_SPLIT_BYTES)))

@@ -60,7 +60,7 @@ from ..storage.files import DurableBatch
 from ..storage.local import DIRECT_ALIGNMENT, fsync_path
 from ..storage.open import open_storage
 from ..storage.transaction import DirectoryWrite
-from ..engine.byte_reads import read_whole
+from ..engine.byte_reads import check_whole, read_whole
 from ..engine.reads import Scratch
 from .checkpoint import OpenCheckpoint, open_checkpoint
 from .torch_save import Size, TensorData, archive, write_archive
@@ -379,6 +379,9 @@ def write_universal(
 
     try:
         jobs = [(param, key, e) for param, states in params.items() for key, e in states.items()]
+        for _, _, e in jobs:
+            if isinstance(e, TensorEntry):
+                check_whole(e)  # before a buffer is sized by it
         shapes = collections.OrderedDict((p, Size(st["fp32"].shape)) for p, st in params.items())
         batch = DurableBatch(write.staging, threads=max(8, threads))
         budget = _ByteBudget(max_bytes_in_flight)

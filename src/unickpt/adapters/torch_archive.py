@@ -56,7 +56,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..engine.reads import Segment, SpanRead, execute
-from ..errors import CorruptionError, LayoutError, UnsafePickleError
+from ..errors import CorruptionError, LayoutError, UnickptError, UnsafePickleError
 from ..format.dtypes import DTYPE_ATTRS, dtype_name, itemsize
 from ..plan.box import row_major_strides
 from ..storage.local import LocalStorage
@@ -472,11 +472,48 @@ def loads_restricted(data: bytes, where: str, allowed: dict[tuple[str, str], Any
     """Unpickle ``data`` (a plain pickle, no tensors) allowing only safe data types and
     ``allowed``; anything else raises :class:`UnsafePickleError`."""
     try:
-        return _Unpickler(data, where, dict(allowed or {}), None, "").load()
+        obj = _Unpickler(data, where, dict(allowed or {}), None, "").load()
     except (UnsafePickleError, CorruptionError):
         raise
     except Exception as e:
         raise CorruptionError(f"{where}: not a readable pickle ({type(e).__name__}: {e})") from None
+    _check_expanded(obj, len(data), where)
+    return obj
+
+
+def _children(o: Any) -> list[Any]:
+    """What a walk of an unpickled structure visits inside ``o`` (none for a leaf)."""
+    if isinstance(o, StoredTensor):
+        return []
+    if isinstance(o, dict):
+        return list(o.values())
+    if isinstance(o, (list, tuple, set, frozenset)):
+        return list(o)
+    if hasattr(o, "__dict__") and not isinstance(o, type):
+        return list(vars(o).values())
+    return []
+
+
+def _check_expanded(obj: Any, pickle_bytes: int, where: str) -> None:
+    """A CorruptionError when the tree a walk of ``obj`` visits (each shared part once per
+    reference to it) is far larger than its pickle: a 1.5 KB pickle can hold a list that
+    holds the one before it twice, 40 deep, which every walk would expand to 2**40 nodes.
+    Counted once per object (a cycle's way back counts once)."""
+    limit = 1_000_000 + 16 * pickle_bytes
+    size: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    while stack:
+        o, after = stack.pop()
+        kids = _children(o)
+        if after:
+            size[id(o)] = n = 1 + sum(size.get(id(k), 1) for k in kids)
+            if n > limit:
+                raise CorruptionError(f"{where}: its pickle refers to its own parts over and over (more than {limit} "
+                                      "objects once each reference is followed); refused")
+        elif kids and id(o) not in size:
+            size[id(o)] = 1  # in progress: a cycle back to it counts once
+            stack.append((o, True))
+            stack.extend((k, False) for k in kids if id(k) not in size)
 
 
 def read_archive(storage: LocalStorage, file: str, start: int = 0, length: int | None = None,
@@ -510,14 +547,17 @@ def read_archive(storage: LocalStorage, file: str, start: int = 0, length: int |
                 storages[key] = start + i.header_offset + _LOCAL_HEADER.size + head[-2] + head[-1]
                 sizes[key] = i.file_size
             data = z.read(pkl[0])
-    except zipfile.BadZipFile as e:
-        raise CorruptionError(f"{where}: not a torch.save archive ({e})") from None
+    except (UnickptError, OSError):  # ours, and the storage's own (a missing or unreadable file)
+        raise
+    except Exception as e:  # zipfile's many ways to fail on damaged records: BadZipFile, struct.error, EOFError, ...
+        raise CorruptionError(f"{where}: not a torch.save archive, or a damaged one ({type(e).__name__}: {e})") from None
     try:
         obj = _Unpickler(data, where, dict(allowed or {}), storages, file, unknown_as_records).load()
     except (UnsafePickleError, CorruptionError):
         raise
     except Exception as e:
         raise CorruptionError(f"{where}: unreadable pickle ({type(e).__name__}: {e})") from None
+    _check_expanded(obj, len(data), where)
     by_at = {at: sizes[k] for k, at in storages.items()}
     for t in stored_tensors(obj):
         _check_bounds(by_at[t.storage_at], t, where)
@@ -563,25 +603,28 @@ def archive_layout(storage: LocalStorage, file: str) -> ArchiveLayout:
                 else:
                     structure.append((i.header_offset, end))
             structure.append((z.start_dir, storage.size(file)))
-    except zipfile.BadZipFile as e:
-        raise CorruptionError(f"{file}: not a torch.save archive ({e})") from None
+    except (UnickptError, OSError):  # as in read_archive
+        raise
+    except Exception as e:
+        raise CorruptionError(f"{file}: not a torch.save archive, or a damaged one ({type(e).__name__}: {e})") from None
     return ArchiveLayout([s for s in structure if s[1] > s[0]], storages)
 
 
 def stored_tensors(obj: Any) -> list[StoredTensor]:
-    """Every :class:`StoredTensor` inside a nested structure of dicts, lists and tuples."""
+    """Every :class:`StoredTensor` inside a nested structure of dicts, lists and tuples, each
+    container walked once however often it is referred to (a pickle of 1.5 KB can nest one
+    list twice in itself 40 times over: 2**40 paths)."""
     out: list[StoredTensor] = []
     stack = [obj]
+    seen: set[int] = set()
     while stack:
         o = stack.pop()
         if isinstance(o, StoredTensor):
             out.append(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            stack.extend(o)
-        elif hasattr(o, "__dict__") and not isinstance(o, type):
-            stack.extend(vars(o).values())
+            continue
+        if id(o) not in seen:
+            seen.add(id(o))
+            stack.extend(_children(o))
     return out
 
 

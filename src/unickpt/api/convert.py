@@ -51,6 +51,7 @@ from ..storage.base import Storage
 from ..storage.open import same_location
 from ..engine.gc_pause import gc_paused
 from ..engine.items import TensorItem
+from ..engine.byte_reads import check_whole
 from ..engine.reads import Scratch
 from ..engine.tensor_reads import aligned, batches, read_tensors
 from ..engine.commit import check_not_committed, claim, data_file_name
@@ -174,6 +175,8 @@ def _consolidate(
             if e is not None and e.fragments and prod(e.shape) > 0:
                 per_file.setdefault(data_file_name(r), []).append(e)
 
+    for e in (e for es in per_file.values() for e in es):
+        check_whole(e)  # before the arena is sized by the largest
     result = Manifest(world_size=manifest.world_size, metadata=dict(manifest.metadata))
     result.values = dict(manifest.values)
     result.rank_values = {k: list(v) for k, v in manifest.rank_values.items()}

@@ -46,7 +46,7 @@ from ..format.dtypes import itemsize
 from ..format.ledger import Ledger
 from ..format.manifest import Fragment, Manifest, TensorEntry
 from ..format.safetensors_header import read_header
-from ..plan.box import Box
+from ..plan.box import tiling_problem
 from ..storage.base import Storage
 from ..engine.gc_pause import gc_paused
 from ..engine.bases import base_problems
@@ -224,13 +224,9 @@ def _check_header(entry: TensorEntry, frag: Fragment, st: _FileState, problems: 
 
 
 def _check_coverage(entry: TensorEntry, problems: list[Problem]) -> None:
-    stored = sum(p.global_box.volume for f in entry.fragments for p in f.pieces)
-    total = Box.whole(entry.shape).volume if entry.shape else 1
-    if stored != total and not (total == 0 and stored == 0):
-        problems.append(Problem(
-            "coverage", f"its fragments hold {stored} of its {total} elements; the tensor cannot be loaded whole",
-            None, entry.name,
-        ))
+    why = tiling_problem(entry.shape, [p.global_box for f in entry.fragments for p in f.pieces])
+    if why is not None:
+        problems.append(Problem("coverage", f"{why}; the tensor cannot be loaded whole", None, entry.name))
 
 
 def _span_reads(entry: TensorEntry, frag: Fragment) -> list[SpanRead]:

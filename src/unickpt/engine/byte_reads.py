@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CorruptionError
 from ..format.dtypes import itemsize
 from ..format.manifest import TensorEntry
-from ..plan.box import Box, row_major_strides
+from ..plan.box import Box, row_major_strides, tiling_problem
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, ReadPlan, SourceFragment, Span, plan_reads
 from ..storage.base import Storage
@@ -33,6 +33,15 @@ def source_fragments(entry: TensorEntry) -> list[SourceFragment]:
     return [
         SourceFragment(f.file, f.offset, prod(f.shape) * size, f.block_bytes, tuple(f.pieces)) for f in entry.fragments
     ]
+
+
+def check_whole(entry: TensorEntry) -> None:
+    """A CorruptionError unless ``entry``'s pieces tile its tensor exactly: checked before
+    the whole tensor is allocated (a manifest claiming a shape of 2**62 x 2**62 for 48
+    stored elements fails here, not in the allocator)."""
+    why = tiling_problem(entry.shape, [p.global_box for f in entry.fragments for p in f.pieces])
+    if why is not None:
+        raise CorruptionError(f"{entry.name!r}: {why}; the checkpoint cannot give it whole")
 
 
 def plan_fill(entry: TensorEntry, pieces: list[Piece], max_span: int | None = None,
@@ -48,7 +57,12 @@ def plan_fill(entry: TensorEntry, pieces: list[Piece], max_span: int | None = No
         entry = TensorEntry(entry.name, entry.shape, entry.dtype, near, entry.layout)
     sources = source_fragments(entry)
     plan = plan_reads(pieces, sources, itemsize(entry.dtype), *([max_span] if max_span else []))
-    for p, got in zip(pieces, plan.covered):
+    for p, got, overlap in zip(pieces, plan.covered, plan.overlaps):
+        if overlap is not None:
+            raise CorruptionError(
+                f"{entry.name!r}: the checkpoint's pieces {overlap[0]} and {overlap[1]} overlap in the elements "
+                f"{what} (box {p.global_box}): each element is stored once, so its manifest is corrupt"
+            )
         if got != p.global_box.volume:
             raise CorruptionError(
                 f"{entry.name!r}: the checkpoint holds {got} of the {p.global_box.volume} elements "

@@ -26,7 +26,7 @@ from ..plan.box import row_major_strides
 from ..plan.piece import Piece, whole_piece
 from ..plan.read_plan import Copy, Span
 from ..storage.base import Storage
-from .byte_reads import plan_fill
+from .byte_reads import check_whole, plan_fill
 from .reads import COALESCE_MAX, Scratch, Segment, SpanRead, block_checks, check_in_file, checksum_error, execute, fill_gaps
 
 # the most bytes one read of a tensor cast on load (a target of another dtype than the
@@ -174,6 +174,7 @@ def read_entry(storage: Storage, entry: TensorEntry, threads: int = 4, verify: b
                into: torch.Tensor | None = None) -> torch.Tensor:
     """The whole tensor of ``entry`` assembled from its fragments in ``storage`` (checksums
     verified unless ``verify=False``), written into ``into`` when it has the entry's shape."""
+    check_whole(entry)
     out = into if into is not None and tuple(into.shape) == entry.shape else torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
     if out.numel():
         reads = TensorReads(storage, threads, verify)

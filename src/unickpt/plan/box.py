@@ -25,6 +25,10 @@ class Box:
         if self.offsets and (min(self.offsets) < 0 or min(self.lengths) < 0):
             raise ValueError(f"box with negative offset or length: {self.offsets}, {self.lengths}")
 
+    def __str__(self) -> str:
+        """The box as the slices that select it, as messages show it: ``[0:3, 0:8]``."""
+        return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(self.offsets, self.lengths)) + "]"
+
     @staticmethod
     def whole(shape: tuple[int, ...] | list[int]) -> Box:
         """The box covering a whole tensor of ``shape``."""
@@ -84,6 +88,45 @@ def intersect(a: Box, b: Box) -> Box | None:
         offsets.append(lo)
         lengths.append(hi - lo)
     return Box(tuple(offsets), tuple(lengths))
+
+
+def first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` (of one rank) that share an element, or None when they are pairwise
+    disjoint. A sweep along the dimension where their offsets differ most, each box compared
+    only with those still open there: about n log n for pieces cut along one or two
+    dimensions (row or column shards, their grid, ZeRO's flat partitions)."""
+    live = [b for b in boxes if not b.is_empty()]
+    if len(live) < 2:
+        return None
+    if live[0].ndim == 0:
+        return live[0], live[1]  # two 0-d boxes: the same one element
+    d = max(range(live[0].ndim), key=lambda k: len({b.offsets[k] for b in live}))
+    live.sort(key=lambda b: b.offsets[d])
+    still: list[Box] = []
+    for b in live:
+        still = [o for o in still if o.offsets[d] + o.lengths[d] > b.offsets[d]]
+        for o in still:
+            if intersect(o, b) is not None:
+                return o, b
+        still.append(b)
+    return None
+
+
+def tiling_problem(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
+    """What keeps ``boxes`` from tiling a tensor of ``shape`` exactly (every element in
+    exactly one box; the boxes lie inside it), or None. Equal volumes are not enough: two
+    boxes that overlap leave an equal gap elsewhere."""
+    whole = Box.whole(shape)
+    outside = next((b for b in boxes if b.ndim != whole.ndim or not whole.contains(b)), None)
+    if outside is not None:
+        return f"its piece {outside} lies outside its shape {tuple(shape)}"
+    total, stored = whole.volume, sum(b.volume for b in boxes)
+    if stored != total:
+        return f"its pieces hold {stored} of its {total} elements"
+    pair = first_overlap(boxes)
+    if pair is not None:
+        return f"its pieces {pair[0]} and {pair[1]} overlap, so as many elements are held by none"
+    return None
 
 
 def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

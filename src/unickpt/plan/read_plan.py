@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import gcd
 
-from .box import Box, intersect, row_major_strides
+from .box import Box, first_overlap, intersect, row_major_strides
 from .piece import Piece
 
 
@@ -51,10 +51,12 @@ class Span:
 
 @dataclass
 class ReadPlan:
-    """The spans to read, and the volume of the target each target piece receives."""
+    """The spans to read, the volume of the target each target piece receives, and for
+    each target piece two stored pieces that overlap inside it (None: none do)."""
 
     spans: list[Span]
     covered: list[int]
+    overlaps: list[tuple[Box, Box] | None] = field(default_factory=list)
 
 
 def _split_rows(box: Box, rows: int, source: Piece | None = None, itemsize: int = 1, block_bytes: int = 0) -> list[Box]:
@@ -98,6 +100,7 @@ def plan_reads(
 ) -> ReadPlan:
     """Plan the reads that fill ``targets`` (pieces of one target tensor) from ``fragments``."""
     covered = [0] * len(targets)
+    commons: list[list[Box]] = [[] for _ in targets]
     runs: dict[int, list[tuple[int, int, Copy]]] = {}
     for ti, t in enumerate(targets):
         for fi, f in enumerate(fragments):
@@ -106,6 +109,7 @@ def plan_reads(
                 if common is None:
                     continue
                 covered[ti] += common.volume
+                commons[ti].append(common)
                 row_bytes = itemsize * (row_major_strides(s.view)[0] if s.view else 1)
                 rows = max(1, max_span_bytes // max(1, row_bytes))
                 for part in _split_rows(common, rows, s, itemsize, f.block_bytes):
@@ -128,4 +132,4 @@ def plan_reads(
         for sp in spans[first_new:]:
             sp.start = sp.first_block * f.block_bytes
             sp.stop = min(f.nbytes, sp.end_block * f.block_bytes)
-    return ReadPlan(spans, covered)
+    return ReadPlan(spans, covered, [first_overlap(c) for c in commons])
