@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UnickptError
+from ..errors import NotACheckpointError, UnickptError
 from ..format.dtypes import itemsize
 from ..format.manifest import MANIFEST_NAME, Fragment, Manifest, TensorEntry, check_file_name
 from ..format.safetensors_header import header_tensors, read_header
@@ -41,8 +41,12 @@ def is_hf(path: str) -> bool:
 
 
 def _read_json(storage: LocalStorage, name: str) -> Any:
+    """The JSON document ``name`` of the folder (it exists); HfError naming it when it is
+    not a regular file (a directory) or not JSON."""
     try:
         return loads_json(storage.read_small(name))
+    except NotACheckpointError:
+        raise HfError(f"{storage.root / name} cannot be read: not a regular file (a directory, a pipe)") from None
     except ValueError as e:
         raise HfError(f"{storage.root / name} is not valid JSON: {e}") from None
 
@@ -63,12 +67,13 @@ def _shard_files(storage: LocalStorage) -> tuple[list[str], dict[str, str] | Non
 
 def _file_tensors(storage: LocalStorage, name: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """``{tensor: (dtype, shape, absolute data offset)}`` of one safetensors file, checked
-    against the file's size."""
+    against the file's size; every error names the file."""
+    where = str(storage.root / name)
     reader = storage.reader(name)
-    header, data_start = read_header(reader)
+    header, data_start = read_header(reader, where)
     if not isinstance(header, dict):
-        raise HfError(f"{name}: safetensors header is not a JSON object")
-    return header_tensors(header, data_start, reader.size, name, HfError)
+        raise HfError(f"{where}: safetensors header is not a JSON object")
+    return header_tensors(header, data_start, reader.size, where, HfError)
 
 
 def _row_pieces(shape: tuple[int, ...], head_dim: int) -> list[Piece]:

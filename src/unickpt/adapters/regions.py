@@ -31,7 +31,7 @@ from ..errors import UnickptError
 from ..format.ledger import Ledger, Region, build_ledger
 from ..format.manifest import Manifest
 from ..format.refs import ref_key
-from ..format.safetensors_header import read_header
+from ..format.safetensors_header import parse_entry, read_header
 from ..storage.base import Storage
 from .checkpoint import OpenCheckpoint, open_checkpoint
 
@@ -46,8 +46,8 @@ def safetensors_regions(storage: Storage, name: str) -> list[Region]:
         if key == "__metadata__" or not isinstance(d, dict):
             continue
         try:
-            lo, hi = (int(x) for x in d["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            _, _, lo, hi = parse_entry(d)
+        except ValueError:  # a malformed entry owns no bytes (the header's own check names it)
             continue
         out.append(Region(name, start + lo, start + hi, key))
     return out

@@ -45,7 +45,7 @@ from ..errors import CorruptionError, StorageError, UnickptError
 from ..format.dtypes import itemsize
 from ..format.ledger import Ledger
 from ..format.manifest import Fragment, Manifest, TensorEntry
-from ..format.safetensors_header import read_header
+from ..format.safetensors_header import parse_entry, read_header
 from ..plan.box import tiling_problem
 from ..storage.base import Storage
 from ..engine.gc_pause import gc_paused
@@ -205,11 +205,9 @@ def _check_header(entry: TensorEntry, frag: Fragment, st: _FileState, problems: 
         problems.append(Problem("header", "safetensors header has no entry for this tensor", *span))
         return
     try:
-        lo, hi = (int(x) for x in h["data_offsets"])
-        shape = tuple(int(x) for x in h["shape"])
-        dtype = str(h["dtype"])
-    except (KeyError, TypeError, ValueError):
-        problems.append(Problem("header", f"safetensors header entry is malformed: {h!r}", *span))
+        dtype, shape, lo, hi = parse_entry(h)
+    except ValueError as e:  # not JSON integers (1e999, true, 3.5), out of bounds, unknown dtype
+        problems.append(Problem("header", f"safetensors header entry is malformed: {e}", *span))
         return
     base = st.header["data_start"]
     diffs = []

@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import sys
 import threading
 from pathlib import Path, PurePosixPath
@@ -164,12 +165,32 @@ class FileWriter:
             os.close(fd)
 
 
-def _open_data_file(path: Path) -> int:
-    """A descriptor of ``path`` open for reading; a missing file is a CorruptionError."""
+def open_regular(path: Path) -> int:
+    """A descriptor of the regular file ``path`` open for reading. IsADirectoryError (with
+    the path, saying what it is) when it is a directory, a pipe or a device: opened without
+    blocking (a pipe would wait for a writer), refused before any read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        return os.open(path, os.O_RDONLY)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a directory" if stat.S_ISDIR(mode) else "a pipe, socket or device"
+            raise IsADirectoryError(errno.EISDIR, f"is {what}, not a regular file", str(path))
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_data_file(path: Path) -> int:
+    """A descriptor of ``path`` open for reading; a missing file, or one that is not a
+    regular file (a directory), is a CorruptionError naming it."""
+    try:
+        return open_regular(path)
     except FileNotFoundError:
         raise CorruptionError(f"data file {path.name} is missing from {path.parent}") from None
+    except IsADirectoryError as e:
+        raise CorruptionError(f"data file {path.name} of {path.parent} {e.strerror}") from None
 
 
 class FileReader:
@@ -366,13 +387,18 @@ class LocalStorage:
             raise CorruptionError(f"data file {name} is missing from {self.root}") from None
 
     def read_small(self, name: str) -> bytes:
-        """The whole content of a small file (the manifest)."""
+        """The whole content of a small file (the manifest); NotACheckpointError when it is
+        missing or not a regular file (a directory)."""
         try:
-            return (self.root / name).read_bytes()
+            fd = open_regular(self.root / name)
         except FileNotFoundError:
             raise NotACheckpointError(f"{self.root}: not a committed checkpoint (no {name})") from None
         except NotADirectoryError:
             raise NotACheckpointError(f"{self.root}: not a checkpoint directory") from None
+        except IsADirectoryError as e:
+            raise NotACheckpointError(f"{self.root}: not a committed checkpoint ({name} {e.strerror})") from None
+        with open(fd, "rb") as f:
+            return f.read()
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """Write a file so that it either exists whole and durable or not at all: under
