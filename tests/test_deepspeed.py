@@ -267,6 +267,68 @@ def test_other_ranks_client_state_differing_is_reported(runs: dict[str, str], tm
     assert decode_value(unickpt.read_manifest(str(ckpt)).values["deepspeed.client_state.iteration"]) == 4
 
 
+def _damaged(runs: dict[str, str], case: str, tmp_path, fname: str, edit, universal: bool = False) -> str:
+    """A copy of ``case``'s checkpoint (or of unickpt's universal output of it) whose file
+    ``fname`` (under the tag directory) ``edit`` changed, as a buggy or hostile writer would."""
+    import shutil
+
+    ckpt = tmp_path / f"{case}_{len(list(tmp_path.iterdir()))}"
+    if universal:
+        write_universal(_ckpt(runs, case), str(ckpt / TAG))
+    else:
+        shutil.copytree(_ckpt(runs, case), ckpt)
+    f = ckpt / TAG / fname
+    sd = torch.load(f, weights_only=False)  # the test's own file
+    sd = edit(sd) or sd
+    torch.save(sd, f)
+    return str(ckpt)
+
+
+def test_damaged_slice_addresses_shapes_and_fields_are_refused(runs: dict[str, str], tmp_path) -> None:
+    """What would load another parameter's values, or drop one, without a word: a ZeRO-2
+    slice moved onto its neighbour, two slices of one size swapped (nothing left over for
+    the byte ledger to see), a ZeRO-3 shape one row short (every later parameter read
+    shifted), a universal master weight that is no tensor. And a field of another kind
+    than DeepSpeed writes is named, not a TypeError from deep inside."""
+    optim = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+    def mapping(sd):
+        return sd["optimizer_state_dict"]["param_slice_mappings"][0]
+
+    def moved(sd):  # the second parameter's slice one element back, onto the first's
+        mapping(sd)[list(mapping(sd))[1]].start -= 1
+
+    def swapped(sd):  # two whole slices of one size trade places
+        m = mapping(sd)
+        a, b = next((a, b) for a in m for b in m if a < b and m[a].numel == m[b].numel)
+        m[a].start, m[b].start = m[b].start, m[a].start
+
+    def short(sd):
+        shapes = sd["param_shapes"][0]
+        name = next(iter(shapes))
+        shapes[name] = torch.Size([shapes[name][0] - 1, *shapes[name][1:]])
+
+    def no_tensor(sd):
+        sd["param"] = None
+
+    def stage_as_text(sd):
+        sd["optimizer_state_dict"]["zero_stage"] = "two"
+
+    cases = [
+        (_damaged(runs, "z2_4", tmp_path, optim, moved), r"group 0: the slices of '.+' and '.+' overlap in the partition"),
+        (_damaged(runs, "z2_4", tmp_path, optim, swapped), r"where the group's parameters in param_shapes order put it"),
+        (_damaged(runs, "z3_2", tmp_path, "zero_pp_rank_0_mp_rank_00_model_states.pt", short),
+         r"fp32_flat_groups\[0\] holds \d+ elements, where the partitions of its parameters .* take \d+"),
+        (_damaged(runs, "z2_4", tmp_path, "zero/output.weight/fp32.pt", no_tensor, universal=True),
+         r"zero/output.weight/fp32.pt: its 'param' is NoneType, not the parameter's fp32 tensor"),
+        (_damaged(runs, "z2_4", tmp_path, optim, stage_as_text),
+         r"a field of its state is not what DeepSpeed writes \(ValueError: invalid literal"),
+    ]
+    for path, message in cases:
+        with pytest.raises(unickpt.CorruptionError, match=message):
+            unickpt.read_manifest(path)
+
+
 def test_resume_on_other_dp_degree(runs: dict[str, str], tmp_path) -> None:
     """ZeRO-2 on 4 ranks saved after step 4 -> unickpt write_universal -> ZeRO-2 on 2 ranks
     resumes with load_universal: steps 5-8 match the uninterrupted 4-rank run.

@@ -495,16 +495,44 @@ def _flat_moments(b: _Builder, state: dict[str, Any], flat: StoredTensor, paddin
     return out
 
 
+def _check_slices(fname: str, g: int, mapping: dict[str, Any], partition: int, dp: int, order: list[str] | None,
+                  shapes: dict[str, tuple[int, ...]]) -> None:
+    """The slice addresses of group ``g`` on data-parallel rank ``dp`` (``partition``
+    elements a rank) are where DeepSpeed puts them; a CorruptionError otherwise (a slice
+    moved or swapped with another of its size would load another parameter's values):
+    no two overlap, and with ``order`` (the group's ``param_shapes`` names, the order
+    ``zero_to_fp32`` reads the group in) each is the part of the group's parameters, laid
+    back to back in that order, that falls in this rank's partition."""
+    got = {name: (int(a.start), int(a.numel)) for name, a in mapping.items()}
+    spans = sorted((start, start + numel, name) for name, (start, numel) in got.items() if numel)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise CorruptionError(f"{fname}: group {g}: the slices of {first!r} and {second!r} overlap in the partition")
+    if order is None or not set(got) <= set(order):
+        return
+    lo, at = dp * partition, 0
+    for name in order:
+        numel = prod(shapes[name])
+        s, e = max(at, lo), min(at + numel, lo + partition)
+        if name in got and got[name] != (s - lo, e - s):
+            raise CorruptionError(
+                f"{fname}: group {g}: parameter {name!r} is mapped to elements {got[name][0]}..{sum(got[name])} of "
+                f"the partition, where the group's parameters in param_shapes order put it at {s - lo}..{e - lo}")
+        at += numel
+
+
 def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tuple[int, ...]], stage: int, rank_base: int,
                        loaded: dict[str, Any], master_dtype: dict[str, str],
                        tp_shards: dict[str, tuple[tuple[int, ...], Box | None]] | None = None,
-                       experts: ExpertLayout | None = None) -> None:
+                       experts: ExpertLayout | None = None, orders: list[list[str]] | None = None) -> None:
     """The fp32 partitions and flat optimizer states of one set of data-parallel ranks (the
     whole job, one pipeline stage, or one tensor-parallel rank: then ``tp_shards`` maps each
     parameter to its global shape and the box of it this rank's shard holds, None for a
     replica that a lower tensor-parallel rank holds too). With ``experts`` (an MoE
     checkpoint), the local expert names of each rank's expert groups are made global first:
-    an expert's partitions are those of the ranks holding it, in numeric order."""
+    an expert's partitions are those of the ranks holding it, in numeric order. ``orders``:
+    each group's parameter names in ``param_shapes`` order, to check the slices against
+    (:func:`_check_slices`)."""
     layout = f"deepspeed zero-{stage} flat partition"
     filled: dict[str, int] = {}
     for dp, fname in files.items():
@@ -523,6 +551,7 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
             where = f"{fname}:base_optimizer_state.state.{g}"
             moments = _flat_moments(b, state, flat, pad, where)
             step = state.get("step", osd.get("base_optimizer_state_step"))
+            _check_slices(fname, g, mapping, flat.numel + pad, dp, orders[g] if orders and g < len(orders) else None, shapes)
             end = max((int(getattr(a, "start", 0)) + int(getattr(a, "numel", 0)) for a in mapping.values()), default=0)
             for t in (flat, *moments.values()):
                 # past the last parameter: the group's alignment padding (group_paddings; the fp32
@@ -610,7 +639,9 @@ def _read_zero(b: _Builder, tag_dir: str) -> Manifest:
                 raise LayoutError(f"{tag_dir}: parameter {n!r} is tied across pipeline stages (a pipeline-replicated "
                                   "parameter); such DeepSpeed pipeline checkpoints are not supported, nothing was read")
             owner[n] = mp
-        _read_zero12_ranks(b, optim[mp], shapes, stage, mp * dp_world, {first_name: first}, master_dtype, experts=experts)
+        orders = None if experts is not None else [list(g) for g in models[mp].get("param_shapes") or []]
+        _read_zero12_ranks(b, optim[mp], shapes, stage, mp * dp_world, {first_name: first}, master_dtype, experts=experts,
+                           orders=orders)
     _check_complete(b)
     if pp > 1:
         for idx, (fname,) in sorted(layer_files.items()):
@@ -799,7 +830,11 @@ def _read_zero3(b: _Builder, tag_dir: str, names: list[str], optim: dict[int, st
                 if rank == 0:
                     all_names.append(name)
                 offset += part
-            for t in (flat, *moments.values()):  # the group's alignment padding
+            if offset != flat.numel:  # as zero_to_fp32 refuses it: every later parameter would be read shifted
+                raise CorruptionError(
+                    f"{fname}: fp32_flat_groups[{idx}] holds {flat.numel} elements, where the partitions of its "
+                    f"parameters (param_shapes, {count} partitions) take {offset}: the shapes do not describe it")
+            for t in (flat, *moments.values()):  # a view's storage past its elements
                 b.padding(t, offset, _storage_numel(t) - offset)
     _read_zero3_frozen(b, models, model)
     _check_complete(b)
@@ -870,15 +905,20 @@ def _read_universal(b: _Builder, tag_dir: str) -> Manifest:
                 continue
             key = fname[:-3]
             name = UNIVERSAL_STATES.get(key, "optim.state.{}." + key).format(param)
-            obj = b.archive(f"zero/{param}/{fname}")
+            where = f"zero/{param}/{fname}"
+            obj = b.archive(where)
             t = obj.get("param") if isinstance(obj, dict) else obj
             shape = shapes.get(param)
             if isinstance(t, StoredTensor) and shape is not None and t.shape != shape and len(t.shape) == 1 and t.numel == prod(shape):
                 b.flat(name, shape, t, 0, 0, t.numel, layout, 0)  # ds_to_universal's ZeRO-3 output is flat
             elif isinstance(t, StoredTensor):
                 b.whole(name, t, layout)
-            elif isinstance(t, (int, float)):
+            elif isinstance(t, (int, float)) and not isinstance(t, bool) and key not in ("fp32", "exp_avg", "exp_avg_sq"):
                 b.value(name, t)
+            elif key in ("fp32", "exp_avg", "exp_avg_sq"):
+                raise CorruptionError(f"{where}: its 'param' is {type(t).__name__}, not the parameter's {key} tensor")
+            else:
+                b.skip(where, f"an optimizer state {key!r} that is neither a tensor nor a number ({type(t).__name__})")
         # ds_to_universal writes no step.pt for ZeRO-3: the step is that of the first group
         if f"model.{param}" in b.manifest.tensors:
             _step(b, param, _group_state(inner, 0).get("step"), "zero/optimizer_state.pt:optimizer_state_dict.state.0")
@@ -943,6 +983,11 @@ def read_deepspeed(path: str, regions: dict[str, list[Region]] | None = None) ->
     b = _Builder(str(path), prefix)
     try:
         m = _read_universal(b, tag_dir) if kind == "universal" else _read_zero(b, tag_dir)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+        # a field of the unpickled state is not of the kind DeepSpeed writes (a number as text, a
+        # list where a dict belongs, a partition count of 0): named here, not deep inside
+        raise CorruptionError(f"{tag_dir}: a field of its state is not what DeepSpeed writes "
+                              f"({type(e).__name__}: {e}); nothing was read") from None
     finally:
         b.storage.close()
     b.account(m, regions)
