@@ -316,7 +316,7 @@ def test_damaged_slice_addresses_shapes_and_fields_are_refused(runs: dict[str, s
 
     cases = [
         (_damaged(runs, "z2_4", tmp_path, optim, moved), r"group 0: the slices of '.+' and '.+' overlap in the partition"),
-        (_damaged(runs, "z2_4", tmp_path, optim, swapped), r"where the group's parameters in param_shapes order put it"),
+        (_damaged(runs, "z2_4", tmp_path, optim, swapped), r"a flat group holds its parameters one after another in param_shapes order"),
         (_damaged(runs, "z3_2", tmp_path, "zero_pp_rank_0_mp_rank_00_model_states.pt", short),
          r"fp32_flat_groups\[0\] holds \d+ elements, where the partitions of its parameters .* take \d+"),
         (_damaged(runs, "z2_4", tmp_path, "zero/output.weight/fp32.pt", no_tensor, universal=True),

@@ -495,14 +495,16 @@ def _flat_moments(b: _Builder, state: dict[str, Any], flat: StoredTensor, paddin
     return out
 
 
-def _check_slices(fname: str, g: int, mapping: dict[str, Any], partition: int, dp: int, order: list[str] | None,
-                  shapes: dict[str, tuple[int, ...]]) -> None:
-    """The slice addresses of group ``g`` on data-parallel rank ``dp`` (``partition``
-    elements a rank) are where DeepSpeed puts them; a CorruptionError otherwise (a slice
-    moved or swapped with another of its size would load another parameter's values):
-    no two overlap, and with ``order`` (the group's ``param_shapes`` names, the order
-    ``zero_to_fp32`` reads the group in) each is the part of the group's parameters, laid
-    back to back in that order, that falls in this rank's partition."""
+PARAM_PADDING_MAX = 15  # elements DeepSpeed's parameter_alignment may leave after a parameter (16 bytes of 1-byte items)
+
+
+def _check_slices(fname: str, g: int, mapping: dict[str, Any], order: list[str] | None) -> None:
+    """The slice addresses of group ``g`` in one rank's partition are where DeepSpeed puts
+    them; a CorruptionError otherwise (a slice moved, or swapped with another of its size,
+    would load another parameter's values): no two overlap, and with ``order`` (the group's
+    ``param_shapes`` names: the order of the flat group, which ``zero_to_fp32`` reads it in)
+    they follow one another in that order, at most the padding of ``parameter_alignment``
+    apart."""
     got = {name: (int(a.start), int(a.numel)) for name, a in mapping.items()}
     spans = sorted((start, start + numel, name) for name, (start, numel) in got.items() if numel)
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
@@ -510,15 +512,15 @@ def _check_slices(fname: str, g: int, mapping: dict[str, Any], partition: int, d
             raise CorruptionError(f"{fname}: group {g}: the slices of {first!r} and {second!r} overlap in the partition")
     if order is None or not set(got) <= set(order):
         return
-    lo, at = dp * partition, 0
-    for name in order:
-        numel = prod(shapes[name])
-        s, e = max(at, lo), min(at + numel, lo + partition)
-        if name in got and got[name] != (s - lo, e - s):
+    end, before = 0, "the partition's start"
+    for name in (n for n in order if n in got and got[n][1]):
+        start, numel = got[name]
+        if not end <= start <= end + PARAM_PADDING_MAX:
             raise CorruptionError(
-                f"{fname}: group {g}: parameter {name!r} is mapped to elements {got[name][0]}..{sum(got[name])} of "
-                f"the partition, where the group's parameters in param_shapes order put it at {s - lo}..{e - lo}")
-        at += numel
+                f"{fname}: group {g}: parameter {name!r} is mapped to elements {start}..{start + numel} of the "
+                f"partition, not right after {before} (element {end}): a flat group holds its parameters one after "
+                "another in param_shapes order")
+        end, before = start + numel, repr(name)
 
 
 def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tuple[int, ...]], stage: int, rank_base: int,
@@ -551,7 +553,7 @@ def _read_zero12_ranks(b: _Builder, files: dict[int, str], shapes: dict[str, tup
             where = f"{fname}:base_optimizer_state.state.{g}"
             moments = _flat_moments(b, state, flat, pad, where)
             step = state.get("step", osd.get("base_optimizer_state_step"))
-            _check_slices(fname, g, mapping, flat.numel + pad, dp, orders[g] if orders and g < len(orders) else None, shapes)
+            _check_slices(fname, g, mapping, orders[g] if orders and g < len(orders) else None)
             end = max((int(getattr(a, "start", 0)) + int(getattr(a, "numel", 0)) for a in mapping.values()), default=0)
             for t in (flat, *moments.values()):
                 # past the last parameter: the group's alignment padding (group_paddings; the fp32
