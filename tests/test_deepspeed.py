@@ -328,6 +328,15 @@ def test_damaged_slice_addresses_shapes_and_fields_are_refused(runs: dict[str, s
         with pytest.raises(unickpt.CorruptionError, match=message):
             unickpt.read_manifest(path)
 
+    def two_steps(sd):  # group 0's step as two numbers: reported skipped, not dropped
+        sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"] = torch.tensor([4.0, 4.0])
+
+    from unickpt.adapters.regions import source_ledger
+
+    ledger = source_ledger(_damaged(runs, "z2_4", tmp_path, optim, two_steps))
+    assert ledger.skipped == {f"{optim}:base_optimizer_state.state.0.step": "an optimizer step that is not one number "
+                              "(StoredTensor of shape [2])"}, ledger.skipped
+
 
 def test_resume_on_other_dp_degree(runs: dict[str, str], tmp_path) -> None:
     """ZeRO-2 on 4 ranks saved after step 4 -> unickpt write_universal -> ZeRO-2 on 2 ranks

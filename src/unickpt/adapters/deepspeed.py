@@ -391,8 +391,12 @@ def _step(b: _Builder, name: str, step: Any, where: str) -> None:
         return
     if isinstance(step, StoredTensor) and step.numel == 1:
         b.whole(key, step, "deepspeed per-group step")
-    elif isinstance(step, (int, float)):
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
         b.value(key, step)
+    elif step is not None:  # never dropped without a word
+        b.skip(f"{where}.step", f"an optimizer step that is not one number ({type(step).__name__}"
+               f"{f' of shape {list(step.shape)}' if isinstance(step, StoredTensor) else ''})",
+               step if isinstance(step, StoredTensor) else None)
 
 
 def _check_complete(b: _Builder) -> None:
