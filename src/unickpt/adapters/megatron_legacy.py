@@ -44,6 +44,10 @@ Reported as skipped, with the reason (ledger): per-rank RNG states, TransformerE
 follow a parameter-to-bucket map that the checkpoint does not store). Refused with a
 LayoutError: checkpoint versions before 3.0 (another QKV order), virtual pipeline chunks
 (``model0``, ``model1``), expert-parallel rank directories, uneven pipeline stages.
+Refused with a CorruptionError naming the file and the field: args or an optimizer state
+that contradict the rank files (parallel sizes that are not positive integers or do not
+match the rank directories, a stage not holding the layers ``num_layers`` gives it,
+optimizer groups or states of the wrong type).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptionError, LayoutError, NotACheckpointError
@@ -140,6 +145,15 @@ def _leaves(obj: Any, prefix: str) -> list[tuple[str, Any]]:
 
 def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
+
+
+def _parallel_size(args: argparse.Namespace, name: str, where: str) -> int:
+    """``args.<name>``, a tensor- or pipeline-parallel size (absent: 1): a positive int,
+    else CorruptionError naming the file and the field."""
+    v = _arg(args, name, 1)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise CorruptionError(f"{where}: args.{name} is {v!r:.40}, not a positive integer")
+    return v
 
 
 def _coords(**kw: int) -> "Coords":
@@ -257,6 +271,22 @@ def _tied_copy(local: str, args: argparse.Namespace, r: _Rank) -> bool:
     return tied and last and local in ("word_embeddings_for_head.weight", "output_layer.weight")
 
 
+def _check_stage_layers(rules: Rules, r: _Rank) -> None:
+    """The rank's stage holds the stage-local layers ``0..n-1`` its rules give its pipeline
+    stage (``args.num_layers`` split over the stages as the rules renumber them), else a
+    CorruptionError naming the file: layers would otherwise get wrong global numbers."""
+    for ren in (x for x in rules.renumber if x.axis == "pp"):
+        counts = ren.counts(r.coords.pp)
+        want, start = counts[r.coords.pp_rank], sum(counts[: r.coords.pp_rank])
+        found = {int(m.group(1)) for name, _ in _leaves(r.obj["model"], "") if (m := re.search(ren.pattern, name))}
+        if found != set(range(want)):
+            held = sorted(found)
+            raise CorruptionError(
+                f"{r.rel}: pipeline stage {r.coords.pp_rank} of {r.coords.pp} holds {len(held)} layers (stage-local "
+                f"{held[:8]}{' ...' if len(held) > 8 else ''}), but args.num_layers = {ren.total} gives it {want}"
+                f"{f' (global layers {start} to {start + want - 1})' if want else ''}: the args do not describe this checkpoint")
+
+
 def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank) -> list[tuple[str, str, StoredTensor]]:
     """The rank's model tensors as pieces; ``(local name, global name, tensor)`` of its
     parameters in model order (the optimizer's order)."""
@@ -274,6 +304,27 @@ def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank) -
         g = _place(b, rules, r, local, v, lambda n: f"model.{n}", f"model.{local}", _tied_copy(local, args, r))
         params.append((local, g or "", v))
     return params
+
+
+def _param_groups(groups: Any, field: str) -> list[dict[str, Any]]:
+    """The optimizer's ``param_groups`` (``field`` names where they are read; absent: none):
+    dicts whose ``params`` are lists of integer indices and whose ``weight_decay`` and
+    ``wd_mult`` are numbers; else a CorruptionError naming the file and the field."""
+    if groups is None:
+        return []
+    if not isinstance(groups, list):
+        raise CorruptionError(f"{field}.param_groups is of type {type(groups).__name__}, not a list")
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            raise CorruptionError(f"{field}.param_groups[{i}] is of type {type(g).__name__}, not a dict")
+        ids = g.get("params")
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
+            raise CorruptionError(f"{field}.param_groups[{i}].params is not a list of integer parameter indices "
+                                  f"({ids!r:.60})")
+        for key in ("weight_decay", "wd_mult"):
+            if key in g and (not isinstance(g[key], (int, float)) or isinstance(g[key], bool)):
+                raise CorruptionError(f"{field}.param_groups[{i}].{key} is {g[key]!r:.40}, not a number")
+    return groups
 
 
 def _groups_by_weight_decay(params: list[tuple[str, str, StoredTensor]], groups: list[dict[str, Any]],
@@ -333,21 +384,30 @@ def _read_optimizer(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Ran
             b.skip(f"{r.rel}:optimizer", f"an optimizer state of type {type(osd).__name__}: not read", osd)
         return
     inner = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd
-    groups = inner.get("param_groups") if isinstance(inner.get("param_groups"), list) else []
-    state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
+    field = f"{r.rel}: optimizer{'.optimizer' if inner is not osd else ''}"
+    groups = _param_groups(inner.get("param_groups"), field)
+    state = inner.get("state")
+    if state is None:
+        state = {}
+    elif not isinstance(state, dict):
+        raise CorruptionError(f"{field}.state is of type {type(state).__name__}, not a dict of per-parameter states")
     masters = osd.get("fp32_from_fp16_params")
     if r.coords.tp_rank == 0 and r.coords.pp_rank == 0:
-        b.value("optim.param_groups", [{k: v for k, v in g.items()} for g in groups if isinstance(g, dict)])
+        b.value("optim.param_groups", [dict(g) for g in groups])
         _grad_scaler(b, r, osd.get("grad_scaler"))
     elif "grad_scaler" in osd and stored_tensors(osd["grad_scaler"]):
         b.replica(f"{r.rel}:optimizer.grad_scaler", "the same loss scale on every rank (rank 0's is read)", osd["grad_scaler"])
     if not state and not masters:
         return
     where = f"{r.rel}:optimizer"
-    ordered = _groups_by_weight_decay(params, [g for g in groups if isinstance(g, dict)], where)
+    ordered = _groups_by_weight_decay(params, groups, where)
     for gi, (g, members) in enumerate(zip(groups, ordered)):
         for pos, (index, (local, _, p)) in enumerate(zip(g.get("params") or [], members)):
-            entries = dict(state.get(index) or {})
+            entries = state.get(index) or {}
+            if not isinstance(entries, dict):
+                raise CorruptionError(f"{field}.state[{index}] is of type {type(entries).__name__}, not a dict of the "
+                                      "parameter's state tensors")
+            entries = dict(entries)
             if isinstance(masters, list) and gi < len(masters) and isinstance(masters[gi], list) and pos < len(masters[gi]):
                 entries["fp32_param"] = masters[gi][pos]
             for key, v in entries.items():
@@ -425,11 +485,12 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
     if _arg(args, "decoder_first_pipeline_num_layers") or _arg(args, "decoder_last_pipeline_num_layers") \
             or _arg(args, "num_experts"):
         raise LayoutError(f"{where}: uneven pipeline stages or MoE layers in a legacy checkpoint are not supported")
-    tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
-    want = {(t, p) for t in range(tp) for p in range(pp)}
-    if set(dirs) != want:
+    tp, pp = _parallel_size(args, "tensor_model_parallel_size", where), _parallel_size(args, "pipeline_model_parallel_size", where)
+    if tp * pp != len(dirs) or any(t >= tp or p >= pp for t, p in dirs):
+        # never a set of tp * pp coordinates: the sizes are untrusted; at most len(dirs) + 4 visited
+        missing = list(islice(((t, p) for t in range(tp) for p in range(pp) if (t, p) not in dirs), 4))
         raise CorruptionError(f"{prefix or './'}: rank directories {sorted(dirs)} for tensor-parallel size {tp} and "
-                              f"pipeline size {pp} (missing: {sorted(want - set(dirs))[:4]})")
+                              f"pipeline size {pp} (from {where}; missing: {missing})")
     model = first.get("model")
     if not isinstance(model, dict):
         raise CorruptionError(f"{where}: no model state dict")
@@ -441,6 +502,7 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
         r = _Rank(rel, obj, _coords(tp=tp, tp_rank=t, pp=pp, pp_rank=p))
         if not isinstance(r.obj.get("model"), dict):
             raise CorruptionError(f"{rel}: no model state dict")
+        _check_stage_layers(rules, r)
         params = _read_model(b, rules, args, r)
         _read_optimizer(b, rules, args, r, params)
         _read_rest(b, r)

@@ -8,7 +8,9 @@ fragment of the same tensor, pieces, shape, dtype and block size. Equal: the new
 references the bytes where they lie (the base's file, or the file of the checkpoint the
 base references in turn: references are flattened, so a chain never has to be followed
 to read). The unit is a fragment (one tensor's shard on one rank): a tensor is written
-whole or not at all.
+whole or not at all. Opening the base checks that every file it may reference is there
+with the size its manifest records (one stat each, no byte read; a byte changed in place
+is caught by the CRC-32C checked on every read of the new checkpoint).
 
 Retention (:func:`prune`) deletes a checkpoint only when no kept checkpoint references it,
 newest first, each one manifest first: a kill at any point leaves every committed
@@ -20,14 +22,13 @@ from __future__ import annotations
 import os
 import posixpath
 import signal
-from typing import Any
 
 from ..adapters.detect import open_manifest
-from ..engine.bases import holder_dir, manifest_digest_on_disk
+from ..engine.bases import file_problems, holder_dir, manifest_digest_on_disk
 from ..engine.unchanged import BaseIndex, fragment_key
 from ..errors import SaveError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..format.refs import BaseRef, check_base_path, rebase, ref_key, split_key
+from ..format.refs import check_base_path, rebase, split_key
 from ..storage.local import remove_checkpoint
 from ..storage.open import is_remote
 
@@ -76,17 +77,22 @@ def open_base(base: str | os.PathLike, target: str | os.PathLike) -> BaseIndex:
             if entry is not None and len(entry.fragments) == 1 and entry.fragments[0].xxh3 is not None:
                 f = entry.fragments[0]
                 index.fragments[fragment_key(name, f.pieces, f.shape, entry.dtype, f.block_bytes, r)] = f
+    _check_base_files(os.fspath(base), index)
     return index
 
 
+def _check_base_files(base: str, index: BaseIndex) -> None:
+    """SaveError naming the first file that ``index`` may reference (the base's own, or
+    those of the checkpoints it references in turn) and that is missing or not the size
+    the base's manifest records: an unchanged fragment is referenced, not written, so the
+    new checkpoint would commit without bytes it needs. Called on every rank as it opens
+    the base: a failure is that rank's, and the commit fails the save on every rank."""
+    problems = file_problems(base, index.manifest, {f.file for f in index.fragments.values()})
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SaveError(f"base {base} cannot serve for an incremental save: {problems[0]}{more}; its unchanged "
+                        "fragments would be referenced there, not written (save without base=, or pick another base)")
 
-def merge_holders(manifest: Manifest, reports: list[dict[str, Any]]) -> None:
-    """Add the holders every rank referenced to the manifest being assembled."""
-    for rep in reports:
-        for p, d in rep.items():
-            ref = manifest.bases.setdefault(p, BaseRef(p, d["digest"], {}))
-            ref.files.update(d["files"])
-            manifest.files.update({ref_key(p, n): size for n, size in d["files"].items()})
 
 
 # ---------------------------------------------------------------- retention

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 from ..errors import CorruptionError, UnickptError
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.refs import split_key
 from ..storage.open import open_storage
 
 _TAIL = re.compile(rb',"digest":"(sha256:[0-9a-f]{64})"\}\s*\Z')
@@ -57,6 +59,32 @@ def base_problems(path: str | os.PathLike, manifest: Manifest) -> list[tuple[str
         elif found != ref.digest:
             out.append((base, f"base checkpoint {base} ({where}) was replaced: its manifest digest is {found[:23]}..., "
                               f"this checkpoint references {ref.digest[:23]}... ({n} fragment(s))"))
+    return out
+
+
+def file_problems(path: str | os.PathLike, manifest: Manifest, names: set[str]) -> list[str]:
+    """What is wrong with each of ``names`` (keys of ``manifest.files``: a file of the
+    checkpoint at ``path``, or ``holder/file`` of a checkpoint it references), sorted: it
+    is missing, or not the size the manifest records. One stat per file, no byte read: a
+    byte changed in place is left to the CRC-32C check of every read."""
+    out = []
+    for key in sorted(names):
+        holder, name = split_key(key)
+        where = os.path.join(os.fspath(path) if holder is None else holder_dir(path, holder), name)
+        expected = manifest.files.get(key)
+        try:
+            st = os.stat(where)
+        except FileNotFoundError:
+            out.append(f"data file {where} is missing")
+            continue
+        except OSError as e:
+            out.append(f"data file {where} cannot be examined ({type(e).__name__}: {e.strerror})")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            out.append(f"data file {where} is not a regular file")
+        elif expected is not None and st.st_size != expected:
+            out.append(f"data file {where} has {st.st_size} bytes, its manifest records {expected}"
+                       + (" (truncated)" if st.st_size < expected else ""))
     return out
 
 
