@@ -94,7 +94,6 @@ def _check_base_files(base: str, index: BaseIndex) -> None:
                         "fragments would be referenced there, not written (save without base=, or pick another base)")
 
 
-
 # ---------------------------------------------------------------- retention
 
 
