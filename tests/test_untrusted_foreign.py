@@ -112,6 +112,17 @@ def test_args_num_layers_must_match_each_stages_layers(tmp_path: Path, num_layer
     assert msg.startswith(f"{rel}: pipeline stage") and f"holds {held} layers" in msg and wanted in msg, msg
 
 
+@pytest.mark.parametrize("padded", [31, 16, 64])
+def test_args_padded_vocab_size_must_match_the_embeddings_rows(tmp_path: Path, padded: int) -> None:
+    """The vocabulary-parallel embedding holds padded_vocab_size / tp rows on each rank: args
+    that give fewer rows would have the rest taken for padding and dropped (31 and 16 were
+    read so), more would leave them unfilled."""
+    ckpt = _legacy(tmp_path, _arg("padded_vocab_size", padded))
+    with pytest.raises(CorruptionError, match=rf"^{R00}: .*word_embeddings.weight holds 16 rows on each of 2 "
+                                              rf"tensor-parallel rank\(s\), 32 in all, but args.padded_vocab_size = {padded}"):
+        open_manifest(str(ckpt))
+
+
 def test_a_stage_with_an_extra_layer_is_refused(tmp_path: Path) -> None:
     """A stage holding a layer past its share (``layers.5`` on stage 1 of a 4-layer model)."""
     qkv = "self_attention.query_key_value.weight"

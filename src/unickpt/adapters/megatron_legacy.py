@@ -287,6 +287,24 @@ def _check_stage_layers(rules: Rules, r: _Rank) -> None:
                 f"{f' (global layers {start} to {start + want - 1})' if want else ''}: the args do not describe this checkpoint")
 
 
+VOCAB_PARALLEL = ("word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
+
+
+def _check_vocab_rows(local: str, t: StoredTensor, args: argparse.Namespace, r: _Rank) -> None:
+    """A vocabulary-parallel tensor (the embedding, the output layer) holds
+    ``padded_vocab_size / tp`` rows on each tensor-parallel rank, as Megatron splits it;
+    else a CorruptionError naming the file: the rows past the size the args give would be
+    taken for padding and dropped."""
+    if not local.endswith(VOCAB_PARALLEL) or not t.shape:
+        return
+    padded = _arg(args, "padded_vocab_size")
+    if isinstance(padded, int) and not isinstance(padded, bool) and t.shape[0] * r.coords.tp != padded:
+        raise CorruptionError(
+            f"{r.rel}: {local} holds {t.shape[0]} rows on each of {r.coords.tp} tensor-parallel rank(s), "
+            f"{t.shape[0] * r.coords.tp} in all, but args.padded_vocab_size = {padded}: the args do not describe this "
+            "checkpoint")
+
+
 def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank) -> list[tuple[str, str, StoredTensor]]:
     """The rank's model tensors as pieces; ``(local name, global name, tensor)`` of its
     parameters in model order (the optimizer's order)."""
@@ -301,6 +319,7 @@ def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank) -
             if v is not None:
                 b.skip(f"{r.rel}:model.{local}", f"a {type(v).__name__} among the model's tensors: not read", v)
             continue
+        _check_vocab_rows(local, v, args, r)
         g = _place(b, rules, r, local, v, lambda n: f"model.{n}", f"model.{local}", _tied_copy(local, args, r))
         params.append((local, g or "", v))
     return params
