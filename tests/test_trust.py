@@ -34,6 +34,34 @@ def test_no_whole_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     run_forked(every_checkpoint_corrupt_is_an_error, 2, str(tmp_path / "ckpt"))
 
 
+@pytest.mark.parametrize("damage", ["data file deleted", "base deleted"])
+def test_checkpoints_of_which_none_is_whole_are_an_error_not_a_fresh_start(tmp_path, damage):
+    """The only checkpoints have a file missing (the newest's own, or the full checkpoint an
+    incremental one references): restore names them; it used to start fresh at step 0
+    (latest() found nothing whole) and the run's progress was lost without a word."""
+    import shutil
+
+    import torch
+
+    import unickpt
+
+    root = tmp_path / "ckpt"
+    state = {"w": torch.arange(8.0), "frozen": torch.ones(8)}  # an incremental save references the frozen bytes
+    manager = unickpt.CheckpointManager(str(root), save_every=1, incremental=damage == "base deleted", full_every=2)
+    manager.restore(state)
+    for step in (1, 2):
+        state["w"][0] = step
+        manager.maybe_save(state, step)
+    manager.close()
+    if damage == "data file deleted":
+        shutil.rmtree(root / "step_00000001")
+        (root / "step_00000002" / "rank_00000.safetensors").unlink()
+    else:
+        shutil.rmtree(root / "step_00000001")  # the full checkpoint step 2 references
+    with pytest.raises(unickpt.CorruptionError, match=r"no checkpoint under .* could be loaded: .*step_00000002"):
+        unickpt.CheckpointManager(str(root), save_every=1).restore({"w": torch.zeros(8), "frozen": torch.zeros(8)})
+
+
 def test_a_state_entry_that_can_never_be_saved_is_refused_at_restore(tmp_path):
     import pytest
     import torch

@@ -236,7 +236,9 @@ class CheckpointManager(Checkpoints):
         self._start()
         kept: list[str] = []
         plan = self._deltas.plan() if self._deltas is not None else None
-        latest = decided_by_rank0(group, lambda: (self.latest() or "").encode()).decode() or None
+        # the newest whole checkpoint; else the newest committed one, so that checkpoints there
+        # of which none loads are an error naming each (never a silent fresh start)
+        latest = decided_by_rank0(group, lambda: (self.latest() or self._newest_committed() or "").encode()).decode() or None
         disk_step = plan.step if plan is not None and plan.usable else (step_of(latest) if latest else None)
         if self._snap is None:
             got = self._durable(state, plan, latest, kept)
@@ -503,10 +505,15 @@ class CheckpointManager(Checkpoints):
             return step, replay_line(plan)
         if latest is None:
             return None
-        path = self._load_disk(state, None, kept)  # the newest whole one, each failing one passed over
+        path = self._load_disk(state, None, kept)  # the newest whole one, each failing one passed over; none: an error
         if path is None:  # gone since latest() listed it
             return None
         return step_of(path), path + "".join(f"; passed over {why}" for why in self.passed_over)
+
+    def _newest_committed(self) -> str | None:
+        """The newest committed checkpoint of either tier, whole or not (None: none)."""
+        candidates = self._candidates()
+        return candidates[0][1][0][1] if candidates else None
 
     def _nothing_on_disk(self, plan: Replay | None) -> str:
         notes = "; ".join(plan.notes) if plan is not None and plan.notes else ""
