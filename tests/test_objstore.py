@@ -236,6 +236,38 @@ def test_two_tier_manager_falls_back_to_the_object_store(s3, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_hung_durable_tier_never_stalls_the_loop(tmp_path):
+    """The object store stops answering (SIGSTOP: connections open, no byte moves) while
+    step 2 is copied: the save of step 3, due for a copy too, returns at once and skips it
+    (the loop used to wait for the copy before, for as long as the store hung: minutes);
+    once the store answers again the copy of step 2 completes, and step 4 is copied."""
+    server = S3Server()
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        opts = {"endpoint_url": server.url, "key": "testing", "secret": "testing"}
+        manager = unickpt.CheckpointManager(tmp_path / "fast", durable=f"s3://{BUCKET}/hung", durable_every=1,
+                                            durable_storage_options=opts)
+        manager.save(_state(1), 1)
+        manager.wait()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            manager.save(_state(2), 2)  # its copy starts, and hangs
+            t0 = time.monotonic()
+            manager.save(_state(3), 3)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert took < 5, f"the save of step 3 waited {took:.1f} s for the durable tier"
+        assert manager.durable_skipped == [3]
+        manager.wait()
+        manager.save(_state(4), 4)
+        manager.wait()
+        assert manager.durable_errors == [] and manager.durable.steps() == [1, 2, 4]
+    finally:
+        server.kill()
+
+
+@pytest.mark.multiprocess
 def test_trainer_on_s3_and_resume_from_the_durable_tier(s3, tmp_path):
     out = tmp_path / "runs.json"
     run_ranks(tiered_training, 1, s3.env(), str(tmp_path / "local"), f"s3://{BUCKET}/trainer", str(out), preload=PRELOAD)

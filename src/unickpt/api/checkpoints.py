@@ -55,7 +55,9 @@ class Checkpoints:
     whole checkpoint of either tier; ``load`` prefers the fast tier's copy and falls back
     to the durable one when the fast copy is missing or fails its checksums, saying so
     (a :class:`TierFallbackWarning` and a log line). A failed copy is logged and kept in
-    ``durable_errors``; ``wait()`` waits for the copy in flight.
+    ``durable_errors``; a copy due while the one before is still running (a store slower
+    than the saves) is skipped, never waited for, logged and kept in ``durable_skipped``;
+    ``wait()`` waits for the copy in flight.
 
     ``incremental=True``: every save after the first is incremental against the latest
     valid checkpoint (only changed fragments are written, the others referenced), and
@@ -114,6 +116,7 @@ class Checkpoints:
         tier = self.options.durable
         self.durable = Tier(tier.url, tier.keep, tier.storage_options) if tier is not None else None
         self.durable_errors: list[BaseException] = []
+        self.durable_skipped: list[int] = []  # steps due to be copied while the copy before was still running
         self._saves = 0
         self._copy: threading.Thread | None = None
         self._copying: int | None = None
@@ -210,12 +213,17 @@ class Checkpoints:
         """Rank 0, once the checkpoint of ``step`` is committed in the fast tier: start its
         copy to the durable tier when due, apply retention, clean what killed saves left."""
         self._saves += 1
-        pinned = {self._copying} if self._copying is not None else set()
         tier = self.options.durable
         if self.durable is not None and tier is not None and self._saves % tier.every == 0:
-            self.wait()
-            pinned = {step}
-            self._start_copy(self.path_for(step), step)
+            if self._copy is not None and self._copy.is_alive():  # the loop never waits for the durable tier
+                self.durable_skipped.append(step)
+                log.warning("unickpt: step %d is not copied to the durable tier %s: the copy of step %d is still "
+                            "running (the store is slower than one copy every %d checkpoint(s); the next due copy "
+                            "takes the newest)", step, self.durable.root, self._copying, tier.every)
+            else:
+                self.wait()
+                self._start_copy(self.path_for(step), step)
+        pinned = {self._copying} if self._copying is not None else set()
         if self.fast.remote or self.durable is not None:
             self.fast.apply_retention(pinned)
             self.fast.clean_leftovers({step})  # what saves killed midway left: their space comes back

@@ -409,7 +409,8 @@ class CheckpointManager(Checkpoints):
             ``saves`` committed and ``saves_failed``, ``snapshots`` taken,
             ``snapshots_skipped`` (the keepers still encoding earlier ones) and
             ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
-            ``delta_steps_missed``, ``durable_copies_failed``, ``stall_s`` (seconds the loop
+            ``delta_steps_missed``, ``durable_copies_failed`` and ``durable_copies_skipped``
+            (due while the one before was still running), ``stall_s`` (seconds the loop
             spent in ``before_update`` and ``maybe_save``), ``snapshot_stall_s`` (of which
             the snapshots'), ``last_error`` and ``last_save`` (the last durable save's
             :class:`~unickpt.api.stats.SaveRecord` as a dict: step, path, mode, seconds,
@@ -420,7 +421,7 @@ class CheckpointManager(Checkpoints):
         out = self.run_stats.as_dict()
         out.update(snapshots=snap.taken if snap else 0, snapshots_skipped=snap.skipped if snap else 0,
                    delta_entries=self._deltas.log.stats["entries"] if self._deltas else 0,
-                   durable_copies_failed=len(self.durable_errors))
+                   durable_copies_failed=len(self.durable_errors), durable_copies_skipped=len(self.durable_skipped))
         out["snapshot_stall_s"] = snap.stall_s if snap else 0.0
         if snap is not None:
             out["snapshots_failed"] += len(snap.failures)

@@ -90,6 +90,10 @@ def filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
         raise StorageError(f"{url}: the {protocol}:// file system needs a package that is not installed ({e})") from None
     except Exception as e:
         raise StorageError(f"{url}: cannot open storage: {type(e).__name__}: {e}") from None
+    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+        # botocore's 3 attempts only: s3fs's own 5 on top of them held a request to a store
+        # that stops answering for 5 x 3 x read_timeout (15 min), this about 3 min
+        fs.retries = 1
     return fs, path.rstrip("/")
 
 
