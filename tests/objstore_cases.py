@@ -152,7 +152,11 @@ class ThrottledProxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:  # the server is gone: the client hears it at once, never waits for a timeout
+                client.close()
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -173,4 +177,8 @@ class ThrottledProxy:
 
     def close(self) -> None:
         """Stop accepting (connections in flight end with their peers)."""
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (Linux)
+        except OSError:
+            pass
         self.server.close()

@@ -97,6 +97,26 @@ def test_subcommand_help() -> None:
     assert "--threads" in r.stdout and "PATH" in r.stdout
 
 
+def test_help_summary_names_every_command_and_export_lists_every_dtype_it_takes() -> None:
+    """The top-level summary named 5 of the 8 commands; ``export --help`` listed bf16, fp16
+    and fp32 while fp64 is accepted too (and named by the error)."""
+    import typer.main
+
+    from unickpt.adapters.hf_export import parse_dtype
+
+    r = invoke("--help")
+    summary = " ".join(r.stdout.split("Options:")[0].split())
+    commands = typer.main.get_command(app).commands
+    assert [n for n, c in commands.items() if not c.hidden and not re.search(rf"\b{n}\b", summary)] == [], summary
+    help_text = " ".join(invoke("export", "--help").stdout.split())
+    listed = re.search(r"Cast floating tensors: (.*?) \(default", help_text).group(1).replace(" or ", ", ").split(", ")
+    assert listed == ["bf16", "fp16", "fp32", "fp64"], help_text
+    assert all(parse_dtype(d) for d in listed)
+    with pytest.raises(unickpt.UnickptError) as e:
+        parse_dtype("int8")
+    assert re.search(r"known: (.*)\)", str(e.value)).group(1).split(", ") == listed
+
+
 # ------------------------------------------------------------------ inspect
 
 

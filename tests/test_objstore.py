@@ -172,6 +172,47 @@ def test_server_gone_mid_load_is_a_clear_error():
 
 
 @pytest.mark.multiprocess
+def test_server_gone_mid_save_reports_the_upload_error_not_the_cleanup(caplog):
+    """The server goes away while a data file is uploaded in parts (behind a throttled
+    proxy, so that the upload is still open): the save's error is the upload's; the
+    removal of the partial file, failing too, used to replace it ("remove failed") and is
+    now a warning."""
+    from objstore_cases import ThrottledProxy
+
+    server = S3Server()
+    proxy = ThrottledProxy(server.port, 16e6)
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        opts = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing",
+                "config_kwargs": {"retries": {"max_attempts": 1}}}  # a refused connection fails at once
+        url = f"s3://{BUCKET}/gone/step_2"
+        failure: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                unickpt.save({"w": torch.randn(16 << 20)}, url, storage_options=opts)  # 64 MiB: 4 parts, ~4 s
+            except BaseException as e:  # noqa: BLE001  (looked at below)
+                failure.append(e)
+
+        thread = threading.Thread(target=save)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not _uploads(server, "gone/step_2/"):
+            assert time.monotonic() < deadline and thread.is_alive(), f"the upload never started: {failure}"
+            time.sleep(0.02)
+        proxy.close()  # first: no connection is accepted that the dead server would leave hanging
+        server.kill()
+        thread.join(120)
+        assert not thread.is_alive() and failure, "the save must fail"
+        text = str(failure[0])
+        assert isinstance(failure[0], unickpt.SaveError) and "upload" in text and "remove failed" not in text, text
+        assert "could not remove its partial file" in caplog.text and "remove failed" in caplog.text, caplog.text
+    finally:
+        proxy.close()
+        server.kill()
+
+
+@pytest.mark.multiprocess
 def test_cli_inspect_and_verify_on_s3(s3):
     from typer.testing import CliRunner
 
@@ -191,6 +232,26 @@ def test_cli_inspect_and_verify_on_s3(s3):
     assert r.exit_code == 0 and "OK" in r.output, r.output
     r = CliRunner().invoke(app, ["verify", f"s3://{BUCKET}/cli/missing"])
     assert r.exit_code == 2 and "error:" in r.output and "not a committed unickpt checkpoint" in r.output, r.output
+
+
+@pytest.mark.multiprocess
+def test_convert_to_dcp_from_s3(s3, tmp_path):
+    """``convert s3://... LOCAL --to dcp`` used to fail with an internal AttributeError (the
+    same-location check resolved the URL source as a path): a URL source is written out;
+    the destination is still refused when it is the (local) source itself."""
+    from typer.testing import CliRunner
+
+    from unickpt.adapters.dcp_writer import write_dcp
+    from unickpt.cli import app
+
+    url, dst = f"s3://{BUCKET}/todcp/step_1", tmp_path / "dcp"
+    w = torch.randn(6, 4)
+    unickpt.save({"w": w, "step": 1}, url)
+    r = CliRunner().invoke(app, ["convert", url, str(dst), "--to", "dcp"])
+    assert r.exit_code == 0, r.output
+    assert (dst / ".metadata").is_file() and torch.equal(unickpt.load_tensor(str(dst), "w"), w)
+    with pytest.raises(unickpt.SaveError, match="destination must differ from the source"):
+        write_dcp(str(dst), str(tmp_path / "." / "dcp"), overwrite=True)
 
 
 def _state(step: int) -> dict:
@@ -238,14 +299,15 @@ def test_two_tier_manager_falls_back_to_the_object_store(s3, tmp_path):
 @pytest.mark.multiprocess
 def test_a_hung_durable_tier_never_stalls_the_loop(tmp_path):
     """The object store stops answering (SIGSTOP: connections open, no byte moves) while
-    step 2 is copied: the save of step 3, due for a copy too, returns at once and skips it
+    step 2 is copied: the saves of steps 3 and 4, each due for a copy too, return at once
     (the loop used to wait for the copy before, for as long as the store hung: minutes);
-    once the store answers again the copy of step 2 completes, and step 4 is copied."""
+    step 3's copy, queued, gives way to step 4's; once the store answers again the copies
+    of steps 2 and 4 complete, and the fast tier's retention lets step 2 go."""
     server = S3Server()
     try:
         server.client().create_bucket(Bucket=BUCKET)
         opts = {"endpoint_url": server.url, "key": "testing", "secret": "testing"}
-        manager = unickpt.CheckpointManager(tmp_path / "fast", durable=f"s3://{BUCKET}/hung", durable_every=1,
+        manager = unickpt.CheckpointManager(tmp_path / "fast", keep=2, durable=f"s3://{BUCKET}/hung", durable_every=1,
                                             durable_storage_options=opts)
         manager.save(_state(1), 1)
         manager.wait()
@@ -254,15 +316,16 @@ def test_a_hung_durable_tier_never_stalls_the_loop(tmp_path):
             manager.save(_state(2), 2)  # its copy starts, and hangs
             t0 = time.monotonic()
             manager.save(_state(3), 3)
+            manager.save(_state(4), 4)
             took = time.monotonic() - t0
+            assert manager.steps() == [2, 3, 4]  # step 2 kept while it is copied
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
-        assert took < 5, f"the save of step 3 waited {took:.1f} s for the durable tier"
+        assert took < 5, f"the saves of steps 3 and 4 waited {took:.1f} s for the durable tier"
         assert manager.durable_skipped == [3]
         manager.wait()
-        manager.save(_state(4), 4)
-        manager.wait()
         assert manager.durable_errors == [] and manager.durable.steps() == [1, 2, 4]
+        assert manager.steps() == [3, 4]
     finally:
         server.kill()
 

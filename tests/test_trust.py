@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -136,6 +137,43 @@ def test_inspect_on_a_manager_root_lists_its_checkpoints(tmp_path):
         (True, True), (True, False), (True, True), (False, None)]
     r = CliRunner().invoke(app, ["inspect", str(tmp_path / "empty")])
     assert r.exit_code == 2
+
+
+def test_inspect_on_a_manager_root_checks_the_files_an_incremental_checkpoint_references(tmp_path):
+    """``inspect ROOT`` used to report every incremental checkpoint as not whole (each
+    ``../step_X/file`` it references "missing") and name an older one as the newest whole,
+    while the manager resumed the incremental one: the referenced files are looked up in
+    their holder; a holder's file gone makes the incremental checkpoint not whole."""
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    import unickpt
+    from unickpt.cli import app
+
+    root = tmp_path / "ckpt"
+    state = {"w": torch.arange(8.0), "frozen": torch.ones(1024)}  # the frozen bytes are referenced, not written
+    manager = unickpt.CheckpointManager(str(root), save_every=1, incremental=True, full_every=2)
+    for step in (1, 2):
+        state["w"][0] = step
+        manager.maybe_save(state, step)
+    manager.close()
+    assert unickpt.read_manifest(str(root / "step_00000002")).bases  # incremental indeed
+    assert manager.latest() == str(root / "step_00000002")
+
+    def rows() -> dict:
+        r = CliRunner().invoke(app, ["inspect", "--json", str(root)])
+        assert r.exit_code == 0, r.output
+        return {c["name"]: c for c in json.loads(r.output)["checkpoints"]}
+
+    assert [(c["whole"], c["problem"]) for c in rows().values()] == [(True, None), (True, None)]
+    r = CliRunner().invoke(app, ["inspect", str(root)], env={"COLUMNS": "250", "NO_COLOR": "1"})
+    assert "2, 2 committed and whole" in r.output and "newest whole: step_00000002" in r.output, r.output
+    (root / "step_00000001" / "rank_00000.safetensors").unlink()  # the file step 2 references
+    got = rows()
+    assert [c["whole"] for c in got.values()] == [False, False]
+    assert re.search(r"data file .*step_00000001/rank_00000\.safetensors is missing", got["step_00000002"]["problem"])
 
 
 @pytest.mark.multiprocess

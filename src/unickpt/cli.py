@@ -6,7 +6,8 @@ Each command is a thin layer over the library (``unickpt.read_manifest``,
 1 means "ran fine, and the answer is no" (a corrupt checkpoint, a failed demo check).
 
 Each command is a function here, registered with ``@app.command`` and wrapped in
-``@_errors``: ``inspect``, ``verify``, ``convert``, ``export``, ``demo``.
+``@_errors``: ``inspect``, ``verify``, ``convert``, ``export``, ``store``, ``snapshots``,
+``demo``; ``launch`` comes from :mod:`unickpt.live.launch_cli`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="unickpt",
-    help="Universal checkpoints for distributed PyTorch: inspect, verify, convert, export, demo.",
+    help="Universal checkpoints for distributed PyTorch: inspect, verify, convert, export; launch, store, snapshots (live recovery); demo.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -109,7 +110,7 @@ def _root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    """Universal checkpoints for distributed PyTorch: inspect, verify, convert, export, demo."""
+    """Universal checkpoints for distributed PyTorch: inspect, verify, convert, export; launch, store, snapshots (live recovery); demo."""
 
 
 # ---------------------------------------------------------------- helpers
@@ -634,7 +635,7 @@ def export_cmd(
     fmt: Annotated[str, typer.Option("--format", help="Output format: hf (Hugging Face safetensors).")] = "hf",
     max_shard_size: Annotated[str, typer.Option(help="Largest shard: bytes, or e.g. 500MB, 5GB, 2GiB.")] = "5GB",
     dtype: Annotated[
-        str | None, typer.Option(help="Cast floating tensors: bf16, fp16 or fp32 (default: as saved).", show_default=False)
+        str | None, typer.Option(help="Cast floating tensors: bf16, fp16, fp32 or fp64 (default: as saved).", show_default=False)
     ] = None,
     names: Annotated[str, typer.Option(help="Name mapping: auto (the first of llama, mixtral, megatron-llama that every "
                                             "name fits), llama, mixtral, megatron-llama, keep.")] = "auto",

@@ -52,7 +52,7 @@ from ..engine.reads import Scratch
 from ..engine.byte_reads import check_whole
 from ..engine.tensor_reads import aligned, batches, read_tensors
 from ..storage.local import FileWriter
-from ..storage.open import open_storage
+from ..storage.open import is_remote, open_storage, same_location
 from ..storage.files import cleans_up_output
 from ..storage.output import begin_output
 from .dcp import DATA_SUFFIX, METADATA_NAME
@@ -164,7 +164,8 @@ def _write_dcp(ckpt: OpenCheckpoint, dst: str, buffer_bytes: int, threads: int, 
     from torch.distributed.checkpoint import metadata as dcp_md
 
     manifest, source, old = ckpt.manifest, ckpt.storage, open_storage(dst)
-    if old.root.resolve() == source.root.resolve():
+    # a local source is its directory; a URL is never the same location as a local dst
+    if same_location(ckpt.location if is_remote(source) else source.root, dst):
         raise SaveError("write_dcp: the destination must differ from the source")
     if old.exists(MANIFEST_NAME):
         raise SaveError(f"{dst} holds a unickpt checkpoint (manifest.json); write the DCP checkpoint elsewhere")

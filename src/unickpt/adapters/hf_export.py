@@ -76,7 +76,7 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_dtype(text: str | None) -> str | None:
-    """The safetensors dtype name of ``bf16`` / ``fp16`` / ``fp32`` (and their long names)."""
+    """The safetensors dtype name of ``bf16`` / ``fp16`` / ``fp32`` / ``fp64`` (and their long names)."""
     if text is None:
         return None
     try:

@@ -55,9 +55,10 @@ class Checkpoints:
     whole checkpoint of either tier; ``load`` prefers the fast tier's copy and falls back
     to the durable one when the fast copy is missing or fails its checksums, saying so
     (a :class:`TierFallbackWarning` and a log line). A failed copy is logged and kept in
-    ``durable_errors``; a copy due while the one before is still running (a store slower
-    than the saves) is skipped, never waited for, logged and kept in ``durable_skipped``;
-    ``wait()`` waits for the copy in flight.
+    ``durable_errors``. The loop never waits for the durable tier: a copy due while the one
+    before is still running is queued behind it, and when a newer one is due before its
+    turn it is skipped for the newer (a store slower than the saves), logged and kept in
+    ``durable_skipped``; ``wait()`` waits for the copies in flight and queued.
 
     ``incremental=True``: every save after the first is incremental against the latest
     valid checkpoint (only changed fragments are written, the others referenced), and
@@ -116,7 +117,10 @@ class Checkpoints:
         tier = self.options.durable
         self.durable = Tier(tier.url, tier.keep, tier.storage_options) if tier is not None else None
         self.durable_errors: list[BaseException] = []
-        self.durable_skipped: list[int] = []  # steps due to be copied while the copy before was still running
+        self.durable_skipped: list[int] = []  # steps due to be copied, superseded by a newer one before their turn
+        self._queued: int | None = None  # the step whose copy waits for the one running (the newest due)
+        self._copy_running = False  # a copy thread is at work (set under _copy_lock when it stops)
+        self._copy_lock = threading.Lock()
         self._saves = 0
         self._copy: threading.Thread | None = None
         self._copying: int | None = None
@@ -211,19 +215,24 @@ class Checkpoints:
 
     def committed(self, step: int) -> None:
         """Rank 0, once the checkpoint of ``step`` is committed in the fast tier: start its
-        copy to the durable tier when due, apply retention, clean what killed saves left."""
+        copy to the durable tier when due (queued behind a copy still running: the loop
+        never waits for the durable tier), apply retention, clean what killed saves left."""
         self._saves += 1
         tier = self.options.durable
         if self.durable is not None and tier is not None and self._saves % tier.every == 0:
-            if self._copy is not None and self._copy.is_alive():  # the loop never waits for the durable tier
-                self.durable_skipped.append(step)
-                log.warning("unickpt: step %d is not copied to the durable tier %s: the copy of step %d is still "
-                            "running (the store is slower than one copy every %d checkpoint(s); the next due copy "
-                            "takes the newest)", step, self.durable.root, self._copying, tier.every)
-            else:
+            with self._copy_lock:
+                running = self._copy_running  # its thread ends only after it found nothing queued, under the lock
+                if running:
+                    if self._queued is not None:  # superseded before its turn: the newest goes instead
+                        self.durable_skipped.append(self._queued)
+                        log.warning("unickpt: step %d is not copied to the durable tier %s: step %d is due before the "
+                                    "copy of step %d ended (the store is slower than the saves)", self._queued,
+                                    self.durable.root, step, self._copying)
+                    self._queued = step
+            if not running:
                 self.wait()
-                self._start_copy(self.path_for(step), step)
-        pinned = {self._copying} if self._copying is not None else set()
+                self._start_copy(step)
+        pinned = {s for s in (self._copying, self._queued) if s is not None}
         if self.fast.remote or self.durable is not None:
             self.fast.apply_retention(pinned)
             self.fast.clean_leftovers({step})  # what saves killed midway left: their space comes back
@@ -256,29 +265,42 @@ class Checkpoints:
                 out.append(path)
         return out
 
-    def _start_copy(self, path: str, step: int) -> None:
+    def _start_copy(self, step: int) -> None:
+        """Copy ``step``'s checkpoint to the durable tier in a thread, then each step queued
+        meanwhile (:meth:`committed`), the newest one."""
         durable = self.durable
         assert durable is not None
-        self._copying = step
+        self._copying, self._copy_running = step, True
 
         def run() -> None:
-            try:
-                durable.copy_in(path, step, src_options=self.fast.storage_options)
-                durable.apply_retention()
-                durable.clean_leftovers()
-                log.info("unickpt: copied step %d to the durable tier %s", step, durable.path_for(step))
-            except BaseException as e:  # noqa: BLE001  (kept for the caller; training goes on)
-                self.durable_errors.append(e)
-                log.warning("unickpt: copying step %d to the durable tier %s failed: %s", step, durable.root, e)
+            step = self._copying
+            while step is not None:
+                try:
+                    durable.copy_in(self.path_for(step), step, src_options=self.fast.storage_options)
+                    durable.apply_retention()
+                    durable.clean_leftovers()
+                    log.info("unickpt: copied step %d to the durable tier %s", step, durable.path_for(step))
+                except BaseException as e:  # noqa: BLE001  (kept for the caller; training goes on)
+                    self.durable_errors.append(e)
+                    log.warning("unickpt: copying step %d to the durable tier %s failed: %s", step, durable.root, e)
+                with self._copy_lock:
+                    step, self._queued = self._queued, None
+                    if step is not None:
+                        self._copying = step
+                    else:
+                        self._copy_running = False
 
         self._copy = threading.Thread(target=run, name=f"unickpt-durable-copy-{step}", daemon=True)
         self._copy.start()
 
     def wait(self) -> None:
-        """Wait for the copy to the durable tier in flight, if any."""
+        """Wait for the copies to the durable tier in flight (and queued), if any; then
+        the fast tier's retention, which kept them while they were copied."""
         if self._copy is not None:
             self._copy.join()
             self._copy, self._copying = None, None
+            if self.durable is not None:
+                self.fast.apply_retention(set())
 
     def load(self, state_dict: dict[str, Any], path: str | None = None, **kwargs: Any) -> str | None:
         """Load ``path`` (default: the newest whole checkpoint of either tier) into

@@ -410,7 +410,7 @@ class CheckpointManager(Checkpoints):
             ``snapshots_skipped`` (the keepers still encoding earlier ones) and
             ``snapshots_failed``, ``delta_entries`` written, ``delta_entries_failed`` and
             ``delta_steps_missed``, ``durable_copies_failed`` and ``durable_copies_skipped``
-            (due while the one before was still running), ``stall_s`` (seconds the loop
+            (superseded by a newer one while the copy before ran), ``stall_s`` (seconds the loop
             spent in ``before_update`` and ``maybe_save``), ``snapshot_stall_s`` (of which
             the snapshots'), ``last_error`` and ``last_save`` (the last durable save's
             :class:`~unickpt.api.stats.SaveRecord` as a dict: step, path, mode, seconds,

@@ -14,9 +14,11 @@ from typing import Any
 from ..errors import UnickptError
 from ..format.index import INDEX_NAME
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.refs import split_key
 from ..storage.local import LocalStorage, list_subdirs, remove_checkpoint
 from ..storage.open import is_remote, local_path, open_storage
 from ..storage.transaction import remove_abandoned
+from ..engine.bases import file_problems
 from ..engine.commit import checkpoint_file, claim
 
 STEP = re.compile(r"^step_(\d+)$")
@@ -181,9 +183,11 @@ def copy_file(source: Any, out: Any, name: str, size: int, chunk: int = 16 << 20
 def describe_root(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The ``step_*`` checkpoints under a manager's ``root``, oldest first, committed or
     not: ``name``, ``step``, ``committed`` (its manifest is there), ``whole`` (every file
-    the manifest lists is there at its size; None when not committed), ``files``,
-    ``bytes`` (of the files present) and ``problem`` (why it is not whole or not
-    committed, else None). Sizes only: ``unickpt verify`` re-checks every checksum."""
+    the manifest lists is there at its size, those of the base checkpoints an incremental
+    checkpoint references too, and each base is still the checkpoint referenced; None when
+    not committed), ``files``, ``bytes`` (of its own files present) and ``problem`` (why
+    it is not whole or not committed, else None). Sizes only: ``unickpt verify``
+    re-checks every checksum."""
     from .load import read_manifest
 
     tier = Tier(root, storage_options=storage_options)
@@ -197,11 +201,20 @@ def describe_root(root: str, storage_options: dict[str, Any] | None = None) -> l
                "bytes": sum(sizes.values()), "problem": None if done else "not committed (a save in progress, or killed)"}
         if done:
             try:
-                manifest = read_manifest(tier.path_for(step), storage_options)
-                bad = [f"{f}: {sizes.get(f, 0)} of {n} bytes" if f in sizes else f"{f} missing"
-                       for f, n in manifest.files.items() if sizes.get(f) != n]
-                row["whole"], row["problem"] = not bad, "; ".join(bad) or None
+                manifest = read_manifest(tier.path_for(step), storage_options)  # its bases too: there, not replaced
+                row["whole"], row["problem"] = _whole(tier.path_for(step), manifest, sizes)
             except (UnickptError, OSError) as e:
                 row["whole"], row["problem"] = False, str(e).splitlines()[0]
         out.append(row)
     return out
+
+
+def _whole(path: str, manifest: Manifest, sizes: dict[str, int]) -> tuple[bool, str | None]:
+    """(whole, why not) of the committed checkpoint at ``path``: its own files against
+    ``sizes`` (those listed there), and the files of the checkpoints it references
+    (``holder/file`` keys of an incremental checkpoint, local only) each stat-ed."""
+    own = {f: n for f, n in manifest.files.items() if split_key(f)[0] is None}
+    bad = [f"{f}: {sizes.get(f, 0)} of {n} bytes" if f in sizes else f"{f} missing"
+           for f, n in own.items() if sizes.get(f) != n]
+    bad += file_problems(path, manifest, set(manifest.files) - set(own))
+    return not bad, "; ".join(bad) or None

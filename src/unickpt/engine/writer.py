@@ -20,6 +20,7 @@ from ..format.checksum import block_sums, identity
 from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment
 from ..format.safetensors_header import Entry, build_header
+from ..logs import log
 from ..plan.save_plan import write_chunks
 from ..storage.local import LocalStorage
 from .items import TensorItem
@@ -118,15 +119,16 @@ class DataFileWriter:
 
     def abort(self) -> None:
         """Close without making anything durable and remove the file (after a failure:
-        a partial file must not keep its space)."""
-        try:
-            self._file.close(durable=False)
-        except OSError:
-            pass
-        try:
-            self._storage.remove(self.name)
-        except OSError:
-            pass
+        a partial file must not keep its space). Never raises: the caller's error (why
+        the save failed) is the one to report; a cleanup that fails too (the store gone,
+        a read-only directory) is logged as a warning and leaves the file behind."""
+        for what, step in (("close", lambda: self._file.close(durable=False)),
+                           ("remove", lambda: self._storage.remove(self.name))):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001  (any error of the cleanup: never the one raised)
+                log.warning(f"unickpt: the failed save could not {what} its partial file {self.path}: "
+                            f"{type(e).__name__}: {e}")
 
 
 def os_error_text(e: OSError) -> str:

@@ -215,7 +215,12 @@ class Rules:
         return local_name
 
     def local_name(self, global_name: str, coords: Coords) -> str | None:
-        """The stage-local name of a global name on this rank (None: another rank holds it)."""
+        """The stage-local name of a global name on this rank: the inverse of
+        :meth:`global_name`, each index a :class:`Renumber` map matches (a layer, a local
+        expert) made local; None when such an index belongs to another rank. A name no map
+        matches (``norm.weight``, ``tok_embeddings.weight``) is returned as it is on every
+        rank: whether this rank's stage holds it is its rule's ``stages``, which
+        ``rules.find(name)[1].expected_on(coords)`` tells (False: not on this stage)."""
         for r in reversed(self.renumber):
             got = r.to_local(global_name, coords)
             if got is None:
