@@ -12,10 +12,10 @@ step ``s`` it writes one entry of the :class:`~unickpt.api.deltas.log.DeltaLog` 
 * everything else of the state that is not the optimizers' own (their parameters and
   moments move only through ``optimizer.step()``): plain values, per-rank values, every
   Stateful's small state (LR schedulers, data loaders, :class:`unickpt.RNGState`), and
-  every other tensor the step changed in place (module buffers such as batch-norm
-  statistics, an EMA copy kept in the state), told apart from untouched ones (frozen
-  weights) by torch's version counter, so an entry holds only what moved since the full
-  checkpoint it replays onto.
+  every module buffer (batch norm updates its statistics without bumping their version
+  counter), and every other tensor the step changed in place (an EMA copy kept in the
+  state), told apart from untouched ones (frozen weights) by torch's version counter, so
+  an entry holds only what moved since the full checkpoint it replays onto.
 
 Replaying step ``s`` sets the logged gradients and hyperparameters and runs the same
 ``optimizer.step()``; after the last entry its other state is loaded as it was. On the
@@ -132,6 +132,7 @@ class StepDeltas:
         self._captured: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._baseline: dict[str, int] = {}  # name of a watched tensor -> its version at the full checkpoint
         self._tensors: list[tuple[str, torch.Tensor]] = []
+        self._buffers: set[str] = set()  # names of the watched tensors that are module buffers
         self._failure: str | None = None  # why an entry's write failed, until the manager takes it
 
     # -- the state's parts -------------------------------------------------------------
@@ -140,11 +141,14 @@ class StepDeltas:
         other tensors), whose in-place changes the entries carry; their versions now are
         the baseline until :meth:`rebase`."""
         owned = {_where(p) for _, opt in optimizers_of(state) for g in opt.param_groups for p in g["params"]}
-        self._tensors = []
+        buffers = {_where(b) for _, m in find_modules(state) for _, b in m.named_buffers()}
+        self._tensors, self._buffers = [], set()
         for leaf in flatten(without_optimizers(state)):
             v = leaf.value.local if isinstance(leaf.value, Sharded) else leaf.value
             if isinstance(v, torch.Tensor) and _where(v) not in owned:
                 self._tensors.append((leaf.name, v))
+                if _where(v) in buffers:
+                    self._buffers.add(leaf.name)
         self.rebase(self.versions())
 
     def versions(self) -> dict[str, int]:
@@ -182,7 +186,9 @@ class StepDeltas:
         self._captured = None
         after = {key: _hyperparameters(opt) for key, opt in optimizers_of(state)}
         entry: dict[str, Any] = {KEY: {"step": step, "grad": grads, "hparams": hparams, "after": after}}
-        changed = {name for name, t in self._tensors if _version(t) != self._baseline.get(name)}
+        # module buffers in every entry: batch norm updates its running statistics in its
+        # kernel, without bumping their version counter (num_batches_tracked's it bumps)
+        changed = {name for name, t in self._tensors if _version(t) != self._baseline.get(name)} | self._buffers
         for leaf in flatten(without_optimizers(state)):
             v = leaf.value
             if isinstance(v, PerRank):
