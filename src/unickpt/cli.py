@@ -32,7 +32,7 @@ from rich.text import Text
 from .version import __version__
 from .errors import UnickptError
 from .live import launch_cli
-from .units import human_bytes
+from .units import counted, human_bytes
 
 if TYPE_CHECKING:
     from .format.ledger import Ledger
@@ -121,10 +121,6 @@ def _short_repr(value: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
-
-
 def _shape(shape: tuple[int, ...] | list[int]) -> str:
     return "[" + ", ".join(str(n) for n in shape) + "]"
 
@@ -132,9 +128,9 @@ def _shape(shape: tuple[int, ...] | list[int]) -> str:
 def _tensor_count(manifest: Any) -> str:
     """``"156 tensors"``, or ``"156 tensors + 1 per-rank tensor"``: the same count as
     ``inspect``'s totals (global tensors), per-rank tensors (one per name) named apart."""
-    text = _n(len(manifest.tensors), "tensor")
+    text = counted(len(manifest.tensors), "tensor")
     if manifest.rank_tensors:
-        text += f" + {_n(len(manifest.rank_tensors), 'per-rank tensor')}"
+        text += f" + {counted(len(manifest.rank_tensors), 'per-rank tensor')}"
     return text
 
 
@@ -252,7 +248,7 @@ def _print_incremental(inc: dict[str, Any]) -> None:
     w, r = inc["bytes_written"], inc["bytes_referenced"]
     share = f" ({100 * w / (w + r):.1f}% written)" if w + r else ""
     out.print(f"[bold]incremental[/]: {human_bytes(w)} written ({w} bytes), {human_bytes(r)} referenced ({r} bytes)"
-              f"{share}, {_n(len(inc['bases']), 'base')}", soft_wrap=True)
+              f"{share}, {counted(len(inc['bases']), 'base')}", soft_wrap=True)
     for b, state in inc["bases"].items():
         out.print(Text(f"  base {b}: {state}", style="" if state == "ok" else "bold red"), soft_wrap=True)
     links = " <- ".join(f"{c['base']}" + ("" if c["state"] == "ok" else f" ({c['state']})") for c in inc["chain"])
@@ -299,7 +295,7 @@ def ledger_warnings(ledger: Ledger) -> list[str]:
         return []
     what = []
     if ledger.skipped:
-        what.append(f"{_n(len(ledger.skipped), 'item')} skipped")
+        what.append(f"{counted(len(ledger.skipped), 'item')} skipped")
     if ledger.unaccounted:
         what.append(f"{human_bytes(ledger.unaccounted_bytes)} neither read nor reported")
     return [f"the source's {' and '.join(what)}, left out as --allow-skip allows (listed below)"]
@@ -307,7 +303,7 @@ def ledger_warnings(ledger: Ledger) -> list[str]:
 
 def _ok(warnings: list[str]) -> str:
     """``"OK"``, or ``"OK with 2 warnings"`` when something was left out as the user allowed."""
-    return f"OK with {_n(len(warnings), 'warning')}" if warnings else "OK"
+    return f"OK with {counted(len(warnings), 'warning')}" if warnings else "OK"
 
 
 # The library's errors name its keyword arguments; on the command line the flag is meant.
@@ -407,9 +403,9 @@ def inspect_cmd(
         out.print(t)
     tot = s["totals"]
     out.print(
-        f"[bold]totals[/]: {_n(tot['tensors'], 'tensor')}, {human_bytes(tot['tensor_bytes'])} ({tot['tensor_bytes']} bytes), "
-        f"{_n(tot['values'], 'value')}, {_n(tot['per_rank'], 'per-rank entry').replace('entrys', 'entries')}, "
-        f"{_n(tot['fragments'], 'fragment')}, {_n(tot['files'], 'file')} ({human_bytes(tot['file_bytes'])})",
+        f"[bold]totals[/]: {counted(tot['tensors'], 'tensor')}, {human_bytes(tot['tensor_bytes'])} ({tot['tensor_bytes']} bytes), "
+        f"{counted(tot['values'], 'value')}, {counted(tot['per_rank'], 'per-rank entry').replace('entrys', 'entries')}, "
+        f"{counted(tot['fragments'], 'fragment')}, {counted(tot['files'], 'file')} ({human_bytes(tot['file_bytes'])})",
         soft_wrap=True,
     )
     if "incremental" in s:
@@ -495,19 +491,19 @@ def verify_cmd(
     counted = _tensor_count(manifest)
     if report.ok and not report.complete and not allow_skip:
         _print_ledger(report.ledger)
-        out.print(Text(f"INCOMPLETE: {_n(len(report.ledger.skipped), 'item')} of {report.path} not read by unickpt "
+        out.print(Text(f"INCOMPLETE: {counted(len(report.ledger.skipped), 'item')} of {report.path} not read by unickpt "
                        "(listed above; --allow-skip accepts that)", style="bold yellow"), soft_wrap=True)
         raise typer.Exit(EXIT_FAILED)
     if report.ok and report.bytes_unverifiable:
         out.print(Text(f"OK ({report.format}): {counted}, structure sound; {report.bytes_unverifiable} bytes not "
-                       f"verifiable (the format stores no checksums) ({_n(report.files, 'file')}, {elapsed:.2f} s)",
+                       f"verifiable (the format stores no checksums) ({counted(report.files, 'file')}, {elapsed:.2f} s)",
                        style="green"), soft_wrap=True)
         _print_ledger(report.ledger)
         return
     if report.ok:
         out.print(
             Text(f"OK: {counted}, {report.bytes_checked} bytes verified "
-                 f"({human_bytes(report.bytes_checked)} in {_n(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
+                 f"({human_bytes(report.bytes_checked)} in {counted(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
             soft_wrap=True,
         )
         if report.digest_line:
@@ -617,7 +613,7 @@ def _convert(ckpt: Any, dst: Path, to: str, consolidate: bool, threads: int, buf
     _print_warnings(warnings)
     _out().print(
         Text(f"{_ok(warnings)}: {what} ({source_format} -> {to}), {human_bytes(report.bytes_written)} written to "
-             f"{dst} ({_n(report.files, 'file')}, {report.seconds:.2f} s)", style="yellow" if warnings else "green"),
+             f"{dst} ({counted(report.files, 'file')}, {report.seconds:.2f} s)", style="yellow" if warnings else "green"),
         soft_wrap=True,
     )
     _print_ledger(ledger)
@@ -693,7 +689,7 @@ def export_cmd(
     _print_warnings(warnings)
     _out().print(
         Text(f"{_ok(warnings)}: {report.tensors} tensors exported (names: {report.names}), {human_bytes(report.bytes_written)} in "
-             f"{_n(len(report.shards), 'shard')} to {report.dst}{extra} ({report.seconds:.2f} s)",
+             f"{counted(len(report.shards), 'shard')} to {report.dst}{extra} ({report.seconds:.2f} s)",
              style="yellow" if warnings else "green"),
         soft_wrap=True,
     )

@@ -1,4 +1,4 @@
-"""Sizes for people to read."""
+"""Sizes and counts for people to read."""
 
 from __future__ import annotations
 
@@ -11,3 +11,8 @@ def human_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError  # pragma: no cover
+
+
+def counted(n: int, noun: str) -> str:
+    """``counted(1, "file")`` -> ``"1 file"``, ``counted(3, "file")`` -> ``"3 files"``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

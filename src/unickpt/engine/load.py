@@ -33,6 +33,7 @@ from ..format.dtypes import CASTS, cast_allowed, dtype_from_name, dtype_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.values import decode_value
 from ..storage.base import Storage
+from ..units import counted
 from .gc_pause import gc_paused
 from .items import is_dtensor, mesh_replicas, sharded_item, tensor_item
 from .optim_state import NamedOptimizer
@@ -113,11 +114,8 @@ def check_dtype(entry: TensorEntry, target: torch.Tensor, cast: str) -> None:
 
 def missing(name: str, manifest: Manifest) -> str:
     """The message for a target key ``name`` the checkpoint does not hold."""
-    def count(n: int, noun: str) -> str:
-        return f"{n} {noun}{'' if n == 1 else 's'}"
-
-    return (f"{name!r} is not in the checkpoint (it holds {count(len(manifest.tensors), 'tensor')} and "
-            f"{count(len(manifest.values), 'value')}); pass strict=False to skip missing keys")
+    return (f"{name!r} is not in the checkpoint (it holds {counted(len(manifest.tensors), 'tensor')} and "
+            f"{counted(len(manifest.values), 'value')}); pass strict=False to skip missing keys")
 
 
 def rank_value(storage: Storage, manifest: Manifest, name: str, rank: int, threads: int, verify: bool, into: Any = None) -> Any:

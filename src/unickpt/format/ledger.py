@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..units import counted
 from .manifest import Manifest
 
 
@@ -81,18 +82,18 @@ class Ledger:
         """The totals in one line: ``412 tensors, 1.13 GiB read; 3 skipped: a, b because ...``
         (``412 tensors + 1 per-rank tensor, ...`` when there are per-rank ones); at most
         ``names`` names per reason and per kind (``... and 112 more``), every one when None."""
-        rank = f" + {_n(self.per_rank, 'per-rank tensor')}" if self.per_rank else ""
-        parts = [f"{_n(self.tensors, 'tensor')}{rank}, {size_text(self.bytes_read)} read"]
+        rank = f" + {counted(self.per_rank, 'per-rank tensor')}" if self.per_rank else ""
+        parts = [f"{counted(self.tensors, 'tensor')}{rank}, {size_text(self.bytes_read)} read"]
         if self.skipped:
             parts.append(f"{len(self.skipped)} skipped: {_because(self.skipped, names)}")
         if self.replicas:
-            parts.append(f"{_n(len(self.replicas), 'replica')} read once from another copy")
+            parts.append(f"{counted(len(self.replicas), 'replica')} read once from another copy")
         if self.left_out:
             parts.append(f"{len(self.left_out)} left out: {_because(self.left_out, names)}")
         if self.files_unchecked:
-            parts.append(f"{_n(len(self.files_unchecked), 'file')} accounted for by tensor only, not byte by byte")
+            parts.append(f"{counted(len(self.files_unchecked), 'file')} accounted for by tensor only, not byte by byte")
         if self.ignored_files:
-            parts.append(f"{_n(len(self.ignored_files), 'file')} ignored: {_because(self.ignored_files, names)}")
+            parts.append(f"{counted(len(self.ignored_files), 'file')} ignored: {_because(self.ignored_files, names)}")
         if self.unaccounted:
             regions = [str(r) for r in self.unaccounted]
             parts.append(f"{size_text(self.unaccounted_bytes)} neither read nor reported: {_some(regions, None if names is None else 3)}")
@@ -107,10 +108,6 @@ class Ledger:
             "unaccounted_bytes": self.unaccounted_bytes, "bytes_checked": self.bytes_checked,
             "files_unchecked": list(self.files_unchecked), "complete": self.complete,
         }
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def size_text(n: int) -> str:
