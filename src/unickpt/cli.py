@@ -488,21 +488,21 @@ def verify_cmd(
         report = _with_byte_progress("verifying", total, lambda progress: verify(ckpt, progress=progress, threads=threads))
     elapsed = time.perf_counter() - t0
     out = _out()
-    counted = _tensor_count(manifest)
+    tensors = _tensor_count(manifest)
     if report.ok and not report.complete and not allow_skip:
         _print_ledger(report.ledger)
         out.print(Text(f"INCOMPLETE: {counted(len(report.ledger.skipped), 'item')} of {report.path} not read by unickpt "
                        "(listed above; --allow-skip accepts that)", style="bold yellow"), soft_wrap=True)
         raise typer.Exit(EXIT_FAILED)
     if report.ok and report.bytes_unverifiable:
-        out.print(Text(f"OK ({report.format}): {counted}, structure sound; {report.bytes_unverifiable} bytes not "
+        out.print(Text(f"OK ({report.format}): {tensors}, structure sound; {report.bytes_unverifiable} bytes not "
                        f"verifiable (the format stores no checksums) ({counted(report.files, 'file')}, {elapsed:.2f} s)",
                        style="green"), soft_wrap=True)
         _print_ledger(report.ledger)
         return
     if report.ok:
         out.print(
-            Text(f"OK: {counted}, {report.bytes_checked} bytes verified "
+            Text(f"OK: {tensors}, {report.bytes_checked} bytes verified "
                  f"({human_bytes(report.bytes_checked)} in {counted(report.files, 'file')}, {elapsed:.2f} s)", style="green"),
             soft_wrap=True,
         )
