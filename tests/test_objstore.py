@@ -330,6 +330,72 @@ def test_a_hung_durable_tier_never_stalls_the_loop(tmp_path):
         server.kill()
 
 
+EXIT_SCRIPT = """
+import os, signal, sys, threading, torch, unickpt
+fast, durable, pid = sys.argv[1:4]
+opts = {"endpoint_url": os.environ.get("S3_URL"), "key": "testing", "secret": "testing"} if durable.startswith("s3:") else None
+manager = unickpt.CheckpointManager(fast, durable=durable, durable_every=1, durable_storage_options=opts)
+if int(pid):
+    os.kill(int(pid), signal.SIGSTOP)  # the store stops answering: the copy started next hangs
+manager.save({"w": torch.arange(float(1 << 24)), "step": 1}, 1)
+copying = [t.name for t in threading.enumerate() if t.name.startswith("unickpt-durable-copy")]
+print("returning; copying:", copying, flush=True)
+"""
+
+
+def _exit_script(*args: str, env: dict | None = None):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.multiprocess
+def test_a_script_that_ends_after_its_save_still_has_it_copied_to_the_durable_tier(tmp_path):
+    """The copy to the durable tier runs in a daemon thread: a script that returned right
+    after its last save (no ``close()``) lost it at exit, the durable tier holding an
+    empty step directory. Exit now waits for it, as for an async save."""
+    proc = _exit_script(str(tmp_path / "fast"), str(tmp_path / "durable"), "0")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "copying: ['unickpt-durable-copy-1']" in out, out  # the copy was still running when the script ended
+    copy = str(tmp_path / "durable" / "step_00000001")
+    assert unickpt.verify(copy).ok and torch.equal(unickpt.load_tensor(copy, "w"), torch.arange(float(1 << 24)))
+    assert "waiting for" not in err, err
+
+
+@pytest.mark.multiprocess
+def test_exit_names_the_copy_it_waits_for_on_a_hung_store_and_ctrl_c_gives_it_up(tmp_path):
+    """The store hangs: exit waits for the copy, says so on stderr after ``NOTICE_S``, and
+    Ctrl-C ends the process at once, saying the copy was given up (never a traceback)."""
+    from unickpt.engine.exit_wait import NOTICE_S
+
+    server = S3Server()
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        proc = _exit_script(str(tmp_path / "fast"), f"s3://{BUCKET}/exit", str(server.proc.pid), env={"S3_URL": server.url})
+        try:
+            assert "returning" in proc.stdout.readline()
+            t0 = time.monotonic()
+            notice = proc.stderr.readline()
+            waited = time.monotonic() - t0
+            assert notice.startswith(f"unickpt: waiting for the copy of step 1 to the durable tier s3://{BUCKET}/exit to "
+                                     "finish before exiting (Ctrl-C gives it up"), notice
+            assert NOTICE_S - 0.5 < waited < NOTICE_S + 5, waited
+            proc.send_signal(signal.SIGINT)
+            t0 = time.monotonic()
+            _, err = proc.communicate(timeout=30)
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+            proc.kill()
+        assert f"exiting without waiting for the copy of step 1 to the durable tier s3://{BUCKET}/exit: not committed" \
+            in err and "Traceback" not in err, err
+    finally:
+        server.kill()
+
+
 @pytest.mark.multiprocess
 def test_trainer_on_s3_and_resume_from_the_durable_tier(s3, tmp_path):
     out = tmp_path / "runs.json"

@@ -137,6 +137,37 @@ def test_a_stage_with_an_extra_layer_is_refused(tmp_path: Path) -> None:
         open_manifest(str(ckpt))
 
 
+@pytest.mark.parametrize("naming", ["mcore", "legacy"])
+def test_a_tied_copy_that_is_not_the_embedding_is_refused(tmp_path: Path, naming: str) -> None:
+    """Args that say the output layer is tied make the last stage's ``output_layer.weight``
+    (Megatron-Core's names) or ``word_embeddings_for_head.weight`` a replica of the first
+    stage's embedding: an untied output layer read under a flipped
+    ``untie_embeddings_and_output_weights`` was listed as a replica and dropped; now the
+    copy is compared with the embedding (sampled rows) and refused, naming the file."""
+    import megatron_legacy_cases as cases
+
+    tied = str(cases.write(cases.Cfg(tied=True, naming=naming), str(tmp_path / "tied")))
+    m = open_manifest(tied)  # the genuine copy reads, as a replica
+    assert not any("output_layer" in n for n in m.tensors) and any(r.endswith("r_head.weight") or "output_layer" in r
+                                                                   for r in m.provenance["replicas"])
+    last = "iter_0000007/mp_rank_01_001/model_optim_rng.pt"
+    if naming == "mcore":  # an untied model: its output layer is no copy of the embedding
+        ckpt = str(cases.write(cases.Cfg(tied=False, naming=naming), str(tmp_path / "untied")))
+        for rel in (R00, R01, "iter_0000007/mp_rank_01_000/model_optim_rng.pt", last):
+            sd = torch.load(os.path.join(ckpt, rel), weights_only=False)
+            sd["args"].untie_embeddings_and_output_weights = False
+            torch.save(sd, os.path.join(ckpt, rel))
+        local, rel = "output_layer.weight", R01
+    else:  # one element of tp rank 1's copy changed
+        ckpt, local, rel = tied, "word_embeddings_for_head.weight", last
+        sd = torch.load(os.path.join(ckpt, rel), weights_only=False)
+        sd["model"]["word_embeddings_for_head"]["weight"][15, 7] += 1
+        torch.save(sd, os.path.join(ckpt, rel))
+    with pytest.raises(CorruptionError, match=rf"^{rel}: {local} differs from the first stage's word embeddings "
+                                              r"\(row \d+ of tensor-parallel rank \d\), but args\.untie_embeddings"):
+        open_manifest(ckpt)
+
+
 def test_the_pristine_fixture_still_reads(tmp_path: Path) -> None:
     m = open_manifest(str(FIXTURE))
     assert m.provenance["tensor_parallel"] == 2 and m.provenance["pipeline_parallel"] == 2

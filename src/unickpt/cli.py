@@ -537,7 +537,8 @@ def convert_cmd(
         str, typer.Option("--to", help="Output format: unickpt, dcp (PyTorch DCP), deepspeed (DeepSpeed universal checkpoint).")
     ] = "unickpt",
     consolidate: Annotated[
-        bool, typer.Option("--consolidate", help="Store every tensor whole, in one fragment (the universal form).")
+        bool, typer.Option("--consolidate", help="Store every tensor whole, in one fragment (the universal form; "
+                                                "--to dcp and --to deepspeed always do).")
     ] = False,
     threads: Annotated[int, typer.Option(min=1, help="Parallel reads and writes.")] = 4,
     buffer_mib: Annotated[int, typer.Option(min=1, help="Read buffer (MiB): memory is bounded by the largest tensor plus this.")] = 64,

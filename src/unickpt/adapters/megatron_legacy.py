@@ -46,8 +46,9 @@ LayoutError: checkpoint versions before 3.0 (another QKV order), virtual pipelin
 (``model0``, ``model1``), expert-parallel rank directories, uneven pipeline stages.
 Refused with a CorruptionError naming the file and the field: args or an optimizer state
 that contradict the rank files (parallel sizes that are not positive integers or do not
-match the rank directories, a stage not holding the layers ``num_layers`` gives it,
-optimizer groups or states of the wrong type).
+match the rank directories, a stage not holding the layers ``num_layers`` gives it, a
+last stage's copy of tied embeddings that is not the first stage's embedding, optimizer
+groups or states of the wrong type).
 """
 
 from __future__ import annotations
@@ -271,6 +272,34 @@ def _tied_copy(local: str, args: argparse.Namespace, r: _Rank) -> bool:
     return tied and last and local in ("word_embeddings_for_head.weight", "output_layer.weight")
 
 
+TIED_SAMPLE_ROWS = 16  # rows of a tied copy compared with the embedding they must equal
+
+
+def _check_tied_copy(b: _Builder, local: str, t: StoredTensor, embed: StoredTensor | None, r: _Rank) -> None:
+    """The last stage's copy of tied embeddings equals the first stage's embedding of the
+    same tensor-parallel rank (Megatron all-reduces their gradients, so they stay bitwise
+    equal): its shape and dtype, and ``TIED_SAMPLE_ROWS`` rows spread over it, compared;
+    else a CorruptionError naming the file. An untied output layer read under args that
+    say tied would otherwise be listed as a replica and dropped."""
+    if embed is None or (t.shape, t.dtype) != (embed.shape, embed.dtype) or not embed.is_contiguous() \
+            or not t.is_contiguous():
+        what = "no embedding on the first stage" if embed is None else \
+            f"{t.dtype} {list(t.shape)} against the embedding's {embed.dtype} {list(embed.shape)}"
+        raise CorruptionError(f"{r.rel}: {local} is no copy of the tied word embeddings ({what}), but "
+                              "args.untie_embeddings_and_output_weights is false: the args do not describe this checkpoint")
+    rows = t.shape[0] if t.shape else 1
+    row_bytes = t.nbytes // max(rows, 1)
+    for i in sorted({rows - 1, *(k * rows // TIED_SAMPLE_ROWS for k in range(TIED_SAMPLE_ROWS))}):
+        got, want = bytearray(row_bytes), bytearray(row_bytes)
+        b.storage.reader(t.file).pread_into(t.offset + i * row_bytes, memoryview(got))
+        b.storage.reader(embed.file).pread_into(embed.offset + i * row_bytes, memoryview(want))
+        if got != want:
+            raise CorruptionError(
+                f"{r.rel}: {local} differs from the first stage's word embeddings (row {i} of tensor-parallel rank "
+                f"{r.coords.tp_rank}), but args.untie_embeddings_and_output_weights is false, which makes it their copy: "
+                "the args do not describe this checkpoint (an untied output layer would be dropped)")
+
+
 def _check_stage_layers(rules: Rules, r: _Rank) -> None:
     """The rank's stage holds the stage-local layers ``0..n-1`` its rules give its pipeline
     stage (``args.num_layers`` split over the stages as the rules renumber them), else a
@@ -305,9 +334,12 @@ def _check_vocab_rows(local: str, t: StoredTensor, args: argparse.Namespace, r: 
             "checkpoint")
 
 
-def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank) -> list[tuple[str, str, StoredTensor]]:
+def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank,
+                embeddings: dict[int, StoredTensor]) -> list[tuple[str, str, StoredTensor]]:
     """The rank's model tensors as pieces; ``(local name, global name, tensor)`` of its
-    parameters in model order (the optimizer's order)."""
+    parameters in model order (the optimizer's order). ``embeddings``: the first stage's
+    word embeddings per tensor-parallel rank (filled on the first stage, checked against
+    the last stage's tied copy)."""
     params = []
     for local, v in _leaves(r.obj["model"], ""):
         if local.endswith("_extra_state"):
@@ -320,7 +352,12 @@ def _read_model(b: _Builder, rules: Rules, args: argparse.Namespace, r: _Rank) -
                 b.skip(f"{r.rel}:model.{local}", f"a {type(v).__name__} among the model's tensors: not read", v)
             continue
         _check_vocab_rows(local, v, args, r)
-        g = _place(b, rules, r, local, v, lambda n: f"model.{n}", f"model.{local}", _tied_copy(local, args, r))
+        if r.coords.pp_rank == 0 and local.endswith("embedding.word_embeddings.weight"):
+            embeddings[r.coords.tp_rank] = v
+        tied_copy = _tied_copy(local, args, r)
+        if tied_copy:
+            _check_tied_copy(b, local, v, embeddings.get(r.coords.tp_rank), r)
+        g = _place(b, rules, r, local, v, lambda n: f"model.{n}", f"model.{local}", tied_copy)
         params.append((local, g or "", v))
     return params
 
@@ -515,6 +552,7 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
         raise CorruptionError(f"{where}: no model state dict")
     naming = "legacy" if "language_model" in model else "mcore"
     rules = rules_from_args(args, naming)
+    embeddings: dict[int, StoredTensor] = {}  # the first stage's, per tensor-parallel rank
     for (t, p), d in sorted(dirs.items(), key=lambda x: (x[0][1], x[0][0])):
         rel = f"{prefix}{d}/{MODEL_FILE}"
         obj = first if (t, p) == min(dirs) else b.archive(rel)
@@ -522,7 +560,7 @@ def _read(b: _Builder, dirs: dict[tuple[int, int], str], prefix: str) -> Manifes
         if not isinstance(r.obj.get("model"), dict):
             raise CorruptionError(f"{rel}: no model state dict")
         _check_stage_layers(rules, r)
-        params = _read_model(b, rules, args, r)
+        params = _read_model(b, rules, args, r, embeddings)
         _read_optimizer(b, rules, args, r, params)
         _read_rest(b, r)
         dist = f"{prefix}{d}/{DIST_OPTIM_FILE}"

@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from ..dist import all_true, first_said, resolve_group
+from ..engine.exit_wait import finish_before_exit
 from ..engine.outcome import decided_by_rank0
 from ..engine.load import LoadRecord
 from ..errors import CorruptionError, UnickptError
@@ -290,8 +291,11 @@ class Checkpoints:
                     else:
                         self._copy_running = False
 
+        # a daemon that exit waits for all the same: a script that ends after its last save
+        # still has it copied (exit_wait names it when the store is slow; Ctrl-C gives it up)
         self._copy = threading.Thread(target=run, name=f"unickpt-durable-copy-{step}", daemon=True)
         self._copy.start()
+        finish_before_exit(self._copy, lambda: f"the copy of step {self._copying} to the durable tier {durable.root}")
 
     def wait(self) -> None:
         """Wait for the copies to the durable tier in flight (and queued), if any; then

@@ -37,6 +37,7 @@ from ..format.manifest import Fragment
 from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
 from .commit import CommitTarget, Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
+from .exit_wait import finish_before_exit, forget
 from .gc_pause import gc_paused
 from .save_options import SaveOptions
 from .staged_save import StagedSave
@@ -241,12 +242,13 @@ class _Saver:
                 job.staged.error = describe(e)
             progress.staged.set()
         # a daemon: an abandoned save stuck in gloo must not keep the process from exiting;
-        # one that is not abandoned is waited for at exit all the same (_finish_at_exit)
+        # one that is not abandoned is waited for at exit all the same (exit_wait)
         thread = threading.Thread(
             target=self._run, args=(job, progress, buf, crcs, here), name="unickpt-async-save", daemon=True
         )
         self.thread = thread
         thread.start()
+        finish_before_exit(thread, lambda path=job.staged.path: f"the async save to {path}")
         if not job.lazy:
             progress.staged.wait()
 
@@ -548,21 +550,6 @@ _ABANDONED: list[threading.Thread] = []  # threads of saves abandoned at a tear-
 ABANDONED_JOIN_S = 5.0  # how long a tear-down waits for them (a thread still writing ends at its next collective)
 
 
-def _finish_at_exit() -> None:
-    """At the interpreter's exit, wait for each channel's save still in flight, as for a
-    thread that is not a daemon (a script that returns right after ``async_save`` still
-    commits its checkpoint). Abandoned saves are not waited for: gloo can leave one
-    blocked for the group's whole timeout (a send in flight on a connection its peer
-    closed is not always failed, seen in torch 2.13 after a rank was stopped and
-    continued), and the process must still exit."""
-    for saver in list(_SAVERS.values()):
-        if saver.thread is not None:
-            saver.thread.join()
-
-
-threading._register_atexit(_finish_at_exit)  # as concurrent.futures: before the threads are joined
-
-
 @on_teardown
 def abandon_in_flight() -> int:
     """Forget every channel's save still in flight, so that the next save on the channel
@@ -577,6 +564,10 @@ def abandon_in_flight() -> int:
         if saver.stop is not None:
             saver.stop.set()
         if saver.thread is not None:
+            # not waited for at exit: gloo can leave it blocked for the group's whole timeout (a send
+            # in flight on a connection its peer closed is not always failed, seen in torch 2.13
+            # after a rank was stopped and continued), and the process must still exit
+            forget(saver.thread)
             _ABANDONED.append(saver.thread)
         _SAVERS[name] = _Saver()
     return len(stuck)

@@ -1,0 +1,60 @@
+"""Work in background threads that the interpreter's exit waits for: an async save's writer,
+a checkpoint's copy to the durable tier. Their threads are daemons (one abandoned in a
+collective of a dead process group must never keep the process alive), so exit would cut
+them short silently; instead it waits for each one still registered here, in the order
+they started and for those they start meanwhile (an async save's commit queues its copy
+to the durable tier), as it waits for threads that are not daemons. A wait of more than
+``NOTICE_S`` seconds (a store that stopped answering) says what it waits for on stderr;
+Ctrl-C then gives up on what is left, which is never committed, and says so."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+NOTICE_S = 5.0  # a wait at exit longer than this is said on stderr
+
+_PENDING: dict[threading.Thread, Callable[[], str]] = {}  # insertion order: the order they started
+_LOCK = threading.Lock()
+
+
+def finish_before_exit(thread: threading.Thread, what: Callable[[], str]) -> None:
+    """Have the interpreter's exit wait for ``thread`` (a daemon); ``what()`` names its
+    work in the notice (``"the async save to /ckpt/step_00000100"``)."""
+    with _LOCK:
+        for done in [t for t in _PENDING if not t.is_alive() and t.ident is not None]:
+            del _PENDING[done]
+        _PENDING[thread] = what
+
+
+def forget(thread: threading.Thread) -> None:
+    """Exit no longer waits for ``thread`` (an abandoned save: it is never committed)."""
+    with _LOCK:
+        _PENDING.pop(thread, None)
+
+
+def _next_alive() -> tuple[threading.Thread, Callable[[], str]] | None:
+    with _LOCK:
+        return next(((t, w) for t, w in _PENDING.items() if t.is_alive()), None)
+
+
+def finish_pending(notice_s: float = NOTICE_S) -> None:
+    """Wait for every registered thread still running (the exit hook); after ``notice_s``
+    seconds on one, name it on stderr. Ctrl-C gives up on the rest, naming it."""
+    while (item := _next_alive()) is not None:
+        thread, what = item
+        try:
+            thread.join(notice_s)
+            if thread.is_alive():
+                print(f"unickpt: waiting for {what()} to finish before exiting (Ctrl-C gives it up: it is then "
+                      "not committed)", file=sys.stderr, flush=True)
+                thread.join()
+        except KeyboardInterrupt:  # (is_alive() of a thread whose join was interrupted may say False)
+            left = [what()] + [w() for t, w in list(_PENDING.items()) if t is not thread and t.is_alive()]
+            print(f"unickpt: exiting without waiting for {'; '.join(left)}: not committed", file=sys.stderr, flush=True)
+            return
+        forget(thread)
+
+
+threading._register_atexit(finish_pending)  # type: ignore[attr-defined]  # as concurrent.futures: before threads are joined
