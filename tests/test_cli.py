@@ -583,3 +583,42 @@ def test_a_manager_root_given_for_a_checkpoint_names_its_newest(tmp_path: Path) 
         r = invoke(command, str(tmp_path / "ck"), *([str(tmp_path / "out")] if command == "export" else []))
         assert r.exit_code == 2 and "not a checkpoint but a CheckpointManager's root" in r.stderr, r.output
         assert f"the newest committed, {tmp_path / 'ck' / 'step_00000002'}" in r.stderr, r.stderr
+
+
+FULL_DISK_SCRIPT = """
+import resource, signal, sys
+from typer.testing import CliRunner
+from unickpt.cli import app
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk fails
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+src, out = sys.argv[1:3]
+for args in (["convert", src, out + "/u", "--consolidate"], ["convert", src, out + "/dcp", "--to", "dcp"],
+             ["convert", src, out + "/ds", "--to", "deepspeed", "--allow-skip"],
+             ["export", src, out + "/hf", "--names", "keep", "--no-config"]):
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+    print(repr((r.exit_code, r.output.strip().splitlines()[-1])))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_fails_each_writer_naming_its_file_and_leaves_nothing(tmp_path):
+    """A write that fails (a full disk; here a file-size limit: EFBIG) ends every writer with
+    one line naming the file and the error, exit 2 and no destination left: ``--to dcp``
+    used to end in torch's zip writer's "unexpected pos", the DeepSpeed writer and export
+    in an errno without a file."""
+    import ast
+    import subprocess
+    import sys
+
+    unickpt.save({"model.w": torch.randn(1 << 19), "model.v": torch.randn(1 << 18)}, tmp_path / "src")
+    r = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path / "src"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = [ast.literal_eval(line) for line in r.stdout.splitlines()]
+    files = [r"\.u\.unickpt-[0-9a-f]+/rank_00000\.safetensors", r"dcp/\.unickpt-[0-9a-f]+/__0_0\.distcp",
+             r"ds/\.unickpt-[0-9a-f]+/zero/w/fp32\.pt", r"hf/\.unickpt-[0-9a-f]+/model-00001-of-00001\.safetensors"]
+    assert len(got) == len(files), r.stdout
+    for (code, line), name in zip(got, files):
+        assert code == 2 and "File too large (EFBIG)" in line and re.search(f"{tmp_path}/out/{name}", line), line
+        assert "Traceback" not in line and "unexpected" not in line, line
+    assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == [], os.listdir(tmp_path / "out")

@@ -378,6 +378,67 @@ def test_example_trainer_uses_only_public_names():
     assert not os.path.exists(os.path.join(os.path.dirname(train.__file__), "delta_replay.py"))
 
 
+FULL_DISK_LOOP = """
+import resource, signal, sys, torch, unickpt
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk fails
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+manager = unickpt.CheckpointManager(sys.argv[1], save_every=4, log_deltas=True)
+manager.restore({"model": model, "optim": opt})
+for step in range(1, 4):
+    model(torch.randn(4, 64)).sum().backward()
+    manager.before_update()
+    opt.step()
+    opt.zero_grad()
+    manager.maybe_save({"model": model, "optim": opt}, step)
+manager.close()
+print(manager.stats()["delta_entries_failed"])
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_failed_delta_entry_is_told_with_its_cause(tmp_path):
+    """A delta entry whose write fails (a full disk; here a file-size limit) is told with
+    its cause: the SaveError's first line alone ("save failed, nothing was committed:")
+    used to be all the warning said."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", FULL_DISK_LOOP, str(tmp_path / "ck")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "1", (r.stdout, r.stderr)  # the log stops at its first gap
+    told = [line for line in r.stderr.splitlines() if "a delta log entry failed" in line]
+    assert len(told) == 1 and all(re.search(r"committed: rank 0: cannot write \S+/deltas/\.step_0000000\d\.unickpt-\w+/"
+                                            r"rank_00000\.safetensors: File too large \(EFBIG\)$", t) for t in told), told
+
+
+@pytest.mark.parametrize("restored", [True, False])
+def test_a_step_missing_from_the_delta_log_says_why(tmp_path, caplog, restored):
+    """A step without an entry is counted and told with its cause: ``before_update()`` not
+    called, or called before the log started (no ``restore()``: it starts at the first save,
+    after step 1's update), which it used to call "not called" too."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt}
+    manager = unickpt.CheckpointManager(tmp_path / "ck", save_every=4, log_deltas=True)
+    if restored:
+        manager.restore(state)
+    for step in (1, 2, 3):
+        model(torch.randn(4, 3)).sum().backward()
+        if step != 2:
+            manager.before_update()
+        opt.step()
+        opt.zero_grad()
+        manager.maybe_save(state, step)
+    manager.close()
+    missed = [r.getMessage() for r in caplog.records if "is not in the delta log" in r.getMessage()]
+    want = ([] if restored else ["unickpt: step 1 is not in the delta log: before_update() came before the log started "
+                                 "(call restore(state) before the loop)"])
+    want.append("unickpt: step 2 is not in the delta log: before_update() was not called before optimizer.step()")
+    assert missed == want and manager.stats()["delta_steps_missed"] == len(want), missed
+
+
 def test_a_failed_delta_entry_warns_counts_and_training_goes_on(tmp_path):
     """One delta entry cannot be written (a file stands where its directory goes): the
     loop goes on, the manager warns and counts it, and a restore replays exactly the steps

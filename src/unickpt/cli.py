@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .version import __version__
-from .errors import UnickptError
+from .errors import UnickptError, os_error_text
 from .live import launch_cli
 from .units import counted, human_bytes
 
@@ -89,7 +89,7 @@ def _errors(fn: F) -> F:
         except UnickptError as e:
             raise _fail(str(e)) from None
         except OSError as e:
-            raise _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+            raise _fail(f"{os_error_text(e)}: {e.filename}" if e.filename else os_error_text(e)) from None
         except (typer.Exit, typer.Abort, typer.exceptions.TyperException):  # typer's own exits and usage errors
             raise
         except Exception as e:  # last resort: bad input must never end in a traceback

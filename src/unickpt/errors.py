@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping
 
 __all__ = [
@@ -103,3 +104,16 @@ class SnapshotError(UnickptError):
 class StorageError(UnickptError):
     """A checkpoint location that cannot be opened: an unsupported URL scheme, a storage
     service that refuses or goes away."""
+
+
+def os_error_text(e: OSError) -> str:
+    """An OSError's message with its symbolic code (``No space left on device (ENOSPC)``)."""
+    code = errno.errorcode.get(e.errno or 0)
+    text = e.strerror or str(e)
+    return f"{text} ({code})" if code else text
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (a SaveError's ``save failed, nothing was committed:``
+    followed by each failing rank's cause, joined), for a warning or a table cell."""
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip())

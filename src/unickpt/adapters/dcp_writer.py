@@ -30,6 +30,7 @@ writeback, one fsync per file).
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import time
@@ -43,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import SaveError, UnickptError
+from ..errors import SaveError, UnickptError, os_error_text
 from ..format.dtypes import dtype_from_name
 from ..format.ledger import no_equivalent
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
@@ -87,6 +88,14 @@ class _ItemStream(io.RawIOBase):
         self._writer = writer
         self._flushed = 0
         self._pending = bytearray()
+        self.error: OSError | None = None  # a failed write (torch.save turns it into a RuntimeError)
+
+    def _pwrite(self, at: int, view: Any) -> None:
+        try:
+            self._writer.pwrite(at, view)
+        except OSError as e:
+            self.error = e
+            raise
 
     def writable(self) -> bool:
         return True
@@ -99,7 +108,7 @@ class _ItemStream(io.RawIOBase):
         n = view.nbytes
         if n >= _COALESCE_BYTES:
             self.flush()
-            self._writer.pwrite(self._flushed, view)
+            self._pwrite(self._flushed, view)
             self._flushed += n
         else:
             self._pending += view
@@ -109,7 +118,7 @@ class _ItemStream(io.RawIOBase):
 
     def flush(self) -> None:
         if self._pending:
-            self._writer.pwrite(self._flushed, self._pending)
+            self._pwrite(self._flushed, self._pending)
             self._flushed += len(self._pending)
             self._pending = bytearray()
 
@@ -276,6 +285,13 @@ def _write_dcp(ckpt: OpenCheckpoint, dst: str, buffer_bytes: int, threads: int, 
         for w in writers:
             w.close(durable=True)
         ok = True
+    except (OSError, RuntimeError) as e:  # a full disk, a write error: named, never torch's zip writer's message
+        failed = next((st for st in streams if st.error is not None), None)
+        cause = failed.error if failed is not None else e if isinstance(e, OSError) else None
+        if cause is None:
+            raise
+        where = os.path.normpath(getattr(failed._writer, "path", dst)) if failed is not None else dst
+        raise SaveError(f"cannot write {where}: {os_error_text(cause)}; nothing was written to {dst}") from None
     finally:
         source.close()
         if not ok:

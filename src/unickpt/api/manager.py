@@ -27,7 +27,7 @@ from typing import Any
 from ..dist import all_true, first_said, resolve_group
 from ..engine.outcome import decided_by_rank0
 from ..engine.restored import Restored
-from ..errors import UnickptError
+from ..errors import UnickptError, one_line
 from ..logs import say
 from ..live.run import Interrupted, position, restored, step_boundary
 from .async_save import AsyncSaveHandle, async_save
@@ -191,6 +191,7 @@ class CheckpointManager(Checkpoints):
         self._snap: Any = None
         self._deltas: StepDeltas | None = None
         self._state: dict[str, Any] | None = None
+        self._early_update = False  # before_update() was called before the delta log started
         self._pending: _Pending | None = None
         self._housekept: int | None = None  # the step of the last async save whose retention ran
         self._stepped: int | None = None  # the last step restored or passed to maybe_save, and the last saved
@@ -291,6 +292,8 @@ class CheckpointManager(Checkpoints):
         self._reform_if_due()
         if state is not None:
             self._state = state
+        if self._deltas is None and not self._started and self.options.deltas is not None:
+            self._early_update = True  # told at maybe_save: the delta log starts with restore() or the first save
         if self._snap is None and self._deltas is None:
             return
         t0 = time.perf_counter()
@@ -350,9 +353,10 @@ class CheckpointManager(Checkpoints):
             self._housekeep()
         if self._deltas is not None:
             if not self._deltas.commit(state, step):
-                self._count_failure("delta_steps_missed",
-                                    f"step {step} is not in the delta log: before_update() was not called before "
-                                    "optimizer.step()")
+                why = ("before_update() came before the log started (call restore(state) before the loop)"
+                       if self._early_update else "before_update() was not called before optimizer.step()")
+                self._count_failure("delta_steps_missed", f"step {step} is not in the delta log: {why}")
+            self._early_update = False
             why = self._deltas.take_failure()
             if why is not None:
                 self._delta_failed(why)
@@ -397,7 +401,7 @@ class CheckpointManager(Checkpoints):
             try:
                 self._deltas.close()
             except UnickptError as e:  # the entries still queued: the replay stops before the failed one
-                self._delta_failed(str(e).splitlines()[0])
+                self._delta_failed(one_line(e))
         self.wait()
         if self._snap is not None:
             self._snap.close(clean=not keep_snapshots)

@@ -11,7 +11,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import UnickptError
+from ..errors import UnickptError, one_line
 from ..format.index import INDEX_NAME
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.refs import split_key
@@ -204,7 +204,7 @@ def describe_root(root: str, storage_options: dict[str, Any] | None = None) -> l
                 manifest = read_manifest(tier.path_for(step), storage_options)  # its bases too: there, not replaced
                 row["whole"], row["problem"] = _whole(tier.path_for(step), manifest, sizes)
             except (UnickptError, OSError) as e:
-                row["whole"], row["problem"] = False, str(e).splitlines()[0]
+                row["whole"], row["problem"] = False, one_line(e)
         out.append(row)
     return out
 

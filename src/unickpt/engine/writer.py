@@ -10,12 +10,12 @@ and the file is fsynced once at the end.
 
 from __future__ import annotations
 
-import errno
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..errors import SaveError
+from ..errors import SaveError, os_error_text
 from ..format.checksum import block_sums, identity
 from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment
@@ -56,7 +56,8 @@ class DataFileWriter:
         self.items, self.name, self.rank = items, name, rank
         self.block_bytes, self.threads = block_bytes, max(1, threads)
         prefix, self.offsets, self.size = data_file_layout(rank, items)
-        self.path = storage.path(name) if hasattr(storage, "path") else name  # for error messages
+        # for error messages: the staging directory's file, not "step_5/../.step_5.unickpt-.../"
+        self.path = os.path.normpath(storage.path(name)) if hasattr(storage, "path") else name
         self._storage = storage
         self._crcs: list[dict[int, list[int]]] = [{} for _ in items]
         self._digests: list[dict[int, list[bytes]]] = [{} for _ in items]
@@ -129,10 +130,3 @@ class DataFileWriter:
             except Exception as e:  # noqa: BLE001  (any error of the cleanup: never the one raised)
                 log.warning(f"unickpt: the failed save could not {what} its partial file {self.path}: "
                             f"{type(e).__name__}: {e}")
-
-
-def os_error_text(e: OSError) -> str:
-    """An OSError's message with its symbolic code (``No space left on device (ENOSPC)``)."""
-    code = errno.errorcode.get(e.errno or 0)
-    text = e.strerror or str(e)
-    return f"{text} ({code})" if code else text

@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, TypeVar
 
 from ..errors import SaveError
-from .local import create_file, fsync_path, is_inside, start_writeback, write_direct
+from .local import create_file, fsync_path, is_inside, named_os_error, start_writeback, write_direct
 
 
 def _target(root: str | os.PathLike, name: str) -> Path:
@@ -89,9 +89,11 @@ class DurableBatch:
         try:
             yield tmp
             os.replace(tmp, target)
-        except BaseException:
+        except BaseException as e:
             with suppress(FileNotFoundError):
                 os.unlink(tmp)
+            if isinstance(e, OSError):  # a full disk: named with the file being written
+                raise named_os_error(e, target) from None
             raise
         with self._lock:
             self._files.append(target)

@@ -134,6 +134,11 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         at += os.pwrite(fd, view[at : at + _DIRECT_CHUNK], offset + at)
 
 
+def named_os_error(e: OSError, path: Path | str) -> OSError:
+    """``e`` carrying ``path`` as its file name (when it names none)."""
+    return e if e.filename is not None else OSError(e.errno, e.strerror, os.path.normpath(path))
+
+
 class FileWriter:
     """A new file open for positional writes from several threads (see :func:`create_file`)."""
 
@@ -143,14 +148,19 @@ class FileWriter:
         if size:
             try:
                 os.ftruncate(self._fd, size)
-            except BaseException:
+            except BaseException as e:
                 os.close(self._fd)
+                if isinstance(e, OSError):
+                    raise named_os_error(e, path) from None
                 raise
 
     def pwrite(self, offset: int, data: memoryview | bytes) -> None:
         """Write all of ``data`` at ``offset`` (thread-safe) and start its writeback."""
         view = memoryview(data).cast("B")
-        _pwrite_all(self._fd, view, offset)
+        try:
+            _pwrite_all(self._fd, view, offset)
+        except OSError as e:  # a full disk: named with its file, as open() names one it cannot create
+            raise named_os_error(e, self.path) from None
         start_writeback(self._fd, offset, view.nbytes)
 
     def close(self, durable: bool = True) -> None:
@@ -161,6 +171,8 @@ class FileWriter:
         try:
             if durable:
                 os.fsync(fd)
+        except OSError as e:
+            raise named_os_error(e, self.path) from None
         finally:
             os.close(fd)
 

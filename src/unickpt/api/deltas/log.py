@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...dist import new_group, resolve_group
-from ...errors import SaveError, UnickptError
+from ...errors import SaveError, UnickptError, one_line
 from ...format.manifest import MANIFEST_NAME
 from ...storage.local import list_subdirs, remove_checkpoint
 from ...storage.transaction import remove_abandoned
@@ -263,7 +263,7 @@ def _entry_problem(log: Checkpoints, path: str, step: int, verify: Callable, ful
             if not report.ok:
                 return str(report.problems[0])
     except UnickptError as e:
-        return str(e).splitlines()[0]
+        return one_line(e)
     except OSError as e:  # the log's files are untrusted: a manifest or data file that is a directory, unreadable
         return f"unreadable: {e}"
     return ""

@@ -39,7 +39,7 @@ from ...engine.items import is_dtensor
 from ...engine.optim_state import named_parameters
 from ...engine.outcome import decided_by_rank0
 from ...engine.state import PerRank, Sharded, find_modules, flatten, optimizers_of, without_optimizers, write_back
-from ...errors import UnickptError
+from ...errors import UnickptError, one_line
 from ...format.dtypes import dtype_from_name
 from .log import DELTAS_DIR, DeltaLog, Replay, replayable
 from ..load import load_into, read_manifest
@@ -202,12 +202,12 @@ class StepDeltas:
                 entry[leaf.name] = copy.deepcopy(v)
         failed = self.log.take_error()
         if failed is not None:  # counted, said by the manager; the log goes on (a replay stops at the gap)
-            self._failure = str(failed).splitlines()[0]
+            self._failure = one_line(failed)
         self.log.append(step, entry)
         return True
 
     def take_failure(self) -> str | None:
-        """Why an earlier entry's write failed (its first line), once; None when none did."""
+        """Why an earlier entry's write failed (on one line), once; None when none did."""
         why, self._failure = self._failure, None
         return why
 
