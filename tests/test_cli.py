@@ -570,6 +570,22 @@ def test_snapshots_of_a_root_that_is_gone_holds_nothing(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     r = invoke("snapshots", str(tmp_path / "file"))
     assert r.exit_code == 2 and "not a directory" in r.stderr, r.output
+    (tmp_path / "empty").mkdir()  # a root of the user's making, after a clean end: nothing held
+    r = invoke("snapshots", str(tmp_path / "empty"))
+    assert r.exit_code == 0 and "no keeper running; 0 B of snapshots" in r.output, r.output
+
+
+def test_snapshots_of_a_checkpoint_directory_points_at_the_shm_root(tmp_path: Path) -> None:
+    """A checkpoint directory given for the shm root (the usual slip) is named as such: it
+    used to be answered "no keeper running; 0 B of snapshots" while a keeper held some."""
+    manager = unickpt.CheckpointManager(str(tmp_path / "ck"), save_every=1)
+    manager.restore(state := {"w": torch.ones(2)})
+    manager.maybe_save(state, 1)
+    manager.close()
+    for where in ("ck", "ck/step_00000001"):
+        r = invoke("snapshots", str(tmp_path / where))
+        assert r.exit_code == 2 and re.search(r"is a checkpoint directory, not a shm root: snapshots live in the node's "
+                                              r"shm root, \S+ here", r.stderr), r.output
 
 
 def test_a_manager_root_given_for_a_checkpoint_names_its_newest(tmp_path: Path) -> None:

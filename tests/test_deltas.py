@@ -165,7 +165,7 @@ def test_with_snapshots_the_newer_of_memory_and_disk_plus_log_wins(tmp_path, mon
     finally:
         kill_keeper(root)
     assert re.fullmatch(r"resumed step 7 from disk \+ 2 logged steps \(.*step_00000005; replayed steps 6\.\.7; "
-                        r"memory: step 6: older than .*\)", lines[0]), lines
+                        r"memory: step 6: older than step 7 on disk; .*\)", lines[0]), lines
     assert re.fullmatch(r"resumed step 9 from memory \(.*\)", lines[1]), lines
     ref = run([*TINY, "--print-every", "0"])
     got = losses(log)

@@ -174,3 +174,19 @@ def test_run_names_a_wrong_fn_or_backend_before_anything_starts(args, says):
     with pytest.raises(unickpt.UnickptError, match=says):
         unickpt.run(*args)
     assert not dist.is_initialized()
+
+
+def test_run_after_the_group_exists_names_what_may_have_made_it():
+    """A process group formed before ``run()`` (often by a framework's object built outside
+    ``fn``: Hugging Face TrainingArguments initialise it through accelerate) is refused
+    with the remedy, before anything starts."""
+    import unickpt
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(unickpt.UnickptError, match=r"initialises the process group itself: call it before "
+                                                       r"init_process_group, not after .*TrainingArguments.*build it "
+                                                       r"inside fn$"):
+            unickpt.run(lambda world: None)
+    finally:
+        dist.destroy_process_group()

@@ -75,6 +75,8 @@ def test_save_error_keeps_its_map_across_processes():
      "resumed step 12 from memory (3 nodes, all present; skipped: step 14: a node's copy is missing; 0.50 s)"),
     (Restored(10, "disk", 1.25, "ck/step_00000010", memory="no snapshot in memory", logged=2),
      "resumed step 10 from disk + 2 logged steps (ck/step_00000010; memory: no snapshot in memory; 1.25 s)"),
+    (Restored(20, "disk", 0.5, "ck/step_00000020", logged=0),  # the log on, nothing after the checkpoint
+     "resumed step 20 from disk (ck/step_00000020; 0.50 s)"),
     (Restored(10, "disk", 0.125, "ck/step_00000010", kept=("rng", "a", "b", "c", "d")),
      "resumed step 10 from disk (ck/step_00000010; 0.12 s; per-rank state left as it is: saved by another number "
      "of ranks (rng, a, b and 2 more))"),

@@ -420,7 +420,12 @@ def test_a_keeper_whose_root_is_deleted_exits_and_another_jobs_keeper_is_named(t
     root = str(tmp_path / "shm")
     keepers_down.append(root)
     doc = keepers.ensure_keeper(root, "job-a")
-    with pytest.raises(SnapshotError, match=rf"serves job 'job-a', not 'job-b'.*kill {doc['pid']}"):
+    with pytest.raises(SnapshotError, match=rf"serves job 'job-a', not 'job-b'; it holds no snapshot \(its job may have "
+                                            rf"failed before its first\): stop it \(kill {doc['pid']}\)"):
+        keepers.ensure_keeper(root, "job-b")
+    os.makedirs(os.path.join(root, "unickpt", "job-a", "step_00000007"))  # as a snapshot of step 7 leaves it
+    with pytest.raises(SnapshotError, match=rf"serves job 'job-a', not 'job-b'; it holds the snapshots of steps 7..7\. "
+                                            rf"Give each job its own UNICKPT_SHM_ROOT, or stop that keeper \(kill {doc['pid']}"):
         keepers.ensure_keeper(root, "job-b")
     proc = next(p for p in keepers._CHILDREN if p.pid == int(doc["pid"]))
     shutil.rmtree(root)

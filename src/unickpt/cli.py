@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -740,7 +741,7 @@ def snapshots_cmd(
     killed and not relaunched leaves them held. --free stops the keeper and deletes them
     (refused while a job of this node runs, unless --force). Run it on every node of the job."""
     from .snapshot.leftovers import free_snapshots, held_snapshots, running_jobs
-    from .snapshot.paths import shm_root as default_root
+    from .snapshot.paths import base_dir, shm_root as default_root
 
     root = shm_root or default_root()
     if not os.path.exists(root):  # a job that closed cleanly removes the root it made: nothing is held
@@ -752,6 +753,10 @@ def snapshots_cmd(
         return
     if not os.path.isdir(root):
         raise _fail(f"{root}: not a directory (the node's shm root: give it, or set $UNICKPT_SHM_ROOT)")
+    if not os.path.exists(base_dir(root)) and any(n == "manifest.json" or re.fullmatch(r"step_\d+", n) for n in os.listdir(root)):
+        # a checkpoint directory given for the shm root: "no keeper" would be said of the wrong place
+        raise _fail(f"{root} is a checkpoint directory, not a shm root: snapshots live in the node's shm root, "
+                    f"{default_root()} here ($UNICKPT_SHM_ROOT, else /dev/shm; `unickpt snapshots` without an argument)")
     if free and not force:
         running = running_jobs(root)
         if running:

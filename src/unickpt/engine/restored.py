@@ -29,7 +29,7 @@ class Restored:
         if self.source == "fresh":
             head, notes = "starting fresh", []
         else:
-            logged = f" + {self.logged} logged steps" if self.source == "disk" and self.logged is not None else ""
+            logged = f" + {self.logged} logged steps" if self.source == "disk" and self.logged else ""
             head, notes = f"resumed step {self.step} from {self.source}{logged}", [self.detail]
         if self.skipped:
             notes.append(f"skipped: {self.skipped}")

@@ -134,7 +134,9 @@ def run(fn: Callable[[World], Any], backend: str | None = None, multiple_of: int
                            "(the tensor x pipeline parallel degree the world must be a multiple of)")
     if dist.is_initialized():
         raise UnickptError("unickpt.run(fn) initialises the process group itself: call it before "
-                           "init_process_group, not after (and not from inside another unickpt.run)")
+                           "init_process_group, not after (and not from inside another unickpt.run); a framework's "
+                           "object built before run() may have initialised it (Hugging Face TrainingArguments, through "
+                           "accelerate): build it inside fn")
     if not control.under_launch():
         return _run_once(fn, backend, multiple_of)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr (a stuck worker)

@@ -146,11 +146,19 @@ def ensure_keeper(root: str, job: str, host: str = "127.0.0.1") -> dict[str, Any
     doc = running_keeper(root)
     if doc is not None:
         if doc["job"] != job:
-            raise SnapshotError(
-                f"the snapshot keeper (pid {doc['pid']}) in {root} serves job {doc['job']!r}, not {job!r}; "
-                f"give each job its own UNICKPT_SHM_ROOT, or stop that keeper (kill {doc['pid']}: the snapshots it "
-                f"holds are then deleted at the next keeper's start)"
-            )
+            try:
+                held = paths.steps(paths.job_dir(root, doc["job"]))
+            except (OSError, SnapshotError):  # the shm root is untrusted: a name that is no directory
+                held = []
+            if held:
+                holds = (f"it holds the snapshots of steps {held[0]}..{held[-1]}. Give each job its own "
+                         f"UNICKPT_SHM_ROOT, or stop that keeper (kill {doc['pid']}: its snapshots are then deleted at "
+                         "the next keeper's start)")
+            else:
+                holds = (f"it holds no snapshot (its job may have failed before its first): stop it (kill "
+                         f"{doc['pid']}), or give each job its own UNICKPT_SHM_ROOT")
+            raise SnapshotError(f"the snapshot keeper (pid {doc['pid']}) in {root} serves job {doc['job']!r}, not "
+                                f"{job!r}; {holds}")
         if doc["host"] == host:
             return doc
         _replace_keeper(doc)

@@ -308,7 +308,7 @@ def recover(snap: Snapshotter, load: LoadFn, disk: Callable[[], tuple[int, str] 
     step: int | None = None
     for plan in plans:
         if disk_step is not None and plan["step"] < disk_step:
-            reasons.append([plan["step"], f"older than the durable checkpoint of step {disk_step}"])
+            reasons.append([plan["step"], f"older than step {disk_step} on disk"])
             break
         step, how, fetched = _try_step(snap, plan, load, timings)
         if step is not None:
