@@ -39,9 +39,11 @@ def _next_alive() -> tuple[threading.Thread, Callable[[], str]] | None:
         return next(((t, w) for t, w in _PENDING.items() if t.is_alive()), None)
 
 
-def finish_pending(notice_s: float = NOTICE_S) -> None:
+def finish_pending(notice_s: float | None = None) -> None:
     """Wait for every registered thread still running (the exit hook); after ``notice_s``
-    seconds on one, name it on stderr. Ctrl-C gives up on the rest, naming it."""
+    seconds on one (default ``NOTICE_S``), name it on stderr. Ctrl-C gives up on the rest,
+    naming it."""
+    notice_s = NOTICE_S if notice_s is None else notice_s
     while (item := _next_alive()) is not None:
         thread, what = item
         try:
