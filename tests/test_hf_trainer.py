@@ -178,6 +178,39 @@ def test_in_process_checks(tmp_path):
         UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4), manager="ck")
 
 
+def test_the_callback_alone_on_a_plain_trainer_is_an_error(tmp_path):
+    """``UnickptCallback`` does nothing by itself (the restore, the data position and the
+    saves are UnickptTrainer's): given to a plain ``transformers.Trainer`` with
+    ``callbacks=[...]`` (the run used to end 0 with nothing saved) it is a one-line
+    UnickptError when the Trainer is built, saying to use UnickptTrainer; added with
+    ``add_callback`` it is one when ``train()`` begins, before any step. Nothing is
+    written under the manager's root. A second one given to a UnickptTrainer (which adds
+    its own) is the same error."""
+    import unickpt
+    from transformers import Trainer
+    from unickpt.integrations.hf import UnickptCallback, UnickptTrainer
+
+    from hf_trainer_job import Tokens, tiny_llama, training_args
+
+    root = tmp_path / "ck"
+    manager = unickpt.CheckpointManager(str(root), save_every=1)
+    args = training_args(str(tmp_path / "out"), 2, 4)
+    said = (r"^UnickptCallback was given to a Trainer by hand \(callbacks=\[\.\.\.\] or add_callback\), where it "
+            r"saves nothing: build UnickptTrainer\(\.\.\., manager=manager\) in place of Trainer\(\.\.\., "
+            r"callbacks=\[UnickptCallback\(manager\)\]\)")
+    with pytest.raises(unickpt.UnickptError, match=said) as e:
+        Trainer(model=tiny_llama(0.0), args=args, train_dataset=Tokens(), callbacks=[UnickptCallback(manager)])
+    assert "\n" not in str(e.value)
+    trainer = Trainer(model=tiny_llama(0.0), args=args, train_dataset=Tokens())
+    trainer.add_callback(UnickptCallback(manager))
+    with pytest.raises(unickpt.UnickptError, match=said):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not root.exists()
+    with pytest.raises(unickpt.UnickptError, match=said):
+        UnickptTrainer(model=tiny_llama(0.0), args=args, train_dataset=Tokens(), manager=manager,
+                       callbacks=[UnickptCallback(manager)])
+
+
 def test_a_reporter_gets_each_step_once_when_training_resumes_in_the_same_process(tmp_path):
     """As after a re-forming under unickpt.integrations.hf.run: a train() fails after step 5
     was reported (durable checkpoints every 2), and a new trainer in the same process, with

@@ -128,6 +128,59 @@ def test_refusals(tmp_path):
     _run(1, "refusals", str(tmp_path))
 
 
+def test_config_values_are_checked(tmp_path):
+    """In this process, no ranks: ``async_mode`` takes exactly what torchtitan's own
+    checkpoint config takes (any case, kept lower-cased; "yes" was taken as async), and
+    every other option of the Config that nothing checked (or checked only when the
+    checkpointer is built) is a one-line UnickptError naming the option, the value and
+    what is allowed, when the Config is made."""
+    from torchtitan.components.checkpointer import CheckpointManager as TorchtitanDCP
+
+    from unickpt import UnickptError
+    from unickpt.integrations.torchtitan import UnickptCheckpointManager
+
+    Config = UnickptCheckpointManager.Config
+    for mode in ("yes", "true", "sync", "enabled", "", "disabled", "async", "async_with_pinned_mem", "ASYNC",
+                 "Async_With_Pinned_Mem"):
+        try:
+            want = TorchtitanDCP.Config(async_mode=mode).async_mode
+        except ValueError:
+            want = None
+        if want is not None:
+            assert Config(async_mode=mode).async_mode == want, mode
+            continue
+        with pytest.raises(UnickptError) as e:
+            Config(async_mode=mode)
+        assert str(e.value) == ("UnickptCheckpointManager: async_mode must be one of 'disabled', 'async', "
+                                f"'async_with_pinned_mem' (any case, as torchtitan takes it), not {mode!r}")
+    model = torch.nn.Linear(2, 2)
+    for mode, want in (("ASYNC", "async"), ("Disabled", "sync")):  # the checkpointer built from it, in this process
+        built = Config(enable=True, folder=str(tmp_path / "ck"), async_mode=mode).build(
+            dataloader=None, model_parts=[model], optimizers=torch.optim.SGD(model.parameters()),
+            lr_schedulers=None, states={}, sd_adapter=None)
+        assert built.manager.options.saves.mode == want, mode
+        built.close()
+    for option, match in (({"async_mode": True}, r"async_mode must be one of .*, not True"),
+                          ({"log_deltas": "yes"}, "log_deltas must be True or False, not 'yes'"),
+                          ({"keep_snapshots_on_close": "no"}, "keep_snapshots_on_close must be True or False"),
+                          ({"enable": 1}, "enable must be True or False, not 1"),
+                          ({"interval": "5"}, "interval must be a whole number >= 1, not '5'"),
+                          ({"load_step": -2}, r"load_step must be -1 \(the newest state\) or a step >= 0, not -2"),
+                          ({"snapshot_every": "1"}, "snapshot_every must be a whole number >= 0, not '1'"),
+                          ({"parity": "1", "snapshot_every": 1}, "parity must be a whole number >= 0 or None, not '1'"),
+                          ({"snapshot_replicas": 0}, "snapshot_replicas must be a whole number >= 1, not 0"),
+                          ({"parity": 1}, "parity=1 configures the memory snapshots: set snapshot_every too"),
+                          ({"delta_dtype": "fp16", "log_deltas": True}, "delta_dtype must be 'exact' or 'bf16'"),
+                          ({"durable_every": 0}, "durable_every must be a whole number >= 1, not 0"),
+                          ({"durable_keep": 0, "durable": "/d"}, "durable_keep must be a whole number >= 1 or None"),
+                          ({"full_every": 0, "incremental": True}, "full_every must be a whole number >= 1 or None"),
+                          ({"export_dtype": "fp8"}, "export_dtype must be one of 'float16', 'bfloat16', 'float32'"),
+                          ({"exclude_from_loading": "dataloader"}, "exclude_from_loading must be a list of state keys")):
+        with pytest.raises(UnickptError, match=rf"^UnickptCheckpointManager: {match}") as e:
+            Config(**{"enable": True, **option})
+        assert "\n" not in str(e.value)
+
+
 # -- live recovery: unickpt launch, a rank SIGKILLed, the survivors go on in their processes
 def test_live_recovery_in_the_same_processes(tmp_path, shm_roots):
     """torchtitan's loop (tests/titan_live.py: its Llama 3 under FSDP2, its optimizer and

@@ -73,6 +73,11 @@ _EXTENDED = ("_prepare_for_training", "_run_epoch", "_load_rng_state", "_maybe_l
 # skipping runs, and its ``_load_rng_state`` sets the generators restored by unickpt.
 _RESUMED = "<restored by unickpt>"
 
+# A UnickptCallback given to a Trainer by hand does nothing: the trainer class does the work.
+_BY_HAND = ("UnickptCallback was given to a Trainer by hand (callbacks=[...] or add_callback), where it saves nothing: "
+            "build UnickptTrainer(..., manager=manager) in place of Trainer(..., callbacks=[UnickptCallback(manager)]) "
+            "(a Trainer subclass: class MyTrainer(UnickptTrainerMixin, SFTTrainer)); it adds its own callback")
+
 # The managers closed at the end of a train(): they serve no other.
 _CLOSED: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
@@ -88,9 +93,10 @@ def run(fn: Callable[[World], Any], backend: str | None = None) -> Any:
     accumulation state of the Accelerator the last Trainer made) is cleared, so the
     ``TrainingArguments`` and Trainer ``fn`` builds take the generation's process group
     (formed before ``fn`` runs: accelerate does not initialise another) and its ranks.
-    ``fn`` builds a fresh ``TrainingArguments`` (``per_device_train_batch_size`` from
-    ``world.size`` to keep the global batch), model, ``CheckpointManager`` and
-    :class:`UnickptTrainer`, and calls ``train()``: the trainer restores the newest
+    ``fn`` builds a fresh ``TrainingArguments`` (inside ``fn``: built before ``run`` they
+    initialise the process group through accelerate, and ``run`` refuses to start;
+    ``per_device_train_batch_size`` from ``world.size`` to keep the global batch), model,
+    ``CheckpointManager`` and :class:`UnickptTrainer`, and calls ``train()``: the trainer restores the newest
     snapshot (from memory after a re-forming) and goes on at the step after it, skipping
     the batches done as after its own resume.
 
@@ -129,12 +135,29 @@ def _reset_accelerate() -> None:
 class UnickptCallback(TrainerCallback):
     """The Trainer's hooks that map onto ``manager``: ``before_update`` on
     ``on_pre_optimizer_step``, ``close`` on ``on_train_end``. :class:`UnickptTrainer`
-    adds it; it acts only once that trainer has restored its state (``started``)."""
+    adds it; it acts only once that trainer has restored its state (``started``).
+
+    Not to be given to a Trainer by hand: the restore, the data position and
+    ``maybe_save`` are :class:`UnickptTrainerMixin`'s, which a callback cannot do. One in
+    ``Trainer(callbacks=[...])`` or ``add_callback`` is a :class:`UnickptError` when the
+    Trainer is built (``on_init_end``) or, at the latest, when training begins
+    (``on_train_begin``), never a run that silently saves nothing."""
 
     def __init__(self, manager: CheckpointManager) -> None:
         self.manager = manager
         self.started = False
         self.closed = False
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The end of ``Trainer.__init__``: only a callback given by hand sees it (the
+        trainer's own is added after), so it is refused."""
+        raise UnickptError(_BY_HAND)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The start of ``train()``, after the restore: a callback no trainer started (one
+        added by hand with ``add_callback``) is refused."""
+        if not self.started:
+            raise UnickptError(_BY_HAND)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Right before ``optimizer.step()``: the manager's ``before_update``."""

@@ -22,6 +22,7 @@ What is and is not supported: docs/INTEGRATIONS.md, "torchtitan".
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from torchtitan.components.checkpointer import (
     LR_SCHEDULER,
     MODEL,
     OPTIMIZER,
+    AsyncMode,
     BaseCheckpointManager,
     ModelWrapper,
 )
@@ -38,6 +40,7 @@ from torchtitan.tools import filesystem
 
 from ..api.load import load
 from ..api.manager import CheckpointManager
+from ..api.options import DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import MismatchError, UnickptError
@@ -114,8 +117,10 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         :class:`unickpt.CheckpointManager` for each)."""
 
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-        """Durable checkpoints in the background: any value but "disabled" (unickpt stages
-        into pinned host memory when the state is on CUDA)."""
+        """Durable checkpoints in the background: "async" or "async_with_pinned_mem" (both
+        the same here: unickpt stages into pinned host memory when the state is on CUDA);
+        "disabled": in the loop. Any case, as torchtitan's own ``CheckpointManager.Config``
+        takes it (kept lower-cased); anything else is a :class:`UnickptError`."""
 
         snapshot_every: int = 0
         """In-memory snapshot every N steps (0: none), held by a keeper process per node."""
@@ -158,6 +163,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         """Leave the snapshots and keepers at ``close()`` (a planned stop resuming from memory)."""
 
         def __post_init__(self) -> None:
+            _check_config(self)  # the types first: torchtitan's checks compare the values
             BaseCheckpointManager.Config.__post_init__(self)
             refused = {
                 "initial_load_in_hf": "unickpt loads the initial checkpoint by torchtitan's own names; a Hugging "
@@ -279,3 +285,67 @@ class UnickptCheckpointManager(BaseCheckpointManager):
     def _close(self) -> None:
         """Wait for what is in flight; stop the keepers unless ``keep_snapshots_on_close``."""
         self.manager.close(keep_snapshots=self.config.keep_snapshots_on_close)
+
+
+# The values of torchtitan's own checkpoint config's async_mode (its CheckpointManager.Config
+# takes them in any case and lower-cases them).
+_ASYNC_MODES = tuple(m.value for m in AsyncMode)
+
+_FLAGS = ("enable", "load_only", "enable_first_step_checkpoint", "create_seed_checkpoint", "initial_load_model_only",
+          "initial_load_in_hf", "initial_load_in_hf_quantized", "last_save_model_only", "last_save_in_hf",
+          "log_deltas", "incremental", "keep_snapshots_on_close")
+_EXPORT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _check_config(c: Any) -> None:
+    """Check the values of an :class:`UnickptCheckpointManager.Config` that torchtitan's own
+    checks and the manager's (run only when the checkpointer is built) do not: each a
+    :class:`UnickptError` naming the option, the value and what is allowed. The unickpt
+    tiers' options go through the manager's own option groups now, so a bad one fails
+    here and not at ``build``. Sets ``async_mode`` lower-cased."""
+
+    def fail(name: str, allowed: str) -> None:
+        raise UnickptError(f"UnickptCheckpointManager: {name} must be {allowed}, not {getattr(c, name)!r}")
+
+    def whole(name: str, least: int, optional: bool = False) -> None:
+        value = getattr(c, name)
+        if optional and value is None:
+            return
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            fail(name, f"a whole number >= {least}{' or None' if optional else ''}")
+
+    mode = c.async_mode
+    if not isinstance(mode, str) or mode.lower() not in _ASYNC_MODES:
+        fail("async_mode", f"one of {', '.join(map(repr, _ASYNC_MODES))} (any case, as torchtitan takes it)")
+    c.async_mode = mode.lower()
+    for name in _FLAGS:
+        if not isinstance(getattr(c, name), bool):
+            fail(name, "True or False")
+    if not isinstance(c.folder, str):
+        fail("folder", "a path (str) under the trainer's dump_folder")
+    whole("interval", 1)
+    whole("keep_latest_k", 0)
+    if not isinstance(c.load_step, int) or isinstance(c.load_step, bool) or c.load_step < -1:
+        fail("load_step", "-1 (the newest state) or a step >= 0")
+    if c.initial_load_path is not None and not isinstance(c.initial_load_path, str):
+        fail("initial_load_path", "a path (str) or None")
+    if not isinstance(c.exclude_from_loading, (list, tuple)) or not all(isinstance(k, str) for k in c.exclude_from_loading):
+        fail("exclude_from_loading", "a list of state keys (str)")
+    if c.export_dtype not in _EXPORT_DTYPES:
+        fail("export_dtype", f"one of {', '.join(map(repr, _EXPORT_DTYPES))}")
+    if c.durable is not None and not isinstance(c.durable, (str, os.PathLike)):
+        fail("durable", "a directory or URL (str) or None")
+    for name, least, optional in (("snapshot_every", 0, False), ("flush_every", 0, False), ("parity", 0, True),
+                                  ("snapshot_replicas", 1, False), ("snapshot_max_bytes", 1, True),
+                                  ("full_every", 1, True), ("durable_every", 1, False), ("durable_keep", 1, True)):
+        whole(name, least, optional)
+    try:  # the manager's own checks of its keywords, named as here
+        SaveSchedule.from_keywords(every=c.interval, mode="async" if c.async_mode != "disabled" else "sync",
+                                   incremental=c.incremental, full_every=c.full_every)
+        SnapshotOptions.from_keywords(every=c.snapshot_every, parity=c.parity, replicas=c.snapshot_replicas,
+                                      flush_every=c.flush_every, max_bytes=c.snapshot_max_bytes)
+        DeltaLogOptions.from_keywords(enabled=c.log_deltas, dtype=c.delta_dtype)
+        if c.durable is not None:
+            DurableOptions.from_keywords(url=c.durable, every=c.durable_every, keep=c.durable_keep)
+    except UnickptError as e:
+        raise type(e)(f"UnickptCheckpointManager: {e}") from None
