@@ -76,6 +76,8 @@ def test_a_group_checks_itself_and_names_its_field(make, says):
 
 @pytest.mark.parametrize("kwargs, says", [
     ({"durable_every": 0, "durable": "d"}, r"^durable_every must be a whole number >= 1, not 0$"),
+    ({"durable_every": 0}, r"^durable_every=0 configures the durable tier: set durable too$"),
+    ({"durable_keep": 3}, r"^durable_keep=3 configures the durable tier: set durable too$"),
     ({"full_every": 0}, r"^full_every must be a whole number >= 1 or None, not 0$"),
     ({"keep": "3"}, r"^keep must be a whole number >= 1 or None \(keep all\), not '3'$"),
     ({"keep": True}, r"^keep must be a whole number >= 1 or None \(keep all\), not True$"),
@@ -83,7 +85,10 @@ def test_a_group_checks_itself_and_names_its_field(make, says):
     ({"save_every": 2, "log_deltas": "no"}, r"^log_deltas must be True or False, not 'no'$"),
     ({"root": None}, r"^the checkpoints' root must be a directory or a URL \(a str or a path\), not None$"),
     ({"root": 5}, r"^the checkpoints' root must be a directory or a URL \(a str or a path\), not 5$"),
-    ({"snapshot_every": 1, "snapshot_max_bytes": 0}, r"^snapshot_max_bytes must be positive, not 0$"),
+    ({"snapshot_every": 1, "snapshot_max_bytes": 0}, r"^snapshot_max_bytes must be a whole number >= 1 or None, not 0$"),
+    ({"snapshot_every": 1, "snapshot_max_bytes": "x"}, r"^snapshot_max_bytes must be a whole number >= 1 or None, not 'x'$"),
+    ({"snapshot_every": 1, "parity": "1"}, r"^parity must be a whole number >= 0 or None, not '1'$"),
+    ({"snapshot_every": 1, "snapshot_replicas": "2"}, r"^snapshot_replicas must be a whole number >= 1, not '2'$"),
     ({"snapshot_every": 2, "snapshot": SnapshotOptions()}, r"^snapshot_every and a SnapshotOptions were both given"),
     ({"save_every": 3, "saves": SaveSchedule(every=3)}, r"^save_every and a SaveSchedule were both given"),
     ({"durable": DurableOptions("d"), "durable_keep": 2}, r"^durable_keep and a DurableOptions were both given"),

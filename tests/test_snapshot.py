@@ -435,7 +435,7 @@ def test_a_keeper_whose_root_is_deleted_exits_and_another_jobs_keeper_is_named(t
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("flags, message", [
     (["--snapshot-every", "-2"], "snapshot_every must be a whole number >= 0 (0: never), not -2"),
-    (["--snapshot-every", "1", "--parity", "-1"], "parity must be >= 0, not -1"),
+    (["--snapshot-every", "1", "--parity", "-1"], "parity must be a whole number >= 0 or None, not -1"),
     (["--snapshot-every", "1", "--parity", "1", "--snapshot-replicas", "2"],
      "snapshot_replicas=2 and parity=1 exclude each other: a node's snapshot is protected by copies on neighbours or "
      "by parity, not both"),

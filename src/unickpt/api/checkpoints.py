@@ -412,6 +412,10 @@ def durable_options(durable: str | os.PathLike | DurableOptions | None, every: i
     """The durable tier of ``durable=`` (a :class:`DurableOptions`, or the location with the
     flat ``durable_*`` keywords) as the user gave it, or None."""
     if durable is None:
+        for name, value, default in (("durable_every", every, 1), ("durable_keep", keep, None),
+                                     ("durable_storage_options", storage_options, None)):
+            if value != default:  # said for a tier there is not: never silently ignored
+                raise UnickptError(f"{name}={value!r} configures the durable tier: set durable too")
         return None
     given = durable if isinstance(durable, DurableOptions) else None
     flat = {"every": every, "keep": keep, "storage_options": storage_options} | ({} if given else {"url": durable})

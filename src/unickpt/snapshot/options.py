@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..engine.save_options import Checked, Spelling, whole
+from ..engine.save_options import Checked, Spelling, at_least_one, whole
 from ..errors import SnapshotError, UnickptError
 from .parity import STRIPES
 
@@ -53,12 +53,11 @@ class SnapshotOptions(Checked):
     def check(cls, v: Any, said: Spelling) -> None:
         whole(v, said, "every")
         whole(v, said, "flush_every")
-        if not isinstance(v.stripes, int) or v.stripes < 1:
-            said.fail(f"{said.name('stripes')} must be at least 1, not {v.stripes}")
-        if v.replicas < 1:
-            said.fail(f"{said.name('replicas')} must be at least 1, not {v.replicas}")
-        if v.parity is not None and v.parity < 0:
-            said.fail(f"{said.name('parity')} must be >= 0, not {v.parity}")
+        at_least_one(v, said, "stripes")
+        at_least_one(v, said, "replicas")
+        at_least_one(v, said, "max_bytes", optional=True)
+        if v.parity is not None and (not isinstance(v.parity, int) or isinstance(v.parity, bool) or v.parity < 0):
+            said.fail(f"{said.name('parity')} must be a whole number >= 0 or None, not {v.parity!r}")
         if not v.every:
             for field, value in (("parity", v.parity), ("flush_every", v.flush_every or None),
                                  ("max_bytes", v.max_bytes), ("replicas", v.replicas if v.replicas > 1 else None)):
@@ -67,5 +66,3 @@ class SnapshotOptions(Checked):
         if v.replicas > 1 and v.parity:
             said.fail(f"{said.said('replicas', v.replicas)} and {said.said('parity', v.parity)} exclude each other: "
                       "a node's snapshot is protected by copies on neighbours or by parity, not both")
-        if v.max_bytes is not None and v.max_bytes < 1:
-            said.fail(f"{said.name('max_bytes')} must be positive, not {v.max_bytes}")
