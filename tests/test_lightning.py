@@ -9,6 +9,7 @@ by a new one bitwise (dropout: the RNG comes back), the fit loop's state, refusa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -204,12 +205,13 @@ class _FailAt(L.pytorch.Callback):
             raise RuntimeError(f"failure at step {self.step}")
 
 
-def _logged_fit(tmp_path, steps: int, logger, callbacks: list) -> None:
+def _logged_fit(tmp_path, steps: int, logger, callbacks: list, model: L.LightningModule | None = None) -> None:
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=logger,
                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(_Logging(0.0, str(tmp_path / "loss.jsonl"), 0.0), train_dataloaders=Batches(0, 1))
+    model = model if model is not None else _Logging(0.0, str(tmp_path / "loss.jsonl"), 0.0)
+    trainer.fit(model, train_dataloaders=Batches(0, 1))
 
 
 def _fail_then_resume(tmp_path, fail_at: int) -> tuple[Recorded, Recorded, list[int], UnickptCallback]:
@@ -252,6 +254,86 @@ def test_a_step_snapshotted_before_its_log_is_given_after_the_restore(tmp_path):
     assert before == list(range(5))  # Lightning logs global step k as step k - 1
     assert callback.restored_step == 6
     assert logger.calls == unbroken.calls and len(unbroken.calls) == 10
+
+
+def test_the_stop_line_says_what_a_relaunch_resumes_from(tmp_path, caplog, monkeypatch, shm_roots):
+    """The line rank 0 says when the fit stops by an error tells what is there: without
+    snapshots, the durable checkpoint a relaunch resumes from (or a fresh start); with a
+    snapshot taken, the snapshots in memory; a restore that failed (a checkpoint of another
+    model), that nothing was trained or saved. Never 'the snapshots stay in memory' where
+    there is none."""
+    def stop_line(steps: int, callbacks: list, model=None) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="unickpt"), pytest.raises(Exception):
+            _logged_fit(tmp_path, steps, False, callbacks, model)
+        lines = [r.getMessage() for r in caplog.records if r.name == "unickpt" and r.levelno == logging.WARNING]
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    root = str(tmp_path / "ck")
+    line = stop_line(10, [UnickptCallback(root, save_every=3), _FailAt(2)])
+    assert line == (f"unickpt: training stopped by RuntimeError at step 2; no snapshot in memory (snapshots are off "
+                    f"(snapshot_every=0)): a relaunch starts fresh (no checkpoint committed in {root})")
+    line = stop_line(10, [UnickptCallback(root, save_every=3), _FailAt(4)])
+    assert line == (f"unickpt: training stopped by RuntimeError at step 4; no snapshot in memory (snapshots are off "
+                    f"(snapshot_every=0)): a relaunch resumes from {root}/step_00000003")
+    wider = _Logging(0.0, str(tmp_path / "loss.jsonl"), 0.0)
+    wider.net[0] = torch.nn.Linear(16, 48)
+    line = stop_line(10, [UnickptCallback(root, save_every=3)], wider)
+    assert line == (f"unickpt: the restore stopped by MismatchError before any step trained; nothing was saved, the "
+                    f"checkpoints in {root} (and any snapshot in memory) are as they were")
+    monkeypatch.setenv("UNICKPT_SHM_ROOT", str(tmp_path / "shm"))
+    shm_roots.append(str(tmp_path / "shm"))
+    line = stop_line(10, [UnickptCallback(str(tmp_path / "ck2"), snapshot_every=1), _FailAt(2)])
+    assert line == "unickpt: training stopped by RuntimeError at step 2; the snapshots stay in memory for the relaunch"
+
+
+def test_options_are_checked(tmp_path):
+    """A bool option given a truthy string, a root that is no path, a manager that is none,
+    extra_state that is no dict of names: one clear UnickptError each, naming the value."""
+    with pytest.raises(unickpt.UnickptError, match="per_rank_data must be True or False, not 'no'"):
+        UnickptCallback(str(tmp_path / "ck"), per_rank_data="no")
+    with pytest.raises(unickpt.UnickptError, match="root must be a path .*, not 5"):
+        UnickptCallback(5)
+    with pytest.raises(unickpt.UnickptError, match="manager must be a unickpt.CheckpointManager, not 'ck'"):
+        UnickptCallback(manager="ck")
+    with pytest.raises(unickpt.UnickptError, match=r"extra_state must be a dict .*, not \[1\]"):
+        UnickptCallback(str(tmp_path / "ck"), extra_state=[1])
+    assert UnickptCallback(str(tmp_path / "ck"), per_rank_data=False).per_rank_data is False
+
+
+def test_live_recovery_warns_once_of_a_logger_or_model_checkpoint_made_per_generation(tmp_path, monkeypatch, caplog):
+    """Under live recovery ``fn`` builds a Trainer per generation in the same process: one
+    with Lightning's default logger and ModelCheckpoint (new ones each time: a new
+    ``version_N`` folder for the rows and the .ckpt files) is warned of once, at the second
+    generation; a logger built once and passed in, with enable_checkpointing=False, is not."""
+    import unickpt.integrations.lightning as integration
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.setattr(integration, "under_launch", lambda: True)
+
+    def warnings(root: str, **trainer_options) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="unickpt"):
+            L.seed_everything(0, verbose=False)
+            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, default_root_dir=str(tmp_path),
+                                callbacks=[UnickptCallback(str(tmp_path / root), save_every=2)],
+                                enable_progress_bar=False, enable_model_summary=False, **trainer_options)
+            trainer.fit(Regression(0.0, str(tmp_path / "loss.jsonl"), 0.0), train_dataloaders=Batches(0, 1))
+        return [r.getMessage() for r in caplog.records if r.name == "unickpt" and r.levelno == logging.WARNING]
+
+    assert warnings("a") == []
+    got = warnings("a")
+    assert len(got) == 2, got
+    assert got[0].startswith("unickpt: this generation's Trainer has a new logger (")
+    assert got[0].endswith("build the logger once, outside fn, and pass it to each generation's Trainer (or logger=False)")
+    assert got[1].startswith("unickpt: this generation's ModelCheckpoint saves into ")
+    assert "version_1" in got[1] and got[1].endswith("give it a fixed dirpath, or enable_checkpointing=False "
+                                                      "(the UnickptCallback checkpoints)")
+    assert warnings("a") == []  # once
+    logger = CSVLogger(str(tmp_path / "logs"))
+    assert warnings("b", logger=logger, enable_checkpointing=False) == []
+    assert warnings("b", logger=logger, enable_checkpointing=False) == []
 
 
 def test_fit_loop_state_round_trip(tmp_path):
@@ -311,7 +393,7 @@ def test_the_end_of_fit_is_saved_durably_and_a_rerun_trains_nothing(tmp_path):
 
 
 class _Ids(L.LightningModule):
-    """Appends each step's batch (sample ids) to ``log``."""
+    """Appends each step's batch (sample ids), epoch, loss and logger step to ``log``."""
 
     def __init__(self, log: str) -> None:
         super().__init__()
@@ -319,9 +401,12 @@ class _Ids(L.LightningModule):
         self.log_path = log
 
     def training_step(self, batch, batch_idx):
+        loss = self.lin(batch.float().unsqueeze(1)).sum()
         with open(self.log_path, "a") as f:
-            f.write(json.dumps({"step": self.global_step + 1, "ids": batch.tolist()}) + "\n")
-        return self.lin(batch.float().unsqueeze(1)).sum()
+            f.write(json.dumps({"step": self.global_step + 1, "ids": batch.tolist(), "epoch": self.current_epoch,
+                                "loss": float(loss), "logged_as": self.trainer.fit_loop.epoch_loop._batches_that_stepped})
+                    + "\n")
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -339,6 +424,46 @@ def _ids_fit(log: str, steps: int, callback: UnickptCallback | None) -> None:
                         callbacks=[callback] if callback else [], use_distributed_sampler=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(_Ids(log), train_dataloaders=loader)
+
+
+def _seen_fit(log: str, steps: int, callback: UnickptCallback | None) -> None:
+    """One process, no process group: a torchdata StatefulDataLoader over a shuffling
+    sampler (16 samples, 8 batches an epoch, each epoch another order)."""
+    from torch.utils.data.distributed import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    L.seed_everything(0, verbose=False)
+    data = torch.arange(16)
+    loader = StatefulDataLoader(data, batch_size=2,
+                                sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        callbacks=[callback] if callback else [], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Ids(log), train_dataloaders=loader)
+
+
+@pytest.mark.parametrize("ends,save_every", [((5, 13, 20), 100), ((8, 16, 20), 100), ((8, 12, 20), 4)])
+def test_a_finished_fit_extended_from_its_end_checkpoint_goes_on_with_the_next_batch(tmp_path, ends, save_every):
+    """A fit that ends at max_steps between two saves (save_every=100) ends with a durable
+    checkpoint taken in on_train_end, after Lightning closed the epoch it stopped in. A new
+    Trainer with a larger max_steps resumes from it and, fit after fit, sees the unbroken
+    run's batches (epoch, sample ids), losses and logger steps, bitwise: mid-epoch (5, 13:
+    the stopped epoch goes on, not the next one) and at an epoch's end (8, 16: the next
+    epoch, in its own order; a StatefulDataLoader's state taken after its last batch starts
+    no empty epoch). With save_every=4 the checkpoints are the batch-end ones: at an
+    epoch's end (8), then mid-epoch in the epoch the resume started (12)."""
+    ref, run = str(tmp_path / "ref.jsonl"), str(tmp_path / "run.jsonl")
+    _seen_fit(ref, ends[-1], None)
+    for i, steps in enumerate(ends):
+        callback = UnickptCallback(str(tmp_path / "ck"), save_every=save_every)
+        _seen_fit(run, steps, callback)
+        assert callback.restored_step == (ends[i - 1] if i else 0)
+        assert set(ends[:i + 1]) <= set(callback.manager.steps()) and callback.manager.stats()["saves_failed"] == 0
+    want = [json.loads(line) for line in open(ref)]
+    got = [json.loads(line) for line in open(run)]
+    assert [r["step"] for r in got] == list(range(1, ends[-1] + 1))
+    for r, w in zip(got, want):
+        assert r == w, (r, w)
 
 
 def test_ddp_stateful_loader_resumes_mid_epoch_in_the_right_epoch_order(tmp_path, monkeypatch):
