@@ -90,6 +90,20 @@ def test_torchrun_flags_parse():
     assert parse_std("0:3,1:2", "--tee") == {0: {"stdout", "stderr"}, 1: {"stderr"}}
 
 
+def test_the_hang_timeout_has_a_default_below_the_generations_timeout(monkeypatch):
+    """Without --hang-timeout a stopped worker is killed all the same (else its peers'
+    collectives time out first, they leave the job and the stopped worker is kept): after
+    30 s, or half the generation's timeout when that is shorter; 0 turns it off."""
+    from unickpt.live.launch import hang_limit
+
+    monkeypatch.delenv("UNICKPT_LIVE_PG_TIMEOUT", raising=False)
+    assert parse(["x.py"]).hang_timeout is None and hang_limit(None) == 30
+    assert hang_limit(parse(["--hang-timeout", "3", "x.py"]).hang_timeout) == 3
+    assert hang_limit(parse(["--hang-timeout", "0", "x.py"]).hang_timeout) == 0
+    monkeypatch.setenv("UNICKPT_LIVE_PG_TIMEOUT", "10")
+    assert hang_limit(None) == 5
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--rdzv-backend", "etcd", "x.py"], "use --rdzv-backend c10d"),
     (["--role", "trainer", "x.py"], "--role is not supported"),

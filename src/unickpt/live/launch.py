@@ -5,8 +5,9 @@ torch script runs unchanged), sees a child exit in milliseconds (SIGCHLD), and n
 kills a surviving worker of a job that uses ``unickpt.run``: it reports the loss through
 the job's c10d ``TCPStore``, and node 0's launcher (which hosts the store: the control
 plane) opens a new generation without the lost workers (see :mod:`.control`). It kills
-a worker that shows no progress for ``--hang-timeout`` seconds (a hang becomes a
-crash), starts up to ``--max-restarts`` replacement workers in the background (they join
+a worker that shows no progress for ``--hang-timeout`` seconds while stopped (a hang
+becomes a crash; 30 s by default, so that its peers re-form before their collectives
+time out), starts up to ``--max-restarts`` replacement workers in the background (they join
 at a step boundary), and ends the job below ``--min-ranks`` ranks.
 
 Exit status (every node's launcher): 0 when every rank that ran ended 0 or was
@@ -51,6 +52,10 @@ PROBE_S = 0.5  # a launcher that does not answer a probe within this is lost (a 
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
 DEFAULT_PG_TIMEOUT_S = 60.0
+# without --hang-timeout: a stopped worker is killed after this long without progress (or half
+# the generation's timeout, when shorter), so that its peers re-form before their collectives
+# time out (they would leave the job, the stopped worker kept: a job that hangs)
+DEFAULT_HANG_TIMEOUT_S = 30.0
 WAIT_NOTE_S = 5.0  # how often node 0's launcher says which nodes it still waits for
 CONNECT_TRY_S = 2.0  # one attempt to reach node 0's store (a signal is seen between attempts)
 
@@ -157,6 +162,19 @@ class Worker:
     hung: float = 0.0  # seconds without progress when it was killed for it
 
 
+def hang_limit(given: float | None) -> float:
+    """Seconds without progress after which a stopped worker is killed (0: never):
+    ``--hang-timeout`` as given, else ``DEFAULT_HANG_TIMEOUT_S`` or half the generation's
+    timeout (``$UNICKPT_LIVE_PG_TIMEOUT``) when that is shorter."""
+    if given is not None:
+        return given
+    try:
+        pg = float(os.environ.get(LIVE_PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S))
+    except ValueError:
+        pg = DEFAULT_PG_TIMEOUT_S
+    return min(DEFAULT_HANG_TIMEOUT_S, pg / 2) if pg > 0 else DEFAULT_HANG_TIMEOUT_S
+
+
 class Launcher:
     """One node's launcher (node 0's is also the job's coordinator)."""
 
@@ -179,6 +197,7 @@ class Launcher:
         self.last_line = ""  # the job's summary, said last
         self.errors_dir: str | None = None  # the workers' TORCHELASTIC_ERROR_FILEs (made at the first spawn)
         self.coordinator = Coordinator(store, args, self.output) if self.node == 0 and args.store is None else None
+        self.hang_limit = hang_limit(args.hang_timeout)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
@@ -280,7 +299,7 @@ class Launcher:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + BEAT_S
-                if self.args.hang_timeout:
+                if self.hang_limit:
                     self._find_hangs(now)
             gen = None
             if now >= next_node_beat:  # the job's store: a request or two a node every NODE_BEAT_S
@@ -374,7 +393,7 @@ class Launcher:
         watcher thread is silent too (a stopped process, or one holding the GIL). A worker
         blocked in a collective on a dead peer is not hung: its collective fails within the
         generation's timeout (``LIVE_PG_TIMEOUT_ENV``) and it re-forms."""
-        limit = self.args.hang_timeout
+        limit = self.hang_limit
         stale = []
         for w in self.workers.values():
             try:

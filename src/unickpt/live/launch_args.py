@@ -41,7 +41,7 @@ class LaunchArgs:
     rdzv_id: str = "none"
     nproc_per_node: int = 1
     max_restarts: int = 0
-    hang_timeout: float = 0.0
+    hang_timeout: float | None = None  # None: DEFAULT_HANG_TIMEOUT_S (see hang_limit); 0: never
     min_ranks: int = 1
     join_timeout: float = JOIN_TIMEOUT_S
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S

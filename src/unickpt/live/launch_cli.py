@@ -137,8 +137,10 @@ def launch(
         "--max-restarts", "--max_restarts", metavar="N",
         help="a script under unickpt.run: replacement workers this node may start over the job (they join the "
              "survivors); a plain script: times the whole group is restarted after a failure (torchrun's)")] = 0,
-    hang_timeout: Annotated[float, typer.Option(
-        "--hang-timeout", metavar="SECONDS", help="kill a worker that shows no progress for this many seconds (0: never)")] = 0.0,
+    hang_timeout: Annotated[float | None, typer.Option(
+        "--hang-timeout", metavar="SECONDS", show_default=False,
+        help="kill a worker of unickpt.run that shows no progress for this many seconds while stopped (its watcher "
+             "thread silent too); 0: never [default: 30, or half of $UNICKPT_LIVE_PG_TIMEOUT when that is shorter]")] = None,
     min_ranks: Annotated[int, typer.Option("--min-ranks", metavar="N", help="end the job below this many ranks")] = 1,
     store: Annotated[str | None, typer.Option(
         "--store", metavar="HOST:PORT", show_default=False,
@@ -200,7 +202,7 @@ def launch(
                  "(spawn, torchrun's default)")
     if no_python and module:
         ctx.fail("--no-python and -m exclude each other (torchrun's rule)")
-    if min_ranks < 1 or max_restarts < 0 or join_timeout <= 0 or shutdown_timeout < 0 or hang_timeout < 0:
+    if min_ranks < 1 or max_restarts < 0 or join_timeout <= 0 or shutdown_timeout < 0 or (hang_timeout or 0) < 0:
         ctx.fail("need --min-ranks >= 1, --max-restarts >= 0, --join-timeout > 0, --shutdown-timeout >= 0 and "
                  "--hang-timeout >= 0 (0: never)")
     try:
