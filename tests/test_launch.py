@@ -44,7 +44,7 @@ def _launch_together(tmp: Path, *argvs: list[str], timeout: float = 120) -> list
     whole job as ``_launch`` runs it: their output, in order."""
     procs = []
     for i, argv in enumerate(argvs):
-        (tmp / f"job{i}").mkdir()
+        (tmp / f"job{i}").mkdir(exist_ok=True)
         out, err = open(tmp / f"job{i}" / "stdout", "w+"), open(tmp / f"job{i}" / "stderr", "w+")
         procs.append((subprocess.Popen([PY, "-m", "unickpt", "launch", *argv], env=_env(tmp / f"job{i}"), stdout=out,
                                        stderr=err, text=True, cwd=tmp / f"job{i}"), out, err))
@@ -116,6 +116,9 @@ def test_the_hang_timeout_has_a_default_below_the_generations_timeout(monkeypatc
     (["--tee", "7", "x.py"], "--tee '7'"),
     (["--nproc-per-node", "2", "--min-ranks", "5", "x.py"], "--min-ranks 5 is more than the job's 2 rank(s)"),
     (["--hang-timeout", "-5", "x.py"], "--hang-timeout >= 0"),
+    (["--master-port", "99999", "x.py"], "port 99999 (--master-port or --rdzv-endpoint) is not a TCP port"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:abc", "x.py"], "the port 'abc' is not a number"),
+    (["--log-dir", "/etc/hostname/x", "x.py"], "--log-dir /etc/hostname/x: /etc/hostname is not a directory"),
 ])
 def test_refused_flags_say_why(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -193,6 +196,10 @@ def test_torchrun_s_pet_environment_variables_configure_the_launch(monkeypatch, 
             a.tee_spec) == (2, 1, "node0", 23456, 4, 3, (signal.SIGTERM,), "job7", {"stdout", "stderr"})
     assert parse(["--nproc-per-node", "2", "--node_rank", "0", "x.py"]).nproc_per_node == 2  # the command line first
     monkeypatch.setenv("PET_STANDALONE", "1")
+    with pytest.raises(SystemExit) as e:  # torchrun waits for a second node that never comes
+        parse(["x.py"])
+    assert e.value.code == 2 and "--standalone runs one node, not --nnodes 2" in capsys.readouterr().err
+    monkeypatch.setenv("PET_NNODES", "1")
     assert parse(["x.py"]).standalone
     monkeypatch.setenv("PET_LOCAL_ADDR", "10.0.0.2")
     with pytest.raises(SystemExit) as e:
@@ -265,12 +272,46 @@ multiprocess = pytest.mark.multiprocess
 
 
 @multiprocess
+def test_a_store_address_that_cannot_be_used_ends_the_launch_at_once(tmp_path):
+    """A name no resolver knows (the store's connect retried it for 600 s, deaf to SIGTERM)
+    and a port in use (a traceback from TCPStore) each end the launch at once with one line,
+    before any worker starts."""
+    import socket
+
+    (tmp_path / "a").mkdir()
+    t0 = time.monotonic()
+    r = _launch(tmp_path / "a", "--master-addr", "no.such.host.invalid", "--nproc-per-node", "1", CASES, "ok", timeout=60)
+    assert r.returncode == 2 and time.monotonic() - t0 < 30, r.stderr[-2000:]
+    assert "the job's store address 'no.such.host.invalid' (--master-addr, --rdzv-endpoint or --store) does not " \
+           "resolve" in _last(r.stderr) and "Traceback" not in r.stderr, r.stderr[-2000:]
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        (tmp_path / "b").mkdir()
+        r = _launch(tmp_path / "b", "--master-port", str(taken.getsockname()[1]), "--nproc-per-node", "1", CASES, "ok",
+                    timeout=60)
+    finally:
+        taken.close()
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert re.search(r"cannot host the job's store on 127\.0\.0\.1:\d+ \(.*EADDRINUSE.*\): another job on that port\?",
+                     _last(r.stderr)), r.stderr[-2000:]
+
+
+@multiprocess
 def test_exit_codes(tmp_path):
     """A bug in fn ends the job 1 naming the rank and the error (traceback on [rank1]:); with
     recover= the job goes on without the rank and ends 0; a rank that returns early while its
     peer trains ends the job 1; a plain script's error that torchrun's @record wrote to the
     worker's TORCHELASTIC_ERROR_FILE is named; fn that destroys the group itself is an error of
-    fn, not a lost rank; every launcher's last line is the job's summary."""
+    fn, not a lost rank; every launcher's last line is the job's summary. Another job's
+    snapshots in the node's shm root are not said to be this job's (the plain script's last
+    line claimed them: "this node keeps the snapshots of step(s) 10 ...")."""
+    other = tmp_path / "job3" / "shm" / "unickpt" / "job-other" / "step_00000010"  # another job's, from before
+    other.mkdir(parents=True)
+    (other / "whole").write_text("")
+    for p in (other / "whole", other, other.parent):
+        os.utime(p, (time.time() - 3600, time.time() - 3600))
     bug, rec, early, recorded, destroy = _launch_together(
         tmp_path, *(["--standalone", "--nproc-per-node", "2", CASES, mode]
                     for mode in ("bug", "recover", "early", "record", "destroy")))
@@ -296,6 +337,7 @@ def test_exit_codes(tmp_path):
     assert recorded.returncode == 1, recorded.stderr[-3000:]
     assert ("the job failed: worker 0.1 (rank 1) exited with 1 outside unickpt.run (it recorded RuntimeError: a "
             "plain script's bug): nothing to recover") in _last(recorded.stderr), recorded.stderr[-2000:]
+    assert "nothing of this job is kept in memory" in _last(recorded.stderr), _last(recorded.stderr)
 
     assert destroy.returncode == 1, destroy.stderr[-3000:]
     last = _last(destroy.stderr)  # was: "1 lost and recovered ... 0 rank(s) left, fewer than the multiple_of=1"
@@ -336,12 +378,14 @@ def test_output_lines_whole_prefixed_and_filed(tmp_path):
     out = filed
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[rank1]" not in out.stdout and out.stdout.count("[rank0]: " + "0" * 3000) == 40
+    runs = [p.name for p in logs.iterdir()]  # the launcher's own folder, as torchrun's <run_id>_<random>
+    assert len(runs) == 1 and re.fullmatch(r"j_[0-9a-f]{8}", runs[0]), runs
     for local in (0, 1):
-        text = (logs / "j" / "attempt_0" / str(local) / "stdout.log").read_text()
+        text = (logs / runs[0] / "attempt_0" / str(local) / "stdout.log").read_text()
         assert text.count(str(local) * 3000 + "\n") == 40 and f"done rank {local} size 2" in text
-    filtered = (logs / "j" / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    filtered = (logs / runs[0] / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
     assert sorted(filtered) == [f"[rank{r}]: done rank {r} size 2 generation 0" for r in (0, 1)], filtered
-    assert (logs / "j" / "attempt_0" / "filtered_stderr.log").read_text() == ""
+    assert (logs / runs[0] / "attempt_0" / "filtered_stderr.log").read_text() == ""
 
 
 # -- signals -----------------------------------------------------------------------------------

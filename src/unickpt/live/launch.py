@@ -27,6 +27,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,11 +93,28 @@ def run_node(args: LaunchArgs) -> int:
     signals = Signals(args.signals)
     signals.install()  # Ctrl-C while the store is reached or nodes are awaited ends this launcher cleanly
     output = Output(args.tee_spec, args.redirects_spec, args.log_dir, args.local_filter, args.rdzv_id, args.duplicate)
+    try:
+        output.prepare()
+    except OSError as e:
+        output.say(f"unickpt launch: --log-dir {args.log_dir}: cannot make its folder ({e.strerror or e})")
+        return 1
+    host = args.master_addr if not args.standalone else "127.0.0.1"
+    try:  # a name no resolver knows: the store's connect retried it for 600 s, deaf to Ctrl-C
+        socket.getaddrinfo(host, args.master_port or None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        output.say(f"unickpt launch: the job's store address {host!r} (--master-addr, --rdzv-endpoint or --store) "
+                   f"does not resolve: {getattr(e, 'strerror', None) or e}")
+        return 2
     from torch.distributed import TCPStore
 
     if args.node_rank == 0 and args.store is None:
-        store = TCPStore(args.master_addr if not args.standalone else "127.0.0.1", args.master_port, is_master=True,
-                         timeout=timedelta(seconds=600), wait_for_workers=False)
+        try:
+            store = TCPStore(host, args.master_port, is_master=True, timeout=timedelta(seconds=600), wait_for_workers=False)
+        except RuntimeError as e:  # DistNetworkError: the port taken (another job), an address not of this host
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            output.say(f"unickpt launch: cannot host the job's store on {host}:{args.master_port} ({first}): another "
+                       "job on that port? give another --master-port (or --rdzv-endpoint HOST:PORT)")
+            return 1
     else:
         store = _reach(f"{args.master_addr}:{args.master_port}", args.join_timeout, signals, output)
         if store is None:
@@ -198,6 +216,7 @@ class Launcher:
         self.errors_dir: str | None = None  # the workers' TORCHELASTIC_ERROR_FILEs (made at the first spawn)
         self.coordinator = Coordinator(store, args, self.output) if self.node == 0 and args.store is None else None
         self.hang_limit = hang_limit(args.hang_timeout)
+        self.started_at = time.time() - 1  # (file times are coarser than the clock)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
@@ -519,19 +538,36 @@ class Launcher:
         """What this node's keeper still holds in memory, and how to resume or free it
         (empty when nothing is held)."""
         from ..snapshot.leftovers import held_snapshots
-        from ..snapshot.paths import shm_root
+        from ..snapshot.paths import base_dir, shm_root
 
         root = shm_root()
         try:
             held = held_snapshots(root)
+            # this job's: snapshots taken while this launcher ran (another job's, on the same
+            # root, or a script that never snapshots, must not be said to resume from them)
+            jobs = [j for j in held["jobs"] if _touched_since(os.path.join(base_dir(root), j["job"]), self.started_at)]
         except OSError:
             return ""
-        if held["keeper"] is None and not held["jobs"]:
-            return "; nothing of this node is kept in memory"
-        whole = sorted({s for j in held["jobs"] for s in j["whole"]})
+        keeper = held["keeper"] if held["keeper"] is not None and any(j["job"] == held["keeper"]["job"] for j in jobs) \
+            else None
+        if keeper is None and not jobs:
+            return "; nothing of this job is kept in memory"
+        whole = sorted({s for j in jobs for s in j["whole"]})
         what = f"the snapshots of step(s) {', '.join(map(str, whole[-3:]))}" if whole else "its keeper"
         return (f"; this node keeps {what} in memory ({root}): the same command resumes from them, "
                 f"`unickpt snapshots {root} --free` frees them")
+
+
+def _touched_since(folder: str, since: float) -> bool:
+    """Whether ``folder`` or an entry right under it changed at or after ``since`` (a
+    snapshot step written, or dropped, while this launcher ran)."""
+    try:
+        if os.stat(folder).st_mtime >= since:
+            return True
+        with os.scandir(folder) as entries:
+            return any(e.stat(follow_symlinks=False).st_mtime >= since for e in entries)
+    except OSError:
+        return False
 
 
 class Coordinator:

@@ -215,6 +215,8 @@ def launch(
                  if (needles := parse_needles(text))}
     where = _rendezvous(ctx, nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_conf, store,
                         standalone, join_timeout)
+    if log_dir is not None:  # checked before any worker starts (a failure there left a worker without its launcher)
+        _check_log_dir(ctx, log_dir)
     args = LaunchArgs(script=script, script_args=list(script_args or ()), module=module, no_python=no_python,
                       standalone=standalone, store=store, rdzv_id=rdzv_id, nproc_per_node=_nproc(ctx, nproc_per_node),
                       max_restarts=max_restarts, hang_timeout=hang_timeout, min_ranks=min_ranks,
@@ -242,6 +244,9 @@ def _rendezvous(ctx: typer.Context, nnodes: int, node_rank: int | None, master_a
                  "store; use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (node 0's address)")
     if rdzv_endpoint:
         host, sep, port = rdzv_endpoint.rpartition(":")
+        if sep and not port.isdigit() and not rdzv_endpoint.endswith("]"):  # [v6] alone takes the default port
+            ctx.fail(f"--rdzv-endpoint {rdzv_endpoint}: the port {port!r} is not a number (HOST:PORT, or HOST for "
+                     f"port {RDZV_PORT})")
         if not sep or not port.isdigit():
             host, port = rdzv_endpoint, str(RDZV_PORT)
         master_addr, master_port = host or "127.0.0.1", int(port)
@@ -263,7 +268,13 @@ def _rendezvous(ctx: typer.Context, nnodes: int, node_rank: int | None, master_a
             ctx.fail("--store and --standalone: --standalone hosts the store in this launcher; give one of them")
         master_addr, master_port = host, int(port)
     if standalone:
+        if nnodes != 1:
+            ctx.fail(f"--standalone runs one node, not --nnodes {nnodes}: give --nnodes {nnodes} with --node-rank and "
+                     "--rdzv-endpoint (or --master-addr/--master-port) on each node instead")
         nnodes, node_rank, master_addr, master_port = 1, 0, "127.0.0.1", 0
+    if not 0 <= master_port <= 65535:
+        ctx.fail(f"port {master_port} (--master-port or --rdzv-endpoint) is not a TCP port: give 1-65535")
+
     if node_rank is None:
         if nnodes > 1:
             ctx.fail(f"--nnodes {nnodes} needs --node-rank N on every node (0 on the node at {master_addr}, which "
@@ -273,6 +284,18 @@ def _rendezvous(ctx: typer.Context, nnodes: int, node_rank: int | None, master_a
         ctx.fail(f"need 0 <= --node-rank < --nnodes, not --node-rank {node_rank} with --nnodes {nnodes}")
     return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port,
             "join_timeout": join_timeout}
+
+
+def _check_log_dir(ctx: typer.Context, log_dir: str) -> None:
+    """--log-dir is a directory this launcher can write in, or one it can make (its nearest
+    existing parent is a writable directory); else a usage error. Nothing is created here."""
+    there = os.path.abspath(log_dir)
+    while not os.path.lexists(there):
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        ctx.fail(f"--log-dir {log_dir}: {there} is not a directory")
+    if not os.access(there, os.W_OK | os.X_OK):
+        ctx.fail(f"--log-dir {log_dir}: {there} is not writable")
 
 
 def _signals(text: str) -> tuple[int, ...]:
@@ -304,7 +327,9 @@ def _nproc(ctx: typer.Context, text: str) -> int:
             ctx.fail("--nproc-per-node gpu: this node has no CUDA GPU (use a number, cpu or auto)")
     if text in ("cpu", "auto"):
         return os.cpu_count() or 1
-    ctx.fail(f"--nproc-per-node {text!r}: expected a number >= 1, gpu, cpu or auto")
+    source = ctx.get_parameter_source("nproc_per_node")
+    given = " (given by $PET_NPROC_PER_NODE)" if source is not None and source.name == "ENVIRONMENT" else ""
+    ctx.fail(f"--nproc-per-node {text!r}{given}: expected a number >= 1, gpu, cpu or auto")
 
 
 _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)

@@ -11,6 +11,7 @@ of the attempt's folder (torchrun's files).
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import tempfile
 import threading
@@ -68,11 +69,20 @@ class Output:
                  local_filter: frozenset[int] | None = None, run_id: str = "none",
                  duplicate: dict[str, tuple[str, ...]] | None = None) -> None:
         self.tee, self.redirects, self.filter = tee, redirects, local_filter
-        self.log_dir, self.run_id = log_dir, run_id
+        self.log_dir = log_dir
+        # this launcher's own folder under the log dir, as torchrun's <run_id>_<random>: a second
+        # run with the same --log-dir and --rdzv-id never appends to the first one's files
+        self.run_id = f"{run_id}_{secrets.token_hex(4)}"
         self.duplicate = duplicate or {}  # stream: its texts (none given: the stream is not there)
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self._filtered: dict[str, IO[bytes]] = {}  # "attempt/stream": the open filtered_<stream>.log
+
+    def prepare(self) -> None:
+        """Make this launcher's log folder when --log-dir is given (before any worker starts:
+        OSError when it cannot be made)."""
+        if self.log_dir is not None:
+            os.makedirs(os.path.join(self.log_dir, self.run_id), exist_ok=True)
 
     def files_dir(self) -> str:
         """Where per-rank files go (a temporary directory, said once, when --log-dir is not given)."""
