@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -153,12 +154,13 @@ def test_in_process_checks(tmp_path):
                               manager=manager, train_dataset=Tokens())
 
     first = trainer(3)
-    first.train()
-    assert first.state.global_step == 3 and sorted(os.listdir(tmp_path / "ck")) == ["step_00000002"]
+    first.train()  # the last step's checkpoint too, though save_every does not divide it
+    assert first.state.global_step == 3 and sorted(os.listdir(tmp_path / "ck")) == ["step_00000002", "step_00000003"]
     second = trainer(2)
     second.train()
-    assert second.manager.restored_line.startswith("resumed step 2 from disk")
-    assert second.state.global_step == 2 and second.state.log_history[:2] == first.state.log_history[:2]
+    assert second.manager.restored_line.startswith("resumed step 3 from disk")
+    assert second.state.global_step == 3 and second.state.log_history[:3] == first.state.log_history[:3]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step_00000002", "step_00000003"]  # nothing trained, nothing saved
     with pytest.raises(unickpt.UnickptError, match="one train"):
         second.train()
     with pytest.raises(unickpt.UnickptError, match="one train"):  # another trainer, the same closed manager
@@ -176,6 +178,73 @@ def test_in_process_checks(tmp_path):
         TrainerRNG().load_state_dict({"numpy": unickpt.PerRank(["MT19937", [1, 2], 0, 0, 0.0])})
     with pytest.raises(unickpt.UnickptError, match="must be a unickpt.CheckpointManager"):
         UnickptTrainer(model=tiny_llama(0.0), args=training_args(str(tmp_path / "out"), 2, 4), manager="ck")
+
+
+def test_a_finished_run_extended_from_its_end_checkpoint_goes_on_with_the_next_batch(tmp_path):
+    """One process: 32 samples, 4 a step (8 steps an epoch, the Trainer's seeded shuffling
+    sampler), attention dropout, a constant schedule after warm-up (the same learning rate
+    whatever max_steps). Runs of 5, 13, 20 steps, of 8, 16, 20 (ending at epoch ends) and of
+    8, 12, 20 saving every 4, each a new trainer on the root of the one before, train the
+    unbroken 20-step run's samples in the same steps with bitwise its losses: each run ends
+    with its last step's checkpoint (save_every=100 divides none of them), which the next
+    one restores, going on with the next batch of the same epoch (or the next epoch's first
+    at an epoch's end). Without that checkpoint the 13-step run started fresh and trained
+    steps 1 to 5 again. A run restoring a step at or past its max_steps trains nothing; when
+    the root lacks that step's checkpoint (restored from the durable tier's copy here) it is
+    written before close() frees the snapshots."""
+    import unickpt
+    from transformers import TrainingArguments
+    from unickpt.integrations.hf import UnickptTrainer
+
+    from hf_trainer_job import Tokens, tiny_llama
+
+    rows: list[tuple[int, float, list[list[int]], float]] = []
+
+    class Recording(UnickptTrainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            rows.append((self.state.global_step + 1, self.state.epoch, inputs["input_ids"][:, :2].tolist(), loss.item()))
+            return loss
+
+    def train(root, steps: int, save_every: int = 100, **kw) -> tuple[list, Recording]:
+        rows.clear()
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4, learning_rate=3e-3,
+            lr_scheduler_type="constant_with_warmup", warmup_steps=2, max_grad_norm=1.0, logging_steps=1,
+            save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True)
+        trainer = Recording(model=tiny_llama(0.1), args=args, train_dataset=Tokens(size=32),
+                            manager=unickpt.CheckpointManager(str(root), save_every=save_every, **kw))
+        trainer.train()
+        return list(rows), trainer
+
+    unbroken, _ = train(tmp_path / "ref", 20)
+    assert [r[0] for r in unbroken] == list(range(1, 21))
+    assert len({tuple(map(tuple, r[2])) for r in unbroken[:8]}) == 8 and unbroken[8][2] != unbroken[0][2]  # shuffled
+    for runs, every in (((5, 13, 20), 100), ((8, 16, 20), 100), ((8, 12, 20), 4)):
+        root = tmp_path / f"ck{'_'.join(map(str, runs))}"
+        got, before = [], 0
+        for steps in runs:
+            trained, trainer = train(root, steps, every)
+            line = trainer.manager.restored_line
+            assert line.startswith(f"resumed step {before} from disk" if before else "starting fresh"), (runs, line)
+            assert [r[0] for r in trained] == list(range(before + 1, steps + 1)), (runs, steps, line)
+            assert trainer.manager.latest() == str(root / f"step_{steps:08d}"), (runs, steps)  # the end checkpoint
+            got += trained
+            before = steps
+        assert got == unbroken, runs
+
+    # a restored step at or past max_steps: nothing trained; its checkpoint written when the root lacks it
+    root, durable = tmp_path / "fast", tmp_path / "durable"
+    train(root, 5, 4, durable=str(durable))
+    assert sorted(os.listdir(durable)) == ["step_00000004", "step_00000005"]
+    shutil.rmtree(root / "step_00000005")
+    with pytest.warns(unickpt.TierFallbackWarning):
+        trained, trainer = train(root, 3, 4, durable=str(durable))
+    assert trained == [] and trainer.state.global_step == 5
+    assert trainer.manager.restored_line.startswith(f"resumed step 5 from disk ({durable}/step_00000005")
+    assert sorted(os.listdir(root)) == ["step_00000004", "step_00000005"] and trainer.manager.stats()["saves"] == 1
+    trained, trainer = train(root, 5, 4, durable=str(durable))  # now on the root: nothing saved again
+    assert trained == [] and trainer.manager.stats()["saves"] == 0
 
 
 def test_the_callback_alone_on_a_plain_trainer_is_an_error(tmp_path):

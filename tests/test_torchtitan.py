@@ -3,6 +3,7 @@
 ParallelAwareDataloader, train state) on 2 real processes, SIGKILLed and resumed from
 memory and from disk plus the delta log, bitwise equal to a run with checkpointing off;
 the final checkpoint resumed on 1 rank; a torchtitan DCP checkpoint as the initial state;
+in this process, runs extended from their last step's checkpoint on the unbroken run's batches;
 live recovery under ``unickpt launch`` (tests/titan_live.py): a rank SIGKILLed, the
 survivors go on in their own processes on the unbroken run's curve."""
 
@@ -179,6 +180,75 @@ def test_config_values_are_checked(tmp_path):
         with pytest.raises(UnickptError, match=rf"^UnickptCheckpointManager: {match}") as e:
             Config(**{"enable": True, **option})
         assert "\n" not in str(e.value)
+
+
+def test_a_finished_run_extended_from_its_last_checkpoint_goes_on_with_the_next_batch(tmp_path):
+    """In this process, one rank: torchtitan's loop (titan_cases.train_step: its Llama 3,
+    OptimizersContainer, LRSchedulersContainer) over its ``ParallelAwareDataloader`` of a
+    data set that loops over 16 samples in a new order each epoch, keeping its position
+    (epoch, sample) as torchtitan's ``HuggingFaceTextDataset(infinite=True)`` does (2 a step:
+    8 steps an epoch). Runs of 5, 13, 20 steps, of 8, 16, 20 (ending at epoch ends) and of
+    8, 12, 20 checkpointing every 4, each from the one before, train the unbroken 20-step
+    run's samples, in the same epochs and steps, with bitwise its losses: the last step's
+    checkpoint (``save(step, last_step=True)``, called where every other save is) holds the
+    state of that step's end, as a periodic one would; at an epoch's end the loader's
+    position says the epoch's samples are all taken, and the next run goes on with the next
+    epoch's first batch. (The learning-rate schedule is built for 20 steps in every run:
+    torchtitan's depends on ``training.steps``.)"""
+    from titan_cases import SEQ, VOCAB, TrainState, sharded_parts, train_step
+    from torch.utils.data import IterableDataset
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from unickpt.integrations.torchtitan import UnickptCheckpointManager
+
+    class Epochs(IterableDataset):
+        def __init__(self) -> None:
+            self.epoch, self.sample = 0, 0
+            self.data = torch.randint(0, VOCAB, (16, SEQ + 1), generator=torch.Generator().manual_seed(3))
+
+        def __iter__(self):
+            while True:
+                order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(100 + self.epoch))
+                while self.sample < len(self.data):
+                    i, self.sample = int(order[self.sample]), self.sample + 1
+                    yield {"input": self.data[i][:-1], "id": torch.tensor(i), "epoch": torch.tensor(self.epoch)}, \
+                        self.data[i][1:]
+                self.epoch, self.sample = self.epoch + 1, 0
+
+        def state_dict(self) -> dict:
+            return {"epoch": self.epoch, "sample": self.sample}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.epoch, self.sample = sd["epoch"], sd["sample"]
+
+    def train(folder, steps: int, interval: int = 100) -> tuple[list, str]:
+        model, optimizers, lr_schedulers = sharded_parts(1, 20, total_steps=20)
+        dataloader = ParallelAwareDataloader(Epochs(), dp_rank=0, dp_world_size=1, batch_size=2)
+        state = TrainState()
+        checkpointer = UnickptCheckpointManager.Config(enable=True, folder=str(folder), interval=interval,
+                                                       keep_latest_k=0).build(
+            dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+            states={"train_state": state}, sd_adapter=None)
+        checkpointer.load(step=-1)
+        line, rows, batches = checkpointer.manager.restored_line, [], iter(dataloader)
+        while state.step < steps:
+            loss, inputs = train_step(model, batches, optimizers, lr_schedulers, checkpointer, state, steps)
+            rows.append((state.step, int(inputs["epoch"][0]), inputs["id"].tolist(), loss.item()))
+        checkpointer.close()
+        return rows, line
+
+    unbroken, _ = train(tmp_path / "ref", 20)
+    assert [(r[0], r[1]) for r in unbroken] == [(s, (s - 1) // 8) for s in range(1, 21)]
+    assert sorted(i for r in unbroken[8:16] for i in r[2]) == list(range(16)) and unbroken[8][2] != unbroken[0][2]
+    for runs, interval in (((5, 13, 20), 100), ((8, 16, 20), 100), ((8, 12, 20), 4)):
+        folder = tmp_path / f"ck{'_'.join(map(str, runs))}"
+        got, before = [], 0
+        for steps in runs:
+            trained, line = train(folder, steps, interval)
+            assert line.startswith(f"resumed step {before} from disk" if before else "starting fresh"), (runs, line)
+            got += trained
+            before = steps
+        assert got == unbroken, runs
 
 
 # -- live recovery: unickpt launch, a rank SIGKILLed, the survivors go on in their processes

@@ -19,7 +19,11 @@ private and write files per object; unickpt takes their place through the public
 * ``before_update`` from :class:`UnickptCallback`'s ``on_pre_optimizer_step`` (after
   gradient clipping, right before ``optimizer.step()``);
 * ``maybe_save`` after each optimizer step once the Trainer has logged it (so that the
-  step's log entry is in the state saved with it, as in the Trainer's own checkpoints);
+  step's log entry is in the state saved with it, as in the Trainer's own checkpoints),
+  with ``force=True`` at the step training stops at (``max_steps``, or a callback's
+  ``should_training_stop``): the last step's durable checkpoint, whatever ``save_every``,
+  the state of that step's end, as any other step's (a run extended from it with a larger
+  ``max_steps`` goes on with the next batch of the unbroken run);
 * ``close`` from ``on_train_end``.
 
 Accelerate's ``register_save_state_pre_hook`` / ``register_load_state_pre_hook`` are
@@ -50,6 +54,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..api.manager import CheckpointManager
+from ..dist import resolve_group
+from ..engine.outcome import decided_by_rank0
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import UnickptError
@@ -273,7 +279,9 @@ class UnickptTrainerMixin:
         self.unickpt_state: dict[str, Any] | None = None
         self._unickpt_resumed: int | None = None
         self._unickpt_rng: dict[str, Any] | None = None
-        self._unickpt_saved = 0
+        self._unickpt_saved = 0  # the last step given to maybe_save (or restored)
+        self._unickpt_restored = 0
+        self._unickpt_ended = False  # the last step's durable checkpoint was asked for
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's preparation, then unickpt's restore into what it built."""
@@ -292,7 +300,7 @@ class UnickptTrainerMixin:
         if config is not None:  # `unickpt export` writes it as config.json
             self.manager.metadata = {**(self.manager.metadata or {}), "hf_config": config}
         step = self.manager.restore(state)
-        self._unickpt_saved = step
+        self._unickpt_saved = self._unickpt_restored = step
         if step:
             self._unickpt_resumed = step
             self._unickpt_rng = state["rng"].state_dict()
@@ -325,6 +333,7 @@ class UnickptTrainerMixin:
             done_epochs, done_steps = divmod(step, kwargs["num_update_steps_per_epoch"])
             if step >= self.state.max_steps:
                 self.control.should_training_stop = True
+                self._keep_restored_end(step)
                 return None
             if kwargs["epoch"] < done_epochs:
                 return None
@@ -344,12 +353,35 @@ class UnickptTrainerMixin:
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's log / evaluation / save of a step, then the manager's
-        ``maybe_save`` for it (once per optimizer step)."""
+        ``maybe_save`` for it (once per optimizer step); at the step training stops at
+        (``max_steps`` reached, or ``should_training_stop`` set by a callback, e.g. early
+        stopping in its ``on_evaluate``) with ``force=True``: that step's durable checkpoint
+        whether ``save_every`` divides it or not, so that the finished command run again
+        restores it and trains nothing, and a larger ``max_steps`` goes on from it (the
+        Trainer's own ``save_strategy`` saves that step too). The Trainer also calls this at
+        each epoch's end, for the step just passed: then only the last step's checkpoint,
+        when training stopped there and it was not asked for yet (a data set that ran out)."""
         super()._maybe_log_save_evaluate(*args, **kwargs)
         step = self.state.global_step
-        if self.unickpt_state is not None and not self.unickpt_callback.closed and step > self._unickpt_saved:
+        if self.unickpt_state is None or self.unickpt_callback.closed:
+            return
+        last = bool(self.control.should_training_stop) or step >= self.state.max_steps
+        if step > self._unickpt_saved or (last and step > self._unickpt_restored and not self._unickpt_ended):
             self._unickpt_saved = step
-            self.manager.maybe_save(self.unickpt_state, step)
+            self._unickpt_ended = last
+            self.manager.maybe_save(self.unickpt_state, step, force=last)
+
+    def _keep_restored_end(self, step: int) -> None:
+        """A restored step at or past ``max_steps`` (nothing left to train) that the root
+        holds no durable checkpoint of (restored from memory, or from disk plus the delta
+        log): its checkpoint now, as at the end of the run that trained it, before
+        ``close`` frees the snapshots. Collective: rank 0's listing decides."""
+        if self._unickpt_ended or self.unickpt_state is None:
+            return
+        self._unickpt_ended = True
+        group = resolve_group(self.manager.process_group)
+        if not decided_by_rank0(group, lambda: b"1" if step in self.manager.steps() else b""):
+            self.manager.maybe_save(self.unickpt_state, step, force=True)
 
 
 class UnickptTrainer(UnickptTrainerMixin, Trainer):
