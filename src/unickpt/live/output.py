@@ -128,6 +128,8 @@ class Output:
             for line in iter(pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"  # the last line of a worker that died mid-line: still whole here
+                if line.startswith(prefix):  # torch's excepthook (a plain script's init_process_group) says it already
+                    line = line[len(prefix):]
                 if f is not None:
                     f.write(line)
                     f.flush()

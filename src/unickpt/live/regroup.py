@@ -53,7 +53,12 @@ def form(store: Any, number: int, rank: int, size: int, backend: str | None = No
     prefixed = dist.PrefixStore(key("g", number, "pg") + "/", store)
     timeout = timedelta(seconds=float(os.environ.get(LIVE_PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S)))
     before = open_sockets()
+    hook = sys.excepthook
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=timeout)
+    # torch's hook prefixes a traceback's lines with "[rank<R>]: " of this generation, chained
+    # to the last generation's: the launcher prefixes every line already (with the rank the
+    # worker started as), so a traceback read "[rank2]: [rank1]: [rank1]: ..." after two re-formings
+    sys.excepthook = hook
     return links(opened_since(before))
 
 
