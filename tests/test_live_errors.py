@@ -190,3 +190,53 @@ def test_run_after_the_group_exists_names_what_may_have_made_it():
             unickpt.run(lambda world: None)
     finally:
         dist.destroy_process_group()
+
+
+RACE = """
+import sys, threading, time
+from unickpt.live.interrupt import clear_pending, guard_thread_starts, raise_in_thread
+
+class Interrupted(BaseException):
+    pass
+
+main, stop, delivered = threading.get_ident(), threading.Event(), [0]
+if sys.argv[2] == "guarded":  # as unickpt.run guards its main thread
+    guard_thread_starts(main)
+
+def fire():
+    while not stop.is_set():
+        time.sleep(0.0002)
+        raise_in_thread(main, Interrupted)
+
+firing = threading.Thread(target=fire, daemon=True)
+firing.start()
+starts, deadline = 0, time.monotonic() + float(sys.argv[1])
+while firing.is_alive():
+    try:
+        if time.monotonic() > deadline:
+            stop.set()
+            firing.join()
+        else:
+            threading.Thread(target=lambda: None, daemon=True).start()
+            starts += 1
+    except Interrupted:
+        delivered[0] += 1
+clear_pending(main)  # one set, not raised yet
+print(starts, delivered[0])
+"""
+
+
+def test_an_interrupt_aimed_at_the_main_thread_never_lands_in_a_thread_it_starts():
+    """The watcher raises Interrupted into the main thread while fn runs; in CPython 3.11 a
+    thread being started has its creator's id until it runs, so an exception aimed at the
+    main thread inside ``Thread.start()`` also landed in the new thread, which died of it
+    ("Exception ignored in thread started by ... Interrupted") before telling ``start()``
+    it had started: the main thread waited forever (a live job that hung for good). Here
+    the main thread starts threads in a loop while another fires at it for 3 s."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", RACE, "3", "guarded"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    starts, delivered = map(int, r.stdout.split())
+    assert starts > 100 and delivered > 100, (starts, delivered)

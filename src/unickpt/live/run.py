@@ -19,7 +19,6 @@ Under torchrun or plain ``python``, :func:`run` calls ``fn`` once.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import gc
 import inspect
@@ -46,6 +45,7 @@ from .. import store_client
 from . import control
 from .control import Cause, Generation, key
 from . import membership, regroup
+from .interrupt import clear_pending, guard_thread_starts, raise_in_thread
 from .nccl_abort import join_aborts
 from .watcher import Watcher
 
@@ -274,6 +274,7 @@ class _Live:
         self.gen: Generation | None = None
         self.world: World | None = None
         self.main = threading.get_ident()
+        guard_thread_starts(self.main)  # the watcher's Interrupted never lands in a thread it starts
         self.lock = threading.Lock()
         self.in_fn = False
         self.grow_at: int | None = None
@@ -476,7 +477,7 @@ class _Live:
                 return
             if self.in_fn and self.gen is not None and gen.number > self.gen.number:
                 self.cut()  # the main thread may be blocked in a gloo collective
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main), ctypes.py_object(Interrupted))
+                raise_in_thread(self.main, Interrupted)
 
     def _unchanged(self, gen: Generation) -> bool:
         """True when ``gen`` keeps this generation's active world as it is (only spares or
@@ -546,7 +547,7 @@ class _InFn:
     def __exit__(self, *exc: Any) -> None:
         with self.live.lock:
             self.live.in_fn = False
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.live.main), None)  # one not yet raised
+            clear_pending(self.live.main)  # one not yet raised
 
 
 def _report_raised(live: _Live, error: BaseException) -> None:
