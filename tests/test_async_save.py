@@ -7,6 +7,7 @@ the rank functions live here (module level, so the ranks can import them). Nothi
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -258,3 +259,28 @@ def test_a_script_that_exits_with_a_save_in_flight_commits_it(tmp_path):
     loaded = {f"t{i}": torch.empty(4 << 20) for i in range(16)}
     unickpt.load(loaded, str(path))
     assert all(torch.equal(t, torch.full((4 << 20,), float(i))) for i, t in enumerate(loaded.values()))
+
+
+def test_an_abandoned_save_gives_its_directory_up_for_the_same_step_saved_again(tmp_path):
+    """Live recovery abandons a save in flight when a peer dies (its group cut); the
+    survivors then save the same step again. The abandoned save kept rank 0's claim (the
+    directory's lock, its staging directory) until the process ended: the redo was refused
+    ("another save to .../step_00000006 is in progress"), the step never saved, and a kill
+    during the last step's save ended the job with its last checkpoint missing. Now the
+    claim is given up when the save is abandoned, and the redo commits."""
+    from unickpt.engine.background_save import abandon_in_flight, join_abandoned
+
+    path = tmp_path / "step_00000006"
+    state = {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(8)}  # 128 MiB: still writing when abandoned
+    handle = unickpt.async_save(state, str(path))
+    deadline = time.monotonic() + 30
+    while not any(n.startswith(".step_00000006.unickpt-") for n in os.listdir(tmp_path)):  # rank 0's claim made
+        assert time.monotonic() < deadline and not handle.done(), "the save ended before it was abandoned"
+        time.sleep(0.001)
+    assert abandon_in_flight() == 1
+    join_abandoned()
+    unickpt.save({k: v + 1 for k, v in state.items()}, str(path))  # the survivors' save of the step
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    unickpt.load(out, str(path))
+    assert all(torch.equal(out[k], v + 1) for k, v in state.items())
+    assert sorted(os.listdir(tmp_path)) == ["step_00000006"]  # no staging directory left behind

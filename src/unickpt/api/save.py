@@ -13,7 +13,8 @@ from typing import Any
 
 from ..dist import Group, resolve_group
 from ..engine.collect import collect
-from ..engine.commit import Written, check_not_committed, commit, describe, prepare_collective, write_items, write_rank
+from ..engine.commit import (Written, check_not_committed, commit, describe, give_up, prepare_collective, write_items,
+                             write_rank)
 from ..engine.commit import checkpoint_file  # noqa: F401  (api.checkpoints names it from here)
 from ..engine.gc_pause import gc_paused
 from ..engine.save_options import SaveOptions
@@ -64,8 +65,12 @@ def write_and_commit(staged: StagedSave, group: Group | None = None) -> int:
     use their own). Returns the bytes this rank wrote."""
     group = group or staged.group
     target = prepare_collective(group, staged.path, staged.overwrite, storage_options=staged.storage_options)
-    report = write_rank(staged.group.rank, staged.local, lambda: _write(staged, target.storage), staged.error)
-    commit(group, report, target, staged.metadata)
+    try:
+        report = write_rank(staged.group.rank, staged.local, lambda: _write(staged, target.storage), staged.error)
+        commit(group, report, target, staged.metadata)
+    except BaseException:
+        give_up(target)
+        raise
     return sum(report.files.values())
 
 

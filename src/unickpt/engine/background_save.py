@@ -36,7 +36,8 @@ from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment
 from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
-from .commit import CommitTarget, Written, check_not_committed, commit, data_file_name, describe, prepare_collective, write_rank
+from .commit import (CommitTarget, Written, check_not_committed, commit, data_file_name, describe, give_up, prepare_collective,
+                     write_rank)
 from .exit_wait import finish_before_exit, forget
 from .gc_pause import gc_paused
 from .save_options import SaveOptions
@@ -212,6 +213,7 @@ class _Saver:
         # save must not keep its group alive into the next generation)
         self.thread: threading.Thread | None = None
         self.stop: threading.Event | None = None
+        self.target: CommitTarget | None = None  # where the save in flight writes, once claimed
         self.streams: dict[torch.device, Any] = {}
 
     def wait(self) -> None:
@@ -332,10 +334,17 @@ class _Saver:
         staged = job.staged
         all_gather_fixed(staged.group, b"\x01")
         target = prepare_collective(staged.group, staged.path, staged.overwrite, job.target, staged.storage_options)
-        write = self._write_ring if job.ring is not None else lambda j, c, s: self._write(j, progress, buf, c, s)
-        report = write_rank(staged.group.rank, staged.local, lambda: write(job, crcs, target.storage), staged.error)
-        progress.staged.set()
-        commit(staged.group, report, target, staged.metadata)
+        self.target = target  # abandoned (live recovery): given up at once, not at this thread's next collective
+        try:
+            write = self._write_ring if job.ring is not None else lambda j, c, s: self._write(j, progress, buf, c, s)
+            report = write_rank(staged.group.rank, staged.local, lambda: write(job, crcs, target.storage), staged.error)
+            progress.staged.set()
+            commit(staged.group, report, target, staged.metadata)
+        except BaseException:
+            give_up(target)
+            raise
+        finally:
+            self.target = None
         return sum(report.files.values())
 
     @staticmethod
@@ -569,6 +578,9 @@ def abandon_in_flight() -> int:
             # after a rank was stopped and continued), and the process must still exit
             forget(saver.thread)
             _ABANDONED.append(saver.thread)
+        target = saver.target
+        if target is not None:  # rank 0's claim: released now, so the survivors' save of the step is not refused
+            give_up(target)
         _SAVERS[name] = _Saver()
     return len(stuck)
 

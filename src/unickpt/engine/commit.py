@@ -166,6 +166,18 @@ def prepare_collective(group: Group, path: str, overwrite: bool, target: CommitT
     return target
 
 
+def give_up(target: CommitTarget) -> None:
+    """Rank 0's claim on ``target`` released after a failure anywhere between
+    :func:`prepare_collective` and the commit (a peer's collective lost, live recovery's
+    ``Interrupted``): its staging directory removed and its lock released, so that the
+    same step saved again (the survivors redo it) is not refused as "another save in
+    progress"; a target that committed is left as it is. Never raises."""
+    try:
+        target.abort()
+    except Exception as e:  # noqa: BLE001  (the error that ended the save is the one to raise)
+        log.warning(f"unickpt: the save that failed could not remove what it wrote: {type(e).__name__}: {e}")
+
+
 # ---------------------------------------------------------------- the commit
 
 

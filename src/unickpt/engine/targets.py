@@ -27,6 +27,7 @@ from typing import Any
 
 from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, scatter_bytes
 from ..errors import CheckpointExistsError, SaveError
+from ..logs import log
 from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import Storage
@@ -155,7 +156,7 @@ class SharedDirectory(CommitTarget):
                 outcome = Outcome(payload=os.fsencode(self.write.staging_from_target))
             except Exception as e:  # sent to every rank (a SaveError naming anything not unickpt's own)
                 outcome = Outcome.of(e)
-        outcome = outcome.shared(group)
+        outcome = self._shared(outcome, group)
         if not outcome.payload:
             raise SaveError(f"rank 0 named no staging directory in {path}")
         self.storage = rank_storage(path, os.fsdecode(outcome.payload))
@@ -170,10 +171,24 @@ class SharedDirectory(CommitTarget):
                 self.write = PrefixWrite.begin(storage, MANIFEST_NAME, overwrite, checkpoint_file)
         except Exception as e:  # fsspec's own errors too: every rank must reach the broadcast
             outcome = mine = Outcome.of(e)
-        outcome.shared(group)
+        self._shared(outcome, group)
         if mine is not None:  # rank 0 could open it, this rank could not
             raise SaveError(f"cannot open {path}: {mine.message}")
         self.storage = storage
+
+    def _shared(self, outcome: Outcome, group: Group) -> Outcome:
+        """Rank 0's outcome of the claim, on every rank; when that collective fails (a peer
+        lost, live recovery's ``Interrupted``) rank 0's claim is given up before the error
+        goes on: the directory is not left locked for the same step saved again."""
+        try:
+            return outcome.shared(group)
+        except BaseException:
+            if self.write is not None:
+                try:
+                    self.write.abort()
+                except Exception as e:  # noqa: BLE001  (the collective's error is the one to raise)
+                    log.warning(f"unickpt: the save that failed could not remove what it wrote: {type(e).__name__}: {e}")
+            raise
 
     def publish(self, documents: dict[str, bytes]) -> bytes | None:
         self.write.commit(documents)

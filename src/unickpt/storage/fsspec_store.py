@@ -405,6 +405,8 @@ class PrefixWrite:
 
     def __init__(self, storage: FsspecStorage, owned: Callable[[str], bool]) -> None:
         self.storage, self._owned = storage, owned
+        self._ended = False  # committed or aborted: a later abort leaves the prefix alone
+        self._lock = threading.RLock()  # a commit and an abort from another thread, one after the other
 
     @classmethod
     def begin(cls, storage: FsspecStorage, manifest_name: str, overwrite: bool, owned: Callable[[str], bool]) -> PrefixWrite:
@@ -427,16 +429,25 @@ class PrefixWrite:
 
     def commit(self, documents: dict[str, bytes]) -> None:
         """Write ``documents`` in order, the manifest last: its PUT commits the checkpoint."""
-        try:
-            for name, data in documents.items():
-                self.storage.write_atomic(name, data)
-        except StorageError as e:
-            self.abort()
-            raise SaveError(f"cannot commit {self.storage.url}: {e}") from None
+        with self._lock:
+            if self._ended:
+                raise SaveError(f"cannot commit {self.storage.url}: the save was abandoned")
+            try:
+                for name, data in documents.items():
+                    self.storage.write_atomic(name, data)
+            except StorageError as e:
+                self.abort()
+                raise SaveError(f"cannot commit {self.storage.url}: {e}") from None
+            self._ended = True
 
     def abort(self) -> None:
-        """Remove everything the save wrote (best effort: the store may be gone)."""
-        try:
-            self.clear()
-        except UnickptError:
-            pass
+        """Remove everything the save wrote (best effort: the store may be gone); nothing
+        once the save committed (or was aborted already)."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            try:
+                self.clear()
+            except UnickptError:
+                pass

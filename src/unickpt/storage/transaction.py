@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -125,6 +126,10 @@ class DirectoryWrite:
                  owned: Callable[[str], bool]) -> None:
         self.root, self.staging = root, staging
         self._locks, self._created_root, self._inside, self._owned = locks, created_root, inside, owned
+        # committed or aborted: a later abort (live recovery's, of a save it abandoned) leaves
+        # the directory alone; a commit and an abort from two threads run one after the other
+        self._ended = False
+        self._guard = threading.RLock()
 
     @classmethod
     def begin(cls, root: str | os.PathLike, manifest_name: str, overwrite: bool,
@@ -202,6 +207,22 @@ class DirectoryWrite:
                 shutil.rmtree(base / name, ignore_errors=True)
 
     def commit(self, documents: dict[str, bytes]) -> None:
+        """:meth:`_commit` unless the write was aborted (a SaveError then)."""
+        with self._guard:
+            if self._ended:
+                raise SaveError(f"cannot commit {self.root}: the save was abandoned")
+            self._commit(documents)
+            self._ended = True
+
+    def swap_in(self, uncommit: Callable[[], None]) -> None:
+        """:meth:`_swap_in` unless the write was aborted (a SaveError then)."""
+        with self._guard:
+            if self._ended:
+                raise SaveError(f"cannot commit {self.root}: the save was abandoned")
+            self._swap_in(uncommit)
+            self._ended = True
+
+    def _commit(self, documents: dict[str, bytes]) -> None:
         """Write ``documents`` (small files, the manifest last) into the staging
         directory, make it durable, and swap it in (the commit); then remove the old
         checkpoint and release the lock. The staging directory's other files must
@@ -234,7 +255,7 @@ class DirectoryWrite:
         finally:
             self._release()
 
-    def swap_in(self, uncommit: Callable[[], None]) -> None:
+    def _swap_in(self, uncommit: Callable[[], None]) -> None:
         """Commit an in-place staging directory whose entries (files and directories) are
         already durable: call ``uncommit`` (which removes what marks the old checkpoint as
         committed), then put every staged entry in place of the old one of the same name
@@ -301,17 +322,22 @@ class DirectoryWrite:
 
     def abort(self) -> None:
         """Remove everything this write created (the staging directory, and the target
-        directory when this write created it and it is still empty) and release the lock."""
-        try:
-            if self.staging != self.root:
-                shutil.rmtree(self.staging, ignore_errors=True)
-        finally:
-            self._release()
-        if self._created_root:
+        directory when this write created it and it is still empty) and release the lock;
+        nothing once it committed (or was aborted already)."""
+        with self._guard:
+            if self._ended:
+                return
+            self._ended = True
             try:
-                os.rmdir(self.root)
-            except OSError:
-                pass
+                if self.staging != self.root:
+                    shutil.rmtree(self.staging, ignore_errors=True)
+            finally:
+                self._release()
+            if self._created_root:
+                try:
+                    os.rmdir(self.root)
+                except OSError:
+                    pass
 
     def _release(self) -> None:
         """Remove the directory's lock file (while holding it: a process waiting on the
