@@ -129,6 +129,8 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     out = job.output()
     assert "rank 1 lost (hung: no progress for" in out and "continuing on 3 ranks" in out
     assert "continuing on 1 ranks" in out and "(generation 3)" in out, out
+    # the summary names rank 1 twice (its number after each re-forming): each with its worker
+    assert "rank 1 (worker 0.1): hung: no progress for" in out and "rank 1 (worker 0.2): exit -9" in out, out[-800:]
     sizes = {r["generation"]: r["size"] for r in job.lines()}
     assert sizes[0] == 4 and sizes[1] == 3 and sizes[3] == 1 and sizes.get(2, 2) == 2, sizes
     assert {r["pid"] for r in job.lines() if r["generation"] == 3} == {after[0]}  # the last survivor, never relaunched

@@ -585,7 +585,7 @@ class Coordinator:
         self.beats: dict[int, tuple[int, float]] = {}
         self.next_look = 0.0  # when _lost_nodes reads the launchers' beats again
         self.ever: set[str] = set()  # every worker that was a member of a generation
-        self.recovered: list[str] = []  # "rank 2: SIGKILL" for each loss the job went on without
+        self.recovered: list[tuple[int, str, str]] = []  # (rank, worker, why) of each loss the job went on without
         self.raised: dict[str, Raised] = {}  # worker -> what its fn raised (unickpt.run's report)
         self.attempt = 0  # a plain script's group restarts
         self.attempt_stores: list[Any] = []
@@ -762,7 +762,7 @@ class Coordinator:
                 spares = f" (and {len(members) - active} spare(s) that fit no multiple of {k})" if active < len(members) else ""
                 why = f"{active} rank(s) left{spares}, fewer than --min-ranks {self.args.min_ranks}"
             return self._end(1, why)
-        self.recovered += [f"rank {x['rank']}: {x['why']}" for x in lost]
+        self.recovered += [(x["rank"], x["worker"], x["why"]) for x in lost]
         self._publish(gen)
         if self.pending:
             self.store.set(key("g", self.gen.number, "ready"), str(len(self.pending)))
@@ -789,7 +789,11 @@ class Coordinator:
         if code == 0:
             head, reason = "the job finished", ""
         ranks = len(self.ever)
-        lost = f"{len(self.recovered)} lost and recovered" + (f" ({'; '.join(self.recovered)})" if self.recovered else "")
+        # a rank number given twice (two losses in a row: the second named by its rank after the
+        # re-forming) says which worker each was
+        said = [r for r, _, _ in self.recovered]
+        told = [f"rank {r}{f' (worker {w})' if said.count(r) > 1 else ''}: {why}" for r, w, why in self.recovered]
+        lost = f"{len(self.recovered)} lost and recovered" + (f" ({'; '.join(told)})" if told else "")
         restarts = f", the group restarted {self.attempt} time{'s' if self.attempt != 1 else ''}" if self.attempt else ""
         summary = f"{ranks} rank{'s' if ranks != 1 else ''} ran, {lost}{restarts}, final world size {self.size}"
         line = f"{head}{reason}{'; ' if reason else ': '}{summary} (exit {code})"
