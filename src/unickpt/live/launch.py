@@ -58,6 +58,7 @@ DEFAULT_PG_TIMEOUT_S = 60.0
 # time out (they would leave the job, the stopped worker kept: a job that hangs)
 DEFAULT_HANG_TIMEOUT_S = 30.0
 WAIT_NOTE_S = 5.0  # how often node 0's launcher says which nodes it still waits for
+FIRST_WAIT_NOTE_S = 2.0  # ... first said after this long: a node late by seconds is told at once
 CONNECT_TRY_S = 2.0  # one attempt to reach node 0's store (a signal is seen between attempts)
 
 
@@ -605,7 +606,7 @@ class Coordinator:
         for n in range(a.nnodes):  # every beat counter exists: one multi_get reads them all, never waits
             self.store.add(key("node", n, "beat"), 0)
         self.started = time.monotonic()
-        self.next_note = self.started + WAIT_NOTE_S
+        self.next_note = self.started + FIRST_WAIT_NOTE_S
 
     def _join(self) -> None:
         """Generation 0 opens once every one of --nnodes nodes has joined (torchrun's
