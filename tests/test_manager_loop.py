@@ -407,9 +407,10 @@ def test_a_failed_delta_entry_is_told_with_its_cause(tmp_path):
 
     r = subprocess.run([sys.executable, "-c", FULL_DISK_LOOP, str(tmp_path / "ck")], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 0 and r.stdout.split()[-1] == "1", (r.stdout, r.stderr)  # the log stops at its first gap
+    assert r.returncode == 0, r.stderr
+    failed = int(r.stdout.split()[-1])  # 1 to 3: the entries queued before the first failure is seen fail too
     told = [line for line in r.stderr.splitlines() if "a delta log entry failed" in line]
-    assert len(told) == 1 and all(re.search(r"committed: rank 0: cannot write \S+/deltas/\.step_0000000\d\.unickpt-\w+/"
+    assert failed >= 1 and len(told) == failed and all(re.search(r"committed: rank 0: cannot write \S+/deltas/\.step_0000000\d\.unickpt-\w+/"
                                             r"rank_00000\.safetensors: File too large \(EFBIG\)$", t) for t in told), told
 
 
