@@ -13,7 +13,7 @@ from typing import Any
 
 from ..dist import Group, resolve_group
 from ..engine.collect import collect
-from ..engine.commit import (Written, check_not_committed, commit, describe, give_up, prepare_collective, write_items,
+from ..engine.commit import (Written, check_not_committed, commit, describe, prepare_collective, write_items,
                              write_rank)
 from ..engine.commit import checkpoint_file  # noqa: F401  (api.checkpoints names it from here)
 from ..engine.gc_pause import gc_paused
@@ -69,7 +69,7 @@ def write_and_commit(staged: StagedSave, group: Group | None = None) -> int:
         report = write_rank(staged.group.rank, staged.local, lambda: _write(staged, target.storage), staged.error)
         commit(group, report, target, staged.metadata)
     except BaseException:
-        give_up(target)
+        target.give_up()
         raise
     return sum(report.files.values())
 

@@ -36,7 +36,7 @@ from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment
 from ..storage.base import Storage
 from .collect import LocalState, collect, tensor_digest
-from .commit import (CommitTarget, Written, check_not_committed, commit, data_file_name, describe, give_up, prepare_collective,
+from .commit import (CommitTarget, Written, check_not_committed, commit, data_file_name, describe, prepare_collective,
                      write_rank)
 from .exit_wait import finish_before_exit, forget
 from .gc_pause import gc_paused
@@ -341,7 +341,7 @@ class _Saver:
             progress.staged.set()
             commit(staged.group, report, target, staged.metadata)
         except BaseException:
-            give_up(target)
+            target.give_up()
             raise
         finally:
             self.target = None
@@ -580,7 +580,7 @@ def abandon_in_flight() -> int:
             _ABANDONED.append(saver.thread)
         target = saver.target
         if target is not None:  # rank 0's claim: released now, so the survivors' save of the step is not refused
-            give_up(target)
+            target.give_up()
         _SAVERS[name] = _Saver()
     return len(stuck)
 

@@ -42,7 +42,6 @@ from ..errors import UnickptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import Fragment, fragment_to_json
 from ..format.rank_message import FragmentRecord
-from ..logs import log
 from ..storage.base import Storage
 from .assemble import manifest_document
 from .collect import LocalState
@@ -166,18 +165,6 @@ def prepare_collective(group: Group, path: str, overwrite: bool, target: CommitT
     return target
 
 
-def give_up(target: CommitTarget) -> None:
-    """Rank 0's claim on ``target`` released after a failure anywhere between
-    :func:`prepare_collective` and the commit (a peer's collective lost, live recovery's
-    ``Interrupted``): its staging directory removed and its lock released, so that the
-    same step saved again (the survivors redo it) is not refused as "another save in
-    progress"; a target that committed is left as it is. Never raises."""
-    try:
-        target.abort()
-    except Exception as e:  # noqa: BLE001  (the error that ended the save is the one to raise)
-        log.warning(f"unickpt: the save that failed could not remove what it wrote: {type(e).__name__}: {e}")
-
-
 # ---------------------------------------------------------------- the commit
 
 
@@ -195,9 +182,6 @@ def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dic
             outcome = Outcome(payload=target.publish(docs))
         except Exception as e:
             outcome = Outcome.of(e)
-            try:
-                target.abort()
-            except Exception as gone:  # what the save wrote stays behind; the ranks still hear the outcome
-                log.warning(f"unickpt: the failed save could not remove what it wrote: {type(gone).__name__}: {gone}")
+            target.give_up()
     outcome = outcome.shared(group)
     target.finish(group, outcome.payload)

@@ -131,6 +131,18 @@ class CommitTarget:
         """Rank 0, the save failed: remove what it wrote (a target that claims nothing
         leaves the files to the next save into its directories)."""
 
+    def give_up(self) -> None:
+        """:meth:`abort` after a failure anywhere between :meth:`prepare` and the commit (a
+        check that failed, a peer's collective lost, live recovery's ``Interrupted``), never
+        raising: the error that ended the save is the one to raise. Rank 0's claim (a
+        directory's lock, its staging directory) is released, so that the same step saved
+        again (the survivors redo it) is not refused as "another save in progress"; a
+        target that committed is left as it is."""
+        try:
+            self.abort()
+        except Exception as e:  # noqa: BLE001  (what the save wrote stays behind; the ranks still hear the outcome)
+            log.warning(f"unickpt: the failed save could not remove what it wrote: {type(e).__name__}: {e}")
+
     def finish(self, group: Group, manifest: bytes | None) -> None:
         """Every rank, the commit succeeded (``manifest``: what :meth:`publish` returned)."""
 
@@ -183,11 +195,7 @@ class SharedDirectory(CommitTarget):
         try:
             return outcome.shared(group)
         except BaseException:
-            if self.write is not None:
-                try:
-                    self.write.abort()
-                except Exception as e:  # noqa: BLE001  (the collective's error is the one to raise)
-                    log.warning(f"unickpt: the save that failed could not remove what it wrote: {type(e).__name__}: {e}")
+            self.give_up()
             raise
 
     def publish(self, documents: dict[str, bytes]) -> bytes | None:
