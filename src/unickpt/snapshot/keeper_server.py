@@ -28,7 +28,6 @@ Run as ``python -m unickpt.snapshot.keeper_server --root R --job J``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import socketserver
@@ -39,6 +38,7 @@ from collections import Counter
 from typing import Any
 
 import crc32c as _crc
+import numpy as np
 
 from ..errors import SnapshotError
 from ..storage.local import is_inside
@@ -438,8 +438,6 @@ class Keeper:
         """Fold a received stripe into this node's parity block of its group (XOR: on
         arrival; Reed-Solomon and copies: once the group's k stripes are in); store the
         block with its record when complete."""
-        import numpy as np  # here: the keeper starts without numpy (~110 ms of its start; main imports it after)
-
         step, n, g, r = int(h["step"]), int(h["nodes"]), int(h["group"]), int(h["r"])
         k, m = int(h["k"]), int(h["m"])
         if step <= self.whole_step or self.stopping.is_set():
@@ -771,9 +769,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     keeper = Keeper(args.root, args.job, args.host)
     keeper.start()
-    # numpy (parity's XOR and Reed-Solomon) imported once the keeper listens: its start (what
-    # a relaunch waits for) does not pay for it, nor does the first snapshot's parity
-    threading.Thread(target=importlib.import_module, args=("numpy",), name="keeper-warm-up", daemon=True).start()
     keeper.run()
 
 
