@@ -78,6 +78,7 @@ def relaunch_cases(rank: int, world: int, tmp: str, job: str, flags: list[str],
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             records = run([*flags, "--ckpt-dir", os.path.join(work, "ck"), "--stop-after", str(stop)])
+        dist.barrier()  # each node's keeper waits for the other's word before its last step is whole
         for p in list(keepers._CHILDREN):  # the keeper this relaunch started on this node
             p.kill()
             p.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import warnings
@@ -331,7 +332,8 @@ def test_a_hung_durable_tier_never_stalls_the_loop(tmp_path):
 
 
 EXIT_SCRIPT = """
-import os, signal, sys, threading, torch, unickpt
+import faulthandler, os, signal, sys, threading, torch, unickpt
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that finds it hung shows where
 from unickpt.engine import exit_wait
 exit_wait.NOTICE_S = 1.0  # the notice after 1 s, not 5
 fast, durable, pid = sys.argv[1:4]
@@ -342,11 +344,11 @@ if int(pid):
 manager.save({"w": torch.arange(float(1 << 24)), "step": 1}, 1)
 copying = [t.name for t in threading.enumerate() if t.name.startswith("unickpt-durable-copy")]
 print("returning; copying:", copying, flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a Ctrl-C goes to another thread, as the kernel may do
 """
 
 
 def _exit_script(*args: str, env: dict | None = None):
-    import subprocess
     import sys
 
     return subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -383,7 +385,13 @@ def test_exit_names_the_copy_it_waits_for_on_a_hung_store_and_ctrl_c_gives_it_up
         assert 0.5 < waited < 6, waited
         proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # its threads' stacks, on stderr
+            time.sleep(1)
+            proc.kill()
+            raise AssertionError(f"still running 30 s after Ctrl-C:\n{proc.communicate()[1]}") from None
         assert time.monotonic() - t0 < 5
     finally:
         os.kill(s3.proc.pid, signal.SIGCONT)  # the session's server answers again

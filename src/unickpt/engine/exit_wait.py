@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 NOTICE_S = 5.0  # a wait at exit longer than this is said on stderr
+WAIT_SLICE_S = 0.1  # the longest single wait: a Ctrl-C is acted on within it
 
 _PENDING: dict[threading.Thread, Callable[[], str]] = {}  # insertion order: the order they started
 _LOCK = threading.Lock()
@@ -39,6 +41,19 @@ def _next_alive() -> tuple[threading.Thread, Callable[[], str]] | None:
         return next(((t, w) for t, w in _PENDING.items() if t.is_alive()), None)
 
 
+def _join(thread: threading.Thread, seconds: float | None) -> None:
+    """Wait up to ``seconds`` (None: as long as it runs) for ``thread``, in waits of at most
+    ``WAIT_SLICE_S``: the kernel may give a Ctrl-C to another thread of the process, and the
+    main thread runs Python's signal handlers only between waits (one long wait on the
+    thread's lock would never see it)."""
+    end = None if seconds is None else time.monotonic() + seconds
+    while thread.is_alive():
+        left = WAIT_SLICE_S if end is None else min(WAIT_SLICE_S, end - time.monotonic())
+        if left <= 0:
+            return
+        thread.join(left)
+
+
 def finish_pending(notice_s: float | None = None) -> None:
     """Wait for every registered thread still running (the exit hook); after ``notice_s``
     seconds on one (default ``NOTICE_S``), name it on stderr. Ctrl-C gives up on the rest,
@@ -47,11 +62,11 @@ def finish_pending(notice_s: float | None = None) -> None:
     while (item := _next_alive()) is not None:
         thread, what = item
         try:
-            thread.join(notice_s)
+            _join(thread, notice_s)
             if thread.is_alive():
                 print(f"unickpt: waiting for {what()} to finish before exiting (Ctrl-C gives it up: it is then "
                       "not committed)", file=sys.stderr, flush=True)
-                thread.join()
+                _join(thread, None)
         except KeyboardInterrupt:  # (is_alive() of a thread whose join was interrupted may say False)
             left = [what()] + [w() for t, w in list(_PENDING.items()) if t is not thread and t.is_alive()]
             print(f"unickpt: exiting without waiting for {'; '.join(left)}: not committed", file=sys.stderr, flush=True)

@@ -89,6 +89,10 @@ class Keeper:
         self.root, self.job, self.host = root, job, host
         self.jdir = paths.job_dir(root, job)
         self.lock = threading.Lock()
+        # held by a poll while it picks the next step, and by a reset throughout: a poll between
+        # the reset's forgetting and its deleting would take the abandoned steps for seen again,
+        # and the new timeline's steps up to them would never be processed
+        self.poll_lock = threading.Lock()
         # held while files are added to the job's directory, and by the clean end while it
         # deletes it: a peer's late stripe must not recreate what the end removed
         self.tree_lock = threading.Lock()
@@ -203,14 +207,20 @@ class Keeper:
     # -- committed steps --------------------------------------------------------------
     def poll(self) -> None:
         """Process the newest committed step not seen yet (older unseen ones are skipped)."""
+        with self.poll_lock:
+            step = self._next_committed()
+        if step is not None:
+            self.process(step, paths.step_dir(self.root, self.job, step))
+
+    def _next_committed(self) -> int | None:
+        """The newest committed step not seen yet, now marked seen with every older one."""
         for step in reversed(paths.steps(self.jdir)):
             if step in self.seen or step <= self.whole_step:
-                return
-            sdir = paths.step_dir(self.root, self.job, step)
-            if os.path.exists(os.path.join(sdir, "manifest.json")):
+                return None
+            if os.path.exists(os.path.join(paths.step_dir(self.root, self.job, step), "manifest.json")):
                 self.seen.update(s for s in paths.steps(self.jdir) if s <= step)
-                self.process(step, sdir)
-                return
+                return step
+        return None
 
     def process(self, step: int, sdir: str) -> None:
         """Send this node's stripes of a committed step to the holders of their groups' parity."""
@@ -497,6 +507,10 @@ class Keeper:
     def reset(self, keep_upto: int) -> None:
         """Forget and delete the snapshots newer than ``keep_upto`` (a recovery resumed
         from that step: newer ones belong to an abandoned timeline)."""
+        with self.poll_lock:
+            self._reset(keep_upto)
+
+    def _reset(self, keep_upto: int) -> None:
         with self.lock:
             self.whole_step = min(self.whole_step, keep_upto)
             self._forget(lambda s: s > keep_upto)
