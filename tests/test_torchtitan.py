@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
 import pytest
 
@@ -249,6 +250,53 @@ def test_a_finished_run_extended_from_its_last_checkpoint_goes_on_with_the_next_
             got += trained
             before = steps
         assert got == unbroken, runs
+
+
+def test_a_restored_last_step_held_only_in_memory_is_written_before_close(tmp_path, shm, monkeypatch):
+    """torchtitan's ``Trainer`` trains nothing after a restored step at its ``training.steps``
+    (its loop ends before any save; ``close`` then frees the snapshots). In this process, one
+    rank: a run of 8 steps, snapshots every step, ends while step 8's durable checkpoint is
+    written (here: the checkpoint deleted, its snapshot kept whole in memory); the relaunch
+    restores step 8 from memory and writes it durably before ``close``: a run without
+    snapshots then resumes step 8 from disk, bitwise."""
+    from types import SimpleNamespace
+
+    from titan_cases import Tokens, TrainState, sharded_parts, train_step
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from unickpt.integrations.torchtitan import UnickptCheckpointManager
+
+    monkeypatch.setenv("UNICKPT_SHM_ROOT", shm)
+    folder = tmp_path / "ckpt"
+
+    class Trainer(TrainState):  # what the checkpointer reads of torchtitan's Trainer: config.training.steps
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(training=SimpleNamespace(steps=STEPS))
+
+    def run(**options) -> tuple[dict, str, Trainer]:
+        model, optimizers, lr_schedulers = sharded_parts(1, STEPS, total_steps=20)
+        dataloader = ParallelAwareDataloader(Tokens(0), dp_rank=0, dp_world_size=1, batch_size=2)
+        trainer = Trainer()
+        checkpointer = UnickptCheckpointManager.Config(enable=True, folder=str(folder), interval=100, **options).build(
+            dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+            states={"train_state": trainer}, sd_adapter=None)
+        checkpointer.load(step=-1)
+        batches = iter(dataloader)
+        while trainer.step < STEPS:
+            train_step(model, batches, optimizers, lr_schedulers, checkpointer, trainer, STEPS)
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        checkpointer.close()
+        return weights, checkpointer.manager.restored_line, trainer
+
+    trained, _, _ = run(snapshot_every=1, keep_snapshots_on_close=True)
+    shutil.rmtree(folder / "step_00000008")  # the last step's checkpoint, cut short by the end of the run
+    restored, line, _ = run(snapshot_every=1)
+    assert line.startswith("resumed step 8 from memory"), line
+    assert sorted(os.listdir(folder)) == ["step_00000008"]
+    again, line, trainer = run()
+    assert line.startswith("resumed step 8 from disk"), line
+    assert trainer.step == STEPS and all(torch.equal(trained[k], again[k]) for k in trained)
 
 
 # -- live recovery: unickpt launch, a rank SIGKILLed, the survivors go on in their processes

@@ -41,6 +41,8 @@ from torchtitan.tools import filesystem
 from ..api.load import load
 from ..api.manager import CheckpointManager
 from ..api.options import DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions
+from ..dist import resolve_group
+from ..engine.outcome import decided_by_rank0
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import MismatchError, UnickptError
@@ -244,7 +246,24 @@ class UnickptCheckpointManager(BaseCheckpointManager):
             # before restore: the run's initial state, which memory snapshots and the delta
             # log (whose first steps replay onto it) then build on
             self._initial_load(self.config.initial_load_path)
-        return self.manager.restore(state) > 0 or initial
+        restored = self.manager.restore(state)
+        if restored:
+            self._keep_restored_end(restored)
+        return restored > 0 or initial
+
+    def _keep_restored_end(self, step: int) -> None:
+        """torchtitan's ``Trainer`` trains nothing after a restored step at or past its
+        ``training.steps``: its loop ends before any save, and ``close`` then frees the
+        snapshots. Such a step that the folder holds no durable checkpoint of (restored from
+        memory, or from disk plus the delta log: the run that trained it ended while its last
+        checkpoint was written) is written now, as that run's last step would have been.
+        Collective: rank 0's listing decides."""
+        end = _training_steps(self.states.get("train_state"))
+        if end is None or step < end or self.config.load_only:
+            return
+        group = resolve_group(self.manager.process_group)
+        if not decided_by_rank0(group, lambda: b"1" if step in self.manager.steps() else b""):
+            self.manager.maybe_save(self.state, step, force=True)
 
     def _initial_load(self, path: str) -> None:
         """Load a checkpoint saved by torchtitan's DCP checkpointer (its names: the model's
@@ -285,6 +304,13 @@ class UnickptCheckpointManager(BaseCheckpointManager):
     def _close(self) -> None:
         """Wait for what is in flight; stop the keepers unless ``keep_snapshots_on_close``."""
         self.manager.close(keep_snapshots=self.config.keep_snapshots_on_close)
+
+
+def _training_steps(trainer: Any) -> int | None:
+    """``config.training.steps`` of torchtitan's ``Trainer`` (the checkpointer's
+    ``train_state``), or None for a train state that has none."""
+    steps = getattr(getattr(getattr(trainer, "config", None), "training", None), "steps", None)
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 # The values of torchtitan's own checkpoint config's async_mode (its CheckpointManager.Config
