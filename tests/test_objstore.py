@@ -334,6 +334,7 @@ def test_a_hung_durable_tier_never_stalls_the_loop(tmp_path):
 EXIT_SCRIPT = """
 import faulthandler, os, signal, sys, threading, torch, unickpt
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that finds it hung shows where
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal (a background job inherits it ignored)
 from unickpt.engine import exit_wait
 exit_wait.NOTICE_S = 1.0  # the notice after 1 s, not 5
 fast, durable, pid = sys.argv[1:4]

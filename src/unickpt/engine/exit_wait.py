@@ -43,9 +43,9 @@ def _next_alive() -> tuple[threading.Thread, Callable[[], str]] | None:
 
 def _join(thread: threading.Thread, seconds: float | None) -> None:
     """Wait up to ``seconds`` (None: as long as it runs) for ``thread``, in waits of at most
-    ``WAIT_SLICE_S``: the kernel may give a Ctrl-C to another thread of the process, and the
-    main thread runs Python's signal handlers only between waits (one long wait on the
-    thread's lock would never see it)."""
+    ``WAIT_SLICE_S``: a Ctrl-C that another thread of the process takes (the kernel's choice
+    when the main thread blocks SIGINT) runs its handler in the main thread only between
+    waits; a single wait on the thread's lock would never end."""
     end = None if seconds is None else time.monotonic() + seconds
     while thread.is_alive():
         left = WAIT_SLICE_S if end is None else min(WAIT_SLICE_S, end - time.monotonic())
