@@ -9,6 +9,7 @@
 * ``destroy``: fn destroys the default group itself after its steps (a misuse).
 * ``deadlock``: a plain script whose two ranks both wait in ``dist.recv`` (C++).
 * ``flaky``: a plain script whose rank 1 exits 3 in the group's first attempt only.
+* ``long``: under ``unickpt.run``, 300 all-reduce steps (a job to kill a rank of, then stop).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def fn(world) -> None:
     if MODE == "ok":
         for _ in range(40):
             sys.stdout.write(str(world.rank) * LINE + "\n")  # no flush: large writes, cut by the pipe
-    steps(world, 30 if MODE == "early" else 3)
+    steps(world, {"early": 30, "long": 300}.get(MODE, 3))
     if MODE == "destroy":
         dist.destroy_process_group()
 

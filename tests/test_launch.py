@@ -449,6 +449,37 @@ def test_ctrl_c_ends_a_deadlocked_job(tmp_path):
 
 
 @multiprocess
+def test_ctrl_c_right_after_a_rank_is_lost_stops_the_job_without_an_internal_error(tmp_path):
+    """A rank SIGKILLed, then Ctrl-C 50 ms later, while the survivors leave fn for the
+    re-forming: the watcher's Interrupted landed as fn's block ended on the signal's
+    KeyboardInterrupt (before its exit cleared "in fn"), so the watcher raised the stop's
+    generation into the verdict's wait too, and every survivor died of unickpt's internal
+    Interrupted (3 chained tracebacks each; 7 runs of 7). Now the job stops: exit 130, no
+    Interrupted."""
+    proc = subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "3", CASES, "long"],
+                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if len([ln for ln in lines if ln.startswith("[rank") and "start rank" in ln]) == 3:
+                break
+        time.sleep(0.5)  # a few steps
+        os.kill(max(_pids_of(proc.pid)), signal.SIGKILL)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        lines += proc.stdout.readlines()
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines)
+    assert code == 130 and "the job was stopped: SIGINT on node 0" in _last(text), text[-3000:]
+    assert "Interrupted" not in text, text[-3000:]
+
+
+@multiprocess
 def test_sigterm_keeps_the_snapshots_and_free_refuses_while_running(tmp_path):
     """A training job (snapshots in memory) gets SIGTERM: exit 143, no replacement started
     though --max-restarts allows one, the last line names the snapshots kept and how to

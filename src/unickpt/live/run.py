@@ -307,6 +307,16 @@ class _Live:
                 with self.interruptible():
                     result = fn(self.world)
             except BaseException as raised:  # noqa: BLE001 — sorted below: a membership change or a real error
+                # again: an Interrupted that lands as the with-block ends (fn ended otherwise, by a
+                # signal's KeyboardInterrupt or an error) is raised before __exit__ runs, and a
+                # watcher still told "in fn" raised the next generation's into the verdict's waits.
+                # One more may land in leave_fn itself (from its first instruction): taken here
+                while True:
+                    try:
+                        self.leave_fn()
+                        break
+                    except Interrupted:
+                        continue
                 self.mark("interrupted")
                 e = _typed(raised, self.links)  # before the cut below, which ends every link
                 # this generation is over here: cut every group now, so that a peer blocked in
@@ -463,6 +473,13 @@ class _Live:
     def interruptible(self) -> "_InFn":
         return _InFn(self)
 
+    def leave_fn(self) -> None:
+        """``fn`` is over: the watcher raises no more :class:`Interrupted` into the main
+        thread, and one set but not raised yet is dropped."""
+        with self.lock:
+            self.in_fn = False
+            clear_pending(self.main)
+
     def _on_generation(self, gen: Generation) -> None:
         """The watcher saw ``gen``: one that changes the active world ends ``fn`` at once
         (its collectives cut, :class:`Interrupted` raised into the main thread); one that
@@ -545,9 +562,7 @@ class _InFn:
             self.live.in_fn = True
 
     def __exit__(self, *exc: Any) -> None:
-        with self.live.lock:
-            self.live.in_fn = False
-            clear_pending(self.live.main)  # one not yet raised
+        self.live.leave_fn()
 
 
 def _report_raised(live: _Live, error: BaseException) -> None:
