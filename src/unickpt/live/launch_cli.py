@@ -163,7 +163,7 @@ def launch(
         "-r", "--redirects", metavar="STREAMS", help="write these streams to the per-rank files only, not the console (values as --tee)")] = "0",
     log_dir: Annotated[str | None, _pet(
         "--log-dir", "--log_dir", metavar="DIR", show_default=False,
-        help="where per-rank files go: LOG_DIR/RDZV_ID/attempt_N/LOCAL_RANK/{stdout,stderr}.log (default: a new "
+        help="where per-rank files go: LOG_DIR/RDZV_ID_XXXXXXXX/attempt_N/LOCAL_RANK/{stdout,stderr}.log (default: a new "
              "temporary folder, named on stderr)")] = None,
     local_ranks_filter: Annotated[str | None, _pet(
         "--local-ranks-filter", "--local_ranks_filter", metavar="RANKS", show_default=False,
@@ -175,7 +175,7 @@ def launch(
     duplicate_stdout_filters: Annotated[str, _pet(
         "--duplicate-stdout-filters", "--duplicate_stdout_filters", metavar="TEXT,...", show_default=False,
         help="also write the workers' stdout lines holding one of these texts (',,' for a comma) to "
-             "<log-dir>/<rdzv-id>/attempt_<n>/filtered_stdout.log")] = "",
+             "<log-dir>/<rdzv-id>_XXXXXXXX/attempt_<n>/filtered_stdout.log")] = "",
     duplicate_stderr_filters: Annotated[str, _pet(
         "--duplicate-stderr-filters", "--duplicate_stderr_filters", metavar="TEXT,...", show_default=False,
         help="the same for stderr lines: filtered_stderr.log")] = "",
