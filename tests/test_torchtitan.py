@@ -293,7 +293,7 @@ def test_a_restored_last_step_held_only_in_memory_is_written_before_close(tmp_pa
     shutil.rmtree(folder / "step_00000008")  # the last step's checkpoint, cut short by the end of the run
     restored, line, _ = run(snapshot_every=1)
     assert line.startswith("resumed step 8 from memory"), line
-    assert sorted(os.listdir(folder)) == ["step_00000008"]
+    assert sorted(os.listdir(folder)) == ["step_00000008"] and all(torch.equal(trained[k], restored[k]) for k in trained)
     again, line, trainer = run()
     assert line.startswith("resumed step 8 from disk"), line
     assert trainer.step == STEPS and all(torch.equal(trained[k], again[k]) for k in trained)
