@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, CorruptionError, NotACheckpointError, SaveError, StorageError, UnickptError
 from .base import READ_RATE
+from .write_end import WriteEnd
 
 PART_BYTES = 16 << 20
 READ_PART_BYTES = 16 << 20
@@ -405,8 +406,7 @@ class PrefixWrite:
 
     def __init__(self, storage: FsspecStorage, owned: Callable[[str], bool]) -> None:
         self.storage, self._owned = storage, owned
-        self._ended = False  # committed or aborted: a later abort leaves the prefix alone
-        self._lock = threading.RLock()  # a commit and an abort from another thread, one after the other
+        self._end = WriteEnd(storage.url)  # committed or aborted: a later abort leaves the prefix alone
 
     @classmethod
     def begin(cls, storage: FsspecStorage, manifest_name: str, overwrite: bool, owned: Callable[[str], bool]) -> PrefixWrite:
@@ -429,24 +429,20 @@ class PrefixWrite:
 
     def commit(self, documents: dict[str, bytes]) -> None:
         """Write ``documents`` in order, the manifest last: its PUT commits the checkpoint."""
-        with self._lock:
-            if self._ended:
-                raise SaveError(f"cannot commit {self.storage.url}: the save was abandoned")
+        with self._end.commit():
             try:
                 for name, data in documents.items():
                     self.storage.write_atomic(name, data)
             except StorageError as e:
                 self.abort()
                 raise SaveError(f"cannot commit {self.storage.url}: {e}") from None
-            self._ended = True
 
     def abort(self) -> None:
         """Remove everything the save wrote (best effort: the store may be gone); nothing
         once the save committed (or was aborted already)."""
-        with self._lock:
-            if self._ended:
+        with self._end.abort() as first:
+            if not first:
                 return
-            self._ended = True
             try:
                 self.clear()
             except UnickptError:

@@ -38,13 +38,13 @@ import os
 import re
 import secrets
 import shutil
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CheckpointExistsError, SaveError
 from .local import fsync_path, libc_function
+from .write_end import WriteEnd
 
 LOCK_NAME = ".unickpt.lock"
 _STAGING_TAG = ".unickpt-"
@@ -127,9 +127,8 @@ class DirectoryWrite:
         self.root, self.staging = root, staging
         self._locks, self._created_root, self._inside, self._owned = locks, created_root, inside, owned
         # committed or aborted: a later abort (live recovery's, of a save it abandoned) leaves
-        # the directory alone; a commit and an abort from two threads run one after the other
-        self._ended = False
-        self._guard = threading.RLock()
+        # the directory alone
+        self._end = WriteEnd(str(root))
 
     @classmethod
     def begin(cls, root: str | os.PathLike, manifest_name: str, overwrite: bool,
@@ -208,19 +207,13 @@ class DirectoryWrite:
 
     def commit(self, documents: dict[str, bytes]) -> None:
         """:meth:`_commit` unless the write was aborted (a SaveError then)."""
-        with self._guard:
-            if self._ended:
-                raise SaveError(f"cannot commit {self.root}: the save was abandoned")
+        with self._end.commit():
             self._commit(documents)
-            self._ended = True
 
     def swap_in(self, uncommit: Callable[[], None]) -> None:
         """:meth:`_swap_in` unless the write was aborted (a SaveError then)."""
-        with self._guard:
-            if self._ended:
-                raise SaveError(f"cannot commit {self.root}: the save was abandoned")
+        with self._end.commit():
             self._swap_in(uncommit)
-            self._ended = True
 
     def _commit(self, documents: dict[str, bytes]) -> None:
         """Write ``documents`` (small files, the manifest last) into the staging
@@ -324,10 +317,9 @@ class DirectoryWrite:
         """Remove everything this write created (the staging directory, and the target
         directory when this write created it and it is still empty) and release the lock;
         nothing once it committed (or was aborted already)."""
-        with self._guard:
-            if self._ended:
+        with self._end.abort() as first:
+            if not first:
                 return
-            self._ended = True
             try:
                 if self.staging != self.root:
                     shutil.rmtree(self.staging, ignore_errors=True)
