@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -66,6 +67,9 @@ def main() -> None:
     p.add_argument("--multiple-of", type=int, default=None, help="unickpt.run's multiple_of (default: --tp)")
     p.add_argument("--stop-file", default=None, help="end the run (every rank at the same step) once this file "
                    "exists: a test stops a long run when it has seen what it waits for, however slow the machine")
+    p.add_argument("--stop-before-first-step", type=int, default=None, metavar="RANK",
+                   help="this rank stops itself (SIGSTOP) in generation 0 once restored, before its first step; "
+                   "the time into --log's '.stopped' file")
     args = p.parse_args()
 
     def train(world: unickpt.World) -> None:
@@ -86,6 +90,10 @@ def main() -> None:
         state = {"model": model, "optim": optim}
         manager = unickpt.CheckpointManager(args.ckpt_dir, snapshot_every=args.snapshot_every)
         start = manager.restore(state)
+        if world.generation == 0 and world.rank == args.stop_before_first_step:
+            with open(args.log + ".stopped", "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # its launcher's hang check kills it
         for step in range(start + 1, args.steps + 1):
             if args.stop_file:  # rank 0 decides, every rank ends at the same step
                 stop = torch.tensor([float(world.rank == 0 and os.path.exists(args.stop_file))])

@@ -547,3 +547,31 @@ def test_the_next_universal_write_restores_a_tree_a_crashed_fallback_commit_move
         write_universal(first, str(out))  # without overwrite: it finds the old checkpoint back in place
     assert _tree(out) == before and not [n for n in os.listdir(out) if n.startswith(".")]
     _universal_is(out, 1, tmp_path)
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_save_cut_off_in_its_commit_gives_its_directory_up(tmp_path, monkeypatch, how):
+    """The commit's collective fails (a peer lost, live recovery cutting the group: here
+    the gather of the ranks' reports raises as gloo does): rank 0's claim on the directory
+    (its lock, its staging directory) is given up before the error goes on, so the same
+    step saved again (the survivors redo it) commits instead of being refused as "another
+    save in progress", and nothing of the failed save is left behind."""
+    from unickpt.engine import commit as commit_mod
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")  # what gloo raises when a peer vanished
+
+    path = tmp_path / "step_00000006"
+    state = {"w": torch.arange(1000.0), "b": torch.ones(7)}
+    monkeypatch.setattr(commit_mod, "gather_bytes", lost)
+    with pytest.raises(Exception, match="Connection closed by peer"):
+        if how == "save":
+            unickpt.save(state, str(path))
+        else:
+            unickpt.async_save(state, str(path)).result()
+    assert os.listdir(tmp_path) == []  # no lock, no staging directory
+    monkeypatch.undo()
+    unickpt.save({k: v + 1 for k, v in state.items()}, str(path))  # the redo of the step
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    unickpt.load(out, str(path))
+    assert all(torch.equal(out[k], v + 1) for k, v in state.items())

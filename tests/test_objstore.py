@@ -346,7 +346,24 @@ manager.save({"w": torch.arange(float(1 << 24)), "step": 1}, 1)
 copying = [t.name for t in threading.enumerate() if t.name.startswith("unickpt-durable-copy")]
 print("returning; copying:", copying, flush=True)
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a Ctrl-C goes to another thread, as the kernel may do
+if sys.argv[4:] == ["close"]:
+    manager.close()
 """
+
+
+def _line(stream, proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The next line of ``stream`` (the script's stdout or stderr); a failure, not a hung
+    test, when none comes within ``timeout``."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got:
+        proc.send_signal(signal.SIGUSR1)  # its threads' stacks, on stderr
+        time.sleep(1)
+        proc.kill()
+        raise AssertionError(f"no line within {timeout} s")
+    return got[0]
 
 
 def _exit_script(*args: str, env: dict | None = None):
@@ -371,18 +388,22 @@ def test_a_script_that_ends_after_its_save_still_has_it_copied_to_the_durable_ti
 
 
 @pytest.mark.multiprocess
-def test_exit_names_the_copy_it_waits_for_on_a_hung_store_and_ctrl_c_gives_it_up(s3, tmp_path):
-    """The store hangs: exit waits for the copy, says so on stderr after ``NOTICE_S`` (the
-    script sets 1 s), and Ctrl-C ends the process at once, saying the copy was given up
-    (never a traceback)."""
-    proc = _exit_script(str(tmp_path / "fast"), f"s3://{BUCKET}/exit", str(s3.proc.pid), env={"S3_URL": s3.url})
+@pytest.mark.parametrize("where", ["exit", "close"])
+def test_exit_names_the_copy_it_waits_for_on_a_hung_store_and_ctrl_c_gives_it_up(s3, tmp_path, where):
+    """The store hangs: exit (or ``close()``) waits for the copy, says so on stderr after
+    ``NOTICE_S`` (the script sets 1 s), and Ctrl-C ends the wait at once, saying the copy
+    was given up: at exit, never a traceback; in ``close()``, the ``KeyboardInterrupt``
+    goes on (the script's own traceback) and exit does not wait for the copy again."""
+    proc = _exit_script(str(tmp_path / "fast"), f"s3://{BUCKET}/{where}", str(s3.proc.pid), where,
+                        env={"S3_URL": s3.url})
     try:
-        assert "returning" in proc.stdout.readline()
+        assert "returning" in _line(proc.stdout, proc)
         t0 = time.monotonic()
-        notice = proc.stderr.readline()
+        notice = _line(proc.stderr, proc)
         waited = time.monotonic() - t0
-        assert notice.startswith(f"unickpt: waiting for the copy of step 1 to the durable tier s3://{BUCKET}/exit to "
-                                 "finish before exiting (Ctrl-C gives it up"), notice
+        until = " before exiting" if where == "exit" else ""
+        assert notice.startswith(f"unickpt: waiting for the copy of step 1 to the durable tier s3://{BUCKET}/{where} to "
+                                 f"finish{until} (Ctrl-C gives it up"), notice
         assert 0.5 < waited < 6, waited
         proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
@@ -397,8 +418,13 @@ def test_exit_names_the_copy_it_waits_for_on_a_hung_store_and_ctrl_c_gives_it_up
     finally:
         os.kill(s3.proc.pid, signal.SIGCONT)  # the session's server answers again
         proc.kill()
-    assert f"exiting without waiting for the copy of step 1 to the durable tier s3://{BUCKET}/exit: not committed" \
-        in err and "Traceback" not in err, err
+    if where == "exit":
+        assert f"exiting without waiting for the copy of step 1 to the durable tier s3://{BUCKET}/exit: not committed" \
+            in err and "Traceback" not in err, err
+    else:
+        assert f"gave up waiting for the copy of step 1 to the durable tier s3://{BUCKET}/close: not committed" in err, err
+        assert err.rstrip().endswith("KeyboardInterrupt") and "waiting for" not in err.split("not committed")[1], err
+        assert proc.returncode in (130, -signal.SIGINT), proc.returncode  # Python's exit on an unhandled Ctrl-C
 
 
 @pytest.mark.multiprocess

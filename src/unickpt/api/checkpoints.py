@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from ..dist import all_true, first_said, resolve_group
-from ..engine.exit_wait import finish_before_exit
+from ..engine.exit_wait import finish_before_exit, wait_for
 from ..engine.outcome import decided_by_rank0
 from ..engine.load import LoadRecord
 from ..errors import CorruptionError, UnickptError
@@ -295,13 +295,20 @@ class Checkpoints:
         # still has it copied (exit_wait names it when the store is slow; Ctrl-C gives it up)
         self._copy = threading.Thread(target=run, name=f"unickpt-durable-copy-{step}", daemon=True)
         self._copy.start()
-        finish_before_exit(self._copy, lambda: f"the copy of step {self._copying} to the durable tier {durable.root}")
+        finish_before_exit(self._copy, self._copy_named)
+
+    def _copy_named(self) -> str:
+        """The copy in flight, as the notices of exit and :meth:`wait` name it."""
+        assert self.durable is not None  # a copy runs only with a durable tier
+        return f"the copy of step {self._copying} to the durable tier {self.durable.root}"
 
     def wait(self) -> None:
         """Wait for the copies to the durable tier in flight (and queued), if any; then
-        the fast tier's retention, which kept them while they were copied."""
+        the fast tier's retention, which kept them while they were copied. A wait of more
+        than a few seconds (a store that stopped answering) names the copy on stderr, and
+        Ctrl-C gives it up (it is then not committed; exit does not wait for it again)."""
         if self._copy is not None:
-            self._copy.join()
+            wait_for(self._copy, self._copy_named)
             self._copy, self._copying = None, None
             if self.durable is not None:
                 self.fast.apply_retention(set())

@@ -65,12 +65,9 @@ def write_and_commit(staged: StagedSave, group: Group | None = None) -> int:
     use their own). Returns the bytes this rank wrote."""
     group = group or staged.group
     target = prepare_collective(group, staged.path, staged.overwrite, storage_options=staged.storage_options)
-    try:
+    with target.given_up_on_failure():
         report = write_rank(staged.group.rank, staged.local, lambda: _write(staged, target.storage), staged.error)
         commit(group, report, target, staged.metadata)
-    except BaseException:
-        target.give_up()
-        raise
     return sum(report.files.values())
 
 

@@ -336,13 +336,11 @@ class _Saver:
         target = prepare_collective(staged.group, staged.path, staged.overwrite, job.target, staged.storage_options)
         self.target = target  # abandoned (live recovery): given up at once, not at this thread's next collective
         try:
-            write = self._write_ring if job.ring is not None else lambda j, c, s: self._write(j, progress, buf, c, s)
-            report = write_rank(staged.group.rank, staged.local, lambda: write(job, crcs, target.storage), staged.error)
-            progress.staged.set()
-            commit(staged.group, report, target, staged.metadata)
-        except BaseException:
-            target.give_up()
-            raise
+            with target.given_up_on_failure():
+                write = self._write_ring if job.ring is not None else lambda j, c, s: self._write(j, progress, buf, c, s)
+                report = write_rank(staged.group.rank, staged.local, lambda: write(job, crcs, target.storage), staged.error)
+                progress.staged.set()
+                commit(staged.group, report, target, staged.metadata)
         finally:
             self.target = None
         return sum(report.files.values())

@@ -54,6 +54,29 @@ def _join(thread: threading.Thread, seconds: float | None) -> None:
         thread.join(left)
 
 
+def _wait_noting(thread: threading.Thread, what: Callable[[], str], notice_s: float, until: str) -> None:
+    """Wait for ``thread``; after ``notice_s`` seconds, name it on stderr and wait on."""
+    _join(thread, notice_s)
+    if thread.is_alive():
+        print(f"unickpt: waiting for {what()} to finish{until} (Ctrl-C gives it up: it is then not committed)",
+              file=sys.stderr, flush=True)
+        _join(thread, None)
+
+
+def wait_for(thread: threading.Thread, what: Callable[[], str], notice_s: float | None = None) -> None:
+    """Wait in the caller (a ``close()``) for ``thread``, registered with
+    :func:`finish_before_exit`, as exit would: after ``notice_s`` seconds (default
+    ``NOTICE_S``) it is named on stderr; a Ctrl-C gives it up (exit does not wait for it
+    again), says so, and goes on as the ``KeyboardInterrupt`` it is."""
+    try:
+        _wait_noting(thread, what, NOTICE_S if notice_s is None else notice_s, "")
+    except KeyboardInterrupt:
+        forget(thread)
+        print(f"unickpt: gave up waiting for {what()}: not committed", file=sys.stderr, flush=True)
+        raise
+    forget(thread)
+
+
 def finish_pending(notice_s: float | None = None) -> None:
     """Wait for every registered thread still running (the exit hook); after ``notice_s``
     seconds on one (default ``NOTICE_S``), name it on stderr. Ctrl-C gives up on the rest,
@@ -62,11 +85,7 @@ def finish_pending(notice_s: float | None = None) -> None:
     while (item := _next_alive()) is not None:
         thread, what = item
         try:
-            _join(thread, notice_s)
-            if thread.is_alive():
-                print(f"unickpt: waiting for {what()} to finish before exiting (Ctrl-C gives it up: it is then "
-                      "not committed)", file=sys.stderr, flush=True)
-                _join(thread, None)
+            _wait_noting(thread, what, notice_s, " before exiting")
         except KeyboardInterrupt:  # (is_alive() of a thread whose join was interrupted may say False)
             left = [what()] + [w() for t, w in list(_PENDING.items()) if t is not thread and t.is_alive()]
             print(f"unickpt: exiting without waiting for {'; '.join(left)}: not committed", file=sys.stderr, flush=True)

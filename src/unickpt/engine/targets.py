@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +145,17 @@ class CommitTarget:
         except Exception as e:  # noqa: BLE001  (what the save wrote stays behind; the ranks still hear the outcome)
             log.warning(f"unickpt: the failed save could not remove what it wrote: {type(e).__name__}: {e}")
 
+    @contextmanager
+    def given_up_on_failure(self) -> Iterator[None]:
+        """The block's failure (any exception, live recovery's ``Interrupted`` too) gives
+        the target up (:meth:`give_up`) before it goes on: the steps between :meth:`prepare`
+        and the commit run inside."""
+        try:
+            yield
+        except BaseException:
+            self.give_up()
+            raise
+
     def finish(self, group: Group, manifest: bytes | None) -> None:
         """Every rank, the commit succeeded (``manifest``: what :meth:`publish` returned)."""
 
@@ -192,11 +205,8 @@ class SharedDirectory(CommitTarget):
         """Rank 0's outcome of the claim, on every rank; when that collective fails (a peer
         lost, live recovery's ``Interrupted``) rank 0's claim is given up before the error
         goes on: the directory is not left locked for the same step saved again."""
-        try:
+        with self.given_up_on_failure():
             return outcome.shared(group)
-        except BaseException:
-            self.give_up()
-            raise
 
     def publish(self, documents: dict[str, bytes]) -> bytes | None:
         self.write.commit(documents)

@@ -45,7 +45,7 @@ from .launch_args import LaunchArgs
 from .output import Output
 
 NODE_TIMEOUT_S = 3.0  # a node whose launcher is silent this long is lost
-STILL_S = 2.0  # a worker whose watcher thread is silent this long is stopped or holds the GIL
+STILL_S = 2.0  # a worker whose beats are silent this long is stopped or holds the GIL
 BEAT_S = 0.2  # how often a launcher looks for hangs (in its node's own store)
 NODE_BEAT_S = 0.5  # how often a launcher tells the job's store it is alive and looks for the job's end
 MAIL_WAIT_S = 3600.0  # the mailbox thread's wait in the job's store (woken by a message: no timeout logged)
@@ -363,6 +363,7 @@ class Launcher:
         if a.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         self.node_store.set(key("beat", name), "")
+        self.node_store.delete_key(key("alive", name))  # 0 until this process's unickpt.run beats
         if a.no_python:
             cmd = [a.script]
         else:
@@ -410,12 +411,17 @@ class Launcher:
 
     def _find_hangs(self, now: float) -> None:
         """Kill the workers that showed no progress for --hang-timeout seconds and whose
-        watcher thread is silent too (a stopped process, or one holding the GIL). A worker
-        blocked in a collective on a dead peer is not hung: its collective fails within the
-        generation's timeout (``LIVE_PG_TIMEOUT_ENV``) and it re-forms."""
+        beats are silent too (a stopped process, or one holding the GIL). Progress is the
+        step counter once a step is done; before the first step of a generation (joining,
+        gathering, forming, restoring) only the beats show it, from the start of
+        ``unickpt.run`` (a process not there yet, importing or building, is never taken
+        for hung). A worker blocked in a collective on a dead peer is not hung: its
+        collective fails within the generation's timeout (``LIVE_PG_TIMEOUT_ENV``) and it
+        re-forms."""
         limit = self.hang_limit
-        stale = []
-        for w in self.workers.values():
+        for w in list(self.workers.values()):
+            if w.hung:
+                continue  # killed already, not reaped yet
             try:
                 progress = self.node_store.get(key("beat", w.name)).decode()
                 alive = int(self.node_store.add(key("alive", w.name), 0))
@@ -425,13 +431,17 @@ class Launcher:
                 w.progress, w.progress_at = progress, now
             if alive != w.alive:
                 w.alive, w.alive_at = alive, now
-            if progress.isdigit() and now - w.progress_at > limit:  # a step done (not starting, joining, forming)
-                stale.append(w)
-        for w in [w for w in stale if now - w.alive_at > STILL_S]:
-            w.hung = now - w.progress_at
-            self.output.say(f"unickpt launch: worker {w.name} (pid {w.proc.pid}) shows no progress for {w.hung:.0f} s: "
-                            "killed")
-            w.proc.kill()
+            if progress.isdigit():  # a step done: no new step for the limit, and the beats still
+                hung = now - w.progress_at if now - w.progress_at > limit and now - w.alive_at > STILL_S else 0.0
+            elif w.alive and progress != "done":  # in unickpt.run, no step yet: the beats only
+                hung = now - w.alive_at if now - w.alive_at > limit else 0.0
+            else:
+                continue
+            if hung:
+                w.hung = hung
+                self.output.say(f"unickpt launch: worker {w.name} (pid {w.proc.pid}) shows no progress for "
+                                f"{hung:.0f} s: killed")
+                w.proc.kill()
 
     def _restart_group(self, gen: Generation) -> None:
         """A plain script's rank failed and --max-restarts allows another try: stop this

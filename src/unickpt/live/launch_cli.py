@@ -139,7 +139,7 @@ def launch(
              "survivors); a plain script: times the whole group is restarted after a failure (torchrun's)")] = 0,
     hang_timeout: Annotated[float | None, typer.Option(
         "--hang-timeout", metavar="SECONDS", show_default=False,
-        help="kill a worker of unickpt.run that shows no progress for this many seconds while stopped (its watcher "
+        help="kill a worker of unickpt.run that shows no progress for this many seconds while stopped (its beats "
              "thread silent too); 0: never [default: 30, or half of $UNICKPT_LIVE_PG_TIMEOUT when that is shorter]")] = None,
     min_ranks: Annotated[int, typer.Option("--min-ranks", metavar="N", help="end the job below this many ranks")] = 1,
     store: Annotated[str | None, typer.Option(

@@ -291,6 +291,7 @@ class _Live:
         if said != str(self.multiple_of):
             raise UnickptError(f"unickpt.run(fn, multiple_of={self.multiple_of}): another rank of this job said "
                                f"multiple_of={said}; every rank must give the same")
+        self.watcher.start_beats()  # from here a stopped worker is told from a slow one (the launcher's hang check)
         gen = self.join()
         while True:
             if gen.place(self.worker, self.multiple_of) is None:  # a hot spare: no group, no fn

@@ -1,6 +1,7 @@
 """The two threads a live worker runs beside ``fn`` (:mod:`.run`): the watcher, which waits
 for each next generation of the job and hands it over, and the beats, which tell the
-node's launcher that the process runs.
+node's launcher that the process runs (from the start of ``unickpt.run``, before the
+first generation is joined: a worker stopped while its generation gathers is found too).
 
 The watcher blocks in the store's ``wait`` (a wake-up per generation, no polling, no
 timeout): under ``unickpt launch`` on this worker's own key in its node's store, where the
@@ -38,13 +39,25 @@ class Watcher:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
+        self._watching = False
+
     @property
     def started(self) -> bool:
-        return bool(self._threads)
+        return self._watching
+
+    def start_beats(self) -> None:
+        """Start the beats (once; before the watcher, which needs a generation to watch)."""
+        if not self._threads:
+            self._spawn(self._beat, "unickpt-live-beat")
 
     def start(self) -> None:
-        """Start the watcher (which starts the beats)."""
-        thread = threading.Thread(target=self._watch, name="unickpt-live-watch", daemon=True)
+        """Start the watcher (and the beats, if not started yet)."""
+        self.start_beats()
+        self._watching = True
+        self._spawn(self._watch, "unickpt-live-watch")
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
@@ -52,9 +65,6 @@ class Watcher:
         store = store_client.connect(self.address)
         relayed = self.node_address != self.address
         watched = store_client.connect(self.node_address) if relayed else store
-        beats = threading.Thread(target=self._beat, name="unickpt-live-beat", daemon=True)
-        self._threads.append(beats)
-        beats.start()
         while not self._stop.is_set():
             nxt = self.seen + 1
             try:
@@ -82,7 +92,7 @@ class Watcher:
     def stop(self) -> None:
         """End both threads (the watcher woken by its own key, set here)."""
         self._stop.set()
-        if self._threads and self.node_address != self.address:
+        if self._watching and self.node_address != self.address:
             try:
                 self.waker.set(control.watch_key(self.worker, self.seen + 1), "stop")
             except RuntimeError:
