@@ -72,12 +72,26 @@ def started_at(pid: int) -> float | None:
     return _boot_time() + ticks / CLOCK_TICKS
 
 
-def _lines(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
+class _LogTail:
+    """The complete JSON lines appended to a log since the last :meth:`new` (read from
+    where the last call stopped: a poll every few milliseconds must not re-read the log)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offset = path, 0
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        whole = data[:data.rfind(b"\n") + 1]  # a line being written waits for the next call
+        self.offset += len(whole)
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
+
+
+SCAN_S = 0.05  # how often run_job walks /proc for the trainers (a walk costs ~10 ms of CPU)
 
 
 def run_job(work: str, flags: list[str], kill_after: list[int], nproc: int = 2, timeout: float = 600,
@@ -97,19 +111,26 @@ def run_job(work: str, flags: list[str], kill_after: list[int], nproc: int = 2, 
     kills: list[float] = []
     rounds: list[list[tuple[int, float | None]]] = []
     todo = list(kill_after)
+    tail = _LogTail(log)
     deadline = time.monotonic() + timeout
+    next_scan = 0.0
     try:
+        # the log is polled every 2 ms (a kill lands right after its step); /proc, which
+        # only gives the rounds (their start times are the kernel's), every SCAN_S
         while p.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"torchrun still running after {timeout} s; see {out_path}")
             now = time.time()
-            for rec in _lines(log)[len(seen):]:
-                seen.append((now, int(rec["step"])))
-            pids = trainers(p.pid)
-            if len(pids) == nproc and (not rounds or [q for q, _ in rounds[-1]] != pids):
-                rounds.append([(q, started_at(q)) for q in pids])
+            seen.extend((now, int(rec["step"])) for rec in tail.new())
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + SCAN_S
+                pids = trainers(p.pid)
+                if len(pids) == nproc and (not rounds or [q for q, _ in rounds[-1]] != pids):
+                    rounds.append([(q, started_at(q)) for q in pids])
             since_kill = [s for t, s in seen if not kills or t > kills[-1]]
-            if todo and since_kill and since_kill[-1] >= todo[0] and len(pids) == nproc:
+            if todo and since_kill and since_kill[-1] >= todo[0] and len(pids := trainers(p.pid)) == nproc:
+                if not rounds or [q for q, _ in rounds[-1]] != pids:
+                    rounds.append([(q, started_at(q)) for q in pids])
                 os.kill(pids[-1], signal.SIGKILL)
                 kills.append(time.time())
                 todo.pop(0)
@@ -119,8 +140,7 @@ def run_job(work: str, flags: list[str], kill_after: list[int], nproc: int = 2, 
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     now = time.time()
-    for rec in _lines(log)[len(seen):]:
-        seen.append((now, int(rec["step"])))
+    seen.extend((now, int(rec["step"])) for rec in tail.new())
     with open(out_path) as f:
         output = f.read()
     return {"rc": p.returncode, "output": output, "seen": seen, "kills": kills, "rounds": rounds, "log": log}

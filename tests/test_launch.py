@@ -521,9 +521,11 @@ def test_sigterm_keeps_the_snapshots_and_free_refuses_while_running(tmp_path):
 
 @multiprocess
 def test_late_node_joins_and_missing_node_times_out(tmp_path):
-    """Node 1 starts 3.5 s after node 0 (torchrun's c10d flags): node 0 says it waits for it,
-    and generation 0 starts on both nodes' ranks, none lost. Then a job whose node 1 never
-    starts ends after --join-timeout 4, exit 1, naming node 1."""
+    """Node 1 starts once node 0 said it waits for it (torchrun's c10d flags),
+    and generation 0 starts on both nodes' ranks, none lost. Meanwhile a job whose node 1
+    never starts ends after --join-timeout 4, exit 1, naming node 1; and a node 1 whose node
+    0 never starts ends after it too, saying so, without the store client's C++ stack (one
+    per try, printed while it waited for a node 0 that starts late)."""
     from unickpt.testing import free_port
 
     port = free_port()
@@ -535,6 +537,11 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
     alone = subprocess.Popen([PY, "-m", "unickpt", "launch", "--nnodes", "2", "--node-rank", "0", "--master-port",
                               str(free_port()), "--join-timeout", "4", CASES, "ok"], env=_env(tmp_path / "alone"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path / "alone")
+    (tmp_path / "no0").mkdir()
+    no0_port = free_port()
+    no0 = subprocess.Popen([PY, "-m", "unickpt", "launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                            "--master-port", str(no0_port), "--join-timeout", "4", CASES, "ok"], env=_env(tmp_path / "no0"),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path / "no0")
     try:
         for n in range(2):
             env = _env(tmp_path)
@@ -542,17 +549,20 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
             procs.append(subprocess.Popen([PY, "-m", "unickpt", "launch", *flags, "--node-rank", str(n), CASES, "ok"],
                                           env=env, stdout=outs[n], stderr=subprocess.STDOUT, cwd=tmp_path,
                                           start_new_session=True))
-            if n == 0:
-                time.sleep(3.5)  # node 0 says who it waits for after FIRST_WAIT_NOTE_S (2 s)
+            while n == 0 and "waiting for node(s) 1 of 2 to join" not in (tmp_path / "node0.txt").read_text():
+                assert procs[0].poll() is None and time.monotonic() - t0 < 60, (tmp_path / "node0.txt").read_text()
+                time.sleep(0.05)  # node 1 starts once node 0 said it waits for it (after FIRST_WAIT_NOTE_S, 2 s)
         codes = [p.wait(120) for p in procs]
         alone_out, alone_err = alone.communicate(timeout=60)
         alone_took = time.monotonic() - t0
+        _, no0_err = no0.communicate(timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        if alone.poll() is None:
-            alone.kill()
+        for p in (alone, no0):
+            if p.poll() is None:
+                p.kill()
         for o in outs:
             o.close()
     text = [(tmp_path / f"node{n}.txt").read_text() for n in range(2)]
@@ -566,3 +576,8 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
     assert "node(s) 1 of 2 did not join within --join-timeout 4 s" in _last(alone_err)
     assert "[rank" not in alone_out  # generation 0 never started
     assert alone_took < 60
+
+    assert no0.returncode == 1, no0_err[-2000:]
+    assert no0_err.strip() == (f"unickpt launch: node 0's store at 127.0.0.1:{no0_port} did not answer within --join-timeout "
+                               "4 s: is node 0's launcher started (--node-rank 0, the same --rdzv-endpoint/--master-addr)?"), \
+        no0_err[-3000:]

@@ -141,35 +141,29 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     _clean(tmp_path)
 
 
-def test_a_worker_stopped_before_its_first_step_is_killed_and_the_others_go_on(tmp_path):
-    """SIGSTOP on rank 1 of 2 once it restored, before its first step (generation 0): it
+def test_a_worker_stopped_before_its_first_step_is_killed_then_min_ranks_ends_the_job(tmp_path):
+    """SIGSTOP on rank 1 of 3 once it restored, before its first step (generation 0): it
     has no step counter yet, but unickpt.run's beats fall silent, so its launcher kills it
-    after --hang-timeout (2 s) and the other starts over alone, on the curve.
-    When only the step counter was watched, the others waited out their collective (10 s
-    here), left the job as lost, and the stopped worker was kept: the job hung."""
-    steps = 5
-    job = Job(tmp_path, 2, steps, "--hang-timeout", "2", sleep=0.05, script_args=("--stop-before-first-step", "1"))
-    assert job.finish(60) == 0, job.output()
+    after --hang-timeout (2 s) and the two others start over, on the curve. (When only the
+    step counter was watched, the others waited out their collective, 10 s here, left the
+    job as lost, and the stopped worker was kept: the job hung.) Then a SIGKILL leaves one
+    rank, below --min-ranks 2: the job ends, non-zero, within seconds."""
+    job = Job(tmp_path, 3, 200, "--hang-timeout", "2", "--min-ranks", "2", sleep=0.05,
+              script_args=("--stop-before-first-step", "1", "--snapshot-every", "0"))
+    pids = job.wait_step(3, generation=1)
     stopped = float((tmp_path / "log.jsonl.stopped").read_text())
     rows = job.lines()
     back = min(r["t"] for r in rows if r["generation"] == 1) - stopped
     assert back < 2 + 3, back  # the hang timeout + a crash's recovery, with slack for a loaded machine
-    assert {r["size"] for r in rows} == {1}, rows  # no step was done by 2 ranks
-    assert "shows no progress for" in job.output() and "continuing on 1 ranks" in job.output(), job.output()
-    _check_curve(job, steps)
-    _clean(tmp_path)
-
-
-def test_min_ranks_ends_the_job(tmp_path):
-    """Below --min-ranks the job ends, non-zero, within seconds."""
-    job = Job(tmp_path, 2, 200, "--min-ranks", "2", script_args=("--snapshot-every", "0"))
-    pids = job.wait_step(2)
+    assert {r["size"] for r in rows} == {2}, rows  # no step was done by 3 ranks
     t0 = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     code = job.finish(60)
     assert code != 0
     assert time.monotonic() - t0 < 30
-    assert "fewer than --min-ranks 2" in job.output()
+    out = job.output()
+    assert "shows no progress for" in out and "continuing on 2 ranks" in out and "fewer than --min-ranks 2" in out, out
+    _check_curve(job)
 
 
 PLAIN = textwrap.dedent("""

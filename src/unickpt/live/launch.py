@@ -60,6 +60,7 @@ DEFAULT_HANG_TIMEOUT_S = 30.0
 WAIT_NOTE_S = 5.0  # how often node 0's launcher says which nodes it still waits for
 FIRST_WAIT_NOTE_S = 2.0  # ... first said after this long: a node late by seconds is told at once
 CONNECT_TRY_S = 2.0  # one attempt to reach node 0's store (a signal is seen between attempts)
+PROBE_AGAIN_S = 0.1  # between probes of node 0's store port while nothing listens there
 
 
 class Signals:
@@ -128,21 +129,36 @@ def run_node(args: LaunchArgs) -> int:
     return Launcher(args, store, address, node_store, signals, output).run()
 
 
+def _listening(address: str, timeout_s: float) -> bool:
+    """Whether something accepts connections at ``address`` (a plain socket: the store's
+    own client prints a C++ stack on each failed try)."""
+    try:
+        with socket.create_connection(store_client.split_address(address), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _reach(address: str, timeout_s: float, signals: Signals, output: Output) -> Any:
     """Connect to node 0's store, retrying for ``timeout_s`` (node 0 may start later); None
-    on a signal or when it never answers (said)."""
+    on a signal or when it never answers (said). Until the store's port accepts, it is
+    only probed, quietly."""
     deadline = time.monotonic() + timeout_s
     while signals.signum is None:
-        try:
-            store = store_client.connect(address, timeout_s=CONNECT_TRY_S)
-            store.set_timeout(timedelta(seconds=600))
-            return store
-        except RuntimeError:
-            if time.monotonic() >= deadline:
-                output.say(f"unickpt launch: node 0's store at {address} did not answer within --join-timeout "
-                           f"{timeout_s:g} s: is node 0's launcher started (--node-rank 0, the same "
-                           "--rdzv-endpoint/--master-addr)?")
-                return None
+        if not _listening(address, CONNECT_TRY_S):
+            time.sleep(PROBE_AGAIN_S)  # refused at once: node 0 is not up yet
+        else:
+            try:
+                store = store_client.connect(address, timeout_s=CONNECT_TRY_S)
+                store.set_timeout(timedelta(seconds=600))
+                return store
+            except RuntimeError:
+                pass  # something else on that port, or a store not answering yet
+        if time.monotonic() >= deadline:
+            output.say(f"unickpt launch: node 0's store at {address} did not answer within --join-timeout "
+                       f"{timeout_s:g} s: is node 0's launcher started (--node-rank 0, the same "
+                       "--rdzv-endpoint/--master-addr)?")
+            return None
     output.say(f"unickpt launch: stopped by {signals.name()} before node 0's store at {address} answered")
     return None
 
