@@ -42,6 +42,7 @@ def steps(world, last: int = 3) -> None:
 def fn(world) -> None:
     print(f"start rank {world.rank} size {world.size} generation {world.generation}", flush=True)
     if MODE == "ok":
+        print(f"role {os.environ['ROLE_NAME']}", flush=True)
         for _ in range(40):
             sys.stdout.write(str(world.rank) * LINE + "\n")  # no flush: large writes, cut by the pipe
     steps(world, {"early": 30, "long": 300}.get(MODE, 3))

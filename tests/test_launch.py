@@ -106,7 +106,8 @@ def test_the_hang_timeout_has_a_default_below_the_generations_timeout(monkeypatc
 
 @pytest.mark.parametrize("argv, says", [
     (["--rdzv-backend", "etcd", "x.py"], "use --rdzv-backend c10d"),
-    (["--role", "trainer", "x.py"], "--role is not supported"),
+    (["--local-addr", "10.0.0.1", "x.py"], "--local-addr is not supported"),
+    (["--role", " ", "x.py"], "--role needs a name"),
     (["--logs-specs", "x", "x.py"], "use --log-dir, --tee and --redirects"),
     (["--nnodes", "1:4", "x.py"], "live recovery"),
     (["--nnodes", "2", "x.py"], "needs --node-rank"),
@@ -249,8 +250,8 @@ def test_unickpt_launch_is_the_same_command():
 
     out = CliRunner().invoke(app, ["launch", "--help"])
     assert out.exit_code == 0 and "--nproc-per-node, --nproc_per_node" in out.output and "passed through untouched" in out.output
-    out = CliRunner().invoke(app, ["launch", "--role", "r", "x.py"])
-    assert out.exit_code == 2 and "--role is not supported" in out.output
+    out = CliRunner().invoke(app, ["launch", "--run-path", "x.py"])
+    assert out.exit_code == 2 and "--run-path is not supported" in out.output
     assert "launch" in CliRunner().invoke(app, ["--help"]).output
 
 
@@ -546,7 +547,8 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
         for n in range(2):
             env = _env(tmp_path)
             env["UNICKPT_SHM_ROOT"] = str(tmp_path / f"shm{n}")
-            procs.append(subprocess.Popen([PY, "-m", "unickpt", "launch", *flags, "--node-rank", str(n), CASES, "ok"],
+            role = ["--role", "trainer"] if n == 1 else []  # torchrun's ROLE_NAME, "default" unless given
+            procs.append(subprocess.Popen([PY, "-m", "unickpt", "launch", *flags, "--node-rank", str(n), *role, CASES, "ok"],
                                           env=env, stdout=outs[n], stderr=subprocess.STDOUT, cwd=tmp_path,
                                           start_new_session=True))
             while n == 0 and "waiting for node(s) 1 of 2 to join" not in (tmp_path / "node0.txt").read_text():
@@ -569,6 +571,7 @@ def test_late_node_joins_and_missing_node_times_out(tmp_path):
     assert codes == [0, 0], text[0][-2000:] + text[1][-2000:]
     assert "waiting for node(s) 1 of 2 to join" in text[0]
     assert "[rank0]: start rank 0 size 2 generation 0" in text[0] and "[rank1]: start rank 1 size 2 generation 0" in text[1]
+    assert "[rank0]: role default" in text[0] and "[rank1]: role trainer" in text[1]
     assert "lost" not in text[0].replace("0 lost and recovered", "")
     assert "the job finished: 2 ranks ran, 0 lost and recovered, final world size 2 (exit 0)" in _last(text[1])
 

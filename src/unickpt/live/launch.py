@@ -364,7 +364,7 @@ class Launcher:
         rank = self.node * a.nproc_per_node + local
         env = dict(os.environ)
         env.update(torchrun_env(rank, world, local, a.nproc_per_node, self.node, a.nnodes, self.attempt))
-        env.update(ROLE_NAME="default", MASTER_ADDR=a.master_addr,
+        env.update(ROLE_NAME=a.role, MASTER_ADDR=a.master_addr,
                    MASTER_PORT=self.attempt_port or self.address.rpartition(":")[2], TORCHELASTIC_USE_AGENT_STORE="True",
                    TORCHELASTIC_MAX_RESTARTS=str(a.max_restarts),
                    TORCHELASTIC_RUN_ID=a.rdzv_id, **control.worker_env(self.address, name, self.node_address))

@@ -31,6 +31,7 @@ class LaunchArgs:
     script: str = ""  # a path; with ``module`` a module; with ``no_python`` a program
     script_args: list[str] = field(default_factory=list)  # passed through untouched
     module: bool = False
+    role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
     no_python: bool = False
     nnodes: int = 1
     node_rank: int = 0  # -1: the coordinator of `unickpt store`, on no node

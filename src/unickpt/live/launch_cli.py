@@ -23,7 +23,6 @@ PROG = "unickpt launch"
 
 # torchrun flags unickpt launch does not take: why, and what to do instead (one line each)
 REFUSED = {
-    "--role": "unickpt launch runs one role (torchrun's default, 'default'): drop --role",
     "--local-addr": "the workers reach the job's store at --master-addr/--rdzv-endpoint: drop --local-addr",
     "--logs-specs": "use --log-dir, --tee and --redirects (torchrun's default logs spec)",
     "--run-path": "give the script's path (or -m MODULE) instead of --run-path",
@@ -182,7 +181,8 @@ def launch(
     no_python: Annotated[bool, _pet(
         "--no-python", "--no_python", help="run the script as a program, not with python (its interpreter is the user's)")] = False,
     module: Annotated[bool, _pet("-m", "--module", help="run the script as a module (python -m)")] = False,
-    role: Annotated[str | None, _refused("--role")] = None,
+    role: Annotated[str, _pet("--role", metavar="NAME", help="the workers' role, their ROLE_NAME (torchrun's; "
+                                                         "every worker has the one role)")] = "default",
     local_addr: Annotated[str | None, _refused("--local-addr")] = None,
     logs_specs: Annotated[str | None, _refused("--logs-specs")] = None,
     run_path: Annotated[bool, _refused("--run-path")] = False,
@@ -217,7 +217,9 @@ def launch(
                         standalone, join_timeout)
     if log_dir is not None:  # checked before any worker starts (a failure there left a worker without its launcher)
         _check_log_dir(ctx, log_dir)
-    args = LaunchArgs(script=script, script_args=list(script_args or ()), module=module, no_python=no_python,
+    if not role.strip():
+        ctx.fail("--role needs a name")
+    args = LaunchArgs(script=script, script_args=list(script_args or ()), module=module, no_python=no_python, role=role,
                       standalone=standalone, store=store, rdzv_id=rdzv_id, nproc_per_node=_nproc(ctx, nproc_per_node),
                       max_restarts=max_restarts, hang_timeout=hang_timeout, min_ranks=min_ranks,
                       shutdown_timeout=shutdown_timeout, log_dir=log_dir, tee_spec=tee_spec,
