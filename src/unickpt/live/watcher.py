@@ -38,8 +38,7 @@ class Watcher:
         self.seen = -1  # the newest generation this worker has seen (the caller moves it too)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-
-        self._watching = False
+        self._watching = False  # the watcher thread started (the beats may run before it)
 
     @property
     def started(self) -> bool:
