@@ -372,6 +372,20 @@ class CheckpointManager(Checkpoints):
             self._last_snapshot(state, step, saved)
             self._reform_after = step
 
+    def save_last(self, state: dict[str, Any], step: int) -> None:
+        """The durable checkpoint of a run's last ``step`` (trained, or restored with nothing
+        left to train) unless the root holds one already: the same command run again then
+        restores it and trains nothing, and :meth:`close` may free the snapshots. Collective:
+        rank 0's listing decides, so every rank takes the same branch.
+
+        Args:
+            state: The training state after the step.
+            step: The run's last step.
+        """
+        group = resolve_group(self.process_group)
+        if not decided_by_rank0(group, lambda: b"1" if step in self.steps() else b""):
+            self.maybe_save(state, step, force=True)
+
     def _reform_if_due(self) -> None:
         """Under ``unickpt launch``, at the first call into the manager after the step whose
         boundary a replacement joins at: raise :class:`Interrupted` (``unickpt.run`` re-forms

@@ -54,8 +54,6 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..api.manager import CheckpointManager
-from ..dist import resolve_group
-from ..engine.outcome import decided_by_rank0
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import UnickptError
@@ -379,9 +377,7 @@ class UnickptTrainerMixin:
         if self._unickpt_ended or self.unickpt_state is None:
             return
         self._unickpt_ended = True
-        group = resolve_group(self.manager.process_group)
-        if not decided_by_rank0(group, lambda: b"1" if step in self.manager.steps() else b""):
-            self.manager.maybe_save(self.unickpt_state, step, force=True)
+        self.manager.save_last(self.unickpt_state, step)
 
 
 class UnickptTrainer(UnickptTrainerMixin, Trainer):

@@ -328,8 +328,7 @@ class UnickptCallback(pl.Callback):
         loops = self.state.get("loops")
         if isinstance(loops, FitLoopState):
             loops.at_fit_end()
-        if not trainer.strategy.broadcast(step in self.manager.steps(), src=0):  # rank 0's listing decides
-            self.manager.maybe_save(self.state, step, force=True)
+        self.manager.save_last(self.state, step)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Nothing collective (the other ranks may be elsewhere): the snapshots stay in

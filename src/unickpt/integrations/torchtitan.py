@@ -41,8 +41,6 @@ from torchtitan.tools import filesystem
 from ..api.load import load
 from ..api.manager import CheckpointManager
 from ..api.options import DeltaLogOptions, DurableOptions, SaveSchedule, SnapshotOptions
-from ..dist import resolve_group
-from ..engine.outcome import decided_by_rank0
 from ..engine.rng import RNGState
 from ..engine.state import PerRank
 from ..errors import MismatchError, UnickptError
@@ -261,9 +259,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         end = _training_steps(self.states.get("train_state"))
         if end is None or step < end or self.config.load_only:
             return
-        group = resolve_group(self.manager.process_group)
-        if not decided_by_rank0(group, lambda: b"1" if step in self.manager.steps() else b""):
-            self.manager.maybe_save(self.state, step, force=True)
+        self.manager.save_last(self.state, step)
 
     def _initial_load(self, path: str) -> None:
         """Load a checkpoint saved by torchtitan's DCP checkpointer (its names: the model's
