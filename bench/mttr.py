@@ -114,6 +114,11 @@ def run_job(work: str, flags: list[str], kill_after: list[int], nproc: int = 2, 
     tail = _LogTail(log)
     deadline = time.monotonic() + timeout
     next_scan = 0.0
+
+    def note_round(pids: list[int]) -> None:  # a new round: its trainers and their start times
+        if len(pids) == nproc and (not rounds or [q for q, _ in rounds[-1]] != pids):
+            rounds.append([(q, started_at(q)) for q in pids])
+
     try:
         # the log is polled every 2 ms (a kill lands right after its step); /proc, which
         # only gives the rounds (their start times are the kernel's), every SCAN_S
@@ -124,13 +129,10 @@ def run_job(work: str, flags: list[str], kill_after: list[int], nproc: int = 2, 
             seen.extend((now, int(rec["step"])) for rec in tail.new())
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + SCAN_S
-                pids = trainers(p.pid)
-                if len(pids) == nproc and (not rounds or [q for q, _ in rounds[-1]] != pids):
-                    rounds.append([(q, started_at(q)) for q in pids])
+                note_round(trainers(p.pid))
             since_kill = [s for t, s in seen if not kills or t > kills[-1]]
             if todo and since_kill and since_kill[-1] >= todo[0] and len(pids := trainers(p.pid)) == nproc:
-                if not rounds or [q for q, _ in rounds[-1]] != pids:
-                    rounds.append([(q, started_at(q)) for q in pids])
+                note_round(pids)
                 os.kill(pids[-1], signal.SIGKILL)
                 kills.append(time.time())
                 todo.pop(0)

@@ -71,10 +71,10 @@ def wait_for(thread: threading.Thread, what: Callable[[], str], notice_s: float 
     try:
         _wait_noting(thread, what, NOTICE_S if notice_s is None else notice_s, "")
     except KeyboardInterrupt:
-        forget(thread)
         print(f"unickpt: gave up waiting for {what()}: not committed", file=sys.stderr, flush=True)
         raise
-    forget(thread)
+    finally:
+        forget(thread)
 
 
 def finish_pending(notice_s: float | None = None) -> None:
