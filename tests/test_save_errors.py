@@ -15,7 +15,7 @@ from unickpt.engine.outcome import Outcome
 from unickpt.engine.restored import Restored
 from unickpt.testing import run_ranks
 
-from save_error_cases import committed_locations, failing_ranks
+from save_error_cases import committed_locations, failing_ranks, node_copies
 
 
 @pytest.mark.multiprocess
@@ -36,6 +36,18 @@ def test_a_location_already_committed_is_the_same_error_on_every_rank(tmp_path):
     unickpt.save({"w": torch.ones(2)}, path)
     unickpt.save({"w": torch.ones(2)}, str(tmp_path / "seen_by_rank_1"))
     run_ranks(committed_locations, 2, path, str(tmp_path), preload=["torch", "torch.distributed", "unickpt"], timeout=60)
+
+
+@pytest.mark.multiprocess
+def test_a_save_into_each_machines_directory_commits_or_fails_alike_on_every_rank(tmp_path):
+    """The in-memory snapshots' target (a directory on each rank's machine, the index cut
+    into parts the ranks keep): committed, each rank holds the root and its parts; a rank
+    that cannot prepare its directory, or rank 0's failed commit, is the same SaveError on
+    every rank and no manifest anywhere. (The target agrees on its directories in one
+    all-reduce and tells the commit's outcome with the parts in one scatter: these are the
+    paths that changed.)"""
+    for case in ("ok", "prepare", "publish"):
+        run_ranks(node_copies, 3, str(tmp_path / case), case, preload=["torch", "torch.distributed", "unickpt"], timeout=60)
 
 
 def test_an_outcome_carries_its_error_as_itself():

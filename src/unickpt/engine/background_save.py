@@ -330,9 +330,11 @@ class _Saver:
         if last == 0 or job.staged.error is not None:
             progress.staged.set()
         # Start writing only once every rank has staged: a rank that writes while others
-        # still copy takes CPU and memory bandwidth from their (blocking) staging.
+        # still copy takes CPU and memory bandwidth from their (blocking) staging. A target
+        # whose prepare is itself an all-reduce (the snapshots') is that barrier.
         staged = job.staged
-        all_gather_fixed(staged.group, b"\x01")
+        if job.target is None or not job.target.prepare_waits_for_all:
+            all_gather_fixed(staged.group, b"\x01")
         target = prepare_collective(staged.group, staged.path, staged.overwrite, job.target, staged.storage_options)
         self.target = target  # abandoned (live recovery): given up at once, not at this thread's next collective
         try:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..dist import Group, all_gather_fixed, broadcast_bytes, gather_bytes, scatter_bytes
+from ..dist import Group, all_gather_fixed, all_true, broadcast_bytes, gather_bytes, scatter_bytes
 from ..errors import CheckpointExistsError, SaveError
 from ..logs import log
 from ..format.index import INDEX_NAME, line_offsets, part_bounds, part_name
@@ -113,11 +113,14 @@ class CommitTarget:
     """Where one collective save writes and how its manifest is committed there. One
     object per save; the protocol calls, in order: :meth:`prepare` (every rank), then,
     once every rank's file is written, :meth:`publish` (rank 0, the documents checked) or
-    :meth:`abort` (rank 0, the save failed), and :meth:`finish` (every rank, once the
-    commit's outcome is known and is a success)."""
+    :meth:`abort` (rank 0, the save failed), and :meth:`conclude` (every rank: rank 0's
+    outcome told, then :meth:`finish` when it is a success)."""
 
     storage: Storage  # where this rank writes its data file (set by prepare)
     indexed: bool | None = None  # the manifest's form: indexed (format 2.0), one document, None: by its size
+    # True when prepare() returns on no rank before every rank has called it (then a save
+    # needs no separate barrier before it writes)
+    prepare_waits_for_all: bool = False
 
     def prepare(self, group: Group, path: str, overwrite: bool, storage_options: dict[str, Any] | None) -> None:
         """Collective: make the location ready and set :attr:`storage`; the same
@@ -158,6 +161,13 @@ class CommitTarget:
 
     def finish(self, group: Group, manifest: bytes | None) -> None:
         """Every rank, the commit succeeded (``manifest``: what :meth:`publish` returned)."""
+
+    def conclude(self, group: Group, outcome: Outcome) -> None:
+        """Collective, once rank 0 decided (``outcome``: its own on rank 0, ignored
+        elsewhere): every rank hears rank 0's outcome, raises its error if it carries one,
+        else finishes its part (:meth:`finish`)."""
+        outcome = outcome.shared(group)
+        self.finish(group, outcome.payload)
 
 
 class SharedDirectory(CommitTarget):
@@ -259,6 +269,7 @@ class NodeCopies(CommitTarget):
     manifest to serve a recovery)."""
 
     indexed = True
+    prepare_waits_for_all = True  # its agreement is an all-reduce
 
     def __init__(self, parts: IndexParts) -> None:
         self.parts = parts
@@ -271,9 +282,9 @@ class NodeCopies(CommitTarget):
             storage.prepare()
         except Exception as e:  # told to every rank below
             problem = f"rank {group.rank}: cannot prepare {path}: {e}".encode()
-        problems = gather_bytes(group, problem, 0)
-        status = broadcast_bytes(group, b"\n".join(p for p in problems if p) if problems is not None else b"", 0)
-        if status:
+        if not all_true(group, not problem):  # one all-reduce when every rank is ready (every snapshot)
+            problems = gather_bytes(group, problem, 0)
+            status = broadcast_bytes(group, b"\n".join(p for p in problems if p) if problems is not None else b"", 0)
             raise SaveError(status.decode(errors="replace"))
         self.storage = storage
 
@@ -283,12 +294,22 @@ class NodeCopies(CommitTarget):
             self.storage.write_atomic(name, documents[name])
         return documents[MANIFEST_NAME]
 
-    def finish(self, group: Group, manifest: bytes | None) -> None:
+    def conclude(self, group: Group, outcome: Outcome) -> None:
+        """One scatter tells each rank rank 0's outcome and hands it the index parts it
+        keeps (a broadcast of the outcome, then a scatter of the parts, took four
+        collectives of every snapshot)."""
         if group.rank == 0:
-            scatter_bytes(group, self.payloads, 0)
+            head = outcome.encode()
+            parts = self.payloads if outcome.error is None and self.payloads is not None else [b""] * group.size
+            mine = scatter_bytes(group, [len(head).to_bytes(8, "big") + head + p for p in parts], 0)
+        else:
+            mine = scatter_bytes(group, None, 0)
+        n = int.from_bytes(mine[:8], "big")
+        if len(mine) < 8 or n > len(mine) - 8:  # our own rank 0's bytes, checked all the same
+            raise SaveError(f"rank 0's outcome is unreadable: {mine[:200]!r}")
+        outcome = Outcome.decode(mine[8 : 8 + n])
+        outcome.raise_error()
+        if group.rank == 0 or outcome.payload is None or not self.parts.kept[group.rank]:
             return
-        mine = scatter_bytes(group, None, 0)
-        if manifest is None or not self.parts.kept[group.rank]:
-            return
-        IndexParts.write(self.storage, mine)
-        self.storage.write_atomic(MANIFEST_NAME, manifest)
+        IndexParts.write(self.storage, mine[8 + n :])
+        self.storage.write_atomic(MANIFEST_NAME, outcome.payload)

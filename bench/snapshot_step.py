@@ -1,0 +1,108 @@
+"""What a snapshot every step costs a small model's step: the fixed part of a snapshot
+(its collectives, its bookkeeping), which the write rate (``bench.snapshot_rate``) does
+not show.
+
+Two ranks (one node, gloo), a tiny model (8 -> 16 -> 2, AdamW), ``CheckpointManager`` in
+a plain loop, the same steps timed three ways in the same run:
+
+- without snapshots (``snapshot_every=0``): the step itself;
+- with a snapshot every step (``snapshot_every=1``): the step, the snapshot's stall and
+  the background commit competing for the same cores;
+- one ``all_reduce`` of one element on the same group: the floor of any agreement between
+  the ranks.
+
+It prints each per step (wall, and CPU of rank 0's process, all its threads) and what a
+snapshot adds, in milliseconds and in all-reduces::
+
+    python -m bench.snapshot_step              # 300 steps each way
+    python -m bench.snapshot_step --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import tempfile
+import time
+
+WARM = 30  # steps before the timing: the keeper started, the ring sized, the first commits done
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import unickpt
+
+    os.environ.update(UNICKPT_SHM_ROOT=os.path.join(work, f"shm{every}"), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": optim}
+    manager = unickpt.CheckpointManager(os.path.join(work, f"ck{every}"), snapshot_every=every)
+    manager.restore(state)
+    x = torch.randn(4, 8)
+    figures = {}
+    for phase, n in (("warm", WARM), ("timed", steps)):
+        dist.barrier()
+        c0, t0 = _cpu(), time.perf_counter()
+        for i in range(n):
+            step = i + 1 + (WARM if phase == "timed" else 0)
+            model(x).sum().backward()
+            manager.before_update()
+            optim.step()
+            optim.zero_grad()
+            manager.maybe_save(state, step)
+        manager.wait()
+        figures[phase] = ((time.perf_counter() - t0) / n, (_cpu() - c0) / n)
+    manager.close()
+    one = torch.ones(1)
+    dist.barrier()
+    c0, t0 = _cpu(), time.perf_counter()
+    for _ in range(steps):
+        dist.all_reduce(one)
+    figures["all_reduce"] = ((time.perf_counter() - t0) / steps, (_cpu() - c0) / steps)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(figures, f)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="bench.snapshot_step", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=300, help="timed steps each way (after 30 to warm up)")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    from unickpt.testing import run_ranks
+
+    work = tempfile.mkdtemp(prefix="unickpt-bench-step-")
+    try:
+        got = {}
+        for every in (0, 1):
+            out = os.path.join(work, f"figures{every}.json")
+            run_ranks(_loop, 2, work, args.steps, every, out, preload=["torch", "unickpt", "unickpt.api.manager", __name__])
+            got[every] = json.load(open(out))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (w0, c0), (w1, c1) = got[0]["timed"], got[1]["timed"]
+    wa, ca = got[1]["all_reduce"]
+    ms = 1e3
+    print(f"2 ranks, gloo, {args.steps} steps each way (per step; CPU: rank 0's process, every thread)")
+    print(f"  without snapshots        {w0 * ms:7.2f} ms wall  {c0 * ms:7.2f} ms CPU")
+    print(f"  a snapshot every step    {w1 * ms:7.2f} ms wall  {c1 * ms:7.2f} ms CPU")
+    print(f"  one all_reduce (floor)   {wa * ms:7.2f} ms wall  {ca * ms:7.2f} ms CPU")
+    print(f"  a snapshot adds          {(w1 - w0) * ms:7.2f} ms wall  {(c1 - c0) * ms:7.2f} ms CPU  "
+          f"= {(w1 - w0) / wa:.1f} all_reduces of wall, {(c1 - c0) / ca:.1f} of CPU")
+
+
+if __name__ == "__main__":
+    main()
