@@ -11,8 +11,11 @@ a plain loop, the same steps timed three ways in the same run:
 - one ``all_reduce`` of one element on the same group: the floor of any agreement between
   the ranks.
 
-It prints each per step (wall, and CPU of rank 0's process, all its threads) and what a
-snapshot adds, in milliseconds and in all-reduces::
+It prints each per step (wall, and CPU of rank 0's process, all its threads), how many
+snapshots were taken and how many skipped (a snapshot is skipped while the node's keeper
+still encodes two earlier ones: then a step costs less, and the figure varies with the
+keeper's pace), and what a snapshot adds to a step and what one snapshot taken costs, in
+milliseconds and in all-reduces::
 
     python -m bench.snapshot_step              # 300 steps each way
     python -m bench.snapshot_step --steps 100
@@ -54,6 +57,7 @@ def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str) ->
     figures = {}
     for phase, n in (("warm", WARM), ("timed", steps)):
         dist.barrier()
+        before = manager.stats()
         c0, t0 = _cpu(), time.perf_counter()
         for i in range(n):
             step = i + 1 + (WARM if phase == "timed" else 0)
@@ -64,6 +68,9 @@ def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str) ->
             manager.maybe_save(state, step)
         manager.wait()
         figures[phase] = ((time.perf_counter() - t0) / n, (_cpu() - c0) / n)
+        after = manager.stats()
+        figures[phase + "_snapshots"] = [after["snapshots"] - before["snapshots"],
+                                         after["snapshots_skipped"] - before["snapshots_skipped"]]
     manager.close()
     one = torch.ones(1)
     dist.barrier()
@@ -98,10 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     ms = 1e3
     print(f"2 ranks, gloo, {args.steps} steps each way (per step; CPU: rank 0's process, every thread)")
     print(f"  without snapshots        {w0 * ms:7.2f} ms wall  {c0 * ms:7.2f} ms CPU")
-    print(f"  a snapshot every step    {w1 * ms:7.2f} ms wall  {c1 * ms:7.2f} ms CPU")
+    taken, skipped = got[1]["timed_snapshots"]
+    print(f"  a snapshot every step    {w1 * ms:7.2f} ms wall  {c1 * ms:7.2f} ms CPU  ({taken} taken, {skipped} skipped: "
+          "the keeper still held two in progress)")
     print(f"  one all_reduce (floor)   {wa * ms:7.2f} ms wall  {ca * ms:7.2f} ms CPU")
     print(f"  a snapshot adds          {(w1 - w0) * ms:7.2f} ms wall  {(c1 - c0) * ms:7.2f} ms CPU  "
-          f"= {(w1 - w0) / wa:.1f} all_reduces of wall, {(c1 - c0) / ca:.1f} of CPU")
+          f"= {(w1 - w0) / wa:.1f} all_reduces of wall, {(c1 - c0) / ca:.1f} of CPU (a step)")
+    if taken:
+        per = args.steps / taken  # what the steps paid, over the snapshots they took
+        print(f"  one snapshot taken costs {(w1 - w0) * per * ms:7.2f} ms wall  {(c1 - c0) * per * ms:7.2f} ms CPU  "
+              f"= {(w1 - w0) * per / wa:.1f} all_reduces of wall")
 
 
 if __name__ == "__main__":

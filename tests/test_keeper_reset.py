@@ -53,3 +53,44 @@ def test_a_poll_during_a_reset_leaves_the_new_timelines_steps_to_be_processed(tm
         _commit(keeper, step)
         keeper.poll()
     assert processed == [7, 5, 6]
+
+
+def test_a_keeper_whose_root_is_being_deleted_leaves_it_without_writing_into_it(tmp_path, monkeypatch):
+    """The keeper's check that the shm root is still its own, against the root's deletion
+    racing it: a pid file deleted between its look and its read, or its directory gone
+    before a garbled one is written again, is a root no longer this keeper's (False), never
+    an exception out of the keeper's loop (it exited with 1) nor a pid file written back
+    into a directory being deleted. A garbled pid file in a root that stays is written again."""
+    keeper = keeper_server.Keeper(str(tmp_path / "shm"), "job", "127.0.0.1")
+    pid_file = paths.pid_file(keeper.root)
+    os.makedirs(os.path.dirname(pid_file), exist_ok=True)
+    with open(pid_file, "w") as f:  # as the keeper's start writes it
+        f.write(f"{os.getpid()}\n")
+    assert keeper.owns_root()
+    real_read = paths.read_regular
+
+    def deleted_meanwhile(path, *a, **k):
+        os.unlink(pid_file)
+        return real_read(path, *a, **k)
+
+    monkeypatch.setattr(paths, "read_regular", deleted_meanwhile)
+    assert not keeper.owns_root() and not os.path.exists(pid_file)
+
+    with open(pid_file, "w") as f:
+        f.write("not a pid")
+
+    def garbled_then_gone(path, *a, **k):
+        data = real_read(path, *a, **k)
+        for name in os.listdir(os.path.dirname(pid_file)):
+            os.unlink(os.path.join(os.path.dirname(pid_file), name))
+        os.rmdir(os.path.dirname(pid_file))
+        return data
+
+    monkeypatch.setattr(paths, "read_regular", garbled_then_gone)
+    assert not keeper.owns_root() and not os.path.exists(os.path.dirname(pid_file))
+
+    monkeypatch.setattr(paths, "read_regular", real_read)
+    os.makedirs(os.path.dirname(pid_file))
+    with open(pid_file, "w") as f:
+        f.write("not a pid")
+    assert keeper.owns_root() and open(pid_file).read() == f"{os.getpid()}\n"

@@ -44,7 +44,7 @@ from ..logs import log
 from ..units import human_bytes
 from . import paths
 from .options import SnapshotOptions
-from .keeper_admin import ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
+from .keeper_admin import KeeperSeen, ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
 from .parity import layout
 from .store_commit import control_doc, store_address
 
@@ -304,6 +304,7 @@ class Snapshotter:
         self.machines = dict(where)  # node -> network identity
         self.host = keeper_host(host, len(set(self.machines.values())) > 1)
         self.keeper: dict[str, Any] | None = None
+        self._seen: KeeperSeen | None = None  # the keeper last ensured, watched (a poll a snapshot)
         self._default_cap: int | None = None  # without max_bytes: fixed at the first look (_cap)
         self.secret: bytes | None = None
         setup: Exception | None = None
@@ -452,7 +453,11 @@ class Snapshotter:
         mine = mine._replace(rank_bytes=state_bytes(state) if state is not None else 0)
         if self.local_rank != 0:
             return mine
-        self.keeper = ensure_keeper(self.root, self.job, self.host)
+        if self._seen is None or not self._seen.running():  # a file read and /proc entries only when it ended
+            if self._seen is not None:
+                self._seen.close()
+            self.keeper = ensure_keeper(self.root, self.job, self.host)
+            self._seen = KeeperSeen(self.keeper)
         used = paths.dir_bytes(self.jdir)
         pending = in_progress(self.jdir, getattr(self, "table", []))
         stored = self.secret or paths.read_secret(self.root, self.job)
@@ -567,4 +572,6 @@ class Snapshotter:
             elif self.local_rank == 0:
                 self._wait_whole(WHOLE_WAIT_S + self.node_bytes / WHOLE_WAIT_RATE)
         finally:
+            if self._seen is not None:
+                self._seen.close()
             self.group = Group(None, self.group.rank, self.group.size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -126,6 +127,33 @@ def running_keeper(root: str) -> dict[str, Any] | None:
 
 
 _CHILDREN: list[subprocess.Popen] = []
+
+
+class KeeperSeen:
+    """The keeper a rank last ensured (``doc``: :func:`ensure_keeper`'s), watched through a
+    pidfd: :meth:`running` is one poll of it, where :func:`ensure_keeper` reads the address
+    file and the process's /proc entries (a snapshot asks every step). Without pidfds
+    (kernels before 5.3) it never says running, and each snapshot ensures the keeper."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc, self.fd = doc, None
+        try:
+            fd = os.pidfd_open(int(doc["pid"]))
+        except (AttributeError, OSError):
+            return
+        if keeper_alive(int(doc["pid"])):  # the pid is still the keeper's: not reused since
+            self.fd = fd
+        else:
+            os.close(fd)
+
+    def running(self) -> bool:
+        """True while the process lives (its pidfd turns readable when it exits)."""
+        return self.fd is not None and not select.select([self.fd], [], [], 0)[0]
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 # The keeper needs neither torch nor the rest of unickpt: it is started with a bare
 # ``unickpt`` package (its __init__, which imports torch, is skipped), so it starts in a

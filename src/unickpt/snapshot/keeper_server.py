@@ -179,10 +179,15 @@ class Keeper:
                 return True
             if text.isdigit() and keeper_alive(int(text)):
                 return False
+        except FileNotFoundError:  # deleted since the look above: the root is being deleted
+            return False
         except (OSError, ValueError):
             pass
+        try:
+            _write_atomic(path, f"{os.getpid()}\n".encode())
+        except FileNotFoundError:  # its directory went meanwhile: the root is being deleted
+            return False
         _log(f"{path} was garbled: written again")
-        _write_atomic(path, f"{os.getpid()}\n".encode())
         return True
 
     def shutdown(self) -> None:
