@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
+
 from unickpt.snapshot import keeper_server, paths
 
 
@@ -94,3 +96,40 @@ def test_a_keeper_whose_root_is_being_deleted_leaves_it_without_writing_into_it(
     with open(pid_file, "w") as f:
         f.write("not a pid")
     assert keeper.owns_root() and open(pid_file).read() == f"{os.getpid()}\n"
+
+
+@pytest.mark.multiprocess
+def test_the_keeper_a_rank_watches_is_seen_ending_with_more_than_1024_files_open(tmp_path):
+    """A snapshot asks every step whether the node's keeper still runs: through a pidfd
+    (KeeperSeen), so the address file and /proc are read again only once it ended. A
+    training process may hold more than 1,024 files (select() refuses such a descriptor):
+    the watch still sees the keeper alive, then its SIGKILL."""
+    import resource
+    import signal
+    import time
+
+    from unickpt.snapshot import keeper_admin
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [open(os.devnull) for _ in range(1100)]
+    root = str(tmp_path / "shm")
+    seen = None
+    try:
+        doc = keeper_admin.ensure_keeper(root, "job")
+        seen = keeper_admin.KeeperSeen(doc)
+        assert seen.fd is not None and seen.fd > 1024 and seen.running()
+        os.kill(int(doc["pid"]), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while seen.running():
+            assert time.monotonic() < deadline, "the keeper's end was not seen"
+            time.sleep(0.01)
+    finally:
+        if seen is not None:
+            seen.close()
+        for f in held:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        keeper_admin.stop_keeper(root)

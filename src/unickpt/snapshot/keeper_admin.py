@@ -143,17 +143,21 @@ class KeeperSeen:
             return
         if keeper_alive(int(doc["pid"])):  # the pid is still the keeper's: not reused since
             self.fd = fd
+            self.poller = select.poll()  # not select(): a training process may hold more than 1,024 files
+            self.poller.register(fd, select.POLLIN)
         else:
             os.close(fd)
 
     def running(self) -> bool:
         """True while the process lives (its pidfd turns readable when it exits)."""
-        return self.fd is not None and not select.select([self.fd], [], [], 0)[0]
+        return self.fd is not None and not self.poller.poll(0)
 
     def close(self) -> None:
+        """Stop watching (the pidfd closed)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
 
 # The keeper needs neither torch nor the rest of unickpt: it is started with a bare
 # ``unickpt`` package (its __init__, which imports torch, is skipped), so it starts in a
