@@ -44,8 +44,7 @@ def test_a_save_into_each_machines_directory_commits_or_fails_alike_on_every_ran
     into parts the ranks keep): committed, each rank holds the root and its parts; a rank
     that cannot prepare its directory, or rank 0's failed commit, is the same SaveError on
     every rank and no manifest anywhere. (The target agrees on its directories in one
-    all-reduce and tells the commit's outcome with the parts in one scatter: these are the
-    paths that changed.)"""
+    all-reduce, its messages gathered only when a rank failed: both paths run here.)"""
     for case in ("ok", "prepare", "publish"):
         run_ranks(node_copies, 3, str(tmp_path / case), case, preload=["torch", "torch.distributed", "unickpt"], timeout=60)
 

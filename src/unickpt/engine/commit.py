@@ -16,8 +16,8 @@ Call order, every rank of the group unless said::
     commit(group, report, target, metadata)         # rank 0 gathers the reports, checks them
                                                     #   (engine.assemble) and publishes the manifest
                                                     #   through the target, or aborts it; the same
-                                                    #   outcome (or the same error) on every rank
-                                                    #   and each rank's part (target.conclude)
+                                                    #   outcome (or the same error) on every rank,
+                                                    #   then each rank's target.finish
 
 Where the files go and how the manifest is committed there is the target's
 (:class:`~unickpt.engine.targets.CommitTarget`: one shared directory, or a directory on
@@ -173,7 +173,7 @@ def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dic
     the manifest through ``target`` (the target's own way: swapping a staging directory
     in, or writing into each machine's directory), or, when any rank failed, aborts
     (removing what the save wrote); raises the same error on every rank if any rank
-    failed, else every rank finishes its part of the target (``target.conclude``)."""
+    failed, else every rank finishes its part of the target (``target.finish``)."""
     gathered = gather_bytes(group, report.message(), 0)
     outcome = Outcome()
     if gathered is not None:
@@ -183,4 +183,5 @@ def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dic
         except Exception as e:
             outcome = Outcome.of(e)
             target.give_up()
-    target.conclude(group, outcome)
+    outcome = outcome.shared(group)
+    target.finish(group, outcome.payload)

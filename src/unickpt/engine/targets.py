@@ -113,8 +113,8 @@ class CommitTarget:
     """Where one collective save writes and how its manifest is committed there. One
     object per save; the protocol calls, in order: :meth:`prepare` (every rank), then,
     once every rank's file is written, :meth:`publish` (rank 0, the documents checked) or
-    :meth:`abort` (rank 0, the save failed), and :meth:`conclude` (every rank: rank 0's
-    outcome told, then :meth:`finish` when it is a success)."""
+    :meth:`abort` (rank 0, the save failed), and :meth:`finish` (every rank, once the
+    commit's outcome is known and is a success)."""
 
     storage: Storage  # where this rank writes its data file (set by prepare)
     indexed: bool | None = None  # the manifest's form: indexed (format 2.0), one document, None: by its size
@@ -161,13 +161,6 @@ class CommitTarget:
 
     def finish(self, group: Group, manifest: bytes | None) -> None:
         """Every rank, the commit succeeded (``manifest``: what :meth:`publish` returned)."""
-
-    def conclude(self, group: Group, outcome: Outcome) -> None:
-        """Collective, once rank 0 decided (``outcome``: its own on rank 0, ignored
-        elsewhere): every rank hears rank 0's outcome, raises its error if it carries one,
-        else finishes its part (:meth:`finish`)."""
-        outcome = outcome.shared(group)
-        self.finish(group, outcome.payload)
 
 
 class SharedDirectory(CommitTarget):
@@ -294,22 +287,15 @@ class NodeCopies(CommitTarget):
             self.storage.write_atomic(name, documents[name])
         return documents[MANIFEST_NAME]
 
-    def conclude(self, group: Group, outcome: Outcome) -> None:
-        """One scatter tells each rank rank 0's outcome and hands it the index parts it
-        keeps (a broadcast of the outcome, then a scatter of the parts, took four
-        collectives of every snapshot)."""
+    def finish(self, group: Group, manifest: bytes | None) -> None:
+        # the root manifest went to every rank in rank 0's outcome (one broadcast: rank 0
+        # holds one copy); folding it into this scatter would pad every rank's chunk with
+        # it, world size x the root on rank 0
         if group.rank == 0:
-            head = outcome.encode()
-            parts = self.payloads if outcome.error is None and self.payloads is not None else [b""] * group.size
-            mine = scatter_bytes(group, [len(head).to_bytes(8, "big") + head + p for p in parts], 0)
-        else:
-            mine = scatter_bytes(group, None, 0)
-        n = int.from_bytes(mine[:8], "big")
-        if len(mine) < 8 or n > len(mine) - 8:  # our own rank 0's bytes, checked all the same
-            raise SaveError(f"rank 0's outcome is unreadable: {mine[:200]!r}")
-        outcome = Outcome.decode(mine[8 : 8 + n])
-        outcome.raise_error()
-        if group.rank == 0 or outcome.payload is None or not self.parts.kept[group.rank]:
+            scatter_bytes(group, self.payloads, 0)
             return
-        IndexParts.write(self.storage, mine[8 + n :])
-        self.storage.write_atomic(MANIFEST_NAME, outcome.payload)
+        mine = scatter_bytes(group, None, 0)
+        if manifest is None or not self.parts.kept[group.rank]:
+            return
+        IndexParts.write(self.storage, mine)
+        self.storage.write_atomic(MANIFEST_NAME, manifest)
