@@ -119,7 +119,7 @@ def test_the_keeper_a_rank_watches_is_seen_ending_with_more_than_1024_files_open
     seen = None
     try:
         doc = keeper_admin.ensure_keeper(root, "job")
-        seen = keeper_admin.KeeperSeen(doc)
+        seen = keeper_admin.KeeperSeen(int(doc["pid"]))
         assert seen.fd is not None and seen.fd > 1024 and seen.running()
         os.kill(int(doc["pid"]), signal.SIGKILL)
         deadline = time.monotonic() + 10

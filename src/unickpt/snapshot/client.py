@@ -457,7 +457,7 @@ class Snapshotter:
             if self._seen is not None:
                 self._seen.close()
             self.keeper = ensure_keeper(self.root, self.job, self.host)
-            self._seen = KeeperSeen(self.keeper)
+            self._seen = KeeperSeen(int(self.keeper["pid"]))
         used = paths.dir_bytes(self.jdir)
         pending = in_progress(self.jdir, getattr(self, "table", []))
         stored = self.secret or paths.read_secret(self.root, self.job)

@@ -130,18 +130,19 @@ _CHILDREN: list[subprocess.Popen] = []
 
 
 class KeeperSeen:
-    """The keeper a rank last ensured (``doc``: :func:`ensure_keeper`'s), watched through a
-    pidfd: :meth:`running` is one poll of it, where :func:`ensure_keeper` reads the address
-    file and the process's /proc entries (a snapshot asks every step). Without pidfds
-    (kernels before 5.3) it never says running, and each snapshot ensures the keeper."""
+    """The keeper a rank last ensured (``pid``: from :func:`ensure_keeper`'s document),
+    watched through a pidfd: :meth:`running` is one poll of it, where :func:`ensure_keeper`
+    reads the address file and the process's /proc entries (a snapshot asks every step).
+    Without pidfds (kernels before 5.3) it never says running, and each snapshot ensures
+    the keeper."""
 
-    def __init__(self, doc: dict[str, Any]) -> None:
-        self.doc, self.fd = doc, None
+    def __init__(self, pid: int) -> None:
+        self.fd: int | None = None
         try:
-            fd = os.pidfd_open(int(doc["pid"]))
+            fd = os.pidfd_open(pid)
         except (AttributeError, OSError):
             return
-        if keeper_alive(int(doc["pid"])):  # the pid is still the keeper's: not reused since
+        if keeper_alive(pid):  # the pid is still the keeper's: not reused since
             self.fd = fd
             self.poller = select.poll()  # not select(): a training process may hold more than 1,024 files
             self.poller.register(fd, select.POLLIN)
