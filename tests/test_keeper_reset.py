@@ -133,3 +133,43 @@ def test_the_keeper_a_rank_watches_is_seen_ending_with_more_than_1024_files_open
             f.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         keeper_admin.stop_keeper(root)
+
+
+def test_a_committed_step_wakes_the_keeper_at_once_and_so_does_stop(tmp_path, monkeypatch):
+    """The rank that writes a step's manifest into its node's directory wakes the node's
+    keeper (keeper_admin.wake_keeper): the step is taken up at once, not at the keeper's next
+    look. Its looks every 20 ms let two steps of 10 ms commit unseen, and the next
+    snapshot was skipped (bench.snapshot_step: 82 of 200). Here the look is every 30 s: a
+    step is only taken up in time when the wake-up arrives, and a stop likewise."""
+    import time
+
+    from unickpt.snapshot import keeper_admin
+
+    monkeypatch.setattr(keeper_server, "POLL_S", 30.0)
+    keeper = keeper_server.Keeper(str(tmp_path / "shm"), "job", "127.0.0.1")
+    looked, processed = threading.Event(), threading.Event()
+    poll = keeper.poll
+
+    def first_look() -> None:  # the wake-up socket is bound before the first look
+        poll()
+        looked.set()
+
+    monkeypatch.setattr(keeper, "poll", first_look)
+    monkeypatch.setattr(keeper, "process", lambda step, sdir: processed.set())
+    watch = threading.Thread(target=keeper.run)
+    watch.start()
+    try:
+        assert looked.wait(10)
+        _commit(keeper, 1)
+        t0 = time.monotonic()
+        keeper_admin.wake_keeper(os.getpid())
+        assert processed.wait(10) and time.monotonic() - t0 < 5, "the committed step waited for the next look"
+        keeper.stopping.set()
+        t0 = time.monotonic()
+        keeper_admin.wake_keeper(os.getpid())
+        watch.join(10)
+        assert not watch.is_alive() and time.monotonic() - t0 < 5, "the stop waited for the next look"
+    finally:
+        keeper.stopping.set()
+        keeper_admin.wake_keeper(os.getpid())
+        watch.join(40)

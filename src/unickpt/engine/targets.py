@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -259,13 +259,16 @@ class NodeCopies(CommitTarget):
     memory): every rank writes straight into its own, created if needed (no claim, no
     staging); the manifest is indexed, rank 0 commits it in its own directory, and each
     rank keeping index ``parts`` receives the root and those parts (every node needs the
-    manifest to serve a recovery)."""
+    manifest to serve a recovery). ``committed``, when given, is called on each rank
+    that wrote the manifest into its directory, right after (the snapshots wake their
+    node's keeper with it)."""
 
     indexed = True
     prepare_waits_for_all = True  # its agreement is an all-reduce
 
-    def __init__(self, parts: IndexParts) -> None:
+    def __init__(self, parts: IndexParts, committed: Callable[[], None] | None = None) -> None:
         self.parts = parts
+        self.committed = committed
         self.payloads: list[bytes] | None = None  # rank 0: what each rank receives
 
     def prepare(self, group: Group, path: str, overwrite: bool, storage_options: dict[str, Any] | None) -> None:
@@ -285,6 +288,8 @@ class NodeCopies(CommitTarget):
         self.payloads = self.parts.payloads(documents[INDEX_NAME])
         for name in sorted(documents, key=lambda n: n == MANIFEST_NAME):  # the root last: it commits
             self.storage.write_atomic(name, documents[name])
+        if self.committed is not None:
+            self.committed()
         return documents[MANIFEST_NAME]
 
     def finish(self, group: Group, manifest: bytes | None) -> None:
@@ -299,3 +304,5 @@ class NodeCopies(CommitTarget):
             return
         IndexParts.write(self.storage, mine)
         self.storage.write_atomic(MANIFEST_NAME, manifest)
+        if self.committed is not None:
+            self.committed()

@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 import time
+from functools import partial
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -44,7 +45,8 @@ from ..logs import log
 from ..units import human_bytes
 from . import paths
 from .options import SnapshotOptions
-from .keeper_admin import KeeperSeen, ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers
+from .keeper_admin import (KeeperSeen, ensure_keeper, keeper_host, network_identity, stop_keeper, unreachable_keepers,
+                           wake_keeper)
 from .parity import layout
 from .store_commit import control_doc, store_address
 
@@ -439,8 +441,10 @@ class Snapshotter:
         if flush and self.flush_due(step) and self.flush_dir:
             meta["snapshot"]["flush"] = os.path.join(self.flush_dir, f"step_{step:08d}")
         path = paths.step_dir(self.root, self.job, step)
+        parts = index_parts(rows, self.nodes, self.parity)
+        wake = partial(wake_keeper, int(self.table[self.node]["pid"]))  # the node's keeper, once its manifest is in
         self.handle = start_save(state, path, WRITES, lazy=True, metadata=meta, overwrite=True,
-                                  target=NodeCopies(index_parts(rows, self.nodes, self.parity)),
+                                  target=NodeCopies(parts, committed=wake),
                                   process_group=self.process_group, channel=CHANNEL,
                                   ring=self.ring if rows[self.group.rank].ring_free else None)
         self.taken += 1
