@@ -19,6 +19,12 @@ milliseconds and in all-reduces::
 
     python -m bench.snapshot_step              # 300 steps each way
     python -m bench.snapshot_step --steps 100
+    python -m bench.snapshot_step --blocks 100 --steps 100   # many small tensors: 1,601 in the state
+
+``--blocks N`` replaces the model by N blocks of ``Linear(64, 64)`` + ``LayerNorm(64)``
+(four parameters a block, each with AdamW's two moments and its step count: 16 tensors a
+block; 1,601 entries at 100, with the optimizer's param_groups): what a snapshot costs
+per tensor, which a real model's hundreds of parameters and their optimizer state pay.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str) -> None:
+def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str, blocks: int = 0) -> None:
     import torch
     import torch.distributed as dist
 
@@ -48,12 +54,17 @@ def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str) ->
     os.environ.update(UNICKPT_SHM_ROOT=os.path.join(work, f"shm{every}"), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    if blocks:
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+                                      for _ in range(blocks)])
+        x = torch.randn(4, 64)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        x = torch.randn(4, 8)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": optim}
     manager = unickpt.CheckpointManager(os.path.join(work, f"ck{every}"), snapshot_every=every)
     manager.restore(state)
-    x = torch.randn(4, 8)
     figures = {}
     for phase, n in (("warm", WARM), ("timed", steps)):
         dist.barrier()
@@ -86,9 +97,14 @@ def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str) ->
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="bench.snapshot_step", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300, help="timed steps each way (after 30 to warm up)")
+    p.add_argument("--blocks", type=int, default=0,
+                   help="a model of this many Linear(64, 64) + LayerNorm(64) blocks (16 tensors of state each) "
+                        "in place of the tiny one")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.blocks < 0:
+        p.error("--blocks must be 0 or more")
     from unickpt.testing import run_ranks
 
     work = tempfile.mkdtemp(prefix="unickpt-bench-step-")
@@ -96,14 +112,16 @@ def main(argv: list[str] | None = None) -> None:
         got = {}
         for every in (0, 1):
             out = os.path.join(work, f"figures{every}.json")
-            run_ranks(_loop, 2, work, args.steps, every, out, preload=["torch", "unickpt", "unickpt.api.manager", __name__])
+            run_ranks(_loop, 2, work, args.steps, every, out, args.blocks,
+                      preload=["torch", "unickpt", "unickpt.api.manager", __name__])
             got[every] = json.load(open(out))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     (w0, c0), (w1, c1) = got[0]["timed"], got[1]["timed"]
     wa, ca = got[1]["all_reduce"]
     ms = 1e3
-    print(f"2 ranks, gloo, {args.steps} steps each way (per step; CPU: rank 0's process, every thread)")
+    what = f"{args.blocks} blocks, {16 * args.blocks + 1} entries of state" if args.blocks else "a tiny model"
+    print(f"2 ranks, gloo, {what}, {args.steps} steps each way (per step; CPU: rank 0's process, every thread)")
     print(f"  without snapshots        {w0 * ms:7.2f} ms wall  {c0 * ms:7.2f} ms CPU")
     taken, skipped = got[1]["timed_snapshots"]
     why = ": the keeper still held two in progress" if skipped else ""

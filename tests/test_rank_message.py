@@ -48,6 +48,16 @@ def test_a_message_reads_back_as_its_payload():
     assert empty == {"rank": 2, "error": "boom", "fragments": {}}
 
 
+def test_an_entry_line_is_what_json_writes_whatever_the_name():
+    """Each fragment's entry line is written without ``json.dumps`` (its cost per call, 1,600
+    times a snapshot of 1,600 tensors): byte for byte what it writes, one line each."""
+    for name in ["w", "w.é", "line\nbreak", 'quote"back\\slash', "tab\tnul\x00", "emoji \U0001f600", ""]:
+        for shape in [[], [0], [4, 6], [2**40, 3]]:
+            r = _record(name, shape)
+            want = json.dumps([r.name, r.shape, r.dtype, r.layout], separators=(",", ":")) + "\n"
+            assert rm._entry_line(r) == want
+
+
 def test_rank_zero_reads_each_head_back_as_a_typed_report():
     from unickpt.engine.rank_report import RankReport
 

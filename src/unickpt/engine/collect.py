@@ -20,7 +20,7 @@ from ..plan.box import Box
 from ..plan.save_plan import replica_shares
 from .items import Holders, TensorItem, cut_rows, is_dtensor, row_slice, sharded_item, tensor_item
 from .optim_state import NamedOptimizer
-from .state import PerRank, Sharded, flatten
+from .state import Leaf, PerRank, Sharded, flatten
 from .writer import as_bytes
 
 __all__ = ["LocalState", "collect", "holders_of", "replica_parts", "tensor_digest"]
@@ -97,14 +97,18 @@ def _tensor_item(name: str, t: torch.Tensor, holders: Holders) -> TensorItem | N
     return TensorItem(name, local if local is not None else t.to_local(), *fields)
 
 
-def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> LocalState:
-    """Classify this rank's state (collective): fragments it owns, values to check and
-    commit, per-rank state. Copies what it will write to host memory, unless ``defer``:
-    then tensors to write still refer to the live state and replicated tensors whose
-    digest is still to be computed are listed in ``digest_sources`` (async save stages
-    and digests them itself)."""
-    _stage_fn = (lambda t: t.detach()) if defer else _stage
-    out = LocalState()
+@dataclass
+class FlatState:
+    """A state flattened once (:func:`flatten_state`), for a caller that reads it before
+    saving it (the snapshots count its bytes first): :func:`collect` takes it in place of
+    the state, and does not call every ``state_dict()`` a second time."""
+
+    leaves: list[Leaf]
+    groups: set[str]  # the flattened names of the param_groups of optimizers keyed by parameter name
+
+
+def flatten_state(state_dict: dict[str, Any]) -> FlatState:
+    """``state_dict`` flattened as :func:`collect` does (:func:`~unickpt.engine.state.flatten`)."""
     groups: set[str] = set()
 
     def on_stateful(name: str, obj: Any) -> dict[str, Any]:
@@ -112,11 +116,24 @@ def collect(state_dict: dict[str, Any], group: Group, defer: bool = False) -> Lo
             groups.add(f"{name}.param_groups")
         return obj.state_dict()
 
+    return FlatState(flatten(state_dict, on_stateful), groups)
+
+
+def collect(state_dict: dict[str, Any] | FlatState, group: Group, defer: bool = False) -> LocalState:
+    """Classify this rank's state (collective): fragments it owns, values to check and
+    commit, per-rank state. Copies what it will write to host memory, unless ``defer``:
+    then tensors to write still refer to the live state and replicated tensors whose
+    digest is still to be computed are listed in ``digest_sources`` (async save stages
+    and digests them itself). ``state_dict`` may be one already flattened
+    (:func:`flatten_state`)."""
+    _stage_fn = (lambda t: t.detach()) if defer else _stage
+    out = LocalState()
     try:
-        leaves = flatten(state_dict, on_stateful)
+        flat = state_dict if isinstance(state_dict, FlatState) else flatten_state(state_dict)
     except Exception:  # a Stateful's state_dict() that fails: still join the others' exchange, then fail
         holders_of(None, group)
         raise
+    leaves, groups = flat.leaves, flat.groups
     holders = holders_of([leaf.name for leaf in leaves if not isinstance(leaf.value, PerRank)], group)
     out.leader = holders.members[0] == group.rank
     lines: dict[tuple, list[TensorItem]] = {}

@@ -45,6 +45,7 @@ from ..format.rank_message import FragmentRecord
 from ..storage.base import Storage
 from .assemble import manifest_document
 from .collect import LocalState
+from .gc_pause import gc_paused
 from .items import TensorItem
 from .outcome import Outcome
 from .rank_report import RankReport, rank_message, read_message
@@ -88,7 +89,8 @@ def write_rank(rank: int, local: LocalState | None, write: Callable[[], Written]
         return RankReport.failed(rank, error if error is not None else "this rank's state was not collected")
     try:
         done = write()
-        return rank_report(rank, local, done.fragments, done.files, done.base)
+        with gc_paused():  # a record per fragment, nothing cyclic (a durable async save's runs unpaused)
+            return rank_report(rank, local, done.fragments, done.files, done.base)
     except Exception as e:
         return RankReport.failed(rank, describe(e))
 
@@ -178,7 +180,8 @@ def commit(group: Group, report: RankReport, target: CommitTarget, metadata: dic
     outcome = Outcome()
     if gathered is not None:
         try:
-            docs = manifest_document(gathered, group.size, metadata, target.indexed)
+            with gc_paused():  # every rank's fragments in rows: thousands of small objects, none cyclic
+                docs = manifest_document(gathered, group.size, metadata, target.indexed)
             outcome = Outcome(payload=target.publish(docs))
         except Exception as e:
             outcome = Outcome.of(e)

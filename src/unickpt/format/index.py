@@ -89,9 +89,10 @@ def manifest_documents(
         return (text[:-1] + "," + rest[1:] if len(rest) > 2 else text), None
     index, lines = _index_lines(rows)
     chunks: list[list[Any]] = [[] for _ in tensors]
-    for t, at, n, crc, lo, hi in lines:
-        nd = len(tensors[t][1]["shape"])
-        chunks[t].append([at, n, crc, lo[:nd], [h - o for h, o in zip(hi[:nd], lo)]])
+    ndims = [len(th["shape"]) for _, th in tensors]
+    for t, at, n, crc, lo, length in lines:
+        nd = ndims[t]
+        chunks[t].append([at, n, crc, lo[:nd], length[:nd]])
     doc = dict(head, index={"file": INDEX_NAME, "size": len(index)},
                tensors={name: dict(th, fragments_at=c) for (name, th), c in zip(tensors, chunks)})
     doc.update(tail)
@@ -100,7 +101,7 @@ def manifest_documents(
 
 def _index_lines(rows: FragmentRows) -> tuple[bytes, Any]:
     """The index file and, for each of its lines: tensor, offset, length, CRC-32C, box
-    offsets and box ends (one past the last element), the box in ``rows.lo``'s width."""
+    offsets and box lengths, the box in ``rows.lo``'s width."""
     import numpy as np  # here: reading a manifest needs no numpy (the command line starts faster)
 
     n, width = rows.lo.shape
@@ -132,7 +133,7 @@ def _index_lines(rows: FragmentRows) -> tuple[bytes, Any]:
     whole = memoryview(index)
     ats, lens = line_at.tolist(), line_len.tolist()
     crcs = [crc32c(whole[a : a + k]) for a, k in zip(ats, lens)]
-    return index, zip(tensor[starts].tolist(), ats, lens, crcs, line_lo.tolist(), line_hi.tolist())
+    return index, zip(tensor[starts].tolist(), ats, lens, crcs, line_lo.tolist(), (line_hi - line_lo).tolist())
 
 
 def index_chunks(d: Any, name: str, ndim: int, index_size: int) -> list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]:

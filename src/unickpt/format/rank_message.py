@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,12 @@ class FragmentRecord:
     bbox: tuple[list[int], list[int]]  # offsets, lengths of the box bounding its pieces
 
 
+def _entry_line(r: FragmentRecord) -> str:
+    """``[name, shape, dtype, layout]`` as compact JSON and a newline: what ``json.dumps``
+    writes, without its per-call cost (a line per fragment: 1,600 a snapshot of 1,600 tensors)."""
+    return f"[{_quote(r.name)},[{','.join(str(int(n)) for n in r.shape)}],{_quote(r.dtype)},{_quote(r.layout)}]\n"
+
+
 def encode(head: dict[str, Any], records: list[FragmentRecord]) -> bytes:
     """The message of a rank: ``head`` (JSON-serialisable) and its fragment records."""
     for r in records:
@@ -67,8 +74,7 @@ def encode(head: dict[str, Any], records: list[FragmentRecord]) -> bytes:
             raise ValueError(f"fragment of {r.name!r}: its bounding box has not the tensor's {len(r.shape)} dimensions")
     sections = [
         json.dumps(head, separators=(",", ":"), allow_nan=False).encode(),
-        b"".join(json.dumps([r.name, list(r.shape), r.dtype, r.layout], separators=(",", ":")).encode() + b"\n"
-                 for r in records),
+        "".join(_entry_line(r) for r in records).encode(),
         np.array([(len(r.shape), r.volume, r.boxes, r.crcs, len(r.text)) for r in records], dtype=RECORD).tobytes(),
         np.array([x for r in records for x in (*r.bbox[0], *r.bbox[1])], dtype="<i8").tobytes(),
         b"".join(r.text for r in records),

@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..engine.background_save import AsyncSaveHandle, checkpoint_group, start_save
+from ..engine.collect import FlatState, flatten_state
+from ..engine.gc_pause import gc_paused
 from ..engine.targets import IndexParts, NodeCopies
 from ..engine.items import is_dtensor
 from ..engine.save_options import SaveOptions
@@ -110,10 +112,10 @@ def node_position(rank: int | None = None) -> tuple[int, int]:
     return int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", fallback))
 
 
-def local_tensors(state: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor this rank holds in ``state``, by name: a per-rank value's, a
-    ``Sharded``'s local part, a DTensor's local shard."""
-    for leaf in flatten(state):
+def local_tensors(state: dict[str, Any] | FlatState) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor this rank holds in ``state`` (or in a state flattened already), by
+    name: a per-rank value's, a ``Sharded``'s local part, a DTensor's local shard."""
+    for leaf in state.leaves if isinstance(state, FlatState) else flatten(state):
         v = leaf.value
         if isinstance(v, PerRank):
             v = v.value
@@ -123,7 +125,7 @@ def local_tensors(state: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
             yield leaf.name, (v.to_local() if is_dtensor(v) else v)
 
 
-def state_bytes(state: dict[str, Any]) -> int:
+def state_bytes(state: dict[str, Any] | FlatState) -> int:
     """Bytes of the tensors this rank holds in ``state`` (local shards of DTensors)."""
     return sum(v.numel() * v.element_size() for _, v in local_tensors(state))
 
@@ -373,13 +375,13 @@ class Snapshotter:
             raise SnapshotError(f"the shm root {self.root} (${paths.SHM_ROOT_ENV}) cannot hold snapshots: "
                                 f"{e.strerror or e}") from None
 
-    def _exchange(self, state: dict[str, Any] | None,
+    def _exchange(self, state: FlatState | None,
                   failed_before: Exception | None = None) -> tuple[list[dict[str, Any]], list[RankInfo]]:
-        """Collective: every rank's node, keeper and memory figures (the bytes of ``state``
-        this rank holds); the keeper table by node. The first time, also the job's secret:
-        the one stored on the lowest node that holds one (a relaunch keeps it, whichever
-        nodes survived), else one the first node drew. What fails on one rank (a Stateful's
-        ``state_dict()``, starting the node's keeper, ``failed_before``: its shm root) is told
+        """Collective: every rank's node, keeper and memory figures (the bytes of ``state``,
+        flattened, this rank holds); the keeper table by node. The first time, also the job's
+        secret: the one stored on the lowest node that holds one (a relaunch keeps it, whichever
+        nodes survived), else one the first node drew. What fails on one rank (starting the
+        node's keeper; ``failed_before``: its shm root, a Stateful's ``state_dict()``) is told
         to the others in the exchange itself and raised on every rank as a SnapshotError: no
         rank is left waiting in the exchange, and each goes on alike."""
         ring = getattr(self, "ring", None)
@@ -426,7 +428,13 @@ class Snapshotter:
 
     def _snapshot(self, state: dict[str, Any], step: int, flush: bool) -> AsyncSaveHandle | None:
         self.settle()
-        self.table, rows = self._exchange(state)
+        flat, failed = None, None
+        try:  # once: its bytes are exchanged, then it is saved
+            with gc_paused():  # thousands of small objects, none in a cycle (engine/gc_pause.py)
+                flat = flatten_state(state)
+        except Exception as e:  # a Stateful's state_dict() that fails: told to the others in the exchange
+            failed = e
+        self.table, rows = self._exchange(flat, failed)
         if any(r.pending >= 2 for r in rows if r.has_keeper):
             self.skipped += 1  # the keepers still encode two snapshots
             return None
@@ -443,14 +451,14 @@ class Snapshotter:
         path = paths.step_dir(self.root, self.job, step)
         parts = index_parts(rows, self.nodes, self.parity)
         wake = partial(wake_keeper, int(self.table[self.node]["pid"]))  # the node's keeper, once its manifest is in
-        self.handle = start_save(state, path, WRITES, lazy=True, metadata=meta, overwrite=True,
+        self.handle = start_save(flat, path, WRITES, lazy=True, metadata=meta, overwrite=True,
                                   target=NodeCopies(parts, committed=wake),
                                   process_group=self.process_group, channel=CHANNEL,
                                   ring=self.ring if rows[self.group.rank].ring_free else None)
         self.taken += 1
         return self.handle
 
-    def _my_row(self, mine: RankInfo, state: dict[str, Any] | None) -> RankInfo:
+    def _my_row(self, mine: RankInfo, state: FlatState | None) -> RankInfo:
         """This rank's row of the exchange: the bytes of its state; on a node's local rank
         0 also the node's keeper (started, or started again when it was killed), memory and
         proposed secret."""
