@@ -14,8 +14,10 @@ a plain loop, the same steps timed three ways in the same run:
 It prints each per step (wall, and CPU of rank 0's process, all its threads), how many
 snapshots were taken and how many skipped (a snapshot is skipped while the node's keeper
 still encodes two earlier ones: then a step costs less; the node's ranks wake the keeper
-as each step commits, so on one node none is skipped), and what a snapshot adds to a step and what one snapshot taken costs, in
-milliseconds and in all-reduces::
+as each step commits, so on one node none is skipped), what a snapshot adds to a step and
+what one snapshot taken costs, in milliseconds and in all-reduces, and what restoring the
+newest one costs (the manager closed keeping its snapshots, a second one restoring them
+into a state built again: what a relaunch pays)::
 
     python -m bench.snapshot_step              # 300 steps each way
     python -m bench.snapshot_step --steps 100
@@ -45,6 +47,19 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _state(blocks: int):
+    """The model (tiny, or ``blocks`` blocks), its AdamW and the state of both."""
+    import torch
+
+    if blocks:
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+                                      for _ in range(blocks)])
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim, {"model": model, "optim": optim}
+
+
 def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str, blocks: int = 0) -> None:
     import torch
     import torch.distributed as dist
@@ -54,15 +69,8 @@ def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str, bl
     os.environ.update(UNICKPT_SHM_ROOT=os.path.join(work, f"shm{every}"), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
     torch.manual_seed(0)
-    if blocks:
-        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
-                                      for _ in range(blocks)])
-        x = torch.randn(4, 64)
-    else:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-        x = torch.randn(4, 8)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = {"model": model, "optim": optim}
+    model, optim, state = _state(blocks)
+    x = torch.randn(4, 64 if blocks else 8)
     manager = unickpt.CheckpointManager(os.path.join(work, f"ck{every}"), snapshot_every=every)
     manager.restore(state)
     figures = {}
@@ -82,7 +90,15 @@ def _loop(rank: int, world: int, work: str, steps: int, every: int, out: str, bl
         after = manager.stats()
         figures[phase + "_snapshots"] = [after["snapshots"] - before["snapshots"],
                                          after["snapshots_skipped"] - before["snapshots_skipped"]]
-    manager.close()
+    manager.close(keep_snapshots=bool(every))
+    if every:  # the newest snapshot restored into a state built again, as a relaunch does
+        _, _, again = _state(blocks)
+        second = unickpt.CheckpointManager(os.path.join(work, f"ck{every}"), snapshot_every=every)
+        dist.barrier()
+        c0, t0 = _cpu(), time.perf_counter()
+        second.restore(again)
+        figures["restore"] = (time.perf_counter() - t0, _cpu() - c0, second.restored_line.split(" (")[0])
+        second.close()
     one = torch.ones(1)
     dist.barrier()
     c0, t0 = _cpu(), time.perf_counter()
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  one all_reduce (floor)   {wa * ms:7.2f} ms wall  {ca * ms:7.2f} ms CPU")
     print(f"  a snapshot adds          {(w1 - w0) * ms:7.2f} ms wall  {(c1 - c0) * ms:7.2f} ms CPU  "
           f"= {(w1 - w0) / wa:.1f} all_reduces of wall, {(c1 - c0) / ca:.1f} of CPU (a step)")
+    rw, rc, said = got[1]["restore"]
+    print(f"  a restore ({said})   {rw * ms:7.2f} ms wall  {rc * ms:7.2f} ms CPU  (a new manager, a state built again)")
     if taken:
         per = args.steps / taken  # what the steps paid, over the snapshots they took
         print(f"  one snapshot taken costs {(w1 - w0) * per * ms:7.2f} ms wall  {(c1 - c0) * per * ms:7.2f} ms CPU  "

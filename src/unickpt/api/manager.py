@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..dist import all_true, first_said, resolve_group
+from ..engine.gc_pause import gc_paused
 from ..engine.outcome import decided_by_rank0
 from ..engine.restored import Restored
 from ..errors import UnickptError, one_line
@@ -201,6 +202,7 @@ class CheckpointManager(Checkpoints):
         self.run_stats = RunStats()  # every count and failure of this run, told once
 
     # -- the training loop's calls -----------------------------------------------------
+    @gc_paused()  # a recovery's plans and manifests: thousands of small objects (engine/gc_pause.py)
     def restore(self, state: dict[str, Any]) -> int:
         """Load the newest whole, verified state into ``state`` and return its step (0 when
         there is nothing to restore); collective.
