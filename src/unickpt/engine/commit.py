@@ -89,7 +89,8 @@ def write_rank(rank: int, local: LocalState | None, write: Callable[[], Written]
         return RankReport.failed(rank, error if error is not None else "this rank's state was not collected")
     try:
         done = write()
-        with gc_paused():  # a record per fragment, nothing cyclic (a durable async save's runs unpaused)
+        with gc_paused():  # a record per fragment, nothing cyclic (a durable async save pauses only this
+            # and rank 0's assembly: its writes may wait minutes on the disk with the collector on)
             return rank_report(rank, local, done.fragments, done.files, done.base)
     except Exception as e:
         return RankReport.failed(rank, describe(e))

@@ -26,8 +26,8 @@ import secrets
 import socket
 import struct
 import time
-from functools import partial
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
