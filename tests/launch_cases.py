@@ -10,6 +10,10 @@
 * ``deadlock``: a plain script whose two ranks both wait in ``dist.recv`` (C++).
 * ``flaky``: a plain script whose rank 1 exits 3 in the group's first attempt only.
 * ``long``: under ``unickpt.run``, 300 all-reduce steps (a job to kill a rank of, then stop).
+* ``facts``: a plain script whose ranks print, as one JSON line, what a worker finds when
+  its script starts (``__name__``, argv, ``sys.path[0]``, torchrun's variables, its
+  session, stdin, its signal handlers, whether torch was imported before its first line), then an atexit
+  handler's line; rank 1 exits 3 (``--start-method forkserver`` must run it as spawn does).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
+PRELOADED = "torch" in sys.modules  # before this script imported it: the fork server did
+
+import torch  # noqa: E402 (after the look above)
+import torch.distributed as dist  # noqa: E402
 
 MODE = sys.argv[1]
 LINE = 3000  # characters in each long line
@@ -50,7 +56,23 @@ def fn(world) -> None:
         dist.destroy_process_group()
 
 
-if MODE in ("deadlock", "flaky"):
+if MODE == "facts":
+    import atexit
+    import json
+
+    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID",
+                                          "PYTHONUNBUFFERED")}
+    import signal
+
+    handlers = {s: str(signal.getsignal(getattr(signal, s))) for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1",
+                                                                      "SIGUSR2", "SIGPIPE", "SIGCHLD")}
+    print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "env": env, "handlers": handlers,
+                      "own_session": os.getsid(0) == os.getpid(), "stdin": sys.stdin.read(), "preloaded": PRELOADED,
+                      "file": __file__}), flush=True)
+    atexit.register(lambda: print(f"atexit rank {os.environ['RANK']}", flush=True))
+    print(f"to stderr rank {os.environ['RANK']}", file=sys.stderr)
+    sys.exit(3 if os.environ["RANK"] == "1" else 0)
+elif MODE in ("deadlock", "flaky"):
     dist.init_process_group("gloo")
     if MODE == "flaky" and dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         sys.exit(3)

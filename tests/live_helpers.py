@@ -18,7 +18,7 @@ from typing import Any
 
 import unickpt
 
-SHORT_SLEEP = 1.0  # s a step at least, while the job runs short a rank (see pace)
+SHORT_SLEEP = 0.5  # s a step at least, while the job runs short a rank (see pace)
 GROWN_SLEEP = 0.02  # s a step at most, once the replacement joined (see pace)
 
 
@@ -28,9 +28,10 @@ def pace(generation: int, sleep: float) -> None:
     the kill lands mid-run), at least SHORT_SLEEP while the job runs short a rank
     (generation 1: after the kill, before the replacement joined), at most GROWN_SLEEP
     once it joined (nothing is left to wait for: the run's last steps go at their own
-    speed). The replacement is a fresh process that imports torch and the framework (5 s and
-    more on a loaded 2-core machine) and must join before the run ends: the bound it is
-    given is the steps left after the kill x SHORT_SLEEP (about 20 s)."""
+    speed). The replacement is forked from the launcher's fork server, which imported torch
+    and the framework (``--preload``); it waits for generation 1's first step (see
+    :func:`live_args`) and must join before the run ends: the bound it is given is the steps
+    left after the kill x SHORT_SLEEP (about 10 s)."""
     time.sleep(sleep if generation == 0 else max(sleep, SHORT_SLEEP) if generation == 1 else min(sleep, GROWN_SLEEP))
 
 
@@ -44,7 +45,26 @@ def live_args(extra: Callable[[argparse.ArgumentParser], Any] | None = None) -> 
     p.add_argument("--sleep", type=float, default=0.0)
     if extra is not None:
         extra(p)
-    return p.parse_args()
+    args = p.parse_args()
+    _replacement_waits(args.log)
+    return args
+
+
+def _replacement_waits(log: str) -> None:
+    """A replacement (a worker started after generation 0's: ``unickpt launch`` names
+    workers ``node.n`` in the order it starts them) waits until generation 1 logged a step,
+    so that every run shows the job trained short a rank before the replacement joins
+    (forked from the fork server it would be ready at once, and join in the loss's own
+    generation)."""
+    worker = os.environ.get("UNICKPT_LIVE_WORKER", "")
+    if not worker or int(worker.split(".")[1]) < int(os.environ["WORLD_SIZE"]):
+        return
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if os.path.exists(log) and any(json.loads(x)["generation"] >= 1 for x in open(log) if x.strip()):
+            return
+        time.sleep(0.02)
+    raise SystemExit(f"worker {worker}: generation 1 logged no step within 120 s")
 
 
 def log_step(path: str, world: unickpt.World, step: int, loss: float, xsum: float, sleep: float) -> None:
@@ -58,19 +78,21 @@ def log_step(path: str, world: unickpt.World, step: int, loss: float, xsum: floa
 
 
 def live_job(tmp_path, script: str, nproc: int, steps: int, flags: list[str], sleep: float,
-             kill_after: int, timeout: float = 240) -> tuple[list[dict], dict]:
-    """``unickpt launch --max-restarts 1`` of ``script`` on ``nproc`` ranks; SIGKILL the
+             kill_after: int, timeout: float = 240, preload: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+    """``unickpt launch --max-restarts 1 --start-method forkserver`` (``--preload`` the
+    framework's modules) of ``script`` on ``nproc`` ranks; SIGKILL the
     last rank once step ``kill_after`` is logged; wait for the job. Returns every rank's
     log lines and what happened: the exit code, the pids of generation 0, the kill's time,
     the output and the re-formings' phases (rank 0's $UNICKPT_LIVE_TIMINGS)."""
     log, timings = tmp_path / "log.jsonl", tmp_path / "timings.jsonl"
+    preload = ["--preload", ",".join(preload)] if preload else []
     env = dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=str(tmp_path / "shm"),
                UNICKPT_LIVE_TIMINGS=str(timings),
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(unickpt.__file__)),
                                            os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     out = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc),
-                             "--max-restarts", "1", script, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ck"),
+                             "--max-restarts", "1", "--start-method", "forkserver", *preload, script, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ck"),
                              "--log", str(log), "--sleep", str(sleep), *flags],
                             env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
 

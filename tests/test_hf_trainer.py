@@ -352,7 +352,7 @@ def test_live_recovery_in_the_same_processes(tmp_path, shm):
     steps = 24
     want = _live_reference(tmp_path, steps)
     rows, job = live_job(tmp_path, os.path.join(os.path.dirname(__file__), "hf_trainer_live.py"), 3, steps, [],
-                         sleep=0.3, kill_after=3)
+                         sleep=0.3, kill_after=3, preload=("transformers.trainer", "unickpt.integrations.hf"))
     took = check_live_run(rows, job, 3, steps, want, "HF Trainer")
     assert took < 10, took  # the target is 2 s; a loaded shared machine may stretch it
     # the steps re-done after a re-forming are not reported again: the survivors (ranks 0 and

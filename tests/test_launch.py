@@ -71,6 +71,15 @@ def _launch_together(tmp: Path, *argvs: list[str], timeout: float = 120) -> list
     return done
 
 
+def _running(pid: int) -> bool:
+    """The process is there and not a zombie (ended, its exit not yet collected)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _last(text: str) -> str:
     return [x for x in text.splitlines() if x.strip()][-1]
 
@@ -87,6 +96,9 @@ def test_torchrun_flags_parse():
     assert a.script == "train.py" and a.script_args == ["--lr", "1"] and a.shutdown_timeout == 30
     assert parse(["--rdzv_endpoint", "h", "--nnodes", "1", "x.py"]).master_port == 29400  # torchrun's default port
     assert parse(["--nproc-per-node", "auto", "x.py"]).nproc_per_node >= 1
+    forked = parse(["--start_method", "forkserver", "--preload", "json, email.parser", "x.py"])
+    assert (forked.start_method, forked.preload) == ("forkserver", ("json", "email.parser"))
+    assert (a.start_method, a.preload) == ("spawn", ())
     assert parse_std("0:3,1:2", "--tee") == {0: {"stdout", "stderr"}, 1: {"stderr"}}
 
 
@@ -113,6 +125,10 @@ def test_the_hang_timeout_has_a_default_below_the_generations_timeout(monkeypatc
     (["--nnodes", "2", "x.py"], "needs --node-rank"),
     (["--rdzv-conf", "last_call_timeout=5", "x.py"], "--rdzv-conf last_call_timeout is not supported"),
     (["--start-method", "fork", "x.py"], "--start-method fork is not supported"),
+    (["--preload", "json", "x.py"], "--preload needs --start-method forkserver"),
+    (["--start-method", "forkserver", "--preload", "json,no_such_module_x", "x.py"],
+     "--preload: no module named no_such_module_x"),
+    (["--start-method", "forkserver", "--no-python", "x.py"], "not with --no-python"),
     (["--nproc-per-node", "many", "x.py"], "expected a number"),
     (["--tee", "7", "x.py"], "--tee '7'"),
     (["--nproc-per-node", "2", "--min-ranks", "5", "x.py"], "--min-ranks 5 is more than the job's 2 rank(s)"),
@@ -262,7 +278,8 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--nproc-per-node", "--tee",
                  "--redirects", "--log-dir", "--local-ranks-filter", "--no-python", "--shutdown-timeout",
                  "--join-timeout", "--max-restarts", "--hang-timeout", "--min-ranks", "--signals-to-handle",
-                 "--duplicate-stdout-filters", "--duplicate-stderr-filters", "the training script",
+                 "--duplicate-stdout-filters", "--duplicate-stderr-filters", "--start-method", "forkserver", "--preload",
+                 "the training script",
                  "passed through untouched"):
         assert flag in text, flag
 
@@ -313,13 +330,15 @@ def test_exit_codes(tmp_path):
     (other / "whole").write_text("")
     for p in (other / "whole", other, other.parent):
         os.utime(p, (time.time() - 3600, time.time() - 3600))
-    bug, rec, early, recorded, destroy = _launch_together(
-        tmp_path, *(["--standalone", "--nproc-per-node", "2", CASES, mode]
-                    for mode in ("bug", "recover", "early", "record", "destroy")))
+    # the first three forked from the launcher's fork server, the others spawned (torchrun's default)
+    bug, rec, recorded, early, destroy = _launch_together(
+        tmp_path, *(["--standalone", "--nproc-per-node", "2", *(["--start-method", "forkserver"] if i < 3 else []), CASES, mode]
+                    for i, mode in enumerate(("bug", "recover", "record", "early", "destroy"))))
     assert bug.returncode == 1, bug.stderr[-3000:]
     last = _last(bug.stderr)
     assert "rank 1 (worker 0.1) raised RuntimeError: user bug" in last and "launch_cases.py:" in last, last
     assert "[rank1]: Traceback" in bug.stderr and "[rank1]: [rank1]:" not in bug.stderr  # one prefix, not torch's too
+    assert "forked.py" not in bug.stderr and "runpy" not in bug.stderr  # the script's frames, as a spawned worker's
     assert "2 ranks ran, 0 lost and recovered, final world size 2 (exit 1)" in last
 
     assert rec.returncode == 0, rec.stderr[-3000:]
@@ -332,7 +351,7 @@ def test_exit_codes(tmp_path):
     # said as soon as rank 0's collective fails on the departed rank, not after rank 0 waited
     # out its wait for a verdict (NETWORK_ERROR_WAIT_S, 15 s): fn's return -> the launcher's
     # exit took 16 s before, 1.3 s now on this machine; half the wait leaves room for a loaded one
-    after = early.ended - float((tmp_path / "job2" / "early_returned").read_text())
+    after = early.ended - float((tmp_path / "job3" / "early_returned").read_text())
     assert after < NETWORK_ERROR_WAIT_S / 2, after
 
     assert recorded.returncode == 1, recorded.stderr[-3000:]
@@ -343,6 +362,68 @@ def test_exit_codes(tmp_path):
     assert destroy.returncode == 1, destroy.stderr[-3000:]
     last = _last(destroy.stderr)  # was: "1 lost and recovered ... 0 rank(s) left, fewer than the multiple_of=1"
     assert "raised UnickptError: fn called destroy_process_group" in last and "0 lost and recovered" in last, last
+
+
+@multiprocess
+def test_a_forked_worker_starts_as_a_spawned_one_and_dies_with_its_launcher(tmp_path):
+    """``--start-method forkserver``: the script finds what a spawned worker finds
+    (``__main__``, argv, ``sys.path[0]``, torchrun's variables, its own session, an empty
+    stdin), its atexit handlers run, its stdout and stderr come prefixed, its exit code ends
+    the job as spawned (3), its signal handlers are a fresh interpreter's: only torch is
+    there before its first line. The fork server ignores the signals that stop a job; a
+    launcher SIGKILLed alone (not its group) takes it and every forked worker with it."""
+    spawned, forked = _launch_together(tmp_path, *(["--standalone", "--nproc-per-node", "2", *extra, CASES, "facts"]
+                                                   for extra in ([], ["--start-method", "forkserver"])))
+    facts = []
+    for job in (spawned, forked):
+        assert job.returncode == 3, job.stderr[-3000:]
+        assert "worker 0.1 (rank 1) exited with 3 outside unickpt.run" in _last(job.stderr), job.stderr[-2000:]
+        rows = {int(x[5]): json.loads(x.split(": ", 1)[1]) for x in job.stdout.splitlines() if x.startswith("[rank") and ": {" in x}
+        assert sorted(rows) == [0, 1], job.stdout
+        for rank in (0, 1):
+            assert f"[rank{rank}]: atexit rank {rank}" in job.stdout and f"[rank{rank}]: to stderr rank {rank}" in job.stderr
+        facts.append(rows)
+    for rank in (0, 1):
+        want, got = facts[0][rank], facts[1][rank]
+        assert want.pop("preloaded") is False and got.pop("preloaded") is True
+        assert got == want, (got, want)
+        assert got["name"] == "__main__" and got["own_session"] and got["stdin"] == "" and got["env"]["RANK"] == str(rank)
+        assert got["argv"] == [CASES, "facts"] and got["path0"] == str(HERE)
+
+    out = open(tmp_path / "long.txt", "w")
+    launcher = subprocess.Popen([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2", "--start-method",
+                                 "forkserver", CASES, "long"], env=_env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
+                                cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while (tmp_path / "long.txt").read_text().count("start rank") < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "long.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        parents = dict(map(int, x.split()) for x in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True,
+                                                                     text=True).stdout.splitlines())
+        below = {launcher.pid}
+        while grown := {p for p, pp in parents.items() if pp in below} - below:
+            below |= grown
+        workers = sorted(below - {launcher.pid})
+        assert len(workers) >= 4, workers  # its fork server, the two workers forked from it, its resource tracker
+        # the server shares the launcher's process group: what stops a job, sent to that group
+        # (SLURM's SIGTERM, SIGUSR1, a hang-up), is the launcher's to forward, never the server's end
+        server = next(p for p in workers if parents[p] == launcher.pid and
+                      b"forkserver" in open(f"/proc/{p}/cmdline", "rb").read())
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
+            os.kill(server, sig)
+        time.sleep(0.5)
+        assert all(_running(p) for p in workers) and launcher.poll() is None, [_running(p) for p in workers]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while [p for p in workers if _running(p)]:
+            assert time.monotonic() < deadline, [open(f"/proc/{p}/cmdline").read() for p in workers if _running(p)]
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        out.close()
 
 
 @multiprocess

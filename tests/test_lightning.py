@@ -535,7 +535,8 @@ def test_live_recovery_in_the_same_processes(tmp_path, shm_roots, strategy):
     steps = 30
     want = _live_reference(tmp_path, steps)
     shm_roots.append(str(tmp_path / "shm"))
-    rows, job = live_job(tmp_path, LIVE, 3, steps, ["--strategy", strategy], sleep=0.3, kill_after=4)
+    rows, job = live_job(tmp_path, LIVE, 3, steps, ["--strategy", strategy], sleep=0.3, kill_after=4,
+                         preload=("lightning", "unickpt.integrations.lightning"))
     took = check_live_run(rows, job, 3, steps, want, f"Lightning {strategy}")
     assert took < 10, took  # the target is 2 s; a loaded shared machine may stretch it
     # the logger built once per process: every step given once across the re-formings (Lightning's

@@ -21,6 +21,7 @@ SIGTERM).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -41,6 +42,7 @@ from .. import store_client
 from ..store_client import LIVE_DEBUG_ENV, LIVE_PG_TIMEOUT_ENV, torchrun_env
 from . import control
 from .control import Cause, Exited, Generation, Raised, Ready, Stopped, Suspect, key
+from .forked import WorkerServer
 from .launch_args import LaunchArgs
 from .output import Output
 
@@ -188,7 +190,7 @@ class Worker:
 
     name: str
     local: int
-    proc: subprocess.Popen
+    proc: Any  # a subprocess.Popen, or with --start-method forkserver a forked.ForkedWorker
     rank: int = 0  # RANK at its start (its output's prefix)
     progress: str = ""
     progress_at: float = field(default_factory=time.monotonic)
@@ -237,11 +239,18 @@ class Launcher:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
+        self.server: WorkerServer | None = None  # --start-method forkserver: what forks the workers
 
     def run(self) -> int:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         mailbox = None
+        if self.args.start_method == "forkserver":  # it imports while the nodes join
+            env = dict(os.environ)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            if self.args.nproc_per_node > 1:
+                env.setdefault("OMP_NUM_THREADS", "1")  # read by torch's import (OpenMP's start)
+            self.server = WorkerServer(list(self.args.preload), env)
         try:
             self.store.set(key("node", self.node, "joined"), "1")
             if self.coordinator is not None:
@@ -280,8 +289,10 @@ class Launcher:
                 self.output.say(self.last_line)
 
     def _sleep(self, seconds: float) -> None:
-        """Until a child exits, a signal arrives or ``seconds`` pass."""
-        select.select([self.wake_r], [], [], seconds)
+        """Until a worker exits, a signal arrives or ``seconds`` pass (a forked worker is
+        the fork server's child: its sentinel says it ended, not SIGCHLD)."""
+        forked = [w.proc.sentinel for w in list(self.workers.values())] if self.server is not None else []
+        select.select([self.wake_r, *forked], [], [], seconds)
         try:
             while os.read(self.wake_r, 512):
                 pass
@@ -388,8 +399,11 @@ class Launcher:
         try:
             # its own session (process group): the terminal's Ctrl-C reaches the launcher only,
             # which forwards it once; and the whole group can be signalled (its own children)
-            proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            if self.server is not None:
+                proc: Any = self.server.start([a.script, *a.script_args], a.module, env)
+            else:
+                proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as e:
             raise SystemExit(f"unickpt launch: cannot start {cmd[0]!r}: {e.strerror or e}") from None
         with self.relay_lock:  # the generations relayed before it started are there for its watcher
@@ -474,7 +488,10 @@ class Launcher:
         """``signum`` to the worker's process group (the worker and the processes it started)."""
         try:
             os.killpg(w.proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:  # a forked worker between its fork and its setsid: no group yet
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(w.proc.pid, signum)
+        except PermissionError:
             pass
 
     def _stop_workers(self, signum: int, grace: float, report: bool = True) -> None:

@@ -33,6 +33,8 @@ class LaunchArgs:
     module: bool = False
     role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
     no_python: bool = False
+    start_method: str = "spawn"  # or "forkserver": workers forked from a server that imported torch (.forked)
+    preload: tuple[str, ...] = ()  # with forkserver: modules the server also imports (--preload)
     nnodes: int = 1
     node_rank: int = 0  # -1: the coordinator of `unickpt store`, on no node
     master_addr: str = "127.0.0.1"  # node 0's address: where the job's store is

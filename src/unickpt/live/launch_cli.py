@@ -154,7 +154,14 @@ def launch(
         "--monitor-interval", "--monitor_interval", metavar="SECONDS", show_default=False,
         help="accepted for torchrun's command lines; not needed: exits are seen at once (SIGCHLD)")] = None,
     start_method: Annotated[str, _pet(
-        "--start-method", "--start_method", metavar="METHOD", help="spawn (the only one: every worker is a fresh process)")] = "spawn",
+        "--start-method", "--start_method", metavar="METHOD",
+        help="spawn: every worker a fresh interpreter (torchrun's default); forkserver: every worker (a replacement "
+             "too) forked from a server that imported torch, torch.distributed and FSDP once, while the nodes "
+             "joined (and the --preload modules): it starts in a fraction of a second")] = "spawn",
+    preload: Annotated[str, typer.Option(
+        "--preload", metavar="MODULE,...", show_default=False,
+        help="with --start-method forkserver: also import these modules in the server, e.g. lightning,transformers "
+             "(none may initialise a GPU at import)")] = "",
     tee: Annotated[str, _pet(
         "-t", "--tee", metavar="STREAMS", help="also write these streams to per-rank files under --log-dir: 0 none, 1 stdout, 2 stderr, "
                             "3 both, or LOCAL:VALUE,... per local rank")] = "0",
@@ -197,9 +204,19 @@ def launch(
     processes. Example: unickpt launch --standalone --nproc-per-node 4 train.py --lr 1e-3"""
     from .output import parse_filter, parse_needles, parse_std  # here: every unickpt command imports this module
 
-    if start_method != "spawn":
-        ctx.fail(f"--start-method {start_method} is not supported: every worker starts as a fresh process "
-                 "(spawn, torchrun's default)")
+    if start_method not in ("spawn", "forkserver"):
+        ctx.fail(f"--start-method {start_method} is not supported: the launcher runs threads and hosts the job's "
+                 "store, so it never forks itself; use forkserver (workers forked from a server that imported torch) "
+                 "or spawn (fresh interpreters, torchrun's default)")
+    modules = tuple(m.strip() for m in preload.split(",") if m.strip())
+    if modules and start_method != "forkserver":
+        ctx.fail("--preload needs --start-method forkserver (a spawned worker imports what it needs itself)")
+    if start_method == "forkserver" and no_python:
+        ctx.fail("--start-method forkserver runs a Python script or module: not with --no-python")
+    from .forked import missing_modules
+
+    if missing := missing_modules(list(modules)):
+        ctx.fail(f"--preload: no module named {', '.join(missing)} in this environment")
     if no_python and module:
         ctx.fail("--no-python and -m exclude each other (torchrun's rule)")
     if min_ranks < 1 or max_restarts < 0 or join_timeout <= 0 or shutdown_timeout < 0 or (hang_timeout or 0) < 0:
@@ -224,7 +241,7 @@ def launch(
                       max_restarts=max_restarts, hang_timeout=hang_timeout, min_ranks=min_ranks,
                       shutdown_timeout=shutdown_timeout, log_dir=log_dir, tee_spec=tee_spec,
                       redirects_spec=redirects_spec, local_filter=local_filter, signals=signals,
-                      duplicate=duplicate, **where)
+                      duplicate=duplicate, start_method=start_method, preload=modules, **where)
     if args.min_ranks > args.nnodes * args.nproc_per_node:
         ctx.fail(f"--min-ranks {args.min_ranks} is more than the job's {args.nnodes * args.nproc_per_node} rank(s) "
                  f"(--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node}): it could never train")
