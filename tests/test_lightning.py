@@ -555,8 +555,9 @@ def test_the_live_example_trains_under_unickpt_launch(tmp_path, shm_roots):
     env = dict(os.environ, OMP_NUM_THREADS="1", UNICKPT_SHM_ROOT=str(tmp_path / "shm"),
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(unickpt.__file__)),
                                            os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2", example,
-                          "--steps", "4"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    out = subprocess.run([sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2",
+                          "--start-method", "forkserver", "--preload", "lightning", example, "--steps", "4"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "the job finished: 2 ranks ran" in out.stderr.splitlines()[-1], out.stderr[-2000:]
     assert unickpt.read_manifest(str(tmp_path / "ckpt" / "step_00000004")) is not None

@@ -115,7 +115,7 @@ def test_hang_then_a_failure_during_the_re_forming(tmp_path):
     three failures in one run, the last during a re-forming; 4 -> 3 -> 1 rank
     (generation 2 abandoned or short-lived), losses exact."""
     steps = 16
-    job = Job(tmp_path, 4, steps, env={"UNICKPT_LIVE_PG_TIMEOUT": "10"}, start_method="spawn")
+    job = Job(tmp_path, 4, steps, env={"UNICKPT_LIVE_PG_TIMEOUT": "10"})
     pids = job.wait_step(3)
     stopped = time.time()
     os.kill(pids[1], signal.SIGSTOP)

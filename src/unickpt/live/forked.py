@@ -46,11 +46,13 @@ STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP",
 
 
 def missing_modules(names: list[str]) -> list[str]:
-    """The ones of ``names`` (``--preload``) that no installed module answers."""
+    """The ones of ``names`` (``--preload``) whose top-level package no installed module
+    answers (looked up without importing anything in the launcher: a submodule is the
+    server's to import; one that fails there is imported again, and fails, in the worker)."""
     missing = []
     for name in names:
         try:
-            found = importlib.util.find_spec(name) is not None
+            found = importlib.util.find_spec(name.partition(".")[0]) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
