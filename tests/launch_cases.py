@@ -13,7 +13,8 @@
 * ``facts``: a plain script whose ranks print, as one JSON line, what a worker finds when
   its script starts (``__name__``, argv, ``sys.path[0]``, torchrun's variables, its
   session, stdin, its signal handlers, whether torch was imported before its first line), then an atexit
-  handler's line; rank 1 exits 3 (``--start-method forkserver`` must run it as spawn does).
+  handler's line; rank 1 exits 3 once rank 0 printed everything (``--start-method
+  forkserver`` must run it as spawn does).
 """
 
 from __future__ import annotations
@@ -70,8 +71,14 @@ if MODE == "facts":
                       "own_session": os.getsid(0) == os.getpid(), "stdin": sys.stdin.read(), "preloaded": PRELOADED,
                       "file": __file__}), flush=True)
     atexit.register(lambda: print(f"atexit rank {os.environ['RANK']}", flush=True))
-    print(f"to stderr rank {os.environ['RANK']}", file=sys.stderr)
-    sys.exit(3 if os.environ["RANK"] == "1" else 0)
+    print(f"to stderr rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+    if os.environ["RANK"] == "0":
+        open("facts_printed", "w").close()
+        sys.exit(0)
+    deadline = time.monotonic() + 60  # rank 1 ends the job: only once rank 0 said everything
+    while not os.path.exists("facts_printed") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(3)
 elif MODE in ("deadlock", "flaky"):
     dist.init_process_group("gloo")
     if MODE == "flaky" and dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
