@@ -427,6 +427,22 @@ def test_a_forked_worker_starts_as_a_spawned_one_and_dies_with_its_launcher(tmp_
 
 
 @multiprocess
+def test_a_preloaded_module_that_fails_ends_the_launch_with_its_error(tmp_path):
+    """``--preload`` of a module whose import raises: the fork server dies at its start, and
+    the launch ends 1 saying so (the module's traceback above), no worker left running."""
+    (tmp_path / "broken_at_import.py").write_text('raise RuntimeError("broken at import")\n')
+    env = _env(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    out = subprocess.run([PY, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", "2", "--start-method",
+                          "forkserver", "--preload", "broken_at_import", CASES, "facts"], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "RuntimeError: broken at import" in out.stderr and "[rank" not in out.stdout, out.stdout[-2000:]
+    assert _last(out.stderr) == (f"unickpt launch: cannot start {CASES!r}: the fork server is gone: a --preload "
+                                 "module may have failed to import"), out.stderr[-2000:]
+
+
+@multiprocess
 def test_plain_script_group_restart_and_no_python(tmp_path):
     """--max-restarts restarts a plain script's whole group (torchrun's semantics, a fresh
     rendezvous); --no-python runs the program given (here the interpreter itself)."""

@@ -89,9 +89,8 @@ class WorkerServer:
                                     name=f"unickpt-worker-{env.get('RANK', '')}", daemon=False)
             try:
                 proc.start()
-            except (EOFError, ConnectionError) as e:  # the server ended (a preloaded module failed)
-                raise OSError(f"the fork server is gone ({e.__class__.__name__}): a --preload module may have failed "
-                              "to import") from None
+            except (EOFError, ConnectionError):  # the server ended (a preloaded module failed)
+                raise OSError("the fork server is gone: a --preload module may have failed to import") from None
         except BaseException:
             os.close(out_r)
             os.close(err_r)

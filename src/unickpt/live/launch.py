@@ -276,6 +276,9 @@ class Launcher:
             self.last_line = f"unickpt launch: the job failed: its control plane (node 0) was lost (exit 1){self._kept()}"
             return 1
         finally:
+            if self.server is not None:  # a forked worker still there (the launcher failed) dies with it, as
+                for w in list(self.workers.values()):  # a spawned one does: multiprocessing joins it at exit
+                    w.proc.kill()
             if self.errors_dir is not None:
                 shutil.rmtree(self.errors_dir, ignore_errors=True)
             if mailbox is not None:
@@ -405,7 +408,8 @@ class Launcher:
                 proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as e:
-            raise SystemExit(f"unickpt launch: cannot start {cmd[0]!r}: {e.strerror or e}") from None
+            what = a.script if self.server is not None else cmd[0]
+            raise SystemExit(f"unickpt launch: cannot start {what!r}: {e.strerror or e}") from None
         with self.relay_lock:  # the generations relayed before it started are there for its watcher
             self.workers[proc.pid] = Worker(name, local, proc, rank)
             if self.node_address is not None:
