@@ -61,8 +61,8 @@ def _replacement_waits(log: str) -> None:
         return
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if os.path.exists(log) and any(json.loads(x)["generation"] >= 1 for x in open(log) if x.strip()):
-            return
+        if os.path.exists(log) and any(json.loads(x)["generation"] >= 1 for x in open(log) if x.endswith("\n")):
+            return  # (whole lines only: a rank may be midway through writing the last one)
         time.sleep(0.02)
     raise SystemExit(f"worker {worker}: generation 1 logged no step within 120 s")
 
@@ -92,8 +92,8 @@ def live_job(tmp_path, script: str, nproc: int, steps: int, flags: list[str], sl
                                            os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     out = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "unickpt", "launch", "--standalone", "--nproc-per-node", str(nproc),
-                             "--max-restarts", "1", "--start-method", "forkserver", *preload, script, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ck"),
-                             "--log", str(log), "--sleep", str(sleep), *flags],
+                             "--max-restarts", "1", "--start-method", "forkserver", *preload, script, "--steps", str(steps),
+                             "--ckpt-dir", str(tmp_path / "ck"), "--log", str(log), "--sleep", str(sleep), *flags],
                             env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
 
     def rows() -> list[dict]:
