@@ -577,7 +577,9 @@ def abandon_in_flight() -> int:
     stuck on the dead generation's process group. No collective starts on its group from
     now on (its group's ``stop``): its thread ends in the collective it is in once the
     group's sockets are cut, or at its next one (:func:`join_abandoned` waits for it);
-    its files are never committed. Returns how many were abandoned."""
+    its files are never committed, unless its commit already ran (rank 0 published the
+    manifest before this call: that checkpoint stays, and the step saved again finds it
+    there). Returns how many were abandoned."""
     stuck = [name for name, saver in _SAVERS.items() if saver.current is not None and not saver.current.future.done()]
     for name in stuck:
         saver = _SAVERS[name]
