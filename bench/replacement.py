@@ -29,14 +29,14 @@ def _whole_again(log: str, after: float, nproc: int, killed: int, proc) -> float
     """When the first step after ``after`` was logged by ``nproc`` ranks, none of them
     pid ``killed`` (None: the job ended first)."""
     while proc.poll() is None:
+        rows = [r for r in _rows(log) if r["t"] > after and r["size"] == nproc and r["pid"] != killed]
         by_step: dict[tuple[int, int], set[int]] = {}
-        for r in _rows(log):
-            if r["t"] > after and r["size"] == nproc and r["pid"] != killed:
-                by_step.setdefault((r["generation"], r["step"]), set()).add(r["rank"])
+        for r in rows:
+            by_step.setdefault((r["generation"], r["step"]), set()).add(r["rank"])
         done = [k for k, ranks in by_step.items() if len(ranks) == nproc]
         if done:
             first = min(done)
-            return max(r["t"] for r in _rows(log) if (r["generation"], r["step"]) == first)
+            return max(r["t"] for r in rows if (r["generation"], r["step"]) == first)
         time.sleep(0.01)
     return None
 

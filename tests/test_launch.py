@@ -20,6 +20,7 @@ import pytest
 from unickpt.live.launch_cli import parse
 from unickpt.live.output import parse_std
 from unickpt.live.run import NETWORK_ERROR_WAIT_S
+from unickpt.testing import descendants
 
 HERE = Path(__file__).parent
 PY = sys.executable
@@ -399,16 +400,11 @@ def test_a_forked_worker_starts_as_a_spawned_one_and_dies_with_its_launcher(tmp_
         while (tmp_path / "long.txt").read_text().count("start rank") < 2:
             assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "long.txt").read_text()[-3000:]
             time.sleep(0.05)
-        parents = dict(map(int, x.split()) for x in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True,
-                                                                     text=True).stdout.splitlines())
-        below = {launcher.pid}
-        while grown := {p for p, pp in parents.items() if pp in below} - below:
-            below |= grown
-        workers = sorted(below - {launcher.pid})
+        workers = descendants(launcher.pid)
         assert len(workers) >= 4, workers  # its fork server, the two workers forked from it, its resource tracker
         # the server shares the launcher's process group: what stops a job, sent to that group
         # (SLURM's SIGTERM, SIGUSR1, a hang-up), is the launcher's to forward, never the server's end
-        server = next(p for p in workers if parents[p] == launcher.pid and
+        server = next(p for p in workers if os.getpgid(p) == os.getpgid(launcher.pid) and  # workers: own sessions
                       b"forkserver" in open(f"/proc/{p}/cmdline", "rb").read())
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
             os.kill(server, sig)
@@ -542,8 +538,7 @@ def test_ctrl_c_ends_a_deadlocked_job(tmp_path):
     assert "did not stop within 3 s of SIGINT: SIGKILL" in text
     assert "the job was stopped: SIGINT on node 0" in _last(text) and "failed" not in _last(text)
     assert "the job was stopped: SIGUSR1 on node 0" in _last(usr1) and "did not stop" not in usr1, usr1[-3000:]
-    assert not any(os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"
-                   for w in workers[0] + workers[1])
+    assert not any(_running(w) for w in workers[0] + workers[1])
 
 
 @multiprocess

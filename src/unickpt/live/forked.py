@@ -130,11 +130,17 @@ class ForkedWorker:
             os.kill(self.pid, signal.SIGKILL)
 
 
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent ends (``PR_SET_PDEATHSIG``): a spawned worker
+    (before its exec), the fork server, a forked worker (a lost node loses its workers)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def _die_with_server() -> None:
     """In the forked worker: die with the server (which dies with the launcher)."""
     parent = os.getppid()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    die_with_parent()
     if os.getppid() != parent:  # the server ended before the call
         os._exit(1)
 

@@ -6,13 +6,10 @@ job: it shares the launcher's process group, so a Ctrl-C, or SLURM's SIGTERM or 
 sent to that group reaches it too, and the launcher forwards them to its workers itself
 (each forked worker restores Python's own handling of them, :data:`forked.STOP_SIGNALS`)."""
 
-import contextlib
-import ctypes
 import signal
 
-from .forked import STOP_SIGNALS
+from .forked import STOP_SIGNALS, die_with_parent
 
-with contextlib.suppress(OSError):
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+die_with_parent()
 for _sig in STOP_SIGNALS:
     signal.signal(_sig, signal.SIG_IGN)

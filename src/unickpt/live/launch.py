@@ -22,7 +22,6 @@ SIGTERM).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import select
@@ -42,7 +41,7 @@ from .. import store_client
 from ..store_client import LIVE_DEBUG_ENV, LIVE_PG_TIMEOUT_ENV, torchrun_env
 from . import control
 from .control import Cause, Exited, Generation, Raised, Ready, Stopped, Suspect, key
-from .forked import WorkerServer
+from .forked import WorkerServer, die_with_parent
 from .launch_args import LaunchArgs
 from .output import Output
 
@@ -245,12 +244,8 @@ class Launcher:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         mailbox = None
-        if self.args.start_method == "forkserver":  # it imports while the nodes join
-            env = dict(os.environ)
-            env.setdefault("PYTHONUNBUFFERED", "1")
-            if self.args.nproc_per_node > 1:
-                env.setdefault("OMP_NUM_THREADS", "1")  # read by torch's import (OpenMP's start)
-            self.server = WorkerServer(list(self.args.preload), env)
+        if self.args.start_method == "forkserver":  # it imports while the nodes join, in the workers' environment
+            self.server = WorkerServer(list(self.args.preload), self._interpreter_env(dict(os.environ)))
         try:
             self.store.set(key("node", self.node, "joined"), "1")
             if self.coordinator is not None:
@@ -389,9 +384,7 @@ class Launcher:
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicators, never the process
         # a survivor blocked in a collective whose peers cannot free the old group gives up then
         env.setdefault(LIVE_PG_TIMEOUT_ENV, str(max(10.0, 2 * a.hang_timeout) if a.hang_timeout else DEFAULT_PG_TIMEOUT_S))
-        env.setdefault("PYTHONUNBUFFERED", "1")  # lines come through the pipe as they are printed
-        if a.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
+        self._interpreter_env(env)
         self.node_store.set(key("beat", name), "")
         self.node_store.delete_key(key("alive", name))  # 0 until this process's unickpt.run beats
         if a.no_python:
@@ -405,7 +398,7 @@ class Launcher:
             if self.server is not None:
                 proc: Any = self.server.start([a.script, *a.script_args], a.module, env)
             else:
-                proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True,
+                proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, start_new_session=True,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as e:
             what = a.script if self.server is not None else cmd[0]
@@ -416,6 +409,14 @@ class Launcher:
                 for n in range(self.relayed + 1):
                     self.node_store.set(control.watch_key(name, n), "1")
         self.output.attach(proc, rank, local, self.attempt)
+
+    def _interpreter_env(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with what a worker's interpreter reads at its start (a fork server's too,
+        whose torch import starts OpenMP), where the user did not set it; returned."""
+        env.setdefault("PYTHONUNBUFFERED", "1")  # lines come through the pipe as they are printed
+        if self.args.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return env
 
     def _reap(self) -> None:
         for pid, w in list(self.workers.items()):
@@ -931,11 +932,3 @@ class Coordinator:
         deadline = time.monotonic() + timeout
         while not self.all_done("ended") and time.monotonic() < deadline:
             time.sleep(0.05)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: die with the launcher (a lost node loses its workers)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
