@@ -6,6 +6,14 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+# Compiled modules are written and read: where PYTHONDONTWRITEBYTECODE is set (these machines
+# set it), no __pycache__ of unickpt or of the tests was ever written, so each of the suite's
+# hundreds of fresh interpreters (a launcher, a keeper, a CLI call, a spawned trainer) compiled
+# every unickpt module it imported from source, and each pytest worker rewrote and compiled
+# every test module at collection (5 s of each worker's collection here). Set here, before the
+# workers start: they and every process the tests start inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def _worker_ports() -> None:
@@ -65,9 +73,9 @@ def shm_roots():
 # not listed runs after these, in its usual order; a wrong place costs balance, never
 # correctness.
 LONGEST_FIRST: list[str] = [
-    "test_live.py", "test_snapshot.py", "test_snapshot_fuzz.py", "test_launch.py", "test_lightning.py",
-    "test_resume.py", "test_cli.py", "test_manager_loop.py", "test_demo_fault.py", "test_torchtitan.py",
-    "test_deepspeed.py", "test_hf_trainer.py", "test_restarts.py", "test_objstore.py", "test_clean_exit.py",
+    "test_live.py", "test_snapshot.py", "test_launch.py", "test_resume.py", "test_cli.py",
+    "test_manager_loop.py", "test_demo_fault.py", "test_lightning.py", "test_torchtitan.py", "test_hf_trainer.py",
+    "test_snapshot_fuzz.py", "test_deepspeed.py", "test_objstore.py", "test_restarts.py", "test_clean_exit.py",
     "test_dist_torch_parallel.py", "test_bench_gpu.py", "test_dcp_plugin.py", "test_deltas.py", "test_megatron.py",
     "test_dist_reshard.py", "test_dcp.py", "test_deepspeed_layouts.py", "test_rules_megatron.py",
     "test_optimizer_restart.py", "test_async_save.py", "test_rules_convert.py", "test_megatron_moe.py",

@@ -7,6 +7,7 @@ sockets) is covered by tests/test_snapshot.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import crc32c
@@ -122,23 +123,35 @@ def test_diagnose_names_the_corrupt_input(tmp_path, n, parity, lost):
     assert degraded.diagnose(rebuild, source) == f"data stripe {s} of node {i} (step 0) fails its crc32c"
 
 
-@pytest.mark.multiprocess
-def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
-    """What a recovery fetched from other nodes (``Outcome.fetched``) is counted by
-    ``Peers`` as a real keeper sends it: every payload byte received, once."""
+@contextlib.contextmanager
+def _keeper_serving(tmp_path, job: str, name: str, data: bytes):
+    """A real keeper of ``job`` holding ``step_00000001/<name>`` = ``data``: its address
+    document and the job's secret; stopped (and killed if need be) after."""
     from unickpt.snapshot.keeper_admin import ensure_keeper, stop_keeper
 
     from snapshot_helpers import kill_keeper
 
     root = str(tmp_path / "shm")
-    doc = ensure_keeper(root, "count")
+    doc = ensure_keeper(root, job)
     secret = b"s" * paths.SECRET_BYTES
-    paths.write_secret(root, "count", secret)
+    paths.write_secret(root, job, secret)
     try:
-        sdir = os.path.join(paths.job_dir(root, "count"), "step_00000001")
+        sdir = os.path.join(paths.job_dir(root, job), "step_00000001")
         os.makedirs(sdir)
-        data = np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8)
-        data.tofile(os.path.join(sdir, "x.bin"))
+        with open(os.path.join(sdir, name), "wb") as f:
+            f.write(data)
+        yield doc, secret
+    finally:
+        stop_keeper(root)
+        kill_keeper(root)
+
+
+@pytest.mark.multiprocess
+def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
+    """What a recovery fetched from other nodes (``Outcome.fetched``) is counted by
+    ``Peers`` as a real keeper sends it: every payload byte received, once."""
+    data = np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8)
+    with _keeper_serving(tmp_path, "count", "x.bin", data.tobytes()) as (doc, secret):
         peers = degraded.Peers([{"host": doc["host"], "port": doc["port"]}], secret)
         try:
             a, b = np.zeros(1000, np.uint8), np.zeros(3000, np.uint8)
@@ -162,9 +175,33 @@ def test_peers_count_the_bytes_a_keeper_sent(tmp_path):
             assert np.array_equal(d, data[1:8])
         finally:
             peers.close()
-    finally:
-        stop_keeper(root)
-        kill_keeper(root)
+
+
+@pytest.mark.multiprocess
+def test_a_keepers_small_replies_go_out_at_once(tmp_path):
+    """A reply is a header, then its payload, written one after the other: on a socket
+    with Nagle's algorithm the payload waited for the client's delayed ACK of the header
+    (40 ms on Linux), so every small read from a keeper (an index part, a parity record,
+    a peer keeper's call) took 44 ms where a round trip takes well under one. The median
+    of 30 reads must stay far below the delayed ACK."""
+    import statistics
+    import time
+
+    from unickpt.snapshot import wire
+
+    data = os.urandom(4096)
+    with _keeper_serving(tmp_path, "prompt", "part.jsonl", data) as (doc, secret):
+        conn = wire.Connection(doc["host"], int(doc["port"]), secret)
+        try:
+            out, took = bytearray(700), []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                conn.read("step_00000001/part.jsonl", 100, memoryview(out))
+                took.append(time.perf_counter() - t0)
+            assert bytes(out) == data[100:800]
+        finally:
+            conn.close()
+    assert statistics.median(took) < 0.02, [round(t * 1000, 1) for t in took]
 
 
 @pytest.mark.multiprocess
