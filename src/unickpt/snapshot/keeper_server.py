@@ -40,6 +40,9 @@ import time
 from collections import Counter
 from typing import Any
 
+import crc32c as _crc
+import numpy as np
+
 from ..errors import SnapshotError
 from ..storage.local import is_inside
 from . import flush, paths, wire
@@ -187,9 +190,6 @@ class Keeper:
         _write_atomic(paths.address_file(self.root), paths.seal(doc))
         _write_atomic(paths.pid_file(self.root), f"{os.getpid()}\n".encode())
         _log(f"serving job {self.job!r} on {self.host}:{self.port}")
-        # the parity's codecs, once the address is out: the trainer waits for that, not for them
-        # (80 ms of a start's 130 here), and they are in before its first snapshot's stripes come
-        threading.Thread(target=_load_codecs, name="keeper-import-codecs", daemon=True).start()
 
     def run(self) -> None:
         """Watch for committed steps until stopped, or until the shm root no longer names
@@ -290,8 +290,6 @@ class Keeper:
             self.mark_whole(step)
             return
         k = int(snap.get("k", n - m))
-        from crc32c import crc32c  # loaded in the background at start (_load_codecs)
-
         with self.lock:
             self.peers[step] = nodes
             if "control" in snap:
@@ -305,7 +303,7 @@ class Keeper:
             buf = memoryview(bytearray(hi - lo))
             read_blob(sdir, files, lo, buf)
             header = {"op": "stripe", "step": step, "from": me, "nodes": n, "group": g, "k": k, "m": m, "stripe": s,
-                      "len": hi - lo, "crc": crc32c(buf), "files": files, "blob": blob, "peers": nodes}
+                      "len": hi - lo, "crc": _crc.crc32c(buf), "files": files, "blob": blob, "peers": nodes}
             for r, j in enumerate(holders(g, m, n)):
                 try:
                     self.call(nodes[j], dict(header, r=r, to=j), buf)
@@ -511,9 +509,6 @@ class Keeper:
         k, m = int(h["k"]), int(h["m"])
         if step <= self.whole_step or self.stopping.is_set():
             return
-        import numpy as np  # loaded in the background at start (_load_codecs): the keeper publishes its address sooner
-        from crc32c import crc32c
-
         with self.lock:
             part = self.partial.setdefault((step, g, r), {"acc": np.zeros(0, np.uint8), "blocks": {}, "members": {}})
             if m == 1 and k > 1:
@@ -533,7 +528,7 @@ class Keeper:
         data = part["acc"] if part["blocks"] == {} else encode(part["blocks"], k, m, r)
         part["blocks"].clear()
         meta = {"step": step, "group": g, "r": r, "k": k, "m": m, "holder": int(h["to"]), "nodes": n,
-                "nbytes": int(data.nbytes), "crc": crc32c(data), "encode_s": time.perf_counter() - t0,
+                "nbytes": int(data.nbytes), "crc": _crc.crc32c(data), "encode_s": time.perf_counter() - t0,
                 "members": {str(i): x for i, x in part["members"].items()}, "peers": h["peers"]}
         sdir = paths.step_dir(self.root, self.job, step)
         with self.tree_lock:
@@ -803,14 +798,6 @@ class Keeper:
             if self.pinned == step:
                 self.pinned = None
         self.retain()
-
-
-def _load_codecs() -> None:
-    try:
-        import crc32c  # noqa: F401
-        import numpy  # noqa: F401
-    except Exception as e:  # the first stripe that needs them says it again
-        _log(f"cannot load the parity's codecs: {type(e).__name__}: {e}")
 
 
 def _load_store_client() -> None:

@@ -29,13 +29,12 @@ Stripes of different lengths are zero-padded to the group's longest inside the c
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from ..errors import SnapshotError
 from .paths import unseal
-
-if TYPE_CHECKING:  # numpy is imported where a block is computed: a keeper starts without it
-    import numpy as np
 
 
 def check_parity(parity: int, nodes: int) -> int:
@@ -106,8 +105,6 @@ def stripe_range(blob_bytes: int, s: int, k: int) -> tuple[int, int]:
 
 
 def _padded(block, size: int) -> np.ndarray | memoryview:
-    import numpy as np
-
     data = np.frombuffer(block, dtype=np.uint8)
     if data.size == size:
         return data
@@ -118,8 +115,6 @@ def _padded(block, size: int) -> np.ndarray | memoryview:
 
 def encode(blocks: dict[int, memoryview | bytes | np.ndarray], k: int, m: int, r: int) -> np.ndarray:
     """Parity block ``r`` of a group from its ``k`` data stripes (block index -> bytes)."""
-    import numpy as np
-
     if sorted(blocks) != list(range(k)):
         raise SnapshotError(f"a parity needs stripes 0..{k - 1}, got {sorted(blocks)}")
     size = max(memoryview(b).nbytes for b in blocks.values())
@@ -142,8 +137,6 @@ def decode(blocks: dict[int, np.ndarray], k: int, m: int, want: list[int]) -> di
     (block index -> bytes: data stripes 0..k-1, parity blocks k..k+m-1; data stripes may
     be shorter than the parity, the zero padding is implied). With XOR the parity block
     is overwritten with the result."""
-    import numpy as np
-
     if len(blocks) < k:
         raise SnapshotError(f"a group needs {k} of its blocks to be rebuilt, {len(blocks)} are left")
     if all(w in blocks for w in want):
@@ -202,8 +195,6 @@ def read_blob(sdir: str, files: list[tuple[str, int]], offset: int, out: memoryv
 
 def xor_into(acc: np.ndarray, data: memoryview | bytes | np.ndarray) -> None:
     """``acc[:len(data)] ^= data`` (the rest of ``acc`` is the zero padding)."""
-    import numpy as np
-
     src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
     if src.size > acc.size:
         raise SnapshotError(f"stripe of {src.size} bytes is longer than its parity ({acc.size})")

@@ -25,6 +25,8 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import numpy as np
+
 from ..errors import CorruptionError, NotACheckpointError, StorageError
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -266,8 +268,6 @@ class MappedReader:
             self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if self.size else None
         finally:
             os.close(fd)
-        import numpy as np  # here: a snapshot keeper imports this module and starts without numpy
-
         self._bytes = np.frombuffer(self._map, np.uint8) if self._map is not None else None  # read-only: its address
         self._base = self._bytes.ctypes.data if self._bytes is not None else 0
 
