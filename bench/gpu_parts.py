@@ -556,14 +556,18 @@ def _reform_with_run(ctx: Ctx) -> None:
         import torch
 
         torch.cuda.set_device(ctx.dev)
-    control.publish(host, control.Generation(0, [worker]))
+    # published and read on one connection: a TCPStore's set is not answered, so a read on
+    # another connection could pass it (the newest generation not there yet: the read of
+    # generation -1 waited for ever, 1 run in ~10 under load); the launcher's workers read
+    # a generation only after its mail, which follows the publish on the same connection
+    control.publish(store, control.Generation(0, [worker]))
     gen = membership.newer(store, worker)
     membership.arrive(store, gen)
     regroup.form(store, gen.number, 0, 1, backend)
     model, opt = _tiny_model(ctx)
     _step(ctx, model, opt)
     for number in (1, 2):
-        control.publish(host, control.Generation(number, [worker], cause="grow", joined=[]))
+        control.publish(store, control.Generation(number, [worker], cause="grow", joined=[]))
         t0 = time.perf_counter()
         regroup.teardown(crashed=True)
         t1 = time.perf_counter()

@@ -193,7 +193,9 @@ REFORM_JOB = textwrap.dedent("""
     host = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     store, worker, after = connect(f"127.0.0.1:{host.port}"), "0.0", []
     for number in range(5):  # a generation: its group, a model, a step; then torn down as after a failure
-        control.publish(host, control.Generation(number, [worker], cause="start" if number == 0 else "lost"))
+        # published on the connection that reads it (a TCPStore's set is not answered: a read
+        # on another connection could pass it)
+        control.publish(store, control.Generation(number, [worker], cause="start" if number == 0 else "lost"))
         gen = membership.newer(store, worker)
         membership.arrive(store, gen)
         regroup.form(store, gen.number, 0, 1, "cpu:gloo,cuda:nccl")
