@@ -183,7 +183,7 @@ def test_a_keepers_small_replies_go_out_at_once(tmp_path):
     with Nagle's algorithm the payload waited for the client's delayed ACK of the header
     (40 ms on Linux), so every small read from a keeper (an index part, a parity record,
     a peer keeper's call) took 44 ms where a round trip takes well under one. The median
-    of 30 reads must stay far below the delayed ACK."""
+    of 30 reads must stay below the delayed ACK."""
     import statistics
     import time
 
@@ -201,7 +201,7 @@ def test_a_keepers_small_replies_go_out_at_once(tmp_path):
             assert bytes(out) == data[100:800]
         finally:
             conn.close()
-    assert statistics.median(took) < 0.02, [round(t * 1000, 1) for t in took]
+    assert statistics.median(took) < 0.03, [round(t * 1000, 1) for t in took]  # the delayed ACK: >= 40 ms
 
 
 @pytest.mark.multiprocess

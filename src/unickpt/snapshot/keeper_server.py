@@ -435,7 +435,7 @@ class Keeper:
         try:
             # a reply is a header, then its payload, written one after the other: with Nagle's
             # algorithm the payload waited for the client's delayed ACK of the header, 40 ms a
-            # request (a small read took 44 ms, not 0.1 ms)
+            # request (a small read took 44 ms, not 0.4 ms)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             refused = wire.challenge(sock, self.secret())
             if refused is not None:
