@@ -1,6 +1,7 @@
 """The members' side of a generation (unickpt.live.membership) on an in-memory store,
 ranks as threads: they gather before the group forms, and a newer generation published
-while they gather sends them on to it; a worker left out, or a job that ended, stops."""
+while they gather sends them on to it; a worker left out, or a job that ended, stops. And a
+worker's first beat to its launcher (on a real TCPStore on localhost)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,21 @@ def test_replacements_taken_in_at_the_last_step_end_with_the_job():
     with pytest.raises(SystemExit) as ended:
         membership.newer(store, "0.r1.2")
     assert ended.value.code == 0
+
+
+def test_a_worker_has_beaten_once_start_beats_returns():
+    """The launcher's hang check takes a worker for hung only once it has beaten (``alive``
+    above 0: before, it may still be importing). The first beat went out ALIVE_S after
+    start_beats, so a worker that stopped in that half second (its restore done, before its
+    first step: tests/test_live.py) was never killed and its peers waited out their
+    collective timeout. Now it has beaten before start_beats returns."""
+    from unickpt.live.watcher import Watcher
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    address = f"127.0.0.1:{store.port}"
+    watcher = Watcher("0.1", address, address, store, lambda gen: None)
+    try:
+        watcher.start_beats()
+        assert int(store.add(control.key("alive", "0.1"), 0)) >= 1
+    finally:
+        watcher.stop()

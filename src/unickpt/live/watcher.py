@@ -13,6 +13,7 @@ server goes away at exit.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -45,8 +46,14 @@ class Watcher:
         return self._watching
 
     def start_beats(self) -> None:
-        """Start the beats (once; before the watcher, which needs a generation to watch)."""
+        """Start the beats (once; before the watcher, which needs a generation to watch).
+        The first is sent before this returns, on the caller's connection: the launcher
+        takes a worker for hung only once it has beaten, and one stopped within its first
+        ALIVE_S (before the beat thread's first beat) was never killed, its peers waiting
+        out their collective timeout."""
         if not self._threads:
+            with contextlib.suppress(RuntimeError):  # the store is gone: the beat thread ends as well
+                self.waker.add(key("alive", self.worker), 1)
             self._spawn(self._beat, "unickpt-live-beat")
 
     def start(self) -> None:
