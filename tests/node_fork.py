@@ -32,7 +32,7 @@ from forked_child import exit_after
 # torchrun's agent, its rendezvous and its workers' code paths: imported before any fork
 # (not a module a worker runs as __main__: runpy would run it a second time)
 BASE = [
-    "torch", "torch.distributed.run", "torch.distributed.elastic.agent.server.local_elastic_agent",
+    "torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.elastic.agent.server.local_elastic_agent",
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
     "torch.distributed.elastic.multiprocessing", "torch.nn.functional", "torch.distributed.fsdp", "torch.distributed.tensor",
     "torch.distributed.checkpoint", "unickpt", "unickpt.examples.model", "unickpt.examples.data",

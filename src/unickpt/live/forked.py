@@ -35,9 +35,11 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import IO
 
-# what a worker of unickpt.run with FSDP2 imports before its first line runs (~3 s of CPU)
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "unickpt.live.run",
-           "unickpt.api.manager")
+# what a worker of unickpt.run with FSDP2 imports before its first line runs (~3 s of CPU);
+# torch._dynamo too: torch's optimizers import it at their first add_param_group (0.6 s of
+# CPU in every worker and every replacement that builds one)
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "unickpt.live.run", "unickpt.api.manager")
 SERVER_BOOT = "unickpt.live.forked_boot"  # preloaded first: the server dies with its launcher
 # the signals that stop a job (a group's Ctrl-C, SLURM's SIGTERM or SIGUSR1): ignored by the
 # server, which shares the launcher's process group; a worker gets Python's own handling back
