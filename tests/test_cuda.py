@@ -6,9 +6,12 @@ runs them where a GPU is lent, ``-m cuda``)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,11 +101,61 @@ def _snapshot_loop(rank: int, world: int, root: str, out: str) -> None:
     open(out, "w").write("ok")
 
 
-def test_snapshot_of_cuda_state_restores_from_memory_bitwise(tmp_path, monkeypatch):
-    monkeypatch.setenv("UNICKPT_SHM_ROOT", str(tmp_path / "shm"))
+def _fs_type(path: str) -> str:
+    """The type of the file system ``path`` is on (its longest mount point in /proc/mounts)."""
+    path, best, kind = os.path.realpath(path), "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, point, fs = line.split()[:3]
+            inside = path == point or path.startswith(point.rstrip("/") + "/")
+            if inside and len(point) > len(best):
+                best, kind = point, fs
+    return kind
+
+
+@pytest.fixture
+def shm_root(monkeypatch):
+    """$UNICKPT_SHM_ROOT in a folder of its own on /dev/shm, the default (a tmpfs: CUDA
+    page-locks its files; a test's tmp_path may be on a disk, whose pages it cannot)."""
+    root = tempfile.mkdtemp(prefix="unickpt-test-", dir="/dev/shm")
+    monkeypatch.setenv("UNICKPT_SHM_ROOT", root)
+    yield Path(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_snapshot_of_cuda_state_restores_from_memory_bitwise(tmp_path, shm_root):
     run_ranks(_snapshot_loop, 1, str(tmp_path / "ckpt"), str(tmp_path / "ok"))
     assert (tmp_path / "ok").read_text() == "ok"
-    assert not any((tmp_path / "shm").glob("*/step_*")) if (tmp_path / "shm").exists() else True
+    assert not any(shm_root.glob("*/step_*"))
+
+
+def test_a_ring_cuda_cannot_page_lock_is_used_pageable_and_said_once(tmp_path, caplog):
+    """A shm root on a disk's file system (not a tmpfs): Linux lends CUDA no long-term pin
+    of its pages, so ``cudaHostRegister`` fails. The slot is used pageable, the reason kept
+    and said once, and CUDA's next launch check does not take the failure for its own."""
+    from unickpt.engine.ring import MappedRing, _map
+
+    if _fs_type(str(tmp_path)) in ("tmpfs", "ramfs", "hugetlbfs"):
+        pytest.skip(f"{tmp_path} is on a {_fs_type(str(tmp_path))}: no disk folder to try")
+    ring = MappedRing(str(tmp_path / "ring"), 0, 2)
+    with caplog.at_level("WARNING", logger="unickpt"):
+        ring.prepare(1 << 20, pin=True)  # both slots, in the background
+        first = ring.acquire(1 << 20, pin=True)
+        ring._settle()  # (waits for the preparing thread)
+        slots = list(ring.slots.values())
+    assert len(slots) == 2 and first in slots
+    print("fs", _fs_type(str(tmp_path)), [(s.pinned, s.pin_error) for s in slots])
+    assert all(not s.pinned and s.pin_error for s in slots), [(s.pinned, s.pin_error) for s in slots]
+    said = [r.getMessage() for r in caplog.records if "cannot page-lock" in r.getMessage()]
+    assert len(said) == 1 and "UNICKPT_SHM_ROOT" in said[0], said
+    failed = _map(str(tmp_path / "ring" / "here"), 1 << 20, pin=True)  # in this thread: its error cleared
+    assert not failed.pinned and failed.pin_error
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.uint8)  # (before, the stale error was raised here)
+    slots[0].buf.copy_(x)
+    torch.cuda.synchronize()
+    assert torch.equal(slots[0].buf, x.cpu())
+    failed.close()
+    ring.close()
 
 
 def _dcp_plugin(rank: int, world: int, path: str) -> None:

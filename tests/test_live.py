@@ -69,9 +69,8 @@ class Job:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:  # every worker's stacks into the output, then the failure
-            children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-            for pid in children.split():
-                os.kill(int(pid), signal.SIGUSR1)
+            for pid in _descendants(self.proc.pid):  # (forked workers are the fork server's children)
+                os.kill(pid, signal.SIGUSR1)
             time.sleep(2)
             raise AssertionError(f"the job did not end:\n{self.output()}") from None
         finally:
@@ -84,6 +83,19 @@ class Job:
             self.out.flush()
         text = (self.tmp / "out.txt").read_text()
         return "\n".join(x for x in text.splitlines() if "socket.cpp" not in x)[-6000:]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``."""
+    rows = [line.split() for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True,
+                                                     text=True).stdout.splitlines()]
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [int(p) for p, pp in rows if int(pp) == parent]
+        found += kids
+        todo += kids
+    return found
 
 
 def _check_curve(job: Job, steps: int | None = None) -> None:

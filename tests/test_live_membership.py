@@ -1,11 +1,17 @@
 """The members' side of a generation (unickpt.live.membership) on an in-memory store,
 ranks as threads: they gather before the group forms, and a newer generation published
 while they gather sends them on to it; a worker left out, or a job that ended, stops. And a
-worker's first beat to its launcher (on a real TCPStore on localhost)."""
+worker's first beat to its launcher (on a real TCPStore on localhost), and a member lost
+while the group forms (a real ``unickpt.run`` in a process of its own, tests/live_form_case.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -151,3 +157,19 @@ def test_a_worker_has_beaten_once_start_beats_returns():
         assert int(store.add(control.key("alive", "0.1"), 0)) >= 1
     finally:
         watcher.stop()
+
+
+def test_a_member_lost_while_the_group_forms_costs_no_timeout(tmp_path):
+    """Generation 0's other member arrived, then died before its group's rendezvous: gloo's
+    rendezvous waits for its address. One second later the coordinator publishes generation
+    1 without it; the watcher cuts the rendezvous and ``fn`` runs in generation 1 at once.
+    Before, the survivor waited out the generation's timeout (60 s here; CI saw a job hang in
+    tests/test_live.py) and then died of it."""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": str(here.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(here / "live_form_case.py"), "--publish-after", "1.0"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    world = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (world["generation"], world["size"], world["rank"]) == (1, 1, 0), world
+    assert world["after_s"] < 1.0 + 4, world  # published after 1 s; the rendezvous' timeout is 60 s

@@ -201,3 +201,23 @@ def test_the_async_handle_is_future_like(tmp_path):
         bad.result(0)
     assert seen == [ok, bad]
     assert not (tmp_path / "bad" / "manifest.json").exists()
+
+
+def test_load_threads_default_to_this_rank_s_share_of_the_cpus(tmp_path, monkeypatch):
+    """``threads=None`` (the default): the CPUs this process may use, divided among the
+    node's ranks, within 4..16 (a warm load into an H200 doubled with 16 threads on its
+    16 cores); anything else than a whole number >= 1 is named."""
+    import os
+
+    from unickpt.engine.load import MAX_THREADS, MIN_THREADS, LoadOptions, default_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_threads() == max(MIN_THREADS, min(MAX_THREADS, cpus)) == LoadOptions().threads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus * 2))
+    assert default_threads() == MIN_THREADS
+    assert LoadOptions(threads=3).threads == 3
+    unickpt.save({"w": torch.arange(10)}, str(tmp_path / "c"))
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(unickpt.UnickptError, match="threads must be a whole number"):
+            unickpt.load({"w": torch.zeros(10, dtype=torch.int64)}, str(tmp_path / "c"), threads=bad)

@@ -305,13 +305,13 @@ def _duplicate(fd: int) -> Iterator[socket.socket | None]:
         dup.close()
 
 
-def _to_peer(sock: socket.socket) -> bool:
+def _to_peer(sock: socket.socket, kept_too: bool = False) -> bool:
     """Whether ``sock`` is a group's connection to a peer: not a listening socket (gloo's
     listener thread aborts the process when its accept fails), not a connection to a store
     or a keeper another thread opened while the group was made (see
-    :mod:`unickpt.kept_connections`)."""
+    :mod:`unickpt.kept_connections`; ``kept_too``: such a connection counts)."""
     try:
-        return not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and not is_kept(sock)
+        return not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and (kept_too or not is_kept(sock))
     except OSError:
         return False
 
@@ -352,17 +352,32 @@ def links_lost(connections: dict[int, str]) -> bool:
     return False
 
 
-def shut_down(sockets: dict[int, str]) -> int:
+def connected_to(sockets: dict[int, str], port: int) -> dict[int, str]:
+    """The connections among ``sockets`` whose far end listens on ``port`` (this process's
+    connection to a store, found among the sockets that appeared while it was made)."""
+    out = {}
+    for fd, inode in sockets.items():
+        with _duplicate(fd) as dup:
+            try:
+                if dup is not None and int(dup.getpeername()[1]) == port:
+                    out[fd] = inode
+            except (OSError, IndexError, TypeError, ValueError):
+                continue  # not connected, or not an IP socket
+    return out
+
+
+def shut_down(sockets: dict[int, str], kept_too: bool = False) -> int:
     """``shutdown(SHUT_RDWR)`` every connection to a peer (:func:`_to_peer`) among
     ``sockets`` still open under the same inode (an fd reused since is left alone);
-    returns how many were shut down."""
+    ``kept_too``: a connection to a store or a keeper as well (a listening socket never).
+    Returns how many were shut down."""
     now = open_sockets()
     done = 0
     for fd, inode in sockets.items():
         if now.get(fd) != inode:
             continue
         with _duplicate(fd) as dup:
-            if dup is None or not _to_peer(dup):
+            if dup is None or not _to_peer(dup, kept_too):
                 continue
             try:
                 dup.shutdown(socket.SHUT_RDWR)

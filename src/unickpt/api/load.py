@@ -53,7 +53,7 @@ def load(
     *,
     strict: bool = True,
     process_group: Any = None,
-    threads: int = 4,
+    threads: int | None = None,
     verify: bool = True,
     stats: dict[str, Any] | None = None,
     broadcast_replicated: bool | None = None,
@@ -113,7 +113,7 @@ def load(
         strict: Every target key must be in the checkpoint (the checkpoint's entries the
             target does not ask for are never read, and never an error).
         process_group: The group loading together (default: the default group, if any).
-        threads: Parallel reads.
+        threads: Parallel reads (None: this rank's share of the CPUs, 4 to 16).
         verify: Check every byte read against its checksum.
         stats: Receives ``bytes_read``, ``files_read`` (and ``per_rank_kept``): this
             rank's :class:`~unickpt.engine.load.LoadRecord` as a dict.

@@ -22,6 +22,7 @@ in the keeper's shared memory in one DMA, with no pinned staging buffer beside i
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SnapshotError
+from ..logs import log
 
 RING_DIR = "ring"
 _SLOT = re.compile(r"^rank_(\d{5,})\.s(\d+)$")
@@ -56,6 +58,7 @@ class Slot:
     map: mmap.mmap
     buf: torch.Tensor
     pinned: bool = False
+    pin_error: str = ""  # why cudaHostRegister refused it (not tried again)
 
     @property
     def size(self) -> int:
@@ -106,13 +109,54 @@ def _map(path: str, size: int, pin: bool) -> Slot:
     return slot
 
 
+_PIN_WARNED: set[str] = set()  # the ring directories whose slots CUDA refused to page-lock (warned once)
+
+
 def pin_slot(slot: Slot) -> None:
     """Page-lock a slot for CUDA (once per slot: later device-to-host copies into it are
-    DMA straight into the shared memory); nothing without CUDA."""
-    if slot.pinned or not slot.size or not torch.cuda.is_available():
+    DMA straight into the shared memory); nothing without CUDA. Where CUDA refuses (a
+    file on a disk's file system, not a tmpfs: Linux lends no long-term pin of such
+    pages), the slot stays pageable, the reason is kept in ``slot.pin_error`` and said
+    once per directory, and the copies go at the pageable rate."""
+    if slot.pinned or slot.pin_error or not slot.size or not torch.cuda.is_available():
         return
-    err = torch.cuda.cudart().cudaHostRegister(slot.buf.data_ptr(), slot.size, 0)  # flags 0: cudaHostRegisterDefault
-    slot.pinned = int(err) == 0
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(slot.buf.data_ptr(), slot.size, 0))  # flags 0: cudaHostRegisterDefault
+    slot.pinned = err == 0
+    if slot.pinned:
+        return
+    _clear_last_cuda_error()  # else this thread's next kernel launch check raises it as its own
+    try:
+        name = str(cudart.cudaGetErrorString(cudart.cudaError(err)))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        name = "cudaError"
+    slot.pin_error = f"{name} ({err})"
+    folder = os.path.dirname(slot.path)
+    if folder not in _PIN_WARNED:
+        _PIN_WARNED.add(folder)
+        log.warning(f"unickpt: CUDA cannot page-lock the snapshot ring in {folder} (cudaHostRegister: "
+                    f"{slot.pin_error}): snapshots copy from the GPU at the pageable rate. The shm root "
+                    f"($UNICKPT_SHM_ROOT) must be a tmpfs such as /dev/shm")
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``): a failed
+    ``cudaHostRegister`` leaves "invalid argument" there, and torch's check after the
+    thread's next kernel launch raised it (measured on an H200: the next ``torch.ones``
+    on the device failed). torch binds no ``cudaGetLastError``: it is called through
+    ctypes in the runtime library torch loaded (its global symbols, else the library
+    named in this process's maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f if "/libcudart" in line})
+    except OSError:
+        libs = []
+    for lib in [None, *libs]:
+        try:
+            ctypes.CDLL(lib).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 _RINGS: dict[str, "MappedRing"] = {}  # directory -> this process's ring there (see MappedRing.shared)
@@ -226,7 +270,7 @@ class MappedRing:
             return ready
         self._settle()
         for i, s in sorted(self.slots.items()):
-            if s.free() and s.size == size and (s.pinned or not pin):
+            if s.free() and s.size == size and (s.pinned or s.pin_error or not pin):
                 return s
         for i, s in sorted(self.slots.items()):
             if s.free() and s.size == size:
@@ -247,7 +291,7 @@ class MappedRing:
         while thread is not None and thread.is_alive():
             with self._made:
                 for _, s in sorted(self.slots.items()):
-                    if s.size == size and (s.pinned or not pin or not torch.cuda.is_available()) and s.free():
+                    if s.size == size and (s.pinned or s.pin_error or not pin or not torch.cuda.is_available()) and s.free():
                         return s
                 self._made.wait(0.05)
         return None

@@ -34,14 +34,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist import links, open_sockets, opened_since, release_groups, run_teardown_hooks, shut_group_sockets
+from .. import store_client
+from ..dist import (connected_to, links, open_sockets, opened_since, release_groups, run_teardown_hooks, shut_down,
+                    shut_group_sockets)
 from ..store_client import LIVE_PG_TIMEOUT_ENV
 from .control import key
 from .nccl_abort import abort_in_background
 
-__all__ = ["cut", "forget_meshes", "form", "teardown"]
+__all__ = ["Rendezvous", "cut", "forget_meshes", "form", "teardown"]
 
 DEFAULT_PG_TIMEOUT_S = 600.0  # a generation's collectives, where $UNICKPT_LIVE_PG_TIMEOUT is not set
+
+
+class Rendezvous:
+    """A generation's own connection to the job's store (at ``address``): its default group
+    rendezvouses on it and keeps it, so the groups ``fn`` makes (a DeviceMesh's, NCCL's
+    unique ids) rendezvous on it too. Another thread ends it: :meth:`abandon` while the
+    group forms (a member was lost meanwhile: gloo's rendezvous would wait for that
+    member's address until the generation's timeout), :meth:`cut` once it has formed (a
+    store request of ``fn`` blocked on a lost peer's key). Either fails the blocked
+    request at once (``DistNetworkError``)."""
+
+    def __init__(self, address: str) -> None:
+        self.before = open_sockets()
+        self.store = store_client.connect(address)
+        # (the watcher's and the beats' connections are made before: only this one is new)
+        self.own = connected_to(opened_since(self.before), store_client.split_address(address)[1])
+        self.abandoned = False
+
+    def cut(self) -> None:
+        """Shut this connection down (a request blocked on it fails, here only)."""
+        shut_down(self.own, kept_too=True)
+
+    def abandon(self) -> None:
+        """While the group forms: shut this connection down, and every connection to a
+        peer the group has made so far (its peers' rendezvous fail too)."""
+        self.abandoned = True
+        self.cut()
+        shut_down(opened_since(self.before))
 
 
 def form(store: Any, number: int, rank: int, size: int, backend: str | None = None) -> dict[int, str]:

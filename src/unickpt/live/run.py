@@ -283,6 +283,9 @@ class _Live:
         self.watcher = Watcher(worker, address, self.node_address, self.node_store, self._on_generation)
         self.prev_active: list[str] = []  # the active members of the generation before (the lines rank 0 prints)
         self.links: dict[int, str] = {}  # the default group's connections to its peers (see _typed)
+        self.forming: Generation | None = None  # the generation whose group is forming now
+        self.rendezvous: regroup.Rendezvous | None = None  # its connection to the store (see form)
+        self.pending: Generation | None = None  # the newest generation the watcher saw while fn did not run
 
     # -- the generations ------------------------------------------------------------------
     def loop(self, fn: Callable[[World], Any], backend: str | None) -> Any:
@@ -301,7 +304,10 @@ class _Live:
             if not self.arrive(gen):  # a member was lost while the others gathered
                 gen = self.newer(gen)
                 continue
-            self.form(gen, backend)
+            nxt = self.form(gen, backend)
+            if nxt is not None:  # a member was lost while the group formed
+                gen = nxt
+                continue
             regroup.freeze_heap()
             self.mark("frozen")
             try:
@@ -405,15 +411,37 @@ class _Live:
         self.prev_active = gen.active(self.multiple_of)
         return nxt
 
-    def form(self, gen: Generation, backend: str | None) -> None:
-        """Initialise the default group of ``gen`` (its own store prefix) and this process's
-        torchrun variables for it."""
+    def form(self, gen: Generation, backend: str | None) -> Generation | None:
+        """Initialise the default group of ``gen`` (its own store prefix, on its own
+        connection to the store: :class:`.regroup.Rendezvous`) and this process's torchrun
+        variables for it. Returns None once it has formed; or, when a member of ``gen`` was
+        lost while the group formed, the generation to go on in: the watcher cuts the
+        rendezvous as soon as a newer generation is published (gloo's would otherwise wait
+        for the lost member's address until the generation's timeout, see
+        :meth:`_on_generation`), and a rendezvous that failed on its own waits for the
+        coordinator's verdict, as a failed collective does."""
         place = gen.place(self.worker, self.multiple_of)
         assert place is not None
         # a framework fn builds (Lightning, accelerate) reads its place from torchrun's variables
         os.environ.update(torchrun_env(place["rank"], place["size"], place["local_rank"], place["local_size"],
                                        place["node"], place["nodes"], gen.number))
-        self.links = regroup.form(self.store, gen.number, place["rank"], place["size"], backend)
+        if not self.watcher.started:  # before the first rendezvous: a generation published during it ends it
+            self.watcher.start()
+        rendezvous = regroup.Rendezvous(self.address)
+        with self.lock:
+            self.forming, self.rendezvous = gen, rendezvous
+            if self.pending is not None and self._supersedes(self.pending, gen):
+                rendezvous.abandon()  # published since this worker gathered with the others
+        try:
+            if not rendezvous.abandoned:
+                self.links = regroup.form(rendezvous.store, gen.number, place["rank"], place["size"], backend)
+        except Exception as error:  # noqa: BLE001 — a rendezvous cut, or failed on a lost peer
+            return self._not_formed(gen, error)
+        finally:
+            with self.lock:
+                self.forming = None
+        if rendezvous.abandoned:  # cut as it completed: a newer generation was published
+            return self._not_formed(gen, None)
         self.gen, self.grow_at = gen, None
         self.world = World(place["rank"], place["size"], place["local_rank"], gen.number, place["local_size"],
                            place["node"], place["nodes"])
@@ -423,24 +451,57 @@ class _Live:
         if gen.number > 0 and gen.cause in (Cause.LOST, Cause.GROW):
             self.note = _describe(gen, self.multiple_of, self.prev_active) + " at step {} " + f"(generation {gen.number})"
         self.prev_active = gen.active(self.multiple_of)
-        if not self.watcher.started:
-            self.watcher.start()
+        return None
+
+    def _not_formed(self, gen: Generation, error: Exception | None) -> Generation:
+        """``gen``'s group did not form: ``error`` ended its rendezvous (None: the watcher
+        abandoned it, for a newer generation). Whatever of the group was made is cut (its
+        peers' rendezvous fail too) and torn down; returns the generation to go on in, or
+        raises ``error`` when no newer one is published within NETWORK_ERROR_WAIT_S."""
+        rendezvous = self.rendezvous
+        assert rendezvous is not None
+        abandoned = rendezvous.abandoned
+        rendezvous.abandon()
+        if dist.is_initialized():
+            regroup.teardown(crashed=True)
+        self.rendezvous = None
+        if not abandoned:  # the coordinator confirms a lost node with the launchers (as after a failed collective)
+            try:
+                control.post_event(self.store, control.Suspect(self.worker, time.time()))
+            except RuntimeError:
+                pass  # the job's store is gone: newer() below says so
+        nxt = self.newer_within(gen.number, 0.0 if abandoned else NETWORK_ERROR_WAIT_S)
+        if nxt is None:
+            assert error is not None
+            _report_raised(self, error)
+            raise error
+        if error is not None:
+            _forget_exception(error)
+        return nxt
+
+    def _supersedes(self, newer: Generation, gen: Generation) -> bool:
+        """Whether ``newer`` ends ``gen`` (not only a spare of it lost: the same active world)."""
+        return newer.number > gen.number and not (newer.cause == Cause.LOST and
+                                                  newer.active(self.multiple_of) == gen.active(self.multiple_of))
 
     def verdict(self, error: BaseException) -> Generation | None:
         """The generation to go on in after ``error`` ended ``fn``, or None when ``error``
         is the training's own (no membership change): raised as it is."""
         gen = self.gen
         assert gen is not None
-        deadline = time.monotonic()
-        if isinstance(error, Interrupted):
-            deadline += 3600
-        elif _network_error(error):
-            deadline += NETWORK_ERROR_WAIT_S
-        if deadline > time.monotonic():  # one wake-up when the coordinator publishes, no polling
-            store_client.wait_key(self.store, key("g", gen.number + 1), deadline - time.monotonic())
+        wait_s = 3600.0 if isinstance(error, Interrupted) else NETWORK_ERROR_WAIT_S if _network_error(error) else 0.0
+        return self.newer_within(gen.number, wait_s)
+
+    def newer_within(self, number: int, wait_s: float) -> Generation | None:
+        """The newest generation once one after ``number`` is published, waiting up to
+        ``wait_s`` for it (one wake-up when the coordinator publishes, no polling); None
+        when none is."""
+        deadline = time.monotonic() + wait_s
+        if wait_s > 0:
+            store_client.wait_key(self.store, key("g", number + 1), wait_s)
         while True:
-            if control.newest(self.store) > gen.number:
-                return self.newer(gen)
+            if control.newest(self.store) > number:
+                return membership.newer(self.store, self.worker)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.002)
@@ -460,14 +521,18 @@ class _Live:
         returned. With $UNICKPT_LIVE_DEBUG, what still holds the old default group is logged."""
         old = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
         regroup.teardown(crashed=self.gen is not None and not collect, mark=self.mark)
+        self.rendezvous = None
         self.mark("torn_down")
         if old is not None and old() is not None and os.environ.get(LIVE_DEBUG_ENV):
             held = [type(r).__name__ + ":" + repr(r)[:120] for r in gc.get_referrers(old())]
             log.warning(f"unickpt: the old group is still referenced by {held}")
 
     def cut(self) -> None:
-        """Shut the generation's gloo sockets down (:func:`.regroup.cut`)."""
+        """Shut the generation's gloo sockets down (:func:`.regroup.cut`), and its
+        connection to the store (a group ``fn`` makes may wait there for a lost peer)."""
         regroup.cut()
+        if self.rendezvous is not None:
+            self.rendezvous.cut()
 
 
     # -- interrupting fn --------------------------------------------------------------------
@@ -488,14 +553,27 @@ class _Live:
         if gen.cause == Cause.GROW and self.worker in gen.members:
             return
         with self.lock:
-            if self.in_fn and self.gen is not None and self._unchanged(gen):
-                self.gen = gen  # a spare was lost: the active world trains on, in its groups
-                if self.world is not None and self.world.rank == 0 and gen.lost:
-                    say(_describe(gen, self.multiple_of, self.prev_active) + f" (generation {gen.number})")
+            if self.forming is not None:  # the rendezvous may wait for a member lost meanwhile
+                if self._supersedes(gen, self.forming) and self.rendezvous is not None:
+                    self.rendezvous.abandon()
+                else:
+                    self.pending = gen
                 return
-            if self.in_fn and self.gen is not None and gen.number > self.gen.number:
+            if not self.in_fn:  # between two generations, or before fn: taken as fn is entered (_InFn)
+                self.pending = gen
+                return
+            if self.gen is not None and self._unchanged(gen):
+                self._adopt(gen)
+                return
+            if self.gen is not None and gen.number > self.gen.number:
                 self.cut()  # the main thread may be blocked in a gloo collective
                 raise_in_thread(self.main, Interrupted)
+
+    def _adopt(self, gen: Generation) -> None:
+        """``gen`` lost only spares: the active world trains on, in its groups (rank 0 says so)."""
+        self.gen = gen
+        if self.world is not None and self.world.rank == 0 and gen.lost:
+            say(_describe(gen, self.multiple_of, self.prev_active) + f" (generation {gen.number})")
 
     def _unchanged(self, gen: Generation) -> bool:
         """True when ``gen`` keeps this generation's active world as it is (only spares or
@@ -559,8 +637,18 @@ class _InFn:
         self.live = live
 
     def __enter__(self) -> None:
-        with self.live.lock:
-            self.live.in_fn = True
+        """``fn`` may be interrupted from here; a generation published since the group
+        formed ends this one at once (or is adopted, when it lost only spares)."""
+        live = self.live
+        with live.lock:
+            live.in_fn = True
+            pending, live.pending = live.pending, None
+            if pending is None or live.gen is None or pending.number <= live.gen.number:
+                return
+            if live._unchanged(pending):
+                live._adopt(pending)
+                return
+        raise Interrupted
 
     def __exit__(self, *exc: Any) -> None:
         self.live.leave_fn()

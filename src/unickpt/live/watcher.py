@@ -24,6 +24,7 @@ from .control import Generation, key
 
 WATCH_WAIT_S = 3600.0  # the watcher's wait in its node's store: stop() wakes it with its own key (no timeout logged)
 ALIVE_S = 0.5  # how often the beats tell the launcher that this process runs
+CONNECT_WAIT_S = 30.0  # how long start() waits for the watcher's connections (a store that does not answer: it goes on)
 
 
 class Watcher:
@@ -40,6 +41,8 @@ class Watcher:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watching = False  # the watcher thread started (the beats may run before it)
+        self._connected = threading.Event()  # the watcher's connections are made (or failed)
+        self._beating = threading.Event()  # the beats' connection is made (or failed)
 
     @property
     def started(self) -> bool:
@@ -57,10 +60,14 @@ class Watcher:
             self._spawn(self._beat, "unickpt-live-beat")
 
     def start(self) -> None:
-        """Start the watcher (and the beats, if not started yet)."""
+        """Start the watcher (and the beats, if not started yet); returns once it is
+        connected (no connection of its opens while a generation's group forms, which
+        tells its own by the sockets that appear meanwhile: :class:`.regroup.Rendezvous`)."""
         self.start_beats()
         self._watching = True
         self._spawn(self._watch, "unickpt-live-watch")
+        self._beating.wait(CONNECT_WAIT_S)
+        self._connected.wait(CONNECT_WAIT_S)
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -68,9 +75,14 @@ class Watcher:
         thread.start()
 
     def _watch(self) -> None:
-        store = store_client.connect(self.address)
-        relayed = self.node_address != self.address
-        watched = store_client.connect(self.node_address) if relayed else store
+        try:
+            store = store_client.connect(self.address)
+            relayed = self.node_address != self.address
+            watched = store_client.connect(self.node_address) if relayed else store
+        except RuntimeError:
+            return  # the store is gone: the control plane was lost
+        finally:
+            self._connected.set()
         while not self._stop.is_set():
             nxt = self.seen + 1
             try:
@@ -89,7 +101,10 @@ class Watcher:
     def _beat(self) -> None:
         """``alive`` every ALIVE_S on the node's store (its own connection)."""
         try:
-            store = store_client.connect(self.node_address)
+            try:
+                store = store_client.connect(self.node_address)
+            finally:
+                self._beating.set()
             while not self._stop.wait(ALIVE_S):
                 store.add(key("alive", self.worker), 1)
         except RuntimeError:
