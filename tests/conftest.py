@@ -75,7 +75,7 @@ def shm_roots():
 LONGEST_FIRST: list[str] = [
     "test_live.py", "test_snapshot.py", "test_launch.py", "test_resume.py", "test_cli.py",
     "test_manager_loop.py", "test_demo_fault.py", "test_lightning.py", "test_torchtitan.py", "test_hf_trainer.py",
-    "test_snapshot_fuzz.py", "test_deepspeed.py", "test_objstore.py", "test_restarts.py", "test_clean_exit.py",
+    "test_snapshot_fuzz.py", "test_deepspeed.py", "test_objstore.py", "test_clean_exit.py",
     "test_dist_torch_parallel.py", "test_bench_gpu.py", "test_dcp_plugin.py", "test_deltas.py", "test_megatron.py",
     "test_dist_reshard.py", "test_dcp.py", "test_deepspeed_layouts.py", "test_rules_megatron.py",
     "test_optimizer_restart.py", "test_async_save.py", "test_rules_convert.py", "test_megatron_moe.py",
