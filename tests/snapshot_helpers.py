@@ -4,7 +4,7 @@ localhost, each with its own shm root) and injecting failures, for the snapshot 
 Each agent is torchrun's own (``torch.distributed.run.main``) forked from a preloaded
 launcher (tests/node_fork.py) and forks its workers (torchrun's ``--run-path
 --start-method fork``): a node starts without importing torch in every process.
-(tests/test_resume.py and test_cli.py start ``torchrun`` as a program, as a user does.)"""
+(tests/test_cli.py starts ``torchrun`` as a program, as a user does.)"""
 
 from __future__ import annotations
 

@@ -503,7 +503,10 @@ def _readme_blocks() -> list[str]:
 @pytest.mark.timeout(200)
 def test_readme_trainer_output_is_what_the_commands_print_slow(tmp_path: Path) -> None:
     """SLOW (4 + 3 gloo ranks): the README's trainer commands, run as written (torchrun of
-    this interpreter), print the lines the README shows, times per step aside."""
+    this interpreter), print the lines the README shows, times per step aside; the job
+    stopped after step 10 on tp2 x dp2 resumes with ``--resume latest`` on dp3, its loss log
+    goes on from step 11 and it saved steps 10 and 20 (the real launcher's stop and resume
+    on another layout: each step's loss against the unbroken run is tests/test_resume.py's)."""
     text = (Path(__file__).parents[1] / "README.md").read_text()
     shown = text.split("The two commands print")[1].split("\n\n")[1]
     want = [ln.strip() for ln in shown.splitlines()]
@@ -519,6 +522,9 @@ def test_readme_trainer_output_is_what_the_commands_print_slow(tmp_path: Path) -
         out += r.stdout.splitlines()
     mask = re.compile(r"\d+\.\d{3} s/step")
     assert [mask.sub("T s/step", ln) for ln in out] == [mask.sub("T s/step", ln) for ln in want], out
+    logged = [json.loads(line)["step"] for line in open(tmp_path / "run.jsonl")]
+    assert logged == list(range(1, 21)), logged
+    assert unickpt.CheckpointManager(tmp_path / "ckpt").steps() == [10, 20]
 
 
 def test_doc_links_stay_inside_the_repository() -> None:
