@@ -173,3 +173,45 @@ def test_a_member_lost_while_the_group_forms_costs_no_timeout(tmp_path):
     world = json.loads(done.stdout.strip().splitlines()[-1])
     assert (world["generation"], world["size"], world["rank"]) == (1, 1, 0), world
     assert world["after_s"] < 1.0 + 4, world  # published after 1 s; the rendezvous' timeout is 60 s
+
+
+def test_a_generation_seen_while_the_group_forms_or_before_fn_is_never_dropped(monkeypatch):
+    """The watcher's hand-over outside ``fn`` (a real TCPStore, no group): while a
+    generation's group forms, a newer one that loses an active member abandons the
+    rendezvous (its store connection shut: a request blocked there fails at once), one that
+    loses only a spare does not; a generation seen between the forming and ``fn`` is taken
+    as ``fn`` is entered: adopted when it lost only a spare, else ``fn`` is interrupted at
+    once. Before, the watcher dropped both (``fn`` ran on in a generation already over)."""
+    from unickpt.live import interrupt
+    from unickpt.live.control import Cause
+    from unickpt.live.regroup import Rendezvous
+    from unickpt.live.run import Interrupted, _Live
+
+    monkeypatch.setattr(threading.Thread, "start", threading.Thread.start)  # _Live guards this thread's starts
+    monkeypatch.setattr(interrupt, "_guarded", None)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    address = f"127.0.0.1:{store.port}"
+    live = _Live(address, "0.0", None, multiple_of=2)  # 3 members: 2 train, 0.2 is a spare
+    gen = Generation(1, ["0.0", "0.1", "0.2"], Cause.LOST)
+    spare_lost = Generation(2, ["0.0", "0.1"], Cause.LOST, [{"rank": 2, "worker": "0.2", "why": "exit -9"}])
+    member_lost = Generation(3, ["0.0", "0.2"], Cause.LOST, [{"rank": 1, "worker": "0.1", "why": "exit -9"}])
+
+    live.forming, live.rendezvous = gen, Rendezvous(address)
+    live._on_generation(spare_lost)
+    assert not live.rendezvous.abandoned and live.pending is spare_lost
+    live.rendezvous.store.set("still", "up")
+    live._on_generation(member_lost)
+    assert live.rendezvous.abandoned
+    with pytest.raises(RuntimeError):  # torch's DistNetworkError: the connection was shut down
+        live.rendezvous.store.get("still")
+
+    live.forming, live.rendezvous, live.pending = None, None, None
+    live.gen, live.prev_active = gen, gen.active(2)
+    live._on_generation(spare_lost)  # between the forming and fn
+    with live.interruptible():
+        assert live.gen is spare_lost  # adopted: the active world trains on
+    live._on_generation(member_lost)
+    with pytest.raises(Interrupted):
+        with live.interruptible():
+            raise AssertionError("fn ran in a generation already over")
+    assert not live.in_fn

@@ -641,14 +641,14 @@ class _InFn:
         formed ends this one at once (or is adopted, when it lost only spares)."""
         live = self.live
         with live.lock:
-            live.in_fn = True
             pending, live.pending = live.pending, None
-            if pending is None or live.gen is None or pending.number <= live.gen.number:
-                return
-            if live._unchanged(pending):
+            over = pending is not None and live.gen is not None and pending.number > live.gen.number
+            if over and live._unchanged(pending):
                 live._adopt(pending)
-                return
-        raise Interrupted
+                over = False
+            live.in_fn = not over
+        if over:  # (not in fn: the watcher raises nothing more into the tear-down that follows)
+            raise Interrupted
 
     def __exit__(self, *exc: Any) -> None:
         self.live.leave_fn()
