@@ -101,18 +101,6 @@ def _snapshot_loop(rank: int, world: int, root: str, out: str) -> None:
     open(out, "w").write("ok")
 
 
-def _fs_type(path: str) -> str:
-    """The type of the file system ``path`` is on (its longest mount point in /proc/mounts)."""
-    path, best, kind = os.path.realpath(path), "", ""
-    with open("/proc/mounts") as f:
-        for line in f:
-            _, point, fs = line.split()[:3]
-            inside = path == point or path.startswith(point.rstrip("/") + "/")
-            if inside and len(point) > len(best):
-                best, kind = point, fs
-    return kind
-
-
 @pytest.fixture
 def shm_root(monkeypatch):
     """$UNICKPT_SHM_ROOT in a folder of its own on /dev/shm, the default (a tmpfs: CUDA
@@ -133,10 +121,12 @@ def test_a_ring_cuda_cannot_page_lock_is_used_pageable_and_said_once(tmp_path, c
     """A shm root on a disk's file system (not a tmpfs): Linux lends CUDA no long-term pin
     of its pages, so ``cudaHostRegister`` fails. The slot is used pageable, the reason kept
     and said once, and CUDA's next launch check does not take the failure for its own."""
+    from bench.snapshot import mount_of
     from unickpt.engine.ring import MappedRing, _map
 
-    if _fs_type(str(tmp_path)) in ("tmpfs", "ramfs", "hugetlbfs"):
-        pytest.skip(f"{tmp_path} is on a {_fs_type(str(tmp_path))}: no disk folder to try")
+    mount = mount_of(str(tmp_path))
+    if mount.split()[0] in ("tmpfs", "ramfs", "hugetlbfs"):
+        pytest.skip(f"{tmp_path} is on {mount}: no disk folder to try")
     ring = MappedRing(str(tmp_path / "ring"), 0, 2)
     with caplog.at_level("WARNING", logger="unickpt"):
         ring.prepare(1 << 20, pin=True)  # both slots, in the background
@@ -144,7 +134,6 @@ def test_a_ring_cuda_cannot_page_lock_is_used_pageable_and_said_once(tmp_path, c
         ring._settle()  # (waits for the preparing thread)
         slots = list(ring.slots.values())
     assert len(slots) == 2 and first in slots
-    print("fs", _fs_type(str(tmp_path)), [(s.pinned, s.pin_error) for s in slots])
     assert all(not s.pinned and s.pin_error for s in slots), [(s.pinned, s.pin_error) for s in slots]
     said = [r.getMessage() for r in caplog.records if "cannot page-lock" in r.getMessage()]
     assert len(said) == 1 and "UNICKPT_SHM_ROOT" in said[0], said

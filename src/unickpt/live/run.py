@@ -481,8 +481,7 @@ class _Live:
 
     def _supersedes(self, newer: Generation, gen: Generation) -> bool:
         """Whether ``newer`` ends ``gen`` (not only a spare of it lost: the same active world)."""
-        return newer.number > gen.number and not (newer.cause == Cause.LOST and
-                                                  newer.active(self.multiple_of) == gen.active(self.multiple_of))
+        return newer.number > gen.number and not self._keeps(newer, gen.active(self.multiple_of))
 
     def verdict(self, error: BaseException) -> Generation | None:
         """The generation to go on in after ``error`` ended ``fn``, or None when ``error``
@@ -578,7 +577,11 @@ class _Live:
     def _unchanged(self, gen: Generation) -> bool:
         """True when ``gen`` keeps this generation's active world as it is (only spares or
         pending replacements changed): nothing to re-form."""
-        return gen.cause == Cause.LOST and gen.active(self.multiple_of) == self.prev_active
+        return self._keeps(gen, self.prev_active)
+
+    def _keeps(self, gen: Generation, active: list[str]) -> bool:
+        """True when ``gen`` lost members but keeps ``active`` as its active world."""
+        return gen.cause == Cause.LOST and gen.active(self.multiple_of) == active
 
     # -- the step boundary ------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
