@@ -5,7 +5,7 @@
   long lines at once (lines of several ranks must never cut each other).
 * ``bug``: rank 1 raises ``RuntimeError("user bug")`` at step 2.
 * ``recover``: the same, under ``unickpt.run(fn, recover=(RuntimeError,))``.
-* ``early``: rank 1 returns from fn at step 2 while rank 0 trains on.
+* ``early``: rank 1 returns from fn at step 10 while rank 0 trains on.
 * ``destroy``: fn destroys the default group itself after its steps (a misuse).
 * ``deadlock``: a plain script whose two ranks both wait in ``dist.recv`` (C++).
 * ``flaky``: a plain script whose rank 1 exits 3 in the group's first attempt only.
@@ -36,7 +36,7 @@ def steps(world, last: int = 3) -> None:
     for step in range(1, last + 1):
         if MODE in ("bug", "recover") and world.rank == 1 and step == 2 and world.generation == 0:
             raise RuntimeError("user bug")
-        if MODE == "early" and world.rank == 1 and step == 2:
+        if MODE == "early" and world.rank == 1 and step == 10:  # once the jobs started beside it run
             with open("early_returned", "w") as f:  # when fn returned (the test's clock)
                 f.write(repr(time.time()))
             return
