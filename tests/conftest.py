@@ -31,7 +31,6 @@ def _compile_installed_packages() -> None:
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None or os.path.exists(importlib.util.cache_from_source(spec.origin)):
         return
-    sys.stderr.write("compiling the installed packages once (installed with pip --no-compile)\n")
     # a file of a newer Python's syntax (torch ships one) fails, as under pip: not an error
     compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=os.cpu_count() or 1)
 

@@ -302,7 +302,7 @@ class _Live:
                 gen = self.wait_as_spare(gen)
                 continue
             if not self.arrive(gen):  # a member was lost while the others gathered
-                gen = self.newer(gen)
+                gen = self.newer()
                 continue
             nxt = self.form(gen, backend)
             if nxt is not None:  # a member was lost while the group formed
@@ -505,8 +505,9 @@ class _Live:
                 return None
             time.sleep(0.002)
 
-    def newer(self, gen: Generation) -> Generation:
-        """The newest generation, published after ``gen`` (this worker must be in it)."""
+    def newer(self) -> Generation:
+        """The newest generation (this worker must be in it): after :meth:`arrive` said one
+        newer than the generation it gathered for was published."""
         return membership.newer(self.store, self.worker)
 
     def arrive(self, gen: Generation) -> bool:
