@@ -14,29 +14,40 @@ import unickpt
 from unickpt.engine.reads import Segment, SpanRead, block_checks, execute
 from unickpt.errors import CorruptionError
 from unickpt.format.checksum import block_crcs
-from unickpt.storage.local import LocalStorage, MappedReader
+from unickpt.storage.local import FileReader, LocalStorage, MappedReader
 from unickpt.storage.open import open_storage
 
 BLOCK = 256
 
 
-class _MappedStorage(LocalStorage):
-    """Files read through MappedReader, copied and checked in pieces of 100 bytes: pieces
-    that cut checksum blocks and caller buffers anywhere."""
+class _PiecesStorage(LocalStorage):
+    """Files read with ``preadv`` (``kind``) in pieces of 100 bytes: pieces that cut
+    checksum blocks and caller buffers anywhere (a large read's path, which these small
+    files would not take at the usual 1 MiB)."""
+
+    kind = FileReader
 
     def reader(self, name):
         with self._lock:
             r = self._readers.get(name)
             if r is None:
-                r = self._readers[name] = MappedReader(self.root / name)
+                r = self._readers[name] = self.kind(self.root / name)
                 r.piece_bytes = 100
             return r
 
 
-@pytest.fixture(params=["preadv", "mapped"])
+class _MappedStorage(_PiecesStorage):
+    """Files read through MappedReader, copied and checked in pieces of 100 bytes."""
+
+    kind = MappedReader
+
+
+@pytest.fixture(params=["preadv", "preadv-pieces", "mapped"])
 def opened(request):
-    """How the tests open their directory: ordinary ``preadv`` reads, or a map read in pieces."""
-    return (lambda p: open_storage(str(p))) if request.param == "preadv" else (lambda p: _MappedStorage(str(p)))
+    """How the tests open their directory: ordinary ``preadv`` reads (one a group at these
+    sizes), ``preadv`` in pieces, or a map read in pieces."""
+    return {"preadv": lambda p: open_storage(str(p)), "preadv-pieces": lambda p: _PiecesStorage(str(p)),
+            "mapped": lambda p: _MappedStorage(str(p))}[request.param]
 
 
 def _file(tmp_path, nbytes: int = 4096) -> tuple[bytes, list[int]]:
@@ -180,3 +191,35 @@ def test_a_memory_file_is_mapped_only_on_huge_pages(tmp_path):
     reader.close()
     with pytest.raises(CorruptionError, match=r"g\.bin is missing"):
         memory_file_reader(tmp_path / "g.bin")
+
+
+def test_a_large_tensor_is_read_in_pieces_bitwise_and_a_flipped_byte_is_named(tmp_path, monkeypatch):
+    """A file read of two pieces or more (``FileReader.piece_bytes``, 1 MiB) into the
+    target and into scratch (a cast): bitwise, and a byte flipped in its third MiB names
+    the tensor and the block's bytes (checked while each piece was in the cache)."""
+    w = torch.randn(3 << 18, generator=torch.Generator().manual_seed(0))  # 3 MiB of float32
+    path = str(tmp_path / "c")
+    unickpt.save({"w": w}, path)
+    from unickpt.engine import reads as reads_module
+
+    pieces = []
+    real = reads_module.read_in_pieces
+    monkeypatch.setattr(reads_module, "read_in_pieces", lambda *a: pieces.append(a[2]) or real(*a))
+    out = {"w": torch.empty_like(w)}
+    unickpt.load(out, path)
+    assert torch.equal(out["w"], w)
+    wide = {"w": torch.empty(w.shape, dtype=torch.float64)}  # through scratch: cast as read
+    unickpt.load(wide, path)
+    assert torch.equal(wide["w"], w.double())
+    assert pieces and set(pieces) == {1 << 20}, pieces  # both loads took the path in pieces
+    frag = unickpt.read_manifest(path).tensors["w"].fragments[0]
+    at = frag.offset + (5 << 19) + 3  # 2.5 MiB in
+    with open(os.path.join(path, frag.file), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    for target in ({"w": torch.empty_like(w)}, {"w": torch.empty(w.shape, dtype=torch.float64)}):
+        with pytest.raises(CorruptionError, match=r"checksum mismatch .*'w'"):
+            unickpt.load(target, path)
+    assert [p.kind for p in unickpt.verify(path).problems] == ["checksum"]

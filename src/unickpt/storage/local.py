@@ -206,7 +206,11 @@ def _open_data_file(path: Path) -> int:
 
 
 class FileReader:
-    """A file open for positional reads from several threads."""
+    """A file open for positional reads from several threads. ``piece_bytes``: a group of
+    at least two pieces with checksums is read a piece at a time, each piece checked while
+    it is still in the cache (:func:`unickpt.engine.reads.read_group`)."""
+
+    piece_bytes = 1 << 20
 
     def __init__(self, path: Path) -> None:
         self.path = path
