@@ -26,13 +26,14 @@ def _compile_installed_packages() -> None:
         return
     import compileall
     import importlib.util
-    import sysconfig
 
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None or os.path.exists(importlib.util.cache_from_source(spec.origin)):
         return
-    # a file of a newer Python's syntax (torch ships one) fails, as under pip: not an error
-    compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=os.cpu_count() or 1)
+    packages = os.path.dirname(os.path.dirname(spec.origin))  # the site-packages torch is in
+    if os.access(packages, os.W_OK):
+        # a file of a newer Python's syntax (torch ships one) fails, as under pip: not an error
+        compileall.compile_dir(packages, quiet=2, workers=os.cpu_count() or 1)
 
 
 _compile_installed_packages()
