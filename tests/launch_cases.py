@@ -10,6 +10,7 @@
 * ``deadlock``: a plain script whose two ranks both wait in ``dist.recv`` (C++).
 * ``flaky``: a plain script whose rank 1 exits 3 in the group's first attempt only.
 * ``long``: under ``unickpt.run``, 300 all-reduce steps (a job to kill a rank of, then stop).
+* ``stuck``: rank 1 sleeps before ``unickpt.run`` (alive, never there); rank 0 gathers.
 * ``facts``: a plain script whose ranks print, as one JSON line, what a worker finds when
   its script starts (``__name__``, argv, ``sys.path[0]``, torchrun's variables, its
   session, stdin, its signal handlers, whether torch was imported before its first line), then an atexit
@@ -103,4 +104,6 @@ elif MODE == "record":  # a plain script whose main torchrun's @record wraps: ra
 else:
     import unickpt
 
+    if MODE == "stuck" and os.environ["RANK"] == "1":
+        time.sleep(3600)  # never reaches unickpt.run: stuck in its set-up (a read, a lock), alive
     unickpt.run(fn, recover=(RuntimeError,) if MODE == "recover" else False)

@@ -368,6 +368,23 @@ def test_exit_codes(tmp_path):
 
 
 @multiprocess
+def test_a_worker_stuck_before_unickpt_run_ends_the_job_after_join_timeout(tmp_path):
+    """A worker alive but never at ``unickpt.run`` (stuck in its set-up): its peer waited
+    in generation 0's gathering for ever (neither lost nor hung, nothing ended the job).
+    Now the job ends (exit 1) --join-timeout after the peer arrived, naming the worker, and
+    the stuck worker is stopped with it."""
+    t0 = time.monotonic()
+    (job,) = _launch_together(tmp_path, ["--standalone", "--nproc-per-node", "2", "--join-timeout", "3", CASES, "stuck"])
+    took = time.monotonic() - t0
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert "the job failed: worker 0.1 (rank 1) did not reach unickpt.run within --join-timeout 3 s" in _last(job.stderr), \
+        job.stderr[-2000:]
+    assert took < 40, took  # the stuck worker sleeps an hour; 7 s here
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"{CASES} stuck" not in ps, [x for x in ps.splitlines() if "stuck" in x]
+
+
+@multiprocess
 def test_a_forked_worker_starts_as_a_spawned_one_and_dies_with_its_launcher(tmp_path):
     """``--start-method forkserver``: the script finds what a spawned worker finds
     (``__main__``, argv, ``sys.path[0]``, torchrun's variables, its own session, an empty

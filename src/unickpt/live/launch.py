@@ -53,6 +53,7 @@ MAIL_WAIT_S = 3600.0  # the mailbox thread's wait in the job's store (woken by a
 PROBE_S = 0.5  # a launcher that does not answer a probe within this is lost (a live one answers in milliseconds)
 BATCH_S = 0.02  # exits this close together open one generation
 END_GRACE_S = 5.0  # after SIGTERM at the job's end, SIGKILL
+GATHER_LOOK_S = 1.0  # how often the coordinator looks whether a generation's members all came to its gathering
 DEFAULT_PG_TIMEOUT_S = 60.0
 # without --hang-timeout: a stopped worker is killed after this long without progress (or half
 # the generation's timeout, when shorter), so that its peers re-form before their collectives
@@ -646,6 +647,9 @@ class Coordinator:
         self.multiple: int | None = None  # the job's multiple_of, once a worker has said it
         self.probe: tuple[int, float, list[int]] | None = None  # the one in flight: number, sent at, nodes asked
         self.me = args.node_rank if args.store is None else -1  # the node hosting this coordinator
+        self.gathered: set[int] = set()  # generations whose members all arrived
+        self.first_arrival: dict[int, float] = {}  # generation -> when a member was first seen arrived
+        self.next_gather_look = 0.0
 
     def start(self) -> None:
         """Wait for every node to join (:meth:`step` opens generation 0 once they have), or,
@@ -782,9 +786,40 @@ class Coordinator:
             return self._end(0, "finished")
         if lost:
             return self._open(Cause.LOST, lost)
+        late = self._late_to_gather()
+        if late is not None:
+            return self._end(1, late)
         if self.pending and self.store.check([key("g", self.gen.number, "grow_at")]):
             self._open(Cause.GROW, [])
         return None
+
+    def _late_to_gather(self) -> str | None:
+        """Why the job ends when a member of this generation never came to its gathering
+        (a worker stuck before ``unickpt.run``: in its imports, its data, a deadlock; alive,
+        so neither lost nor hung) --join-timeout after a first member arrived: its peers
+        would wait in the barrier for ever (torchrun's ranks would fail their group's
+        timeout). None otherwise. A request or two a second while members gather."""
+        gen, now = self.gen, time.monotonic()
+        if gen is None or gen.number in self.gathered or now < self.next_gather_look:
+            return None
+        self.next_gather_look = now + GATHER_LOOK_S
+        active = gen.active(self._multiple())
+        arrived = int(self.store.add(key("g", gen.number, "arrived"), 0))
+        if not active or arrived >= len(active) or self.store.check([key("g", gen.number, "go")]):
+            self.gathered.add(gen.number)
+            return None
+        if arrived == 0:  # none came yet (a plain script's workers never do)
+            return None
+        first = self.first_arrival.setdefault(gen.number, now)
+        if now - first < self.args.join_timeout:
+            return None
+        late = [m for m in active if not self.store.check([key("run", m)])]
+        within = f"within --join-timeout {self.args.join_timeout:g} s of its peers' arrival"
+        if late:
+            who = ", ".join(f"worker {m} (rank {gen.members.index(m)})" for m in late)
+            return (f"{who} did not reach unickpt.run {within} (stuck before it: its imports, its data, a deadlock; "
+                    "`py-spy dump --pid PID` shows where)")
+        return f"{len(active) - arrived} of {len(active)} ranks did not come to generation {gen.number}'s gathering {within}"
 
     def _never_to_run(self, active: set[str]) -> set[str]:
         """The replacements this generation took in, when its members that trained before

@@ -40,7 +40,8 @@ multi-node: on every node
   unickpt launch --nnodes 2 --node-rank N --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py
   (HOST:PORT: node 0's address, where its launcher hosts the job's store; torchrun's
   --master-addr/--master-port spelling works too). Generation 0 starts once every node
-  joined; a node missing after --join-timeout ends the job (exit 1, named).
+  joined; a node missing after --join-timeout ends the job (exit 1, named), as does a
+  worker not at unickpt.run --join-timeout after its peers gathered.
   torchrun's flags are read from PET_<FLAG> too when not given (PET_NNODES,
   PET_NODE_RANK, PET_MASTER_ADDR, ...: as Kubeflow's PyTorchJob sets them).
 
@@ -146,7 +147,8 @@ def launch(
         help="the job's store, hosted by `unickpt store --port PORT` on HOST (which also coordinates the job): no "
              "node hosts it, so the loss of node 0 is a node loss like any other")] = None,
     join_timeout: Annotated[float, typer.Option(
-        "--join-timeout", metavar="SECONDS", help="seconds generation 0 waits for every node to join (torchrun's default)")] = JOIN_TIMEOUT_S,
+        "--join-timeout", metavar="SECONDS", help="seconds generation 0 waits for every node to join (torchrun's default), and a "
+                "generation's members for one that never reaches unickpt.run")] = JOIN_TIMEOUT_S,
     shutdown_timeout: Annotated[float, _pet(
         "--shutdown-timeout", "--shutdown_timeout", metavar="SECONDS",
         help="after a handled signal (Ctrl-C, SIGTERM), seconds before the workers are killed")] = SHUTDOWN_TIMEOUT_S,
